@@ -1,0 +1,99 @@
+"""What a backend provides: a host pool, dependency capture, and one ordered lane per
+direction whose launches hand back completions. Nothing here knows about event loops."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from ..layout import CanonicalKVCaches
+from ..plan import CopyPlan, HostLayout
+from ..specs import Direction
+
+__all__ = ["Backend", "Completion", "HostPool", "Lane"]
+
+
+class Completion(abc.ABC):
+    """The end of one launched job. ``query`` never blocks; ``wait`` may."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once the job's copies are over, successfully or not."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block (off the event loop) until done; False if ``timeout`` passed first."""
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> BaseException | None:
+        """Why the job failed, once ``query()`` is True; None on success."""
+
+    @property
+    @abc.abstractmethod
+    def elapsed(self) -> float | None:
+        """Seconds the copies took on the device, when measured."""
+
+
+class HostPool(abc.ABC):
+    """Host memory that holds the chunks, as one flat byte tensor."""
+
+    tensor: torch.Tensor
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the memory. Only called once nothing in flight can touch it."""
+
+
+class Lane(abc.ABC):
+    """One direction's ordered queue of copies on the device."""
+
+    direction: Direction
+
+    @abc.abstractmethod
+    def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
+        """Enqueue the plan after everything launched before it and after ``dependency``.
+
+        Never waits for the copy. Raises only before anything was enqueued.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the lane's resources. Only called once every completion is done."""
+
+
+class Backend(abc.ABC):
+    """A place copies run: CPU worker threads, or CUDA streams."""
+
+    name: str
+
+    @abc.abstractmethod
+    def check_caches(self, kv: CanonicalKVCaches) -> None:
+        """Raise ``InvalidSpec`` when the KV tensors cannot be served by this backend."""
+
+    @abc.abstractmethod
+    def allocate_pool(self, nbytes: int) -> HostPool:
+        """Allocate (and, on CUDA, pin) ``nbytes`` of host memory."""
+
+    @abc.abstractmethod
+    def capture(self, after: Any) -> Any:
+        """Capture, on the submitting thread, what a copy must wait for.
+
+        ``after=None`` means the caller's current stream. The value returned is opaque
+        and handed to ``Lane.launch``. Raises ``InvalidSpec`` for an unusable ``after``.
+        """
+
+    @abc.abstractmethod
+    def open_lane(
+        self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
+    ) -> Lane:
+        """Create the lane for one direction."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``aiokv info`` and reprs."""
+        return {"backend": self.name}
+
+    def close(self) -> None:
+        """Release backend-wide resources after every lane closed."""

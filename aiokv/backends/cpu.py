@@ -1,0 +1,133 @@
+"""CPU backend: "device" tensors are CPU tensors and each direction is a worker thread.
+
+A real backend with the semantics of the CUDA one (copies run asynchronously, in order
+per direction), so the async machinery is proven on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..layout import CanonicalKVCaches
+from ..plan import CopyPlan, HostLayout
+from ..specs import Direction, InvalidSpec
+from .base import Backend, Completion, HostPool, Lane
+
+__all__ = ["CpuBackend"]
+
+
+class CpuCompletion(Completion):
+    """Set by the lane's thread when the job's copies are over."""
+
+    __slots__ = ("_done", "_error", "_elapsed")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._elapsed: float | None = None
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def elapsed(self) -> float | None:
+        return self._elapsed
+
+    def _finish(self, error: BaseException | None, elapsed: float | None) -> None:
+        self._error, self._elapsed = error, elapsed
+        self._done.set()
+
+
+class CpuHostPool(HostPool):
+    def __init__(self, nbytes: int) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def flat_bytes(view: torch.Tensor) -> np.ndarray:
+    """A flat numpy byte array spanning every row of a ``(num_blocks, row)`` byte view."""
+    rows, width = view.shape
+    span = (rows - 1) * view.stride(0) + width if rows else 0
+    return torch.as_strided(view, (span,), (1,)).numpy()
+
+
+class CpuLane(Lane):
+    """Runs each launched plan on one thread, in launch order."""
+
+    def __init__(self, direction: Direction, kv: CanonicalKVCaches, pool: HostPool) -> None:
+        self.direction = direction
+        self._device = [flat_bytes(t.tensor) for t in kv.tensors]
+        self._host = pool.tensor.numpy()
+        self._queue: queue.SimpleQueue[tuple[CopyPlan, CpuCompletion] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"aiokv-cpu-{direction.value}", daemon=True)
+        self._thread.start()
+
+    def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
+        completion = CpuCompletion()
+        self._queue.put((plan, completion))
+        return completion
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            plan, completion = item
+            start = time.perf_counter()
+            try:
+                self._copy(plan)
+            except BaseException as exc:  # report, never kill the lane
+                completion._finish(exc, None)
+            else:
+                completion._finish(None, time.perf_counter() - start)
+
+    def _copy(self, plan: CopyPlan) -> None:
+        host, device, to_host = self._host, self._device, self.direction.to_host
+        for t, d, h, n in zip(
+            plan.tensor_idx.tolist(), plan.device_offset.tolist(),
+            plan.host_offset.tolist(), plan.nbytes.tolist(),
+        ):
+            if to_host:
+                host[h : h + n] = device[t][d : d + n]
+            else:
+                device[t][d : d + n] = host[h : h + n]
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def check_caches(self, kv: CanonicalKVCaches) -> None:
+        for i, t in enumerate(kv.tensors):
+            if t.tensor.device.type != "cpu":
+                raise InvalidSpec(
+                    f"tensors[{i}] is on {t.tensor.device}, but the CPU backend needs CPU "
+                    "tensors; use backend='cuda' (or 'auto') for GPU tensors"
+                )
+
+    def allocate_pool(self, nbytes: int) -> HostPool:
+        return CpuHostPool(nbytes)
+
+    def capture(self, after: Any) -> Any:
+        # CPU writes are synchronous, so anything written before submit is visible.
+        return None
+
+    def open_lane(
+        self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
+    ) -> Lane:
+        return CpuLane(direction, kv, pool)

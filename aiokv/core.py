@@ -1,0 +1,212 @@
+"""The synchronous core under both faces: validation, host pool, handlers, bookkeeping.
+
+It changes state and returns what happened; it never awaits and never blocks except in
+``wait_for``, which the sync adapter calls from an engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
+from .backends import resolve_backend
+from .handler import Handler, Job
+from .layout import CanonicalKVCaches
+from .plan import HostLayout, map_blocks, plan_copies
+from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed
+
+__all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Knobs beyond the constructor's keywords. A dict with these keys is accepted too."""
+
+    # Copy strategy on CUDA: "auto", "dma", "kernel" or "staged" (ignored on the CPU).
+    strategy: str = "auto"
+    # CUDA streams one job's copies are spread over (several copy engines); 0 = auto.
+    streams_per_direction: int = 0
+    # After a completion or a submit, the poller yields for this long before sleeping.
+    spin_seconds: float = 200e-6
+    # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
+    poll_interval: float = 1e-3
+
+    @classmethod
+    def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = set(value) - known
+            if unknown:
+                raise InvalidSpec(f"unknown worker options {sorted(unknown)}; known: {sorted(known)}")
+            return cls(**value)
+        raise InvalidSpec(f"options must be a WorkerOptions, a dict or None, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """A snapshot of one worker: jobs and bytes per direction."""
+
+    backend: str
+    num_cpu_chunks: int
+    chunk_bytes: int
+    in_flight: dict[str, int] = field(default_factory=dict)
+    completed: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+
+
+class OffloadCore:
+    """Owns the host pool and one handler per direction; both faces drive it."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_cpu_chunks: int | None = None,
+        cpu_bytes: int | None = None,
+        blocks_per_chunk: int = 1,
+        backend: str = "auto",
+        options: WorkerOptions | Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(kv_caches, CanonicalKVCaches):
+            raise InvalidSpec(
+                "kv_caches must be a CanonicalKVCaches; build one with "
+                "CanonicalKVCaches.from_tensors(tensors)"
+            )
+        if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool):
+            raise InvalidSpec(f"blocks_per_chunk must be an int, got {blocks_per_chunk!r}")
+        self.options = WorkerOptions.coerce(options)
+        self.kv_caches = kv_caches
+        self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
+        self.num_cpu_chunks = _chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
+        self.backend = resolve_backend(backend, kv_caches, self.options)
+        self.backend.check_caches(kv_caches)
+        self.pool = self.backend.allocate_pool(self.num_cpu_chunks * self.layout.chunk_bytes)
+        self.handlers: dict[Direction, Handler] = {}
+        try:
+            for d in Direction:
+                self.handlers[d] = Handler(d, self.backend.open_lane(d, kv_caches, self.layout, self.pool))
+        except BaseException:
+            self._release()
+            raise
+        self._jobs: dict[int, Job] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    # -- submitting ---------------------------------------------------------------------
+
+    def submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any = None) -> Job:
+        """Validate, plan and launch one job; raises before anything is enqueued."""
+        if self.closed:
+            raise WorkerClosed("the worker is closed; create a new one to transfer more")
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
+        gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
+        for role, spec in (("GPU", gpu), ("CPU", cpu)):
+            if not hasattr(spec, "block_ids"):
+                raise InvalidSpec(
+                    f"the {role} spec of a {direction.value} must have block_ids "
+                    f"(got {type(spec).__name__}); pass GPULoadStoreSpec / CPULoadStoreSpec"
+                )
+        mapping = map_blocks(
+            gpu.block_ids,
+            cpu.block_ids,
+            layout=self.layout,
+            num_chunks=self.num_cpu_chunks,
+            group_sizes=getattr(gpu, "group_sizes", None),
+            block_indices=getattr(gpu, "block_indices", None),
+            unique_gpu=not direction.to_host,
+            unique_host=direction.to_host,
+        )
+        plan = plan_copies(mapping, self.layout)
+        with self._lock:
+            if job_id in self._jobs:
+                raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
+            dependency = self.backend.capture(after)
+            job = self.handlers[direction].submit(job_id, plan, dependency)
+            self._jobs[job_id] = job
+        return job
+
+    # -- completing ---------------------------------------------------------------------
+
+    def poll(self) -> list[Job]:
+        """Pop every finished job, per direction in submission order; never blocks."""
+        with self._lock:
+            done: list[Job] = []
+            for handler in self.handlers.values():
+                if handler.in_flight:
+                    done.extend(handler.pop_finished())
+            for job in done:
+                del self._jobs[job.job_id]
+        return done
+
+    def wait_for(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Block until the given in-flight jobs are done (unknown ids are ignored).
+
+        Pops nothing: results still come from ``poll``. For threads, not event loops.
+        """
+        with self._lock:
+            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        return all(job.completion.wait(timeout) for job in jobs)
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until every job in flight is done."""
+        with self._lock:
+            jobs = [job for h in self.handlers.values() for job in h.pending()]
+        return all(job.completion.wait(timeout) for job in jobs)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def is_in_flight(self, job_id: int) -> bool:
+        return job_id in self._jobs
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free lanes and host memory. Callers drain first; in-flight jobs are waited for."""
+        if self.closed:
+            return
+        self.closed = True
+        self.wait_all()
+        self._release()
+
+    def _release(self) -> None:
+        for handler in self.handlers.values():
+            handler.lane.close()
+        self.pool.close()
+        self.backend.close()
+
+    def statistics(self) -> WorkerStatistics:
+        hs = self.handlers.items()
+        return WorkerStatistics(
+            backend=self.backend.name,
+            num_cpu_chunks=self.num_cpu_chunks,
+            chunk_bytes=self.layout.chunk_bytes,
+            in_flight={d.value: h.in_flight for d, h in hs},
+            completed={d.value: h.completed for d, h in hs},
+            failed={d.value: h.failed for d, h in hs},
+            bytes_moved={d.value: h.bytes_moved for d, h in hs},
+        )
+
+    def describe_in_flight(self) -> str:
+        return " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
+
+
+def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes: int) -> int:
+    """Exactly one of the two sizes: a chunk count, or bytes rounded down to chunks."""
+    if (num_cpu_chunks is None) == (cpu_bytes is None):
+        raise InvalidSpec("pass exactly one of num_cpu_chunks= and cpu_bytes=")
+    if num_cpu_chunks is not None:
+        if not isinstance(num_cpu_chunks, int) or num_cpu_chunks < 1:
+            raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
+        return num_cpu_chunks
+    if not isinstance(cpu_bytes, int) or cpu_bytes < chunk_bytes:
+        raise InvalidSpec(f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}")
+    return cpu_bytes // chunk_bytes

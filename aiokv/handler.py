@@ -1,0 +1,89 @@
+"""One direction's FIFO of jobs: submit in order, pop finished ones from the head.
+
+Only the head needs a query: a lane completes jobs in launch order, so when the head is
+not done nothing behind it is either. A poll costs O(1) per direction, not O(jobs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backends.base import Completion, Lane
+from .plan import CopyPlan
+from .specs import Direction, TransferResult
+
+__all__ = ["Handler", "Job"]
+
+
+@dataclass(eq=False)
+class Job:
+    """A submitted transfer and, once popped, its result."""
+
+    job_id: int
+    direction: Direction
+    nbytes: int
+    completion: Completion
+    result: TransferResult | None = None
+    error: BaseException | None = None
+    # Keeps the plan alive until the copy is over (a lane may read it asynchronously).
+    plan: CopyPlan | None = field(default=None, repr=False)
+
+    def finish(self) -> TransferResult:
+        """Turn the completion into a result and drop what the copy no longer needs."""
+        err = self.completion.error
+        if err is None:
+            self.result = TransferResult(self.job_id, True, self.nbytes, self.completion.elapsed)
+        else:
+            self.error = err
+            self.result = TransferResult(self.job_id, False)
+        self.plan = None
+        return self.result
+
+
+class Handler:
+    """Submits one direction's jobs to its lane and pops them in submission order."""
+
+    def __init__(self, direction: Direction, lane: Lane) -> None:
+        self.direction = direction
+        self.lane = lane
+        self._fifo: deque[Job] = deque()
+        self.submitted = 0
+        self.completed = 0
+        self.failed = 0
+        self.bytes_moved = 0
+
+    def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
+        """Launch the plan behind every earlier job of this direction; never blocks."""
+        completion = self.lane.launch(plan, dependency)
+        job = Job(job_id, self.direction, plan.total_bytes, completion, plan=plan)
+        self._fifo.append(job)
+        self.submitted += 1
+        return job
+
+    def pop_finished(self) -> list[Job]:
+        """Pop finished jobs from the head, in submission order."""
+        done: list[Job] = []
+        fifo = self._fifo
+        while fifo and fifo[0].completion.query():
+            job = fifo.popleft()
+            result = job.finish()
+            if result.success:
+                self.completed += 1
+                self.bytes_moved += job.nbytes
+            else:
+                self.failed += 1
+            done.append(job)
+        return done
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._fifo)
+
+    def pending(self) -> list[Job]:
+        """A snapshot of jobs not yet popped, oldest first."""
+        return list(self._fifo)
+
+    def __repr__(self) -> str:
+        return f"<Handler {self.direction.value} in_flight={self.in_flight} completed={self.completed}>"

@@ -1,0 +1,119 @@
+"""The canonical description of a KV cache: byte views of blocks, grouped by layer.
+
+Same shape as vLLM's ``CanonicalKVCaches``, so an engine's objects can be handed over
+as they are; ``CanonicalKVCaches.from_tensors`` builds one from ordinary per-layer tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .specs import InvalidSpec
+
+__all__ = ["CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches"]
+
+
+@dataclass
+class CanonicalKVCacheTensor:
+    """A byte view shaped ``(num_blocks, page_bytes)``: row ``b`` is block ``b``'s page.
+
+    Rows may be further apart than ``page_bytes`` (the row stride is read from the tensor).
+    """
+
+    tensor: torch.Tensor
+    # Bytes of one block's page in this tensor.
+    page_size_bytes: int
+
+
+@dataclass
+class CanonicalKVCacheRef:
+    """One layer's page inside a canonical tensor; only ``page_size_bytes`` of it move."""
+
+    # Index into ``CanonicalKVCaches.tensors``.
+    tensor_idx: int
+    # Bytes copied from the start of each row of that tensor.
+    page_size_bytes: int
+
+
+@dataclass
+class CanonicalKVCaches:
+    """Every page tensor, and which of them (and how much) each KV-cache group moves."""
+
+    tensors: list[CanonicalKVCacheTensor]
+    # group_data_refs[g] lists the pages that one block of group g owns, in host order.
+    group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Sequence[torch.Tensor], block_dim: int = 0
+    ) -> CanonicalKVCaches:
+        """Describe per-layer KV tensors as one group.
+
+        ``block_dim`` names the dimension that indexes blocks. Dimensions before it split
+        into separate page tensors (the 2 of K and V in ``(2, num_blocks, ...)``, which
+        takes ``block_dim=1``); everything after it is one block's page, which must be
+        contiguous. ``(num_blocks, ...)`` and cross-layer ``(num_blocks, layers, ...)``
+        take ``block_dim=0``.
+
+        Raises:
+            InvalidSpec: empty input, a bad ``block_dim``, mixed devices, or a page that
+                is not contiguous in memory.
+        """
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if len(tensors) == 0:
+            raise InvalidSpec("from_tensors() needs at least one KV-cache tensor")
+        device = tensors[0].device
+        pages: list[CanonicalKVCacheTensor] = []
+        for layer, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidSpec(f"layer {layer}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device != device:
+                raise InvalidSpec(
+                    f"layer {layer} is on {t.device} but layer 0 is on {device}; "
+                    "every KV-cache tensor must live on one device"
+                )
+            if not 0 <= block_dim < t.dim():
+                raise InvalidSpec(
+                    f"layer {layer}: block_dim={block_dim} is out of range for a tensor "
+                    f"of shape {tuple(t.shape)}"
+                )
+            if block_dim == t.dim() - 1:
+                raise InvalidSpec(
+                    f"layer {layer}: block_dim={block_dim} is the last dimension, so a "
+                    "block has no page; pass the dimension that indexes blocks"
+                )
+            lead = math.prod(t.shape[:block_dim])
+            if lead == 0 or t.shape[block_dim] == 0:
+                raise InvalidSpec(f"layer {layer}: tensor of shape {tuple(t.shape)} is empty")
+            split = t.reshape(lead, *t.shape[block_dim:]) if block_dim else t.unsqueeze(0)
+            for part in split.unbind(0):
+                pages.append(_page_view(part, layer))
+        refs = [CanonicalKVCacheRef(i, p.page_size_bytes) for i, p in enumerate(pages)]
+        return cls(tensors=pages, group_data_refs=[refs])
+
+
+def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:
+    """View ``(num_blocks, ...)`` as ``(num_blocks, page_bytes)`` bytes without copying."""
+    page_shape = part.shape[1:]
+    expected = 1
+    for size, stride in zip(reversed(page_shape), reversed(part.stride()[1:])):
+        if size != 1 and stride != expected:
+            raise InvalidSpec(
+                f"layer {layer}: a block's page (shape {tuple(page_shape)}, strides "
+                f"{tuple(part.stride()[1:])}) is not contiguous; pass a tensor whose "
+                "dimensions after block_dim are contiguous, e.g. call .contiguous() once "
+                "at allocation"
+            )
+        expected *= size
+    num_blocks = part.shape[0]
+    page_bytes = expected * part.element_size()
+    row_stride = part.stride(0) * part.element_size()
+    base = part.flatten(1) if part.dim() > 1 else part.unsqueeze(1)
+    as_bytes = base.view(torch.uint8) if base.element_size() != 1 else base
+    as_bytes = as_bytes.as_strided((num_blocks, page_bytes), (row_stride, 1))
+    return CanonicalKVCacheTensor(tensor=as_bytes, page_size_bytes=page_bytes)

@@ -1,0 +1,251 @@
+"""Specs + layout -> copy plan. Pure numpy: arrays in, arrays out, no streams or state.
+
+Host layout (ours to choose): the pool is an array of chunks of ``chunk_bytes`` each.
+Inside a chunk, group ``g``'s pages are stored page-major: all ``blocks_per_chunk``
+sub-blocks of its first page, then of its second, and so on. A run of consecutive GPU
+blocks therefore lands on consecutive host bytes, and coalesces into one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .layout import CanonicalKVCaches
+from .specs import InvalidSpec
+
+__all__ = ["BlockMapping", "CopyPlan", "HostLayout", "map_blocks", "plan_copies"]
+
+_CHUNK_ALIGN = 512
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Where each page of each sub-block sits in the host pool.
+
+    ``page_offsets[g][k]`` is where page ``k`` of group ``g`` starts inside a chunk;
+    sub-block ``s`` of it is ``s * page_sizes[g][k]`` further on.
+    """
+
+    blocks_per_chunk: int
+    chunk_bytes: int
+    tensor_idx: tuple[tuple[int, ...], ...]
+    page_sizes: tuple[tuple[int, ...], ...]
+    page_offsets: tuple[tuple[int, ...], ...]
+    row_strides: tuple[int, ...]
+    num_gpu_blocks: tuple[int, ...]
+
+    @classmethod
+    def build(cls, kv: CanonicalKVCaches, blocks_per_chunk: int) -> HostLayout:
+        if blocks_per_chunk < 1:
+            raise InvalidSpec(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        if not kv.tensors or not kv.group_data_refs or not all(kv.group_data_refs):
+            raise InvalidSpec("the KV-cache description has no tensors or an empty group")
+        row_strides = []
+        for i, t in enumerate(kv.tensors):
+            tensor = t.tensor
+            if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
+                raise InvalidSpec(
+                    f"tensors[{i}] must be a byte view shaped (num_blocks, page_bytes) with "
+                    f"contiguous rows; got shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
+                )
+            row_strides.append(int(tensor.stride(0)))
+        idx, sizes, offsets, nblocks = [], [], [], []
+        widest = 0
+        for g, refs in enumerate(kv.group_data_refs):
+            off = 0
+            g_idx, g_sizes, g_offs = [], [], []
+            for ref in refs:
+                if not 0 <= ref.tensor_idx < len(kv.tensors):
+                    raise InvalidSpec(f"group {g} refers to tensor {ref.tensor_idx}, which does not exist")
+                row = kv.tensors[ref.tensor_idx].tensor.shape[1]
+                if not 0 < ref.page_size_bytes <= row:
+                    raise InvalidSpec(
+                        f"group {g}: page_size_bytes={ref.page_size_bytes} does not fit a row "
+                        f"of {row} bytes in tensor {ref.tensor_idx}"
+                    )
+                g_idx.append(ref.tensor_idx)
+                g_sizes.append(ref.page_size_bytes)
+                g_offs.append(off)
+                off += ref.page_size_bytes * blocks_per_chunk
+            widest = max(widest, off)
+            idx.append(tuple(g_idx))
+            sizes.append(tuple(g_sizes))
+            offsets.append(tuple(g_offs))
+            nblocks.append(min(int(kv.tensors[i].tensor.shape[0]) for i in g_idx))
+        chunk_bytes = -(-widest // _CHUNK_ALIGN) * _CHUNK_ALIGN
+        return cls(
+            blocks_per_chunk=blocks_per_chunk,
+            chunk_bytes=chunk_bytes,
+            tensor_idx=tuple(idx),
+            page_sizes=tuple(sizes),
+            page_offsets=tuple(offsets),
+            row_strides=tuple(row_strides),
+            num_gpu_blocks=tuple(nblocks),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.tensor_idx)
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        """Bytes one GPU block of each group moves."""
+        return tuple(sum(s) for s in self.page_sizes)
+
+
+@dataclass(frozen=True)
+class BlockMapping:
+    """Pairs of (GPU block, host slot) per group; slot = chunk * blocks_per_chunk + sub."""
+
+    gpu_blocks: tuple[np.ndarray, ...]
+    host_slots: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Coalesced byte copies between device page tensors and the host pool.
+
+    Copy ``i`` moves ``nbytes[i]`` bytes between offset ``device_offset[i]`` of tensor
+    ``tensor_idx[i]`` and offset ``host_offset[i]`` of the pool. Direction is not part of
+    the plan: the handler that runs it knows it.
+    """
+
+    tensor_idx: np.ndarray
+    device_offset: np.ndarray
+    host_offset: np.ndarray
+    nbytes: np.ndarray
+    total_bytes: int
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+
+def _as_ids(ids: Any, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(ids)
+    except Exception as exc:  # pragma: no cover - numpy raises many types here
+        raise InvalidSpec(f"{what} could not be read as an array of integers: {exc}") from exc
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidSpec(f"{what} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def map_blocks(
+    block_ids: Any,
+    chunk_ids: Any,
+    *,
+    layout: HostLayout,
+    num_chunks: int,
+    group_sizes: Sequence[int] | None = None,
+    block_indices: Sequence[int] | None = None,
+    unique_gpu: bool = False,
+    unique_host: bool = False,
+) -> BlockMapping:
+    """Pair each GPU block with its host slot, validating everything first.
+
+    Example: blocks_per_chunk=3, block_indices=[5], GPU blocks [a, b, c, d], chunks
+    [X, Y]: skip 5 % 3 = 2 sub-blocks, so slots are [3X+2, 3Y+0, 3Y+1, 3Y+2].
+
+    Args:
+        unique_gpu / unique_host: reject a destination written twice in one job.
+
+    Raises:
+        InvalidSpec: wrong types, group sizes that do not add up, a chunk count that does
+            not match ``ceil((blocks + skip) / blocks_per_chunk)`` per group, ids out of
+            range, or a duplicated destination.
+    """
+    bpc = layout.blocks_per_chunk
+    gpu = _as_ids(block_ids, "block_ids")
+    chunks = _as_ids(chunk_ids, "chunk_ids")
+    ngroups = layout.num_groups
+    if group_sizes is None:
+        if ngroups != 1:
+            raise InvalidSpec(f"the KV cache has {ngroups} groups; pass group_sizes")
+        sizes = np.array([gpu.size], dtype=np.int64)
+    else:
+        sizes = _as_ids(group_sizes, "group_sizes")
+        if sizes.size != ngroups:
+            raise InvalidSpec(f"group_sizes has {sizes.size} entries but the KV cache has {ngroups} groups")
+        if (sizes < 0).any() or int(sizes.sum()) != gpu.size:
+            raise InvalidSpec(
+                f"group_sizes {sizes.tolist()} must be non-negative and add up to the "
+                f"{gpu.size} block ids given"
+            )
+    if block_indices is None:
+        starts = np.zeros(ngroups, dtype=np.int64)
+    else:
+        starts = _as_ids(block_indices, "block_indices")
+        if starts.size != ngroups or (starts < 0).any():
+            raise InvalidSpec(f"block_indices must hold {ngroups} non-negative values, got {starts.tolist()}")
+    skips = starts % bpc
+    needed = np.where(sizes > 0, -(-(sizes + skips) // bpc), 0)
+    if int(needed.sum()) != chunks.size:
+        raise InvalidSpec(
+            f"{chunks.size} chunk ids given but {int(needed.sum())} are needed: each group "
+            f"uses ceil((blocks + skip) / blocks_per_chunk) chunks with blocks_per_chunk={bpc} "
+            f"(blocks per group {sizes.tolist()}, skips {skips.tolist()})"
+        )
+    if chunks.size and (chunks.min() < 0 or chunks.max() >= num_chunks):
+        raise InvalidSpec(f"chunk ids must lie in [0, {num_chunks}); got {chunks.min()}..{chunks.max()}")
+    gpu_out, host_out = [], []
+    b0 = c0 = 0
+    for g in range(ngroups):
+        n, nchunks = int(sizes[g]), int(needed[g])
+        blocks = gpu[b0 : b0 + n]
+        limit = layout.num_gpu_blocks[g]
+        if n and (blocks.min() < 0 or blocks.max() >= limit):
+            raise InvalidSpec(
+                f"group {g}: GPU block ids must lie in [0, {limit}); got {blocks.min()}..{blocks.max()}"
+            )
+        pos = np.arange(n, dtype=np.int64) + skips[g]
+        slots = chunks[c0 : c0 + nchunks][pos // bpc] * bpc + pos % bpc
+        if unique_gpu and np.unique(blocks).size != n:
+            raise InvalidSpec(f"group {g}: a GPU block appears twice, so one load would write it twice")
+        if unique_host and np.unique(slots).size != n:
+            raise InvalidSpec(f"group {g}: a host chunk slot appears twice, so one store would write it twice")
+        gpu_out.append(blocks)
+        host_out.append(slots)
+        b0 += n
+        c0 += nchunks
+    return BlockMapping(tuple(gpu_out), tuple(host_out))
+
+
+def plan_copies(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
+    """Expand blocks into page copies and merge runs that are contiguous on both sides.
+
+    Example: one page of 4 KiB per block, blocks [7, 8, 2] to slots [0, 1, 2] gives two
+    copies: 8 KiB (blocks 7-8 to slots 0-1) and 4 KiB (block 2 to slot 2).
+    """
+    bpc = layout.blocks_per_chunk
+    t_idx, d_off, h_off, size = [], [], [], []
+    for g, (blocks, slots) in enumerate(zip(mapping.gpu_blocks, mapping.host_slots)):
+        if blocks.size == 0:
+            continue
+        chunk, sub = slots // bpc, slots % bpc
+        for k, tensor in enumerate(layout.tensor_idx[g]):
+            page = layout.page_sizes[g][k]
+            t_idx.append(np.full(blocks.size, tensor, dtype=np.int64))
+            d_off.append(blocks * layout.row_strides[tensor])
+            h_off.append(chunk * layout.chunk_bytes + layout.page_offsets[g][k] + sub * page)
+            size.append(np.full(blocks.size, page, dtype=np.int64))
+    if not t_idx:
+        empty = np.zeros(0, dtype=np.int64)
+        return CopyPlan(empty, empty, empty, empty, 0)
+    t = np.concatenate(t_idx)
+    d = np.concatenate(d_off)
+    h = np.concatenate(h_off)
+    s = np.concatenate(size)
+    joins = (t[1:] == t[:-1]) & (d[1:] == d[:-1] + s[:-1]) & (h[1:] == h[:-1] + s[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return CopyPlan(
+        tensor_idx=t[starts],
+        device_offset=d[starts],
+        host_offset=h[starts],
+        nbytes=np.add.reduceat(s, starts),
+        total_bytes=int(s.sum()),
+    )

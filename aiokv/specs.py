@@ -1,0 +1,146 @@
+"""Transfer vocabulary: where bytes are, what a finished transfer reports, and errors.
+
+Error tree (every class also derives from the builtin a caller would catch)::
+
+    AiokvError
+     +-- InvalidSpec (ValueError)        bad ids, lengths, devices or dtypes; nothing enqueued
+     |    +-- DuplicateJob (ValueError)  a job id that is still in flight
+     +-- WorkerClosed (RuntimeError)     you closed the worker (or never opened it)
+     +-- WorkerBroken (RuntimeError)     the device failed under you (sticky CUDA error)
+     +-- TransferFailed                  one transfer failed; ``.result`` says which
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "AiokvError",
+    "CPULoadStoreSpec",
+    "Direction",
+    "DuplicateJob",
+    "GPULoadStoreSpec",
+    "InvalidSpec",
+    "LoadStoreSpec",
+    "TransferFailed",
+    "TransferResult",
+    "WorkerBroken",
+    "WorkerClosed",
+]
+
+
+class Direction(enum.Enum):
+    """One handler's queue. Expedited loads have their own queue so they never wait
+    behind ordinary loads."""
+
+    STORE = "store"
+    LOAD = "load"
+    EXPEDITED_LOAD = "expedited_load"
+
+    @property
+    def to_host(self) -> bool:
+        """True when bytes move from the device to the host pool."""
+        return self is Direction.STORE
+
+
+class LoadStoreSpec:
+    """Marker base of "where the bytes are". Workers read specs by attribute, not class."""
+
+
+class GPULoadStoreSpec(LoadStoreSpec):
+    """GPU block ids of every KV-cache group, concatenated in group order.
+
+    Args:
+        block_ids: block ids; ``group_sizes[g]`` of them belong to group ``g``.
+        group_sizes: blocks per group (default: one group holding all).
+        block_indices: logical index, within the request, of each group's first block;
+            ``block_indices[g] % blocks_per_chunk`` sub-blocks of the first host chunk are
+            skipped, so a transfer need not start on a chunk boundary (default: zeros).
+    """
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> None:
+        self.block_ids = block_ids
+        self.group_sizes = group_sizes
+        self.block_indices = block_indices
+
+    def __repr__(self) -> str:
+        return (
+            f"GPULoadStoreSpec(block_ids={list(np.asarray(self.block_ids).tolist())}, "
+            f"group_sizes={self.group_sizes}, block_indices={self.block_indices})"
+        )
+
+
+class CPULoadStoreSpec(LoadStoreSpec):
+    """Chunk ids in the worker's pinned host pool, concatenated in group order.
+
+    One chunk holds ``blocks_per_chunk`` consecutive GPU blocks of every layer of a group.
+    """
+
+    def __init__(self, chunk_ids: Sequence[int] | np.ndarray) -> None:
+        self.block_ids = chunk_ids
+
+    @property
+    def chunk_ids(self) -> Sequence[int] | np.ndarray:
+        return self.block_ids
+
+    def __repr__(self) -> str:
+        return f"CPULoadStoreSpec(chunk_ids={list(np.asarray(self.block_ids).tolist())})"
+
+
+@runtime_checkable
+class BlockSpec(Protocol):
+    """What a worker needs of any spec object: its ids (an engine's own specs qualify)."""
+
+    block_ids: Any
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What one finished job reports.
+
+    ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
+    device (not time spent queued). Both are None when the job failed.
+    """
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None
+
+
+class AiokvError(Exception):
+    """Base of every error aiokv raises."""
+
+
+class InvalidSpec(AiokvError, ValueError):
+    """A submit was rejected before anything was enqueued; the worker stays usable."""
+
+
+class DuplicateJob(InvalidSpec):
+    """The job id is still in flight; ids may be reused only after they are reported."""
+
+
+class WorkerClosed(AiokvError, RuntimeError):
+    """The worker is closed (or was never opened with ``async with``)."""
+
+
+class WorkerBroken(AiokvError, RuntimeError):
+    """The device failed under the worker (a sticky CUDA error); every pending job failed."""
+
+
+class TransferFailed(AiokvError):
+    """A transfer failed on the device; ``result`` is its ``TransferResult``."""
+
+    def __init__(self, result: TransferResult, reason: str = "") -> None:
+        self.result = result
+        self.reason = reason
+        super().__init__(f"job {result.job_id} failed" + (f": {reason}" if reason else ""))

@@ -1,0 +1,112 @@
+"""``SyncOffloadingWorker``: the classic step-loop interface over the same core.
+
+Engines such as vLLM call ``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait``
+/ ``shutdown`` from their model-runner thread. No event loop is involved: the adapter
+drives the core's handlers directly, so ordering and bookkeeping have one implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, Iterable
+
+from .core import WorkerStatistics
+from .specs import Direction, DuplicateJob, TransferResult, WorkerClosed
+from .worker import AsyncOffloadingWorker, _State
+
+__all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
+
+
+class OffloadingWorker(abc.ABC):
+    """The worker-side interface engines drive from their step loop (vLLM's shape)."""
+
+    @abc.abstractmethod
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        """Enqueue a GPU -> medium transfer; True when enqueued."""
+
+    @abc.abstractmethod
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        """Enqueue a medium -> GPU transfer; True when enqueued."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, each reported once. Never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until those jobs are done; unknown ids are ignored; reports nothing."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Drain everything in flight, then release memory."""
+
+
+class SyncOffloadingWorker(OffloadingWorker):
+    """Blocking face of an ``AsyncOffloadingWorker`` that was never opened on a loop.
+
+    Bad input raises the same typed errors as the async face; ``True`` means enqueued.
+    Each copy waits on the calling thread's current CUDA stream at submit time.
+    """
+
+    def __init__(self, async_worker: AsyncOffloadingWorker) -> None:
+        if not isinstance(async_worker, AsyncOffloadingWorker):
+            raise TypeError(f"expected an AsyncOffloadingWorker, got {type(async_worker).__name__}")
+        if async_worker._state is not _State.NEW:
+            raise WorkerClosed(
+                "the async worker is open on an event loop (or closed); give the sync "
+                "adapter a fresh one"
+            )
+        async_worker._state = _State.OPEN  # owned by this adapter from now on
+        self._worker = async_worker
+        self._core = async_worker._core
+        self._unreported: list[TransferResult] = []
+        self._unreported_ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
+        self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *, after: Any = None
+    ) -> bool:
+        direction = Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
+        self._submit(direction, job_id, src_spec, dst_spec, after)
+        return True
+
+    def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
+        with self._lock:
+            if job_id in self._unreported_ids:
+                raise DuplicateJob(f"job {job_id} finished but was not reported by get_finished() yet")
+            self._core.submit(direction, job_id, src, dst, after)
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            done = self._unreported
+            done.extend(job.result for job in self._core.poll() if job.result is not None)
+            self._unreported, self._unreported_ids = [], set()
+        return done
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        self._core.wait_for(job_ids)
+
+    def shutdown(self) -> None:
+        """Drain, then free host memory. Results of drained jobs stay for get_finished()."""
+        with self._lock:
+            if self._core.closed:
+                return
+            self._core.wait_all()
+            for job in self._core.poll():
+                if job.result is not None:
+                    self._unreported.append(job.result)
+                    self._unreported_ids.add(job.job_id)
+            self._core.close()
+            self._worker._state = _State.CLOSED
+
+    def statistics(self) -> WorkerStatistics:
+        return self._core.statistics()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._core.closed else "open"
+        return f"<SyncOffloadingWorker {state} in_flight: {self._core.describe_in_flight()}>"

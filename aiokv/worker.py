@@ -1,0 +1,195 @@
+"""``AsyncOffloadingWorker``: submit returns at once with an awaitable future."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Mapping
+
+import anyio
+import anyio.abc
+
+from .core import OffloadCore, WorkerOptions, WorkerStatistics
+from .future import TransferFuture
+from .layout import CanonicalKVCaches
+from .poller import Poller
+from .specs import Direction, InvalidSpec, WorkerClosed
+
+__all__ = ["AsyncOffloadingWorker"]
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class AsyncOffloadingWorker:
+    """Moves KV blocks between device memory and a host pool; every transfer is awaitable.
+
+    Use as ``async with AsyncOffloadingWorker(kv, num_cpu_chunks=...) as worker:``. The
+    context starts one poller task on the current event loop (asyncio, uvloop or trio) and,
+    on exit, waits for every job in flight before it frees host memory.
+
+    Args:
+        kv_caches: the KV cache to serve (``CanonicalKVCaches.from_tensors(...)``).
+        num_cpu_chunks / cpu_bytes: host pool size; pass exactly one.
+        blocks_per_chunk: consecutive GPU blocks one host chunk holds.
+        backend: ``"auto"`` (where the tensors live), ``"cuda"`` or ``"cpu"``.
+        strategy: CUDA copy strategy, ``"auto" | "dma" | "kernel" | "staged"``.
+        options: further knobs, a ``WorkerOptions`` or a dict.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_cpu_chunks: int | None = None,
+        cpu_bytes: int | None = None,
+        blocks_per_chunk: int = 1,
+        backend: str = "auto",
+        strategy: str | None = None,
+        options: WorkerOptions | Mapping[str, Any] | None = None,
+    ) -> None:
+        opts = WorkerOptions.coerce(options)
+        if strategy is not None:
+            opts = WorkerOptions(**{**opts.__dict__, "strategy": strategy})
+        self._core = OffloadCore(
+            kv_caches,
+            num_cpu_chunks=num_cpu_chunks,
+            cpu_bytes=cpu_bytes,
+            blocks_per_chunk=blocks_per_chunk,
+            backend=backend,
+            options=opts,
+        )
+        self._state = _State.NEW
+        self._futures: dict[int, TransferFuture] = {}
+        self._poller: Poller | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._loop_thread: int | None = None
+        self._close_lock: anyio.Lock | None = None
+
+    # -- facts --------------------------------------------------------------------------
+
+    @property
+    def num_cpu_chunks(self) -> int:
+        return self._core.num_cpu_chunks
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self._core.layout.blocks_per_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._core.layout.chunk_bytes
+
+    @property
+    def backend(self) -> str:
+        return self._core.backend.name
+
+    @property
+    def host_pool(self) -> Any:
+        """The host pool as one flat uint8 tensor (for inspection and tests)."""
+        return self._core.pool.tensor
+
+    def statistics(self) -> WorkerStatistics:
+        return self._core.statistics()
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncOffloadingWorker {self._state.value} backend={self.backend} "
+            f"chunks={self.num_cpu_chunks} in_flight: {self._core.describe_in_flight()}>"
+        )
+
+    # -- submitting ---------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> TransferFuture:
+        """Enqueue a GPU -> host copy and return its future at once."""
+        return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False, after: Any = None
+    ) -> TransferFuture:
+        """Enqueue a host -> GPU copy; ``expedited`` loads never wait behind ordinary ones."""
+        direction = Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
+        return self._submit(direction, job_id, src_spec, dst_spec, after)
+
+    def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
+        if self._state is not _State.OPEN:
+            raise WorkerClosed(
+                "the worker is closed; create a new one"
+                if self._state is _State.CLOSED
+                else "the worker is not open yet: use `async with worker:` before submitting"
+            )
+        if threading.get_ident() != self._loop_thread:
+            raise InvalidSpec(
+                "submit_* must be called on the event loop thread that opened the worker; "
+                "engine threads use SyncOffloadingWorker"
+            )
+        job = self._core.submit(direction, job_id, src, dst, after)
+        future = TransferFuture(job.job_id)
+        self._futures[job.job_id] = future
+        assert self._poller is not None
+        self._poller.wake()
+        return future
+
+    def _complete_finished(self) -> int:
+        done = self._core.poll()
+        for job in done:
+            assert job.result is not None
+            future = self._futures.pop(job.job_id)
+            future._resolve(job.result, repr(job.error) if job.error else "")
+        return len(done)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncOffloadingWorker:
+        if self._state is _State.OPEN:
+            raise RuntimeError("this worker is already open; enter it once")
+        if self._state is _State.CLOSED:
+            raise WorkerClosed("this worker was closed; create a new one")
+        opts = self._core.options
+        self._poller = Poller(
+            self._complete_finished,
+            lambda: len(self._futures),
+            spin_seconds=opts.spin_seconds,
+            poll_interval=opts.poll_interval,
+        )
+        self._close_lock = anyio.Lock()
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self._poller.run)
+        self._loop_thread = threading.get_ident()
+        self._state = _State.OPEN
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Wait for every job in flight, stop the poller and free host memory. Idempotent.
+
+        Shielded: cancelling the closing task does not abandon copies that still write
+        host memory.
+        """
+        if self._state is _State.NEW:
+            self._core.close()
+            self._state = _State.CLOSED
+            return
+        if self._state is _State.CLOSED:
+            return
+        assert self._close_lock is not None and self._task_group is not None
+        async with self._close_lock:
+            if self._state is _State.CLOSED:
+                return
+            with anyio.CancelScope(shield=True):
+                self._state = _State.CLOSED  # no new submits while draining
+                while self._futures:
+                    if not self._complete_finished():
+                        await anyio.sleep(self._core.options.poll_interval)
+            # Leave the shield before the task group: scopes exit in LIFO order.
+            self._task_group.cancel_scope.cancel()
+            try:
+                await self._task_group.__aexit__(None, None, None)
+            finally:
+                self._core.close()
