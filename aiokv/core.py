@@ -7,8 +7,9 @@ It changes state and returns what happened; it never awaits and never blocks exc
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .backends import resolve_backend
 from .handler import Handler, Job
@@ -208,5 +209,7 @@ def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes:
             raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
         return num_cpu_chunks
     if not isinstance(cpu_bytes, int) or cpu_bytes < chunk_bytes:
-        raise InvalidSpec(f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}")
+        raise InvalidSpec(
+            f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}"
+        )
     return cpu_bytes // chunk_bytes

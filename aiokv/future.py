@@ -7,7 +7,8 @@ still completed and reported.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -23,7 +24,7 @@ class TransferFuture:
     ``await fut`` returns the ``TransferResult`` or raises ``TransferFailed``.
     """
 
-    __slots__ = ("job_id", "_result", "_error", "_waiters", "_callbacks")
+    __slots__ = ("_callbacks", "_error", "_result", "_waiters", "job_id")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id

@@ -7,8 +7,8 @@ as they are; ``CanonicalKVCaches.from_tensors`` builds one from ordinary per-lay
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -67,11 +67,12 @@ class CanonicalKVCaches:
             tensors = [tensors]
         if len(tensors) == 0:
             raise InvalidSpec("from_tensors() needs at least one KV-cache tensor")
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            bad = next(type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor))
+            raise InvalidSpec(f"from_tensors() takes torch.Tensor layers, got a {bad}")
         device = tensors[0].device
         pages: list[CanonicalKVCacheTensor] = []
         for layer, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidSpec(f"layer {layer}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device != device:
                 raise InvalidSpec(
                     f"layer {layer} is on {t.device} but layer 0 is on {device}; "

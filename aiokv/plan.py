@@ -8,8 +8,9 @@ blocks therefore lands on consecutive host bytes, and coalesces into one copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -206,12 +207,13 @@ def map_blocks(
         slots = chunks[c0 : c0 + nchunks][pos // bpc] * bpc + pos % bpc
         if unique_gpu and np.unique(blocks).size != n:
             raise InvalidSpec(f"group {g}: a GPU block appears twice, so one load would write it twice")
-        if unique_host and np.unique(slots).size != n:
-            raise InvalidSpec(f"group {g}: a host chunk slot appears twice, so one store would write it twice")
         gpu_out.append(blocks)
         host_out.append(slots)
         b0 += n
         c0 += nchunks
+    if unique_host and gpu.size and np.unique(np.concatenate(host_out)).size != gpu.size:
+        # Groups share the pool, so a slot must be unique across groups too.
+        raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
     return BlockMapping(tuple(gpu_out), tuple(host_out))
 
 

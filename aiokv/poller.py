@@ -10,7 +10,7 @@ busy spin, so shorter sleeps buy nothing). With nothing in flight it sleeps on a
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .core import WorkerStatistics
 from .specs import Direction, DuplicateJob, TransferResult, WorkerClosed

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -67,7 +68,7 @@ class AsyncOffloadingWorker:
         self._poller: Poller | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._loop_thread: int | None = None
-        self._close_lock: anyio.Lock | None = None
+        self._closed = threading.Event()
 
     # -- facts --------------------------------------------------------------------------
 
@@ -155,7 +156,6 @@ class AsyncOffloadingWorker:
             spin_seconds=opts.spin_seconds,
             poll_interval=opts.poll_interval,
         )
-        self._close_lock = anyio.Lock()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._poller.run)
@@ -169,27 +169,29 @@ class AsyncOffloadingWorker:
     async def aclose(self) -> None:
         """Wait for every job in flight, stop the poller and free host memory. Idempotent.
 
-        Shielded: cancelling the closing task does not abandon copies that still write
-        host memory.
+        The drain is shielded: cancelling the closing task does not abandon copies that
+        still write host memory. Call it from the task that opened the worker.
         """
         if self._state is _State.NEW:
-            self._core.close()
             self._state = _State.CLOSED
+            self._core.close()
+            self._closed.set()
             return
         if self._state is _State.CLOSED:
+            with anyio.CancelScope(shield=True):  # another task is closing: wait for it
+                while not self._closed.is_set():
+                    await anyio.sleep(self._core.options.poll_interval)
             return
-        assert self._close_lock is not None and self._task_group is not None
-        async with self._close_lock:
-            if self._state is _State.CLOSED:
-                return
+        assert self._task_group is not None
+        self._state = _State.CLOSED  # no new submits while draining
+        try:
             with anyio.CancelScope(shield=True):
-                self._state = _State.CLOSED  # no new submits while draining
                 while self._futures:
                     if not self._complete_finished():
                         await anyio.sleep(self._core.options.poll_interval)
             # Leave the shield before the task group: scopes exit in LIFO order.
             self._task_group.cancel_scope.cancel()
-            try:
-                await self._task_group.__aexit__(None, None, None)
-            finally:
-                self._core.close()
+            await self._task_group.__aexit__(None, None, None)
+        finally:
+            self._core.close()
+            self._closed.set()

@@ -25,7 +25,7 @@ __all__ = ["CpuBackend"]
 class CpuCompletion(Completion):
     """Set by the lane's thread when the job's copies are over."""
 
-    __slots__ = ("_done", "_error", "_elapsed")
+    __slots__ = ("_done", "_elapsed", "_error")
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -66,6 +66,9 @@ def flat_bytes(view: torch.Tensor) -> np.ndarray:
     return torch.as_strided(view, (span,), (1,)).numpy()
 
 
+_Item = tuple[CopyPlan, CpuCompletion, "threading.Event | None"]
+
+
 class CpuLane(Lane):
     """Runs each launched plan on one thread, in launch order."""
 
@@ -73,13 +76,13 @@ class CpuLane(Lane):
         self.direction = direction
         self._device = [flat_bytes(t.tensor) for t in kv.tensors]
         self._host = pool.tensor.numpy()
-        self._queue: queue.SimpleQueue[tuple[CopyPlan, CpuCompletion] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"aiokv-cpu-{direction.value}", daemon=True)
         self._thread.start()
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
         completion = CpuCompletion()
-        self._queue.put((plan, completion))
+        self._queue.put((plan, completion, dependency))
         return completion
 
     def close(self) -> None:
@@ -88,7 +91,9 @@ class CpuLane(Lane):
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            plan, completion = item
+            plan, completion, dependency = item
+            if dependency is not None:
+                dependency.wait()
             start = time.perf_counter()
             try:
                 self._copy(plan)
@@ -124,8 +129,14 @@ class CpuBackend(Backend):
         return CpuHostPool(nbytes)
 
     def capture(self, after: Any) -> Any:
-        # CPU writes are synchronous, so anything written before submit is visible.
-        return None
+        """CPU writes are synchronous, so by default nothing is awaited. ``after`` may be a
+        ``threading.Event``: the copy starts once it is set (a latch for tests and for
+        producers that fill tensors from other threads)."""
+        if after is None or isinstance(after, threading.Event):
+            return after
+        raise InvalidSpec(
+            f"the CPU backend takes after=None or a threading.Event, got {type(after).__name__}"
+        )
 
     def open_lane(
         self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool

@@ -1,0 +1,80 @@
+"""Shared fixtures: KV caches filled with random bytes, and the event-loop matrix."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from aiokv import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+LOOPS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(
+        ("asyncio", {"use_uvloop": True}),
+        id="uvloop",
+        marks=pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build"),
+    ),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+@pytest.fixture(params=LOOPS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict]:
+    """Every ``@pytest.mark.anyio`` test runs on asyncio, uvloop and trio."""
+    return request.param
+
+
+def random_bytes_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fill a tensor with random bytes (every dtype, no NaN special-casing needed)."""
+    view = t.view(torch.uint8) if t.element_size() != 1 else t
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=gen))
+    return t
+
+
+@dataclass
+class KV:
+    layers: list[torch.Tensor]
+    kv: CanonicalKVCaches
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.layers]
+
+
+def make_layers(
+    num_layers: int = 4, num_blocks: int = 32, page_shape: tuple[int, ...] = (4, 2, 16),
+    dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str = "cpu",
+) -> KV:
+    """Per-layer ``(2, num_blocks, *page_shape)`` tensors (K and V pages), random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = [
+        random_bytes_(torch.empty(2, num_blocks, *page_shape, dtype=dtype), gen).to(device)
+        for _ in range(num_layers)
+    ]
+    return KV(layers, CanonicalKVCaches.from_tensors(layers, block_dim=1))
+
+
+def make_two_groups(seed: int = 1, device: str = "cpu") -> KV:
+    """Two KV-cache groups with different page sizes and block counts (a hybrid model)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [random_bytes_(torch.empty(40, 256, dtype=torch.uint8), gen).to(device) for _ in range(3)]
+    b = [random_bytes_(torch.empty(24, 96, dtype=torch.uint8), gen).to(device) for _ in range(2)]
+    tensors = [CanonicalKVCacheTensor(t, 256) for t in a] + [CanonicalKVCacheTensor(t, 96) for t in b]
+    groups = [
+        [CanonicalKVCacheRef(i, 256) for i in range(3)],
+        [CanonicalKVCacheRef(3, 96), CanonicalKVCacheRef(4, 64)],  # only 64 of 96 bytes move
+    ]
+    return KV(a + b, CanonicalKVCaches(tensors, groups))
+
+
+@pytest.fixture
+def kv4() -> KV:
+    return make_layers()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bytes make NaNs, which ``torch.equal`` calls unequal)."""
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (a, b)]
+    return a.shape == b.shape and torch.equal(*as_bytes)

@@ -1,0 +1,196 @@
+"""Bad input raises a typed error before anything is enqueued; the worker stays usable."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv import (
+    AsyncOffloadingWorker,
+    CanonicalKVCaches,
+    CPULoadStoreSpec,
+    DuplicateJob,
+    GPULoadStoreSpec,
+    InvalidSpec,
+    TransferFailed,
+    WorkerClosed,
+)
+from aiokv.backends.cpu import CpuLane
+from tests.conftest import make_layers, same_bytes
+
+pytestmark = pytest.mark.anyio
+
+
+class Spec:
+    """An engine's own spec object: only attributes matter."""
+
+    def __init__(self, block_ids, group_sizes=None, block_indices=None) -> None:
+        self.block_ids = block_ids
+        self.group_sizes = group_sizes
+        self.block_indices = block_indices
+
+
+BAD_STORES = [
+    (lambda: (GPULoadStoreSpec([0, 40]), CPULoadStoreSpec([0, 1])), InvalidSpec, r"\[0, 32\)"),
+    (lambda: (GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([0, 9])), InvalidSpec, r"\[0, 8\)"),
+    (lambda: (GPULoadStoreSpec([0, 1, 2]), CPULoadStoreSpec([0])), InvalidSpec, "needed"),
+    (lambda: (GPULoadStoreSpec([0.0, 1.0]), CPULoadStoreSpec([0, 1])), InvalidSpec, "integers"),
+    (lambda: (GPULoadStoreSpec(np.array([0, 1], dtype=np.float32)), CPULoadStoreSpec([0, 1])), InvalidSpec,
+     "integers"),
+    (lambda: (GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([3, 3])), InvalidSpec, "twice"),
+    (lambda: (GPULoadStoreSpec([0, 1], group_sizes=[1, 1]), CPULoadStoreSpec([0, 1])), InvalidSpec, "groups"),
+    (lambda: (object(), CPULoadStoreSpec([0])), InvalidSpec, "block_ids"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", BAD_STORES)
+async def test_bad_store_input_is_rejected_and_the_worker_stays_usable(make, error, message) -> None:
+    kv = make_layers(num_blocks=32)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        src, dst = make()
+        with pytest.raises(error, match=message):
+            worker.submit_store(1, src, dst)
+        assert worker.statistics().in_flight["store"] == 0
+        # the same job id is free, and the worker still moves bytes
+        want = kv.kv.tensors[1].tensor[3].clone()
+        await worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([2]))
+        kv.kv.tensors[1].tensor[3] = 0
+        await worker.submit_load(2, CPULoadStoreSpec([2]), GPULoadStoreSpec([3]))
+        assert same_bytes(kv.kv.tensors[1].tensor[3], want)
+
+
+async def test_a_load_may_not_write_one_block_twice() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        with pytest.raises(InvalidSpec, match="twice"):
+            worker.submit_load(1, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([4, 4]))
+
+
+async def test_blocks_per_chunk_mismatch_names_the_rule() -> None:
+    kv = make_layers(num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, blocks_per_chunk=4) as worker:
+        with pytest.raises(InvalidSpec, match="blocks_per_chunk=4"):
+            worker.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4]), CPULoadStoreSpec([0]))
+        ok = await worker.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4]), CPULoadStoreSpec([0, 1]))
+        assert ok.success
+
+
+async def test_duplicate_in_flight_job_id_is_rejected() -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        fut = worker.submit_store(5, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+        with pytest.raises(DuplicateJob, match="job 5"):
+            worker.submit_load(5, CPULoadStoreSpec([2]), GPULoadStoreSpec([2]))
+        latch.set()
+        await fut
+        assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
+
+
+async def test_closed_and_unopened_workers_refuse_work() -> None:
+    kv = make_layers(num_blocks=8)
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    with pytest.raises(WorkerClosed, match="not open yet"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    async with worker:
+        pass
+    with pytest.raises(WorkerClosed, match="closed"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    with pytest.raises(WorkerClosed):
+        async with worker:
+            pass
+
+
+async def test_entering_twice_is_an_error() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(RuntimeError, match="already open"):
+            await worker.__aenter__()
+
+
+async def test_submit_from_another_thread_is_refused() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        caught: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            except BaseException as exc:
+                caught.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert len(caught) == 1 and isinstance(caught[0], InvalidSpec)
+        assert "SyncOffloadingWorker" in str(caught[0])
+
+
+async def test_after_of_the_wrong_kind_is_rejected() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(InvalidSpec, match=r"threading\.Event"):
+            worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after="stream")
+        assert worker.statistics().in_flight["store"] == 0
+
+
+async def test_a_failed_copy_fails_its_future_and_not_the_next(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    real = CpuLane._copy
+    calls = {"n": 0}
+
+    def flaky(self, plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("simulated device fault")
+        real(self, plan)
+
+    monkeypatch.setattr(CpuLane, "_copy", flaky)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        bad = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        good = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+        with pytest.raises(TransferFailed, match="simulated device fault") as info:
+            await bad
+        assert info.value.result.job_id == 1 and info.value.result.success is False
+        assert (await good).success
+        assert worker.statistics().failed["store"] == 1
+
+
+def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
+    kv = make_layers(num_blocks=8)
+    with pytest.raises(InvalidSpec, match="exactly one"):
+        AsyncOffloadingWorker(kv.kv)
+    with pytest.raises(InvalidSpec, match="exactly one"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, cpu_bytes=1 << 20)
+    with pytest.raises(InvalidSpec, match="positive"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=0)
+    with pytest.raises(InvalidSpec, match="at least one chunk"):
+        AsyncOffloadingWorker(kv.kv, cpu_bytes=10)
+    with pytest.raises(InvalidSpec, match="blocks_per_chunk"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, blocks_per_chunk=0)
+    with pytest.raises(InvalidSpec, match="backend must be"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, backend="tpu")
+    with pytest.raises(InvalidSpec, match="CanonicalKVCaches"):
+        AsyncOffloadingWorker([torch.zeros(4, 4)], num_cpu_chunks=4)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="unknown worker options"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"nope": 1})
+    meta = CanonicalKVCaches.from_tensors([torch.empty(2, 8, 4, device="meta")], block_dim=1)
+    with pytest.raises(InvalidSpec, match="CPU backend needs CPU tensors"):
+        AsyncOffloadingWorker(meta, num_cpu_chunks=4, backend="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidSpec, match="usable CUDA device"):
+            AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, backend="cuda")
+
+
+async def test_foreign_spec_objects_with_numpy_int32_ids_work() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        want = kv.kv.tensors[0].tensor[[6, 7]].clone()
+        src = Spec(np.array([6, 7], dtype=np.int32), group_sizes=[2], block_indices=[0])
+        assert (await worker.submit_store(1, src, Spec(np.array([3, 0], dtype=np.int32)))).success
+        kv.kv.tensors[0].tensor[[6, 7]] = 0
+        await worker.submit_load(2, Spec(np.array([3, 0], dtype=np.int32)), Spec(np.array([6, 7], np.int32)))
+        assert same_bytes(kv.kv.tensors[0].tensor[[6, 7]], want)

@@ -1,0 +1,22 @@
+import aiokv
+
+
+def test_public_names_are_pinned() -> None:
+    assert set(aiokv.__all__) == {
+        "AiokvError", "AsyncOffloadingWorker", "CPULoadStoreSpec", "CanonicalKVCacheRef",
+        "CanonicalKVCacheTensor", "CanonicalKVCaches", "Direction", "DuplicateJob",
+        "GPULoadStoreSpec", "InvalidSpec", "LoadStoreSpec", "OffloadingWorker",
+        "SyncOffloadingWorker", "TransferFailed", "TransferFuture", "TransferResult",
+        "WorkerBroken", "WorkerClosed", "WorkerOptions", "WorkerStatistics",
+    }
+    for name in aiokv.__all__:
+        assert getattr(aiokv, name) is not None
+
+
+def test_errors_derive_from_the_builtins_callers_catch() -> None:
+    assert issubclass(aiokv.InvalidSpec, ValueError)
+    assert issubclass(aiokv.DuplicateJob, aiokv.InvalidSpec)
+    assert issubclass(aiokv.WorkerClosed, RuntimeError)
+    assert issubclass(aiokv.WorkerBroken, RuntimeError)
+    for cls in (aiokv.InvalidSpec, aiokv.WorkerClosed, aiokv.WorkerBroken, aiokv.TransferFailed):
+        assert issubclass(cls, aiokv.AiokvError)

@@ -1,0 +1,134 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiokv import InvalidSpec
+from aiokv.plan import HostLayout, map_blocks, plan_copies
+from tests.conftest import make_layers, make_two_groups
+
+
+def layout_for(bpc: int, groups: int = 1) -> HostLayout:
+    kv = make_layers(num_layers=2, num_blocks=16).kv if groups == 1 else make_two_groups().kv
+    return HostLayout.build(kv, bpc)
+
+
+def test_contract_example_skips_into_the_first_chunk() -> None:
+    # blocks_per_chunk = 3, i = 5, GPU blocks [a, b, c, d], chunks [X, Y]: X.2, Y.0, Y.1, Y.2
+    m = map_blocks([10, 11, 12, 13], [7, 4], layout=layout_for(3), num_chunks=8, block_indices=[5])
+    assert m.gpu_blocks[0].tolist() == [10, 11, 12, 13]
+    assert m.host_slots[0].tolist() == [7 * 3 + 2, 4 * 3 + 0, 4 * 3 + 1, 4 * 3 + 2]
+
+
+def test_runs_contiguous_on_both_sides_coalesce() -> None:
+    layout = layout_for(1)
+    page = layout.page_sizes[0][0]
+    m = map_blocks([3, 4, 9], [0, 1, 2], layout=layout, num_chunks=4)
+    plan = plan_copies(m, layout)
+    # 4 page tensors (2 layers x K/V); chunks 0,1 are adjacent but other pages sit between
+    # them, so page-major inside a chunk means one copy per page and block here...
+    assert plan.total_bytes == 3 * sum(layout.page_sizes[0])
+    assert len(plan) == 12
+    # ...while blocks_per_chunk=4 keeps a layer's sub-blocks together: blocks 3,4 -> one copy.
+    layout4 = layout_for(4)
+    plan4 = plan_copies(map_blocks([3, 4, 9], [1], layout=layout4, num_chunks=2), layout4)
+    assert len(plan4) == 8 and sorted(set(plan4.nbytes.tolist())) == [page, 2 * page]
+
+
+def test_two_groups_use_their_own_chunks_and_pages() -> None:
+    layout = layout_for(2, groups=2)
+    assert layout.num_groups == 2 and layout.num_gpu_blocks == (40, 24)
+    m = map_blocks(
+        [1, 2, 3, 20], [0, 1, 5], layout=layout, num_chunks=6, group_sizes=[3, 1], block_indices=[0, 3]
+    )
+    assert m.host_slots[0].tolist() == [0, 1, 2]
+    assert m.host_slots[1].tolist() == [5 * 2 + 1]
+    plan = plan_copies(m, layout)
+    assert plan.total_bytes == 3 * (3 * 256) + 1 * (96 + 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_ids=[1, 2], chunk_ids=[0]), "chunk ids given but 2 are needed"),
+        (dict(block_ids=[1, 99], chunk_ids=[0, 1]), r"\[0, 16\)"),
+        (dict(block_ids=[1, -1], chunk_ids=[0, 1]), r"\[0, 16\)"),
+        (dict(block_ids=[1, 2], chunk_ids=[0, 8]), r"\[0, 8\)"),
+        (dict(block_ids=[1.5, 2], chunk_ids=[0, 1]), "integers"),
+        (dict(block_ids=[[1, 2]], chunk_ids=[0, 1]), "1-D"),
+        (dict(block_ids=[1, 2], chunk_ids=[0, 1], group_sizes=[1]), "add up"),
+        (dict(block_ids=[1, 2], chunk_ids=[0, 1], group_sizes=[1, 1]), "groups"),
+        (dict(block_ids=[1, 2], chunk_ids=[0, 1], block_indices=[-1]), "non-negative"),
+        (dict(block_ids=[1, 1], chunk_ids=[0, 1], unique_gpu=True), "twice"),
+        (dict(block_ids=[1, 2], chunk_ids=[3, 3], unique_host=True), "twice"),
+    ],
+)
+def test_bad_specs_are_rejected(kwargs, message) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        map_blocks(layout=layout_for(1), num_chunks=8, **kwargs)
+
+
+def test_a_chunk_shared_by_two_groups_of_one_store_is_rejected() -> None:
+    with pytest.raises(InvalidSpec, match="twice"):
+        map_blocks([1, 2], [4, 4], layout=layout_for(1, groups=2), num_chunks=8, group_sizes=[1, 1],
+                   unique_host=True)
+
+
+def test_numpy_int32_ids_are_accepted() -> None:
+    m = map_blocks(np.array([5, 6], dtype=np.int32), np.array([1, 0], dtype=np.int32),
+                   layout=layout_for(1), num_chunks=2)
+    assert m.host_slots[0].tolist() == [1, 0]
+
+
+def naive_copy(layout: HostLayout, m, device: list[np.ndarray], host: np.ndarray) -> None:
+    """The obvious per-page loop the plan must agree with."""
+    bpc = layout.blocks_per_chunk
+    for g, (blocks, slots) in enumerate(zip(m.gpu_blocks, m.host_slots)):
+        for b, slot in zip(blocks.tolist(), slots.tolist()):
+            chunk, sub = divmod(slot, bpc)
+            for k, t in enumerate(layout.tensor_idx[g]):
+                size = layout.page_sizes[g][k]
+                h = chunk * layout.chunk_bytes + layout.page_offsets[g][k] + sub * size
+                d = b * layout.row_strides[t]
+                host[h : h + size] = device[t][d : d + size]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bpc=st.integers(1, 4),
+    groups=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_plan_moves_exactly_the_bytes_a_naive_loop_moves(bpc: int, groups: int, data) -> None:
+    layout = layout_for(bpc, groups)
+    num_chunks = 24
+    sizes, starts, gpu, chunks = [], [], [], []
+    free_chunks = list(range(num_chunks))
+    for g in range(layout.num_groups):
+        n = data.draw(st.integers(0, 6))
+        start = data.draw(st.integers(0, 11))
+        need = -(-(n + start % bpc) // bpc) if n else 0
+        gpu += data.draw(st.lists(st.integers(0, layout.num_gpu_blocks[g] - 1), min_size=n, max_size=n))
+        picked = data.draw(st.permutations(free_chunks))[:need]
+        free_chunks = [c for c in free_chunks if c not in picked]
+        chunks += picked
+        sizes.append(n)
+        starts.append(start)
+    m = map_blocks(gpu, chunks, layout=layout, num_chunks=num_chunks, group_sizes=sizes,
+                   block_indices=starts, unique_host=True)
+    rng = np.random.default_rng(len(gpu))
+    device = [rng.integers(0, 256, layout.row_strides[t] * 40, dtype=np.uint8)
+              for t in range(max(max(ti) for ti in layout.tensor_idx) + 1)]
+    expect = rng.integers(0, 256, num_chunks * layout.chunk_bytes, dtype=np.uint8)
+    got = expect.copy()
+    naive_copy(layout, m, device, expect)
+    plan = plan_copies(m, layout)
+    for t, d, h, n in zip(plan.tensor_idx, plan.device_offset, plan.host_offset, plan.nbytes):
+        got[h : h + n] = device[t][d : d + n]
+    assert np.array_equal(got, expect)
+    assert plan.total_bytes == sum(int(n) for n in plan.nbytes)
+    # coalescing never leaves two copies that could have been one
+    for i in range(1, len(plan)):
+        assert not (plan.tensor_idx[i] == plan.tensor_idx[i - 1]
+                    and plan.device_offset[i] == plan.device_offset[i - 1] + plan.nbytes[i - 1]
+                    and plan.host_offset[i] == plan.host_offset[i - 1] + plan.nbytes[i - 1])

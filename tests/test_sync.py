@@ -1,0 +1,173 @@
+"""The sync adapter driven like an engine's step loop (no event loop anywhere)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv import (
+    AsyncOffloadingWorker,
+    CPULoadStoreSpec,
+    DuplicateJob,
+    GPULoadStoreSpec,
+    InvalidSpec,
+    OffloadingWorker,
+    SyncOffloadingWorker,
+    WorkerClosed,
+)
+from tests.conftest import make_layers, same_bytes
+
+
+class EngineSpec:
+    """vLLM-like spec: numpy int32 block ids, read by attribute."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.block_ids = np.asarray(ids, dtype=np.int32)
+        self.group_sizes = [len(ids)]
+        self.block_indices = [0]
+
+
+def make_sync(num_blocks: int = 64, chunks: int = 64) -> tuple[SyncOffloadingWorker, list[torch.Tensor]]:
+    kv = make_layers(num_layers=2, num_blocks=num_blocks, page_shape=(2, 2, 8))
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=chunks))
+    return worker, [t.tensor for t in kv.kv.tensors]
+
+
+def test_is_an_offloading_worker() -> None:
+    worker, _ = make_sync()
+    assert isinstance(worker, OffloadingWorker)
+    worker.shutdown()
+
+
+def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() -> None:
+    worker, pages = make_sync()
+    rng = random.Random(11)
+    next_job = 0
+    expected_host: dict[int, list[torch.Tensor]] = {}  # chunk -> page bytes it holds
+    submitted: dict[int, str] = {}
+    reported: list[int] = []
+    deferred: list[tuple[int, int]] = []  # (block, chunk) stores queued for the next step
+    pending_stores: dict[int, int] = {}  # block -> job id of a store still reading it
+    pending_loads: dict[int, tuple[int, list[torch.Tensor]]] = {}  # block -> (job, bytes it gets)
+    for _step in range(60):
+        # 1. flush: submit the previous step's stores
+        for block, chunk in deferred:
+            job = next_job
+            next_job += 1
+            assert worker.submit_store(job, EngineSpec([block]), CPULoadStoreSpec([chunk]))
+            submitted[job] = "store"
+            pending_stores[block] = job
+            expected_host[chunk] = [p[block].clone() for p in pages]
+        deferred = []
+        # a block about to be rewritten must not be read by a pending store: wait on it
+        busy = set(pending_loads)
+        victim = rng.choice([b for b in range(64) if b not in busy])
+        if victim in pending_stores:
+            worker.wait({pending_stores.pop(victim), 10_000})  # unknown ids are ignored
+        for p in pages:
+            p[victim] = torch.randint(0, 256, (p.shape[1],), dtype=torch.uint8)
+        # 2. loads of chunks known to be on the host, into blocks nothing else touches
+        if expected_host:
+            chunk = rng.choice(sorted(expected_host))
+            block = rng.choice([b for b in range(64) if b not in pending_stores and b not in busy])
+            job = next_job
+            next_job += 1
+            expedited = rng.random() < 0.5
+            spec = EngineSpec([block])
+            assert worker.submit_load(job, CPULoadStoreSpec([chunk]), spec, expedited=expedited)
+            submitted[job] = "expedited_load" if expedited else "load"
+            if expedited:  # waited on within the step, before the forward
+                worker.wait({job})
+                assert all(same_bytes(p[block], want) for p, want in zip(pages, expected_host[chunk]))
+            else:  # checked when reported
+                pending_loads[block] = (job, expected_host[chunk])
+        # 3. this step's stores are queued for the next one (not from blocks being loaded)
+        deferred = [(rng.choice([b for b in range(64) if b not in pending_loads]), rng.randrange(64))
+                    for _ in range(rng.randint(0, 3))]
+        deferred = list({c: (b, c) for b, c in deferred}.values())
+        # 4. after the forward
+        finished = worker.get_finished()
+        reported += [r.job_id for r in finished]
+        assert all(r.success for r in finished)
+        done = {r.job_id for r in finished}
+        for b, j in list(pending_stores.items()):
+            if j in done:
+                del pending_stores[b]
+        for b, (j, want) in list(pending_loads.items()):
+            if j in done:
+                assert all(same_bytes(p[b], w) for p, w in zip(pages, want))
+                del pending_loads[b]
+    worker.wait(set(submitted))
+    reported += [r.job_id for r in worker.get_finished()]
+    assert sorted(reported) == sorted(submitted), "every job reported exactly once"
+    assert worker.get_finished() == []
+    for direction in ("store", "load", "expedited_load"):
+        ids = [j for j in reported if submitted[j] == direction]
+        assert ids == sorted(ids), f"{direction} jobs reported out of submission order"
+    worker.shutdown()
+
+
+def test_wait_consumes_nothing_and_results_carry_sizes() -> None:
+    worker, pages = make_sync()
+    worker.submit_store(1, GPULoadStoreSpec([1, 2, 3]), CPULoadStoreSpec([4, 5, 6]))
+    worker.wait({1})
+    worker.wait({1})  # done and not yet reported: still fine
+    (result,) = worker.get_finished()
+    assert result.job_id == 1 and result.success
+    assert result.transfer_size == 3 * sum(p.shape[1] for p in pages)
+    assert result.transfer_time is not None and result.transfer_time >= 0
+    worker.wait({1})  # already reported: ignored
+    worker.shutdown()
+
+
+def test_unreported_job_id_cannot_be_reused() -> None:
+    worker, _ = make_sync()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.wait({1})
+    with pytest.raises(DuplicateJob):
+        worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+    worker.shutdown()
+
+
+def test_bad_input_raises_typed_errors_and_nothing_is_enqueued() -> None:
+    worker, _ = make_sync()
+    with pytest.raises(InvalidSpec):
+        worker.submit_store(1, GPULoadStoreSpec([999]), CPULoadStoreSpec([0]))
+    with pytest.raises(InvalidSpec):
+        worker.submit_load(1, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([0]))
+    assert worker.get_finished() == []
+    assert worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
+    worker.shutdown()
+
+
+def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
+    worker, pages = make_sync()
+    latch = threading.Event()
+    want = pages[0][9].clone()
+    worker.submit_store(1, GPULoadStoreSpec([9]), CPULoadStoreSpec([9]), after=latch)
+    for j in range(2, 40):
+        worker.submit_store(j, GPULoadStoreSpec([j]), CPULoadStoreSpec([j]))
+    threading.Timer(0.05, latch.set).start()
+    worker.shutdown()
+    results = worker.get_finished()
+    assert [r.job_id for r in results] == list(range(1, 40)) and all(r.success for r in results)
+    assert same_bytes(pages[0][9], want)
+    with pytest.raises(WorkerClosed):
+        worker.submit_store(100, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.shutdown()  # idempotent
+
+
+def test_an_open_async_worker_cannot_be_wrapped() -> None:
+    kv = make_layers(num_blocks=8)
+    w = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    SyncOffloadingWorker(w).shutdown()
+    with pytest.raises(WorkerClosed):
+        SyncOffloadingWorker(w)
+    with pytest.raises(TypeError):
+        SyncOffloadingWorker("worker")  # type: ignore[arg-type]

@@ -1,0 +1,198 @@
+"""Round trips, ordering and expedited loads through AsyncOffloadingWorker (CPU backend)."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from tests.conftest import KV, make_layers, make_two_groups, random_bytes_, same_bytes
+
+pytestmark = pytest.mark.anyio
+
+
+def blocks_of(kv: KV, blocks: list[int]) -> list[torch.Tensor]:
+    """Every page of the given blocks (per layer, K and V), copied out."""
+    return [t.tensor[blocks].clone() for t in kv.kv.tensors]
+
+
+def clobber(kv: KV, blocks: list[int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.kv.tensors:
+        t.tensor[blocks] = torch.randint(0, 256, (len(blocks), t.tensor.shape[1]), dtype=torch.uint8,
+                                         generator=gen)
+
+
+async def test_round_trip_is_byte_exact_and_touches_nothing_else() -> None:
+    kv = make_layers(num_blocks=32)
+    rng = np.random.default_rng(0)
+    blocks = rng.choice(32, 12, replace=False).tolist()
+    chunks = rng.choice(16, 12, replace=False).tolist()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=16) as worker:
+        before = blocks_of(kv, blocks)
+        everything = kv.snapshot()
+        result = await worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+        assert result == TransferResult(1, True, 12 * 4 * 2 * (4 * 2 * 16 * 2), result.transfer_time)
+        assert all(same_bytes(a, b) for a, b in zip(kv.layers, everything)), "a store changed its source"
+        clobber(kv, blocks, seed=9)
+        others = [b for b in range(32) if b not in blocks]
+        untouched = blocks_of(kv, others)
+        await worker.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks))
+        assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, blocks), before))
+        assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, others), untouched))
+
+
+@pytest.mark.parametrize("bpc", [1, 3])
+async def test_sub_blocks_with_skips_and_two_groups(bpc: int) -> None:
+    kv = make_two_groups()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=12, blocks_per_chunk=bpc) as worker:
+        # Fill chunks 0-5 completely from blocks 0.. of both groups (old contents).
+        full_a = list(range(6 * bpc))
+        full_b = list(range(6 * bpc))
+        spec = GPULoadStoreSpec(full_a + full_b, group_sizes=[6 * bpc, 6 * bpc])
+        await worker.submit_store(1, spec, CPULoadStoreSpec(list(range(6)) + list(range(6, 12))))
+        # Partial store with skips: group 0 starts at logical block 5, group 1 at 4.
+        a, b = [30, 31, 32, 33], [20, 21]
+        spec = GPULoadStoreSpec(a + b, group_sizes=[4, 2], block_indices=[5, 4])
+        ca = -(-(4 + 5 % bpc) // bpc)
+        cb = -(-(2 + 4 % bpc) // bpc)
+        chunks_a, chunks_b = [1, 2][:ca] if bpc == 3 else [1, 2, 3, 4], [7][:cb] if bpc == 3 else [7, 8]
+        want_a = [kv.kv.tensors[i].tensor[a].clone() for i in range(3)]
+        want_b = [kv.kv.tensors[3].tensor[b, :96].clone(), kv.kv.tensors[4].tensor[b, :64].clone()]
+        await worker.submit_store(2, spec, CPULoadStoreSpec(chunks_a + chunks_b))
+        # Read the chunks back whole into scratch blocks to see mapped and unmapped bytes.
+        scratch_a = list(range(20, 20 + len(chunks_a) * bpc))
+        scratch_b = list(range(10, 10 + len(chunks_b) * bpc))
+        old_a = [kv.kv.tensors[i].tensor[[full_a[c * bpc + s] for c in chunks_a for s in range(bpc)]].clone()
+                 for i in range(3)]
+        old_b = [kv.kv.tensors[i].tensor[[full_b[(c - 6) * bpc + s] for c in chunks_b for s in range(bpc)]]
+                 .clone() for i in (3, 4)]
+        await worker.submit_load(
+            3, CPULoadStoreSpec(chunks_a + chunks_b),
+            GPULoadStoreSpec(scratch_a + scratch_b, group_sizes=[len(scratch_a), len(scratch_b)]),
+        )
+        skip_a, skip_b = 5 % bpc, 4 % bpc
+        for i in range(3):
+            got = kv.kv.tensors[i].tensor[scratch_a]
+            for pos in range(len(scratch_a)):
+                j = pos - skip_a
+                expect = want_a[i][j] if 0 <= j < len(a) else old_a[i][pos]
+                assert torch.equal(got[pos], expect), (i, pos)
+        for k, (i, width) in enumerate(((3, 96), (4, 64))):
+            got = kv.kv.tensors[i].tensor[scratch_b, :width]
+            for pos in range(len(scratch_b)):
+                j = pos - skip_b
+                expect = want_b[k][j] if 0 <= j < len(b) else old_b[k][pos, :width]
+                assert torch.equal(got[pos], expect), (i, pos)
+
+
+async def test_per_direction_fifo_under_hundreds_of_concurrent_jobs() -> None:
+    kv = make_layers(num_layers=2, num_blocks=64, page_shape=(2, 2, 8))
+    order: list[tuple[str, int]] = []
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=64) as worker:
+        futures = []
+        for i in range(300):
+            block = i % 64
+            if i % 3 == 2:
+                fut = worker.submit_load(i, CPULoadStoreSpec([block]), GPULoadStoreSpec([block]),
+                                         after=latch if i == 2 else None)
+                fut.add_done_callback(lambda f: order.append(("load", f.job_id)))
+            else:
+                fut = worker.submit_store(i, GPULoadStoreSpec([block]), CPULoadStoreSpec([block]),
+                                          after=latch if i == 0 else None)
+                fut.add_done_callback(lambda f: order.append(("store", f.job_id)))
+            futures.append(fut)
+        await anyio.sleep(0.05)
+        assert not any(f.done() for f in futures), "jobs behind a held head completed first"
+        latch.set()
+        async with anyio.create_task_group() as tg:
+            for fut in futures:
+                tg.start_soon(_await, fut)
+    stores = [j for d, j in order if d == "store"]
+    loads = [j for d, j in order if d == "load"]
+    assert stores == sorted(stores) and len(stores) == 200
+    assert loads == sorted(loads) and len(loads) == 100
+
+
+async def _await(fut) -> None:
+    await fut
+
+
+async def test_expedited_loads_do_not_wait_behind_ordinary_loads(kv4: KV) -> None:
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        await worker.submit_store(0, GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([0, 1]))
+        slow = worker.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([5]), after=latch)
+        behind = worker.submit_load(2, CPULoadStoreSpec([1]), GPULoadStoreSpec([6]))
+        fast = worker.submit_load(3, CPULoadStoreSpec([1]), GPULoadStoreSpec([7]), expedited=True)
+        with anyio.fail_after(5):
+            result = await fast
+        assert result.success and not slow.done() and not behind.done()
+        assert torch.equal(kv4.kv.tensors[0].tensor[7], kv4.kv.tensors[0].tensor[1])
+        latch.set()
+        assert (await behind).success and slow.done()
+
+
+async def test_a_future_can_be_awaited_many_times_from_many_tasks(kv4: KV) -> None:
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        latch = threading.Event()
+        fut = worker.submit_store(7, GPULoadStoreSpec([3]), CPULoadStoreSpec([2]), after=latch)
+        results: list[TransferResult] = []
+
+        async def waiter() -> None:
+            results.append(await fut)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(10):
+                tg.start_soon(waiter)
+            await anyio.sleep(0.01)
+            assert not results
+            latch.set()
+        assert len(results) == 10 and all(r is results[0] for r in results)
+        assert (await fut) is fut.result() and fut.done()
+
+
+async def test_job_ids_may_be_reused_once_reported(kv4: KV) -> None:
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        for _ in range(3):
+            assert (await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))).success
+
+
+async def test_statistics_and_repr_count_per_direction(kv4: KV) -> None:
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([1, 2]), after=latch)
+        assert "store=1 load=0" in repr(worker)
+        assert worker.statistics().in_flight["store"] == 1
+        latch.set()
+        await fut
+        await worker.submit_load(2, CPULoadStoreSpec([1]), GPULoadStoreSpec([3]))
+        stats = worker.statistics()
+        assert stats.completed == {"store": 1, "load": 1, "expedited_load": 0}
+        page_bytes = sum(t.page_size_bytes for t in kv4.kv.tensors)
+        assert stats.bytes_moved["store"] == 2 * page_bytes and stats.bytes_moved["load"] == page_bytes
+    assert "closed" in repr(worker)
+
+
+async def test_cpu_bytes_sizes_the_pool_in_whole_chunks() -> None:
+    kv = make_layers(num_layers=1, num_blocks=4)
+    w = AsyncOffloadingWorker(kv.kv, cpu_bytes=10_000)
+    assert w.num_cpu_chunks == 10_000 // w.chunk_bytes
+    assert w.host_pool.numel() == w.num_cpu_chunks * w.chunk_bytes
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_plain_asyncio_with_pytest_asyncio(kv4: KV) -> None:
+    random_bytes_(kv4.layers[0], torch.Generator().manual_seed(3))
+    want = kv4.kv.tensors[0].tensor[4].clone()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=4) as worker:
+        await worker.submit_store(1, GPULoadStoreSpec([4]), CPULoadStoreSpec([3]))
+        kv4.kv.tensors[0].tensor[4] = 0
+        await worker.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([4]))
+    assert torch.equal(kv4.kv.tensors[0].tensor[4], want)
