@@ -9,6 +9,7 @@ blocks therefore lands on consecutive host bytes, and coalesces into one copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,21 @@ class HostLayout:
             row_strides=tuple(row_strides),
             num_gpu_blocks=tuple(nblocks),
         )
+
+    @functools.cached_property
+    def group_arrays(self) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]:
+        """Per group, as column vectors: tensor index, page size, row stride, page offset."""
+        strides = np.asarray(self.row_strides, dtype=np.int64)
+        out = []
+        for g in range(self.num_groups):
+            tensors = np.asarray(self.tensor_idx[g], dtype=np.int64)[:, None]
+            out.append((
+                tensors,
+                np.asarray(self.page_sizes[g], dtype=np.int64)[:, None],
+                strides[tensors],
+                np.asarray(self.page_offsets[g], dtype=np.int64)[:, None],
+            ))
+        return tuple(out)
 
     @property
     def num_groups(self) -> int:
@@ -228,13 +244,14 @@ def plan_copies(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
     for g, (blocks, slots) in enumerate(zip(mapping.gpu_blocks, mapping.host_slots)):
         if blocks.size == 0:
             continue
-        chunk, sub = slots // bpc, slots % bpc
-        for k, tensor in enumerate(layout.tensor_idx[g]):
-            page = layout.page_sizes[g][k]
-            t_idx.append(np.full(blocks.size, tensor, dtype=np.int64))
-            d_off.append(blocks * layout.row_strides[tensor])
-            h_off.append(chunk * layout.chunk_bytes + layout.page_offsets[g][k] + sub * page)
-            size.append(np.full(blocks.size, page, dtype=np.int64))
+        # Rows: pages of the group; columns: blocks. Raveled page-major, so each page
+        # tensor's copies are adjacent and runs can merge.
+        tensors, pages, strides, offsets = layout.group_arrays[g]
+        chunk, sub = np.divmod(slots, bpc)
+        t_idx.append(np.broadcast_to(tensors, (tensors.size, blocks.size)).ravel())
+        d_off.append((strides * blocks[None, :]).ravel())
+        h_off.append((chunk[None, :] * layout.chunk_bytes + offsets + sub[None, :] * pages).ravel())
+        size.append(np.broadcast_to(pages, (pages.size, blocks.size)).ravel())
     if not t_idx:
         empty = np.zeros(0, dtype=np.int64)
         return CopyPlan(empty, empty, empty, empty, 0)

@@ -38,7 +38,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     lines: list[str] = []
     header = f"{'figure':<46} {'value':>12} {'ceiling':>12} {'ratio':>7}  note"
     section = None
-    for row in rows:
+    order = {name: i for i, name in enumerate(dict.fromkeys(r.section for r in rows))}
+    for row in sorted(rows, key=lambda r: order[r.section]):
         if row.section != section:
             section = row.section
             lines += ["", f"== {section} ==", header, "-" * len(header)]

@@ -1,0 +1,89 @@
+"""Command line: ``aiokv info`` and ``aiokv bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from . import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aiokv", description="Awaitable KV-cache offloading: info and benchmarks.")
+    p.add_argument("--version", action="version", version=f"aiokv {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backend, device, link, versions and pinnable memory")
+    b = sub.add_parser("bench", help="measure transfers (default) or replay a cache trace")
+    b.add_argument("what", nargs="?", choices=["transfer", "cache"], default="transfer",
+                   help="transfer: GB/s beside a contiguous copy; cache: replay a request trace")
+    b.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto uses CUDA when usable, else the CPU backend")
+    b.add_argument("--quick", action="store_true", help="smaller jobs and fewer repetitions")
+    b.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio", help="event loop (CPU bench)")
+    b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling")
+    b.add_argument("--trace", metavar="PATH", action="append",
+                   help="cache: Mooncake-format trace (repeatable; default: the traces in ../shared/data)")
+    b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
+                   help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
+    b.add_argument("--policy", default=None, help="cache: policy name (default: the recommended one)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        from .info import print_info
+
+        print_info()
+        return 0
+    return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .backends import cuda_usable
+    from .bench import bench_meta, format_table, progress_printer, run_bench, write_json
+
+    say = progress_printer()
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("aiokv bench: --plot needs matplotlib: pip install 'aiokv[plot]'", file=sys.stderr)
+            return 2
+    if args.what == "cache":
+        from .bench.cache import run_cache_bench
+
+        try:
+            rows = run_cache_bench(traces=args.trace, capacities=args.capacity, policy=args.policy,
+                                   quick=args.quick, progress=say)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"aiokv bench cache: {exc}", file=sys.stderr)
+            return 2
+        meta = bench_meta("cpu")
+    else:
+        backend = args.backend
+        if backend == "auto":
+            backend = "cuda" if cuda_usable() else "cpu"
+        elif backend == "cuda" and not cuda_usable():
+            print("aiokv bench: --backend cuda needs a usable CUDA device and cuda-python", file=sys.stderr)
+            return 2
+        say(f"transfer benchmark on the {backend} backend{' (quick)' if args.quick else ''}")
+        rows = run_bench(backend, quick=args.quick, loop=args.loop, progress=say)
+        meta = bench_meta(backend)
+    print(format_table(rows))
+    if args.json:
+        write_json(args.json, rows, meta)
+        say(f"wrote {os.path.abspath(args.json)}")
+    if args.plot and args.what == "transfer":
+        from .bench.plot import plot_rows
+
+        plot_rows(rows, args.plot, title=f"aiokv bench ({meta['backend']})")
+        say(f"wrote {os.path.abspath(args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""``aiokv bench``: transfer figures beside same-run ceilings, and the cache replay."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from .report import BenchRow, format_table, write_json
+
+__all__ = ["BenchRow", "format_table", "progress_printer", "run_bench", "write_json"]
+
+
+def progress_printer(stream: Any = None) -> Callable[[str], None]:
+    """Status lines with elapsed seconds, on stderr so stdout stays a clean table."""
+    out = stream or sys.stderr
+    start = time.perf_counter()
+
+    def say(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=out, flush=True)
+
+    return say
+
+
+def bench_meta(backend: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": backend,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    if backend == "cuda":
+        meta["device"] = torch.cuda.get_device_name(0)
+    return meta
+
+
+def run_bench(backend: str, *, quick: bool, loop: str, progress: Callable[[str], None]) -> list[BenchRow]:
+    """Run the transfer benchmark on the chosen backend ("cpu" or "cuda")."""
+    if backend == "cuda":
+        from .cuda import run_cuda_bench
+
+        return run_cuda_bench(quick=quick, progress=progress)
+    from .transfer import run_transfer_bench
+
+    return run_transfer_bench("cpu", quick=quick, progress=progress, backend=loop)

@@ -1,0 +1,74 @@
+"""``aiokv info``: what a worker on this machine would run on."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+from typing import Any
+
+import torch
+
+from . import __version__
+from .backends import cuda_usable
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    if n < 0 or n >= 2**62:
+        return "unlimited"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def collect_info() -> dict[str, Any]:
+    """Facts as a dict (also what the tests check)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    info: dict[str, Any] = {
+        "aiokv": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda-python": _version("cuda-python"),
+        "anyio": _version("anyio"),
+        "backend (auto)": "cuda" if cuda_usable() else "cpu",
+        "host memory available": _fmt_bytes(_mem_available()),
+        "locked-memory limit (ulimit -l)": _fmt_bytes(soft if soft != resource.RLIM_INFINITY else -1),
+        "cpu cores": os.cpu_count(),
+    }
+    if cuda_usable():
+        from .backends import cuda
+
+        facts = getattr(cuda, "device_facts", None)
+        info["device"] = torch.cuda.get_device_name(0)
+        info["torch CUDA"] = torch.version.cuda
+        if facts is not None:
+            info.update(facts())
+    else:
+        info["device"] = "none usable (CPU backend: device tensors are CPU tensors)"
+    return info
+
+
+def print_info() -> None:
+    info = collect_info()
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")

@@ -1,0 +1,49 @@
+"""The command line: info, a quick CPU bench with --json, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aiokv.__main__ import main
+from aiokv.bench.report import BenchRow, format_table
+
+
+def test_info_prints_backend_and_versions(capsys) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backend (auto)" in out and "torch" in out and "cuda-python" in out
+
+
+def test_quick_cpu_bench_writes_rows_beside_ceilings(tmp_path, capsys) -> None:
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--backend", "cpu", "--quick", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "store 32 KiB pages (realistic)" in captured.out and "ratio" in captured.out
+    assert "[" in captured.err and "completion wake-up" in captured.err  # progress lines
+    payload = json.loads(path.read_text())
+    assert payload["meta"]["backend"] == "cpu"
+    gbps = [r for r in payload["rows"] if r["unit"] == "GB/s"]
+    assert len(gbps) == 8
+    for row in gbps:
+        assert row["value"] > 0 and row["ceiling"] > 0
+        assert row["ratio"] == pytest.approx(row["value"] / row["ceiling"])
+
+
+def test_bad_arguments_exit_with_a_message(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--backend", "tpu"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_table_groups_sections_and_shows_ratios() -> None:
+    rows = [
+        BenchRow("a", "x", 5.0, "GB/s", 10.0),
+        BenchRow("b", "y", 1.0, "us"),
+        BenchRow("a", "z", 2.0, "GB/s", 4.0, note="n"),
+    ]
+    text = format_table(rows)
+    assert text.index("== a ==") < text.index("== b ==") and text.count("== a ==") == 1
+    assert "0.50" in text
