@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import __version__
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aiokv", description="Awaitable KV-cache offloading: info and benchmarks.")
+    p = argparse.ArgumentParser(prog="aiokv", description="Awaitable KV-cache offloading: info, benchmarks.")
     p.add_argument("--version", action="version", version=f"aiokv {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, link, versions and pinnable memory")

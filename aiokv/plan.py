@@ -8,8 +8,8 @@ blocks therefore lands on consecutive host bytes, and coalesces into one copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import anyio
 import numpy as np
@@ -58,8 +58,8 @@ def _percentile(values: list[float], q: float) -> float:
 async def _measure_case(case: TransferCase, device: str, reps: int) -> list[BenchRow]:
     gen = torch.Generator().manual_seed(0)
     layers = [
-        torch.randint(-(2**15), 2**15, (2, case.num_blocks, *case.page_shape), dtype=torch.int16, generator=gen)
-        .view(torch.bfloat16)
+        torch.randint(-(2**15), 2**15, (2, case.num_blocks, *case.page_shape), dtype=torch.int16,
+                      generator=gen).view(torch.bfloat16)
         .to(device)
         for _ in range(case.layers)
     ]
@@ -72,10 +72,11 @@ async def _measure_case(case: TransferCase, device: str, reps: int) -> list[Benc
     rows: list[BenchRow] = []
     async with AsyncOffloadingWorker(kv, num_cpu_chunks=case.job_blocks) as worker:
         pool = worker.host_pool
-        contiguous_store, contiguous_load = [], []
-        for _ in range(reps):
-            contiguous_store.append(_time_sync(lambda: pool[:nbytes].copy_(flat_dev, non_blocking=True), device))
-            contiguous_load.append(_time_sync(lambda: flat_dev.copy_(pool[:nbytes], non_blocking=True), device))
+        host = pool[:nbytes]
+        contiguous_store = [_time_sync(lambda: host.copy_(flat_dev, non_blocking=True), device)
+                            for _ in range(reps)]
+        contiguous_load = [_time_sync(lambda: flat_dev.copy_(host, non_blocking=True), device)
+                           for _ in range(reps)]
         job = 0
         timings: dict[str, list[float]] = {"store": [], "load": []}
         submit: list[float] = []

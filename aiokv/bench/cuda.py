@@ -1,0 +1,369 @@
+"""The CUDA benchmark: every figure beside its ceiling, measured in the same run.
+
+Ceilings are contiguous pinned copies of the same bytes (one direction, and both at
+once). Strategy figures go through ``AsyncOffloadingWorker`` on asyncio: device GB/s of
+one job (from ``TransferResult.transfer_time``), and streamed GB/s (jobs kept in flight,
+bytes over wall time) idle, under a saturating GEMM and under medium GEMMs launched from
+another Python thread, with each GEMM's slowdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
+from .report import BenchRow
+
+__all__ = ["run_cuda_bench"]
+
+GB = 1e9
+LAYERS, BLOCKS, JOB_BLOCKS = 32, 1024, 128
+CHUNKS = 512
+
+
+class _Setup:
+    """A KV cache, a fixed set of random jobs over it, and a worker factory."""
+
+    def __init__(
+        self, name: str, tensors: list[torch.Tensor], block_dim: int, chunks: int, seed: int
+    ) -> None:
+        self.name = name
+        self.tensors = tensors
+        self.kv = CanonicalKVCaches.from_tensors(tensors, block_dim=block_dim)
+        self.chunks = chunks
+        rng = np.random.default_rng(seed)
+        nblocks = self.kv.tensors[0].tensor.shape[0]
+        self.jobs = [
+            (rng.choice(nblocks, JOB_BLOCKS, replace=False), rng.choice(chunks, JOB_BLOCKS, replace=False))
+            for _ in range(4)
+        ]
+        self.job_bytes = JOB_BLOCKS * sum(r.page_size_bytes for r in self.kv.group_data_refs[0])
+
+    def worker(self, strategy: str, streams: int = 0) -> AsyncOffloadingWorker:
+        return AsyncOffloadingWorker(
+            self.kv, num_cpu_chunks=self.chunks, backend="cuda",
+            options={"strategy": strategy, "streams_per_direction": streams},
+        )
+
+
+class _JobIds:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _submit(worker: AsyncOffloadingWorker, setup: _Setup, store: bool, k: int, ids: _JobIds) -> Any:
+    blocks, chunks = setup.jobs[k % len(setup.jobs)]
+    if store:
+        return worker.submit_store(ids(), GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+    return worker.submit_load(ids(), CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks))
+
+
+async def _device_rate(
+    worker: Any, setup: _Setup, store: bool, reps: int, ids: _JobIds
+) -> tuple[float, float]:
+    """Median GB/s of single jobs by device time, and median host submit seconds."""
+    times, submits = [], []
+    for k in range(reps + 1):
+        t0 = time.perf_counter()
+        fut = _submit(worker, setup, store, k, ids)
+        submits.append(time.perf_counter() - t0)
+        res = await fut
+        times.append(res.transfer_time)
+    return setup.job_bytes / statistics.median(times[1:]) / GB, statistics.median(submits[1:])
+
+
+async def _stream(
+    worker: Any, setup: _Setup, seconds: float, ids: _JobIds, store: bool = True, depth: int = 2,
+    both: bool = False,
+) -> dict[str, float]:
+    """Keep ``depth`` jobs in flight for ``seconds``; GB/s over wall, CPU share, submit times."""
+    inflight: deque[Any] = deque()
+    submits: list[float] = []
+    moved, k = 0, 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end or inflight:
+        if time.perf_counter() < end and len(inflight) < depth:
+            s0 = time.perf_counter()
+            if both:
+                inflight.append(_submit(worker, setup, True, k, ids))
+                inflight.append(_submit(worker, setup, False, k + 1, ids))
+            else:
+                inflight.append(_submit(worker, setup, store, k, ids))
+            submits.append(time.perf_counter() - s0)
+            k += 1
+            continue
+        await inflight.popleft()
+        moved += setup.job_bytes
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    return {
+        "gbps": moved / wall / GB, "cpu": cpu / wall,
+        "submit_p50": statistics.median(submits), "submit_max": max(submits),
+    }
+
+
+class _Gemm:
+    """A GEMM loop on its own stream in a Python thread; rate in TFLOP/s over its run."""
+
+    def __init__(self, m: int, k: int, n: int) -> None:
+        dev = torch.device("cuda")
+        self.a = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        self.b = torch.randn(k, n, dtype=torch.bfloat16, device=dev)
+        self.flops = 2.0 * m * k * n
+        self.stream = torch.cuda.Stream()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rate = 0.0
+
+    def _loop(self) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                self.a @ self.b
+            self.stream.synchronize()
+            count, t0 = 0, time.perf_counter()
+            while not self._stop.is_set():
+                for _ in range(4):
+                    self.a @ self.b
+                self.stream.synchronize()
+                count += 4
+            self.rate = count * self.flops / (time.perf_counter() - t0) / 1e12
+
+    def __enter__(self) -> _Gemm:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        time.sleep(0.15)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+
+    def alone(self, seconds: float) -> float:
+        with self:
+            time.sleep(seconds)
+        return self.rate
+
+
+class _Contiguous:
+    """Contiguous pinned copies of ``nbytes``: the ceilings."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def _timed(self, fn: Callable[[], None], reps: int) -> float:
+        out = []
+        for _ in range(reps + 1):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(self.s1)
+            fn()
+            self.s1.wait_stream(self.s2)
+            e1.record(self.s1)
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1) / 1e3)
+        return statistics.median(out[1:])
+
+    def d2h(self) -> None:
+        with torch.cuda.stream(self.s1):
+            self.host.copy_(self.dev, non_blocking=True)
+
+    def h2d(self) -> None:
+        with torch.cuda.stream(self.s1):
+            self.dev.copy_(self.host, non_blocking=True)
+
+    def both(self) -> None:
+        self.s2.wait_stream(self.s1)
+        with torch.cuda.stream(self.s1):
+            self.host.copy_(self.dev, non_blocking=True)
+        with torch.cuda.stream(self.s2):
+            self.dev2.copy_(self.host2, non_blocking=True)
+
+    def rates(self, reps: int) -> dict[str, float]:
+        return {
+            "store": self.nbytes / self._timed(self.d2h, reps) / GB,
+            "load": self.nbytes / self._timed(self.h2d, reps) / GB,
+            "both": 2 * self.nbytes / self._timed(self.both, reps) / GB,
+        }
+
+    def stream_rate(self, seconds: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            self.d2h()
+            self.s1.synchronize()
+            n += 1
+        return n * self.nbytes / (time.perf_counter() - t0) / GB
+
+
+def _baselines(setup: _Setup, reps: int, ceiling: dict[str, float]) -> list[BenchRow]:
+    """What a user would otherwise write: one memcpy per page, or one batched call per job."""
+    from ..backends.cuda import Driver
+    from ..plan import HostLayout, map_blocks, plan_copies
+
+    drv = Driver(torch.cuda.current_device())
+    layout = HostLayout.build(setup.kv, 1)
+    host = torch.empty(setup.chunks * layout.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+    blocks, chunks = setup.jobs[0]
+    plan = plan_copies(map_blocks(blocks, chunks, layout=layout, num_chunks=setup.chunks), layout)
+    dev = np.array([t.tensor.data_ptr() for t in setup.kv.tensors], dtype=np.int64)[plan.tensor_idx]
+    dev = (dev + plan.device_offset).tolist()
+    hst = (plan.host_offset + host.data_ptr()).tolist()
+    sizes = plan.nbytes.tolist()
+    stream = drv.create_stream()
+    rows = []
+
+    def timed(fn: Callable[[], None]) -> float:
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            fn()
+            drv.stream_synchronize(stream)
+            ts.append(time.perf_counter() - t0)
+        return setup.job_bytes / statistics.median(ts[1:]) / GB
+
+    def per_page() -> None:
+        for d, h, n in zip(dev, hst, sizes):
+            drv.memcpy(h, d, n, stream)
+
+    rate = timed(per_page)
+    rows.append(BenchRow("baselines (32 KiB pages)", "store, one cudaMemcpyAsync per page", rate, "GB/s",
+                         ceiling["store"], "wall, incl. host submit"))
+    for label, store in (("store", True), ("load", False)):
+        d, s = (hst, dev) if store else (dev, hst)
+        rate = timed(lambda d=d, s=s: drv.memcpy_batch_lists(d, s, sizes, stream))
+        rows.append(BenchRow("baselines (32 KiB pages)", f"{label}, one batched memcpy call per job", rate,
+                             "GB/s", ceiling[label], "cuda-python list API, 1 stream"))
+    drv.stream_synchronize(stream)
+    drv.destroy_stream(stream)
+    del host
+    return rows
+
+
+async def _latency(iters: int) -> tuple[float, float, float]:
+    """Tiny-copy round trip through ``await`` on asyncio (p50, p99 in us), and the device time."""
+    t = torch.randn(64, 1024, device="cuda").view(torch.uint8)
+    kv = CanonicalKVCaches.from_tensors([t])
+    samples, dev = [], []
+    async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+        for i in range(iters + 20):
+            t0 = time.perf_counter()
+            res = await w.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64]))
+            samples.append(time.perf_counter() - t0)
+            dev.append(res.transfer_time)
+    s = np.array(samples[20:]) * 1e6
+    return float(np.percentile(s, 50)), float(np.percentile(s, 99)), float(np.median(dev[20:]) * 1e6)
+
+
+def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Run the whole CUDA benchmark and return its rows (see module docstring)."""
+    say = progress or (lambda _msg: None)
+    reps = 3 if quick else 7
+    window = 0.6 if quick else 1.2
+    torch.cuda.init()
+    dev = torch.device("cuda")
+    rows: list[BenchRow] = []
+    say("allocating KV caches")
+    per_layer = _Setup(
+        "32 KiB pages",
+        [torch.randn(2, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)],
+        block_dim=1, chunks=CHUNKS, seed=1,
+    )
+    big = _Setup(
+        "2 MiB pages",
+        [torch.randn(BLOCKS, LAYERS, 2, 16, 8, 128, dtype=torch.bfloat16, device=dev)],
+        block_dim=0, chunks=CHUNKS // 2, seed=2,
+    )
+    contig = _Contiguous(per_layer.job_bytes)
+    say("ceilings")
+    ceil = contig.rates(reps)
+    sec = "ceilings (contiguous pinned copy, 256 MiB)"
+    rows += [
+        BenchRow(sec, "store D2H", ceil["store"], "GB/s"),
+        BenchRow(sec, "load H2D", ceil["load"], "GB/s"),
+        BenchRow(sec, "both directions at once (sum)", ceil["both"], "GB/s"),
+    ]
+    big_gemm, med_gemm = _Gemm(8192, 8192, 8192), _Gemm(4096, 4096, 14336)
+    say("GEMMs alone")
+    big_alone, med_alone = big_gemm.alone(window), med_gemm.alone(window)
+    rows.append(BenchRow(sec, "GEMM 8192^3 bf16 alone", big_alone, "TFLOP/s"))
+    rows.append(BenchRow(sec, "GEMM 4096x4096x14336 bf16 alone (thread)", med_alone, "TFLOP/s"))
+    with big_gemm:
+        c_big = contig.stream_rate(window)
+    rows.append(BenchRow(sec, "store D2H under GEMM 8192^3", c_big, "GB/s", ceil["store"],
+                         f"GEMM {100 * (1 - big_gemm.rate / big_alone):+.1f}% slower"))
+
+    ids = _JobIds()
+    strategies = ["dma", "staged", "kernel"]
+    if not quick:
+        strategies += ["dma:1", "dma:4", "dma:32"]
+    for setup in (per_layer, big):
+        for strat in strategies if setup is per_layer else ["dma", "staged", "kernel"]:
+            name, _, nstreams = strat.partition(":")
+            streams = int(nstreams) if nstreams else 0
+            label = f"{name} x{streams} streams" if streams else name
+            say(f"{setup.name}: {label}")
+            worker = setup.worker(name, streams)
+            sec = f"{setup.name}, {label}"
+
+            async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,
+                           full: bool = not streams) -> list[BenchRow]:
+                out = []
+
+                def add(fig: str, value: float, unit: str, ceiling: float | None, note: str = "") -> None:
+                    out.append(BenchRow(sec, fig, value, unit, ceiling, note))
+
+                async with worker:
+                    for what, store in (("store", True), ("load", False)):
+                        top = ceil[what]
+                        rate, _ = await _device_rate(worker, setup, store, reps, ids)
+                        add(f"{what}, one job (device time)", rate, "GB/s", top)
+                        if not full:
+                            continue
+                        s = await _stream(worker, setup, window, ids, store=store)
+                        add(f"{what}, streamed idle (wall)", s["gbps"], "GB/s", top,
+                            f"cpu {100 * s['cpu']:.1f}% of a core")
+                        add(f"{what}, host submit per job", s["submit_p50"] * 1e6, "us",
+                            setup.job_bytes / rate / GB * 1e6,
+                            f"ratio = share of transfer time; max {s['submit_max'] * 1e6:.0f} us")
+                        for gname, gemm, alone in (("GEMM 8192^3", big_gemm, big_alone),
+                                                   ("medium GEMMs (thread)", med_gemm, med_alone)):
+                            with gemm:
+                                s = await _stream(worker, setup, window, ids, store=store)
+                            add(f"{what}, under {gname}", s["gbps"], "GB/s", top,
+                                f"GEMM {100 * (1 - gemm.rate / alone):+.1f}% slower")
+                    if full:
+                        s = await _stream(worker, setup, window, ids, both=True, depth=4)
+                        add("both directions at once (sum, wall)", s["gbps"], "GB/s", ceil["both"])
+                        s = await _stream(worker, setup, window, ids, store=True, depth=1)
+                        add("CPU while awaiting long transfers", 100 * s["cpu"], "% core", None,
+                            "one job in flight at a time")
+                return out
+
+            rows += asyncio.run(body())
+    say("wake-up latency")
+    p50, p99, devt = asyncio.run(_latency(100 if quick else 400))
+    rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p50", p50, "us", None,
+                         f"device time {devt:.1f} us"))
+    rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p99", p99, "us"))
+    say("baselines")
+    rows += _baselines(per_layer, reps, ceil)
+    return rows
