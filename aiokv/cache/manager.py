@@ -1,0 +1,311 @@
+"""Scheduler-side chunk bookkeeping: which block hash lives in which host chunk.
+
+Metadata only; the worker moves bytes. Every held key is in one of three states:
+
+- being written (``prepare_store`` .. ``complete_store``): not loadable, not evictable;
+- ready and unpinned: loadable and evictable;
+- ready and pinned by ``prepare_load`` (a count): loadable, not evictable until
+  ``complete_load`` drops the count to zero.
+
+Stores are all or nothing, and a failed store frees its chunks, so a key is never loadable
+unless its bytes landed and every chunk returns to the free pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from ..specs import AiokvError
+from .admission import AdmissionPolicy, make_admission
+from .policies import EvictionPolicy, make_policy
+
+__all__ = [
+    "CacheStats",
+    "ChunkManager",
+    "KeyNotLoadable",
+    "KeysRemoved",
+    "KeysStored",
+    "LookupResult",
+    "StorePlan",
+]
+
+
+class KeyNotLoadable(AiokvError, ValueError):
+    """``prepare_load`` named a key that is missing or still being written."""
+
+
+class LookupResult(enum.Enum):
+    """What the cache holds for one key."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"
+    """Held but still being written: not loadable yet."""
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What to write: ``chunk_ids[i]`` receives ``keys_to_store[i]`` (a CPULoadStoreSpec's ids)."""
+
+    keys_to_store: list[Hashable]
+    chunk_ids: list[int]
+    evicted: list[Hashable]
+
+
+@dataclass(frozen=True)
+class KeysStored:
+    """Keys that became loadable (for a router's prefix index)."""
+
+    keys: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class KeysRemoved:
+    """Keys that stopped being loadable (evicted)."""
+
+    keys: tuple[Hashable, ...]
+
+
+CacheEvent = KeysStored | KeysRemoved
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters since construction, plus current occupancy."""
+
+    num_chunks: int
+    chunks_used: int
+    chunks_free: int
+    keys: int
+    pending_keys: int
+    pinned_keys: int
+    stores: int
+    failed_stores: int
+    evictions: int
+    rejected_by_admission: int
+    store_plans_refused: int
+
+
+class _Entry:
+    __slots__ = ("chunk", "pins", "ready")
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.pins = 0
+        self.ready = False
+
+
+class ChunkManager:
+    """Maps block hashes to chunks of a fixed pool of ``num_chunks``.
+
+    Args:
+        num_chunks: size of the host pool, in chunks.
+        policy: eviction policy name (see ``available_policies``) or instance.
+        admission: admission name or instance; None takes the policy's own pairing
+            (``"adaptive"`` pairs with adaptive admission, others admit everything).
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        admission: str | AdmissionPolicy | None = None,
+    ) -> None:
+        if num_chunks < 1:
+            raise ValueError("num_chunks must be >= 1")
+        self.num_chunks = num_chunks
+        self._policy = make_policy(policy, num_chunks)
+        if admission is None:
+            admission = getattr(self._policy, "preferred_admission", None)
+        self._admission = make_admission(admission, num_chunks)
+        self._entries: dict[Hashable, _Entry] = {}
+        self._free: list[int] = list(range(num_chunks - 1, -1, -1))
+        self._events: list[CacheEvent] = []
+        self._pending = 0
+        self._pinned = 0
+        self._stores = 0
+        self._failed_stores = 0
+        self._evictions = 0
+        self._rejected = 0
+        self._refused = 0
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        return self._admission
+
+    @property
+    def num_free_chunks(self) -> int:
+        return len(self._free)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def lookup(self, key: Hashable) -> LookupResult:
+        """Whether ``key`` is loadable now (HIT), being written (HIT_PENDING) or absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if entry.ready else LookupResult.HIT_PENDING
+
+    def count_leading_hits(self, keys: Sequence[Hashable]) -> int:
+        """How many of ``keys``, from the first, are loadable before the first that is not."""
+        entries = self._entries
+        n = 0
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not entry.ready:
+                break
+            n += 1
+        return n
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """Mark held keys as just used (prefix order); unknown keys are ignored."""
+        held = [k for k in keys if k in self._entries]
+        if held:
+            self._policy.on_access(held)
+
+    def prepare_store(self, keys: Iterable[Hashable]) -> StorePlan | None:
+        """Allocate chunks for the admitted keys not held yet, evicting if needed.
+
+        Never evicts a key of this offer. Returns None, changing nothing, when the admitted
+        keys cannot all fit; a plan with no keys when nothing needs storing.
+        """
+        offer = list(dict.fromkeys(keys))
+        entries = self._entries
+        new = [k for k in offer if k not in entries]
+        if not new:
+            self._admission.observe(offer)
+            return StorePlan([], [], [])
+        flags = self._admission.admit(new, len(self._free))
+        to_store = [k for k, ok in zip(new, flags) if ok]
+        need = len(to_store) - len(self._free)
+        victims: list[Hashable] = []
+        if need > 0:
+            protected = set(offer)
+
+            def evictable(key: Hashable) -> bool:
+                entry = entries[key]
+                return entry.ready and entry.pins == 0 and key not in protected
+
+            found = self._policy.victims(need, evictable)
+            if found is None:
+                self._refused += 1
+                return None
+            victims = found
+        self._admission.observe(offer)
+        self._admission.on_offer(new, flags)
+        self._rejected += len(new) - len(to_store)
+        if victims:
+            for key in victims:
+                self._drop(key, evicted=True)
+            self._evictions += len(victims)
+            self._events.append(KeysRemoved(tuple(victims)))
+        chunks = [self._free.pop() for _ in to_store]
+        for key, chunk in zip(to_store, chunks):
+            entries[key] = _Entry(chunk)
+        self._pending += len(to_store)
+        if to_store:
+            self._policy.on_insert(to_store)
+        return StorePlan(to_store, chunks, victims)
+
+    def complete_store(self, keys: Iterable[Hashable], success: bool = True) -> None:
+        """Finish a store: make keys loadable, or on failure free their chunks.
+
+        Keys that are not pending (unknown, or already complete) are ignored.
+        """
+        entries = self._entries
+        done = [k for k in dict.fromkeys(keys) if (e := entries.get(k)) is not None and not e.ready]
+        if not done:
+            return
+        self._pending -= len(done)
+        if success:
+            for key in done:
+                entries[key].ready = True
+            self._stores += len(done)
+            self._events.append(KeysStored(tuple(done)))
+        else:
+            for key in done:
+                self._drop(key, evicted=False)
+            self._failed_stores += len(done)
+
+    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
+        """Pin loadable keys (not evictable until ``complete_load``); their chunk ids.
+
+        Raises KeyNotLoadable, pinning nothing, if any key is missing or being written.
+        """
+        entries = self._entries
+        found: list[_Entry] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not entry.ready:
+                state = "missing" if entry is None else "still being written"
+                raise KeyNotLoadable(f"key {key!r} is {state}")
+            found.append(entry)
+        for entry in found:
+            if entry.pins == 0:
+                self._pinned += 1
+            entry.pins += 1
+        self._policy.on_access(list(keys))
+        return [e.chunk for e in found]
+
+    def complete_load(self, keys: Sequence[Hashable]) -> None:
+        """Unpin keys pinned by ``prepare_load`` (once per pin). Unpinned keys are ignored."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._pinned -= 1
+
+    def take_events(self) -> list[CacheEvent]:
+        """Stored/removed events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> CacheStats:
+        used = self.num_chunks - len(self._free)
+        return CacheStats(
+            num_chunks=self.num_chunks,
+            chunks_used=used,
+            chunks_free=len(self._free),
+            keys=len(self._entries),
+            pending_keys=self._pending,
+            pinned_keys=self._pinned,
+            stores=self._stores,
+            failed_stores=self._failed_stores,
+            evictions=self._evictions,
+            rejected_by_admission=self._rejected,
+            store_plans_refused=self._refused,
+        )
+
+    def _drop(self, key: Hashable, *, evicted: bool) -> None:
+        entry = self._entries.pop(key)
+        self._free.append(entry.chunk)
+        self._policy.on_remove(key, evicted=evicted)
+        if evicted:
+            self._admission.on_evict(key)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        entries = self._entries
+        chunks = [e.chunk for e in entries.values()]
+        free = self._free
+        assert len(chunks) + len(free) == self.num_chunks, "chunk leaked or double-counted"
+        every = set(chunks) | set(free)
+        assert len(every) == self.num_chunks, "chunk owned twice"
+        assert every == set(range(self.num_chunks)), "chunk id out of range"
+        assert self._pending == sum(1 for e in entries.values() if not e.ready), "pending count"
+        assert self._pinned == sum(1 for e in entries.values() if e.pins > 0), "pinned count"
+        assert all(e.ready or e.pins == 0 for e in entries.values()), "pinned key not ready"
+        assert len(self._policy) == len(entries), "policy tracks other keys than the manager"
