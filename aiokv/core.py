@@ -15,7 +15,7 @@ from .backends import resolve_backend
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
 from .plan import HostLayout, map_blocks, plan_copies
-from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed
+from .specs import Direction, DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed
 
 __all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
 
@@ -98,6 +98,8 @@ class OffloadCore:
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self.closed = False
+        # Set by the first job that failed with a sticky device error; refuses new work.
+        self.broken: WorkerBroken | None = None
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -105,6 +107,11 @@ class OffloadCore:
         """Validate, plan and launch one job; raises before anything is enqueued."""
         if self.closed:
             raise WorkerClosed("the worker is closed; create a new one to transfer more")
+        if self.broken is not None:
+            raise WorkerBroken(
+                f"the device failed under this worker ({self.broken}); every pending job failed. "
+                "Close it and create a new worker (the CUDA context may need a process restart)"
+            ) from self.broken
         if not isinstance(job_id, int) or isinstance(job_id, bool):
             raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
@@ -144,6 +151,8 @@ class OffloadCore:
                     done.extend(handler.pop_finished())
             for job in done:
                 del self._jobs[job.job_id]
+                if isinstance(job.error, WorkerBroken) and self.broken is None:
+                    self.broken = job.error
         return done
 
     def wait_for(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:

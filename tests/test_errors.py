@@ -16,6 +16,7 @@ from aiokv import (
     GPULoadStoreSpec,
     InvalidSpec,
     TransferFailed,
+    WorkerBroken,
     WorkerClosed,
 )
 from aiokv.backends.cpu import CpuLane
@@ -194,3 +195,20 @@ async def test_foreign_spec_objects_with_numpy_int32_ids_work() -> None:
         kv.kv.tensors[0].tensor[[6, 7]] = 0
         await worker.submit_load(2, Spec(np.array([3, 0], dtype=np.int32)), Spec(np.array([6, 7], np.int32)))
         assert same_bytes(kv.kv.tensors[0].tensor[[6, 7]], want)
+
+
+async def test_a_sticky_device_error_fails_pending_jobs_and_refuses_new_ones(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+
+    def broken(self, plan):
+        raise WorkerBroken("simulated sticky context error")
+
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        monkeypatch.setattr(CpuLane, "_copy", broken)
+        futures = [worker.submit_store(i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i])) for i in range(3)]
+        for fut in futures:
+            with pytest.raises(TransferFailed, match="sticky"):
+                await fut
+        with pytest.raises(WorkerBroken, match="create a new worker"):
+            worker.submit_store(9, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    assert worker.statistics().failed["store"] == 3

@@ -196,3 +196,18 @@ async def test_plain_asyncio_with_pytest_asyncio(kv4: KV) -> None:
         kv4.kv.tensors[0].tensor[4] = 0
         await worker.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([4]))
     assert torch.equal(kv4.kv.tensors[0].tensor[4], want)
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {})], indirect=True)
+async def test_awaiting_a_done_future_still_checkpoints(kv4: KV) -> None:
+    import trio.testing
+
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=4) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        await fut
+        with trio.testing.assert_checkpoints():
+            await fut
+        with trio.testing.assert_no_checkpoints():
+            fut.done()
+            fut.result()
+            worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
