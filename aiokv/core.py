@@ -7,6 +7,7 @@ It changes state and returns what happened; it never awaits and never blocks exc
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -169,6 +170,12 @@ class OffloadCore:
         with self._lock:
             jobs = [job for h in self.handlers.values() for job in h.pending()]
         return all(job.completion.wait(timeout) for job in jobs)
+
+    def expected_wait(self) -> float | None:
+        """Seconds until the soonest head job should finish (None when unknown)."""
+        now = time.perf_counter()
+        waits = [w for h in self.handlers.values() if (w := h.expected_wait(now)) is not None]
+        return min(waits) if waits else None
 
     @property
     def in_flight(self) -> int:

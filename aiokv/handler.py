@@ -6,6 +6,7 @@ not done nothing behind it is either. A poll costs O(1) per direction, not O(job
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ class Job:
     error: BaseException | None = None
     # Keeps the plan alive until the copy is over (a lane may read it asynchronously).
     plan: CopyPlan | None = field(default=None, repr=False)
+    submitted_at: float = field(default_factory=time.perf_counter, repr=False)
 
     def finish(self) -> TransferResult:
         """Turn the completion into a result and drop what the copy no longer needs."""
@@ -53,6 +55,9 @@ class Handler:
         self.completed = 0
         self.failed = 0
         self.bytes_moved = 0
+        # Observed bytes/s of large jobs (EWMA), to predict when the head will finish.
+        self._rate: float | None = None
+        self._last_done = 0.0
 
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
@@ -72,10 +77,27 @@ class Handler:
             if result.success:
                 self.completed += 1
                 self.bytes_moved += job.nbytes
+                self._learn_rate(job)
             else:
                 self.failed += 1
+            self._last_done = time.perf_counter()
             done.append(job)
         return done
+
+    def _learn_rate(self, job: Job) -> None:
+        elapsed = job.completion.elapsed
+        if elapsed is None:
+            elapsed = time.perf_counter() - max(job.submitted_at, self._last_done)
+        if job.nbytes >= 1 << 20 and elapsed > 0:
+            rate = job.nbytes / elapsed
+            self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+
+    def expected_wait(self, now: float) -> float | None:
+        """Seconds until the head job should finish, from the observed rate; None if unknown."""
+        if not self._fifo or self._rate is None:
+            return None
+        head = self._fifo[0]
+        return max(head.submitted_at, self._last_done) + head.nbytes / self._rate - now
 
     @property
     def in_flight(self) -> int:

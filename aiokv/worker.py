@@ -153,6 +153,7 @@ class AsyncOffloadingWorker:
         self._poller = Poller(
             self._complete_finished,
             lambda: len(self._futures),
+            expected_wait=self._core.expected_wait,
             spin_seconds=opts.spin_seconds,
             poll_interval=opts.poll_interval,
         )

@@ -52,7 +52,9 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
     reported: list[int] = []
     deferred: list[tuple[int, int]] = []  # (block, chunk) stores queued for the next step
     pending_stores: dict[int, int] = {}  # block -> job id of a store still reading it
-    pending_loads: dict[int, tuple[int, list[torch.Tensor]]] = {}  # block -> (job, bytes it gets)
+    pending_loads: dict[int, tuple[int, list[torch.Tensor], int]] = {}  # block -> (job, bytes, chunk)
+    storing: dict[int, tuple[int, list[torch.Tensor]]] = {}  # store job -> (chunk, bytes)
+    reading: set[int] = set()  # chunks a pending load reads: no store may overwrite them
     for _step in range(60):
         # 1. flush: submit the previous step's stores
         for block, chunk in deferred:
@@ -61,7 +63,9 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
             assert worker.submit_store(job, EngineSpec([block]), CPULoadStoreSpec([chunk]))
             submitted[job] = "store"
             pending_stores[block] = job
-            expected_host[chunk] = [p[block].clone() for p in pages]
+            # the chunk is loadable once the store is reported, as a manager would do
+            storing[job] = (chunk, [p[block].clone() for p in pages])
+            expected_host.pop(chunk, None)
         deferred = []
         # a block about to be rewritten must not be read by a pending store: wait on it
         busy = set(pending_loads)
@@ -71,8 +75,11 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
         for p in pages:
             p[victim] = torch.randint(0, 256, (p.shape[1],), dtype=torch.uint8)
         # 2. loads of chunks known to be on the host, into blocks nothing else touches
-        if expected_host:
-            chunk = rng.choice(sorted(expected_host))
+        being_stored = {c for c, _ in storing.values()}
+        loadable = sorted(c for c in expected_host if c not in being_stored)
+        if loadable:
+            chunk = rng.choice(loadable)
+            reading.add(chunk)
             block = rng.choice([b for b in range(64) if b not in pending_stores and b not in busy])
             job = next_job
             next_job += 1
@@ -83,10 +90,12 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
             if expedited:  # waited on within the step, before the forward
                 worker.wait({job})
                 assert all(same_bytes(p[block], want) for p, want in zip(pages, expected_host[chunk]))
+                reading.discard(chunk)
             else:  # checked when reported
-                pending_loads[block] = (job, expected_host[chunk])
+                pending_loads[block] = (job, expected_host[chunk], chunk)
         # 3. this step's stores are queued for the next one (not from blocks being loaded)
-        deferred = [(rng.choice([b for b in range(64) if b not in pending_loads]), rng.randrange(64))
+        free_chunks = [c for c in range(64) if c not in reading]
+        deferred = [(rng.choice([b for b in range(64) if b not in pending_loads]), rng.choice(free_chunks))
                     for _ in range(rng.randint(0, 3))]
         deferred = list({c: (b, c) for b, c in deferred}.values())
         # 4. after the forward
@@ -97,10 +106,14 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
         for b, j in list(pending_stores.items()):
             if j in done:
                 del pending_stores[b]
-        for b, (j, want) in list(pending_loads.items()):
+        for b, (j, want, chunk) in list(pending_loads.items()):
             if j in done:
                 assert all(same_bytes(p[b], w) for p, w in zip(pages, want))
                 del pending_loads[b]
+                reading.discard(chunk)
+        for j in done & set(storing):
+            chunk, content = storing.pop(j)
+            expected_host[chunk] = content
     worker.wait(set(submitted))
     reported += [r.job_id for r in worker.get_finished()]
     assert sorted(reported) == sorted(submitted), "every job reported exactly once"
