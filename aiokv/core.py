@@ -75,11 +75,7 @@ class OffloadCore:
         backend: str = "auto",
         options: WorkerOptions | Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(kv_caches, CanonicalKVCaches):
-            raise InvalidSpec(
-                "kv_caches must be a CanonicalKVCaches; build one with "
-                "CanonicalKVCaches.from_tensors(tensors)"
-            )
+        kv_caches = CanonicalKVCaches.coerce(kv_caches)
         if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool):
             raise InvalidSpec(f"blocks_per_chunk must be an int, got {blocks_per_chunk!r}")
         self.options = WorkerOptions.coerce(options)

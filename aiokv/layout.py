@@ -48,6 +48,32 @@ class CanonicalKVCaches:
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
 
     @classmethod
+    def coerce(cls, kv: object) -> CanonicalKVCaches:
+        """Accept ours, or any object with the same fields (vLLM's ``CanonicalKVCaches``).
+
+        Fields are read by attribute: ``tensors[i].tensor`` / ``.page_size_bytes`` and
+        ``group_data_refs[g][k].tensor_idx`` / ``.page_size_bytes``.
+        """
+        if isinstance(kv, cls):
+            return kv
+        try:
+            return cls(
+                tensors=[
+                    CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes))
+                    for t in kv.tensors  # type: ignore[attr-defined]
+                ],
+                group_data_refs=[
+                    [CanonicalKVCacheRef(int(r.tensor_idx), int(r.page_size_bytes)) for r in refs]
+                    for refs in kv.group_data_refs  # type: ignore[attr-defined]
+                ],
+            )
+        except (AttributeError, TypeError) as exc:
+            raise InvalidSpec(
+                "kv_caches must be a CanonicalKVCaches (or an object with its fields, such as "
+                "vLLM's); build one with CanonicalKVCaches.from_tensors(tensors)"
+            ) from exc
+
+    @classmethod
     def from_tensors(
         cls, tensors: Sequence[torch.Tensor], block_dim: int = 0
     ) -> CanonicalKVCaches:

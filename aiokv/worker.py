@@ -33,8 +33,10 @@ class AsyncOffloadingWorker:
     on exit, waits for every job in flight before it frees host memory.
 
     Args:
-        kv_caches: the KV cache to serve (``CanonicalKVCaches.from_tensors(...)``).
-        num_cpu_chunks / cpu_bytes: host pool size; pass exactly one.
+        kv_caches: the KV cache to serve (``CanonicalKVCaches.from_tensors(...)``, or an
+            engine's object with the same fields, such as vLLM's).
+        num_cpu_chunks: host pool size in chunks (pass this or ``cpu_bytes``).
+        cpu_bytes: host pool size in bytes, rounded down to whole chunks.
         blocks_per_chunk: consecutive GPU blocks one host chunk holds.
         backend: ``"auto"`` (where the tensors live), ``"cuda"`` or ``"cpu"``.
         strategy: CUDA copy strategy, ``"auto" | "dma" | "kernel" | "staged"``.

@@ -42,3 +42,22 @@ def test_rows_may_be_strided() -> None:
 def test_bad_layouts_are_rejected_with_a_clear_message(tensors, block_dim, message) -> None:
     with pytest.raises(InvalidSpec, match=message):
         CanonicalKVCaches.from_tensors(tensors, block_dim=block_dim)
+
+
+def test_an_engines_own_description_is_read_by_attribute() -> None:
+    from types import SimpleNamespace
+
+    from aiokv.core import OffloadCore
+
+    t = torch.randint(0, 255, (8, 64), dtype=torch.uint8)
+    foreign = SimpleNamespace(
+        tensors=[SimpleNamespace(tensor=t, page_size_bytes=64)],
+        group_data_refs=[[SimpleNamespace(tensor_idx=0, page_size_bytes=48)]],
+    )
+    kv = CanonicalKVCaches.coerce(foreign)
+    assert kv.tensors[0].tensor is t and kv.group_data_refs[0][0].page_size_bytes == 48
+    core = OffloadCore(foreign, num_cpu_chunks=2)
+    assert core.layout.page_sizes == ((48,),)
+    core.close()
+    with pytest.raises(InvalidSpec, match="CanonicalKVCaches"):
+        CanonicalKVCaches.coerce(object())
