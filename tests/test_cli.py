@@ -47,3 +47,16 @@ def test_table_groups_sections_and_shows_ratios() -> None:
     text = format_table(rows)
     assert text.index("== a ==") < text.index("== b ==") and text.count("== a ==") == 1
     assert "0.50" in text
+
+
+def test_plot_draws_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from aiokv.bench.plot import plot_rows
+
+    rows = [
+        BenchRow("throughput", f"{d} {p}", 1.0 + i, "GB/s", 4.0, extra={"page_bytes": p, "direction": d})
+        for i, (d, p) in enumerate([("store", 16384), ("store", 32768), ("load", 16384), ("load", 32768)])
+    ]
+    path = tmp_path / "plot.png"
+    plot_rows(rows, str(path), title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
