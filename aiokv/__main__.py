@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError) as exc:
             print(f"aiokv bench cache: {exc}", file=sys.stderr)
             return 2
-        meta = bench_meta("cpu")
+        meta = bench_meta("cuda" if cuda_usable() else "cpu")
     else:
         backend = args.backend
         if backend == "auto":

@@ -8,6 +8,10 @@ def test_public_names_are_pinned() -> None:
         "GPULoadStoreSpec", "InvalidSpec", "LoadStoreSpec", "OffloadingWorker",
         "SyncOffloadingWorker", "TransferFailed", "TransferFuture", "TransferResult",
         "WorkerBroken", "WorkerClosed", "WorkerOptions", "WorkerStatistics",
+        # the cache face and its vocabulary
+        "AdmissionPolicy", "CacheStats", "ChunkManager", "EvictionPolicy", "KeyNotLoadable",
+        "LookupResult", "OffloadCache", "OffloadCacheStats", "OffloadResult",
+        "available_admissions", "available_policies", "register_admission", "register_policy",
     }
     for name in aiokv.__all__:
         assert getattr(aiokv, name) is not None

@@ -1,0 +1,351 @@
+"""``OffloadCache``: a prefix KV cache in host memory for async servers.
+
+It joins the scheduler-side bookkeeping (``ChunkManager``) to the bytes (an entered
+``AsyncOffloadingWorker``): one key per GPU block, one host chunk per key. The rules that
+keep KV correct:
+
+- A key becomes loadable only when its store's bytes have landed; a failed store frees
+  its chunks, so a failed transfer degrades to a miss, never to a hit with wrong data.
+- A key being stored (pending) is skipped by further offers and is a miss for ``lookup``
+  and ``restore``: nothing ever waits on another task's store.
+- Chunks read by a load are pinned (not evictable) until that load is over.
+- Bookkeeping runs in the future's done callback, not after the ``await``: cancelling the
+  awaiting task cancels the wait, never the copy, and can never leak a pinned or pending
+  chunk.
+
+Everything runs on the event-loop thread of the worker; no locks are needed because the
+only checkpoint in ``offload`` and ``restore`` is the final ``await``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..future import TransferFuture
+from ..specs import (
+    CPULoadStoreSpec,
+    DuplicateJob,
+    GPULoadStoreSpec,
+    InvalidSpec,
+    TransferFailed,
+    TransferResult,
+)
+from .admission import AdmissionPolicy
+from .manager import CacheStats, ChunkManager, KeyNotLoadable
+from .policies import EvictionPolicy
+
+__all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult"]
+
+DEFAULT_POLICY = "adaptive"
+"""The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """What one ``offload`` did with the keys it was offered.
+
+    ``stored`` keys are loadable now; ``skipped`` were already held or being stored by
+    another task; ``not_stored`` were turned away (admission, no evictable room, or a
+    failed copy: then ``failed`` is True). ``int(result)`` is ``stored``.
+    """
+
+    stored: int
+    skipped: int
+    not_stored: int
+    evicted: int
+    failed: bool = False
+
+    def __int__(self) -> int:
+        return self.stored
+
+
+@dataclass(frozen=True)
+class OffloadCacheStats:
+    """Counters since construction. Hits and misses are keys, counted by ``lookup``
+    (leading hits and the rest); GB/s are bytes over summed device copy time."""
+
+    hits: int
+    misses: int
+    offered_keys: int
+    stored_keys: int
+    skipped_keys: int
+    failed_stores: int
+    restores: int
+    restored_keys: int
+    restore_misses: int
+    failed_loads: int
+    evictions: int
+    store_bytes: int
+    store_seconds: float
+    load_bytes: int
+    load_seconds: float
+    in_flight: int
+    manager: CacheStats
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def store_gbps(self) -> float:
+        return self.store_bytes / self.store_seconds / 1e9 if self.store_seconds > 0 else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.load_bytes / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0
+
+
+class OffloadCache:
+    """Prefix cache of KV blocks in a worker's host pool, keyed by block hash.
+
+    Args:
+        worker: an ``AsyncOffloadingWorker`` with ``blocks_per_chunk=1``; enter it before
+            the first ``offload``/``restore`` and call those on its loop thread.
+        policy: ``"lru"`` stores everything offered and evicts the least recently used;
+            ``"arc"``, ``"prefix-lru"`` and registered names select others; an
+            ``EvictionPolicy`` instance is used as is; None takes ``DEFAULT_POLICY``.
+        admission: admission name or instance; None takes the policy's own pairing.
+        keep_events: keep the manager's stored/removed events for ``take_events`` (a
+            router's prefix index). Off by default, so an unread event list cannot grow.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        *,
+        policy: str | EvictionPolicy | None = None,
+        admission: str | AdmissionPolicy | None = None,
+        keep_events: bool = False,
+    ) -> None:
+        if worker.blocks_per_chunk != 1:
+            raise InvalidSpec(
+                f"OffloadCache keeps one key per chunk and needs a worker with blocks_per_chunk=1, "
+                f"got {worker.blocks_per_chunk}"
+            )
+        self._worker = worker
+        self._mgr = ChunkManager(
+            worker.num_cpu_chunks, policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+        )
+        self._keep_events = keep_events
+        self._job_ids = itertools.count(1)
+        self._in_flight: dict[int, TransferFuture] = {}
+        self._hits = self._misses = 0
+        self._offered = self._stored = self._skipped = self._failed_stores = 0
+        self._restores = self._restored = self._restore_misses = self._failed_loads = 0
+        self._store_bytes = self._load_bytes = 0
+        self._store_seconds = self._load_seconds = 0.0
+
+    @property
+    def manager(self) -> ChunkManager:
+        """The bookkeeping underneath (read it; mutate it only through this cache)."""
+        return self._mgr
+
+    @property
+    def worker(self) -> Any:
+        return self._worker
+
+    def __len__(self) -> int:
+        return len(self._mgr)
+
+    def __repr__(self) -> str:
+        st = self._mgr.stats()
+        return (
+            f"<OffloadCache {type(self._mgr.policy).__name__} keys={st.keys}/{st.num_chunks} "
+            f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._in_flight)}>"
+        )
+
+    # -- the three calls a server makes -------------------------------------------------
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """How many of ``keys``, from the first, are loadable now. Pure query: it does not
+        count as a use for eviction (``restore`` does), so schedulers may poll it."""
+        n = self._mgr.count_leading_hits(keys)
+        self._hits += n
+        self._misses += len(keys) - n
+        return n
+
+    async def offload(
+        self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray, *, after: Any = None
+    ) -> OffloadResult:
+        """Store the blocks of the keys not held yet (``gpu_block_ids[i]`` holds ``keys[i]``).
+
+        Returns when the copy is over. The GPU blocks must not be overwritten before then;
+        if the awaiting task is cancelled, the copy still runs to completion (see
+        ``drain``) and the keys become loadable (or are freed) when it does.
+        """
+        blocks = _as_block_list(gpu_block_ids)
+        if len(blocks) != len(keys):
+            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
+        block_of: dict[Hashable, int] = {}
+        for key, block in zip(keys, blocks):
+            block_of.setdefault(key, block)
+        self._offered += len(block_of)
+        plan = self._mgr.prepare_store(block_of)
+        self._drop_events()
+        if plan is None:
+            held = sum(1 for k in block_of if k in self._mgr)
+            self._skipped += held
+            return OffloadResult(0, held, len(block_of) - held, 0)
+        stored = plan.keys_to_store
+        skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
+        self._skipped += skipped
+        rest = len(block_of) - skipped - len(stored)
+        if not stored:
+            return OffloadResult(0, skipped, rest, len(plan.evicted))
+        src = GPULoadStoreSpec([block_of[k] for k in stored])
+        dst = CPULoadStoreSpec(plan.chunk_ids)
+        try:
+            future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
+        except BaseException:
+            self._mgr.complete_store(stored, success=False)
+            raise
+
+        def finish(fut: TransferFuture) -> None:
+            self._in_flight.pop(fut.job_id, None)
+            res = _result_or_none(fut)
+            self._mgr.complete_store(stored, success=res is not None)
+            self._drop_events()
+            if res is not None:
+                self._stored += len(stored)
+                self._store_bytes += res.transfer_size or 0
+                self._store_seconds += res.transfer_time or 0.0
+            else:
+                self._failed_stores += len(stored)
+
+        future.add_done_callback(finish)
+        try:
+            await future
+        except TransferFailed:
+            return OffloadResult(0, skipped, rest + len(stored), len(plan.evicted), failed=True)
+        return OffloadResult(len(stored), skipped, rest, len(plan.evicted))
+
+    async def restore(
+        self,
+        keys: Sequence[Hashable],
+        gpu_block_ids: Sequence[int] | np.ndarray,
+        *,
+        expedited: bool = False,
+        after: Any = None,
+    ) -> bool:
+        """Load ``keys`` into ``gpu_block_ids``; True once the bytes are there.
+
+        False, loading nothing, if any key is missing or still being stored (no waiting on
+        another task's store), or if the copy failed (then the blocks' contents are
+        undefined and must be recomputed). Chunks stay pinned until the copy is over, even
+        if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
+        """
+        blocks = _as_block_list(gpu_block_ids)
+        if len(blocks) != len(keys):
+            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
+        self._restores += 1
+        if not keys:
+            return True
+        try:
+            chunks = self._mgr.prepare_load(keys)
+        except KeyNotLoadable:
+            self._restore_misses += 1
+            return False
+        pinned = list(keys)
+        src = CPULoadStoreSpec(chunks)
+        dst = GPULoadStoreSpec(blocks)
+        try:
+            future = self._submit(
+                lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
+            )
+        except BaseException:
+            self._mgr.complete_load(pinned)
+            raise
+
+        def finish(fut: TransferFuture) -> None:
+            self._in_flight.pop(fut.job_id, None)
+            self._mgr.complete_load(pinned)
+            res = _result_or_none(fut)
+            if res is not None:
+                self._restored += len(pinned)
+                self._load_bytes += res.transfer_size or 0
+                self._load_seconds += res.transfer_time or 0.0
+            else:
+                self._failed_loads += 1
+
+        future.add_done_callback(finish)
+        try:
+            await future
+        except TransferFailed:
+            return False
+        return True
+
+    async def drain(self) -> None:
+        """Wait until every copy this cache started is over (also those whose awaiting task
+        was cancelled), e.g. before reusing GPU blocks of a cancelled request."""
+        while self._in_flight:
+            future = next(iter(self._in_flight.values()))
+            try:
+                await future
+            except TransferFailed:
+                pass  # its done callback has run and removed it
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def take_events(self) -> list[Any]:
+        """Stored/removed events since the last call (needs ``keep_events=True``)."""
+        return self._mgr.take_events()
+
+    def stats(self) -> OffloadCacheStats:
+        mgr = self._mgr.stats()
+        return OffloadCacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            offered_keys=self._offered,
+            stored_keys=self._stored,
+            skipped_keys=self._skipped,
+            failed_stores=self._failed_stores,
+            restores=self._restores,
+            restored_keys=self._restored,
+            restore_misses=self._restore_misses,
+            failed_loads=self._failed_loads,
+            evictions=mgr.evictions,
+            store_bytes=self._store_bytes,
+            store_seconds=self._store_seconds,
+            load_bytes=self._load_bytes,
+            load_seconds=self._load_seconds,
+            in_flight=len(self._in_flight),
+            manager=mgr,
+        )
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _submit(self, submit: Any) -> TransferFuture:
+        """Submit under the next free job id (ids the caller uses on the same worker are skipped)."""
+        for _ in range(1024):
+            job_id = next(self._job_ids)
+            try:
+                future: TransferFuture = submit(job_id)
+            except DuplicateJob:
+                continue
+            self._in_flight[job_id] = future
+            return future
+        raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
+
+    def _drop_events(self) -> None:
+        if not self._keep_events:
+            self._mgr.take_events()
+
+
+def _as_block_list(ids: Sequence[int] | np.ndarray) -> list[Any]:
+    """Plain Python ids (the worker validates them; a numpy array's become ints)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
+def _result_or_none(fut: TransferFuture) -> TransferResult | None:
+    """The result of a done future if its copy succeeded, else None."""
+    try:
+        res = fut.result()
+    except TransferFailed:
+        return None
+    return res if res.success else None

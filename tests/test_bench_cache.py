@@ -1,0 +1,77 @@
+"""``run_cache_bench`` on a tiny hand-made trace: rows, ratios, LRU baseline, clear errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from aiokv.__main__ import main
+from aiokv.bench.cache import find_traces, run_cache_bench
+
+
+def write_trace(path: Path, requests: int = 80, seed: int = 0) -> Path:
+    """Requests that share a few system prompts and repeat some user turns."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for r in range(requests):
+            ids = [100 * rng.randrange(4) + i for i in range(3)] + [1000 + (r % 13) * 10 + i
+                                                                     for i in range(rng.randint(0, 5))]
+            row = {"timestamp": r, "input_length": 512 * len(ids), "output_length": 8, "hash_ids": ids}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_rows_on_a_tiny_trace(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "tiny_trace.jsonl")
+    said: list[str] = []
+    rows = run_cache_bench(traces=[str(trace)], capacities=[8, 40], quick=True, progress=said.append)
+    rates = [r for r in rows if r.unit == "%"]
+    names = [r.name for r in rates]
+    for cap in ("8", "40"):
+        assert f"adaptive @ {cap} blocks" in names and f"lru @ {cap} blocks" in names
+    for row in rates:
+        assert 0.0 <= row.value <= 100.0 and row.ceiling is not None and 0.0 < row.ceiling <= 100.0
+        assert row.ratio == pytest.approx(row.value / row.ceiling)
+        assert row.section.startswith(("cache hit rate: tiny", "cache face: tiny"))
+    face = {r.name: r for r in rows if r.section.startswith("cache face")}
+    hit = face["hit rate through the face"]
+    assert "bytes verified" in hit.note
+    assert hit.value == pytest.approx(hit.extra["simulator"] * 100)  # the face decides like the simulator
+    assert face["restore latency p99"].value >= face["restore latency p50"].value > 0
+    assert face["restore GB/s (copy time)"].value > 0 and face["restore GB/s (copy time)"].ceiling > 0
+    assert any("tiny" in line for line in said)
+
+
+def test_lru_policy_gives_one_row_per_capacity(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", requests=30)
+    rows = run_cache_bench(traces=[trace], capacities=[16], policy="lru", quick=True)
+    hit_rows = [r.name for r in rows if r.unit == "%" and r.section.startswith("cache hit")]
+    assert hit_rows == ["lru @ 16 blocks"]
+
+
+def test_missing_traces_raise_file_not_found_naming_the_flag(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(FileNotFoundError, match="--trace"):
+        run_cache_bench(traces=[str(tmp_path / "nope.jsonl")])
+    monkeypatch.setattr("aiokv.bench.cache._search_dirs", lambda: [tmp_path / "empty"])
+    with pytest.raises(FileNotFoundError, match="--trace PATH"):
+        find_traces()
+
+
+def test_the_trace_dir_may_come_from_the_environment(tmp_path: Path, monkeypatch) -> None:
+    write_trace(tmp_path / "b_trace.jsonl")
+    write_trace(tmp_path / "a_trace.jsonl")
+    monkeypatch.setenv("AIOKV_TRACE_DIR", str(tmp_path))
+    assert [p.name for p in find_traces()] == ["a_trace.jsonl", "b_trace.jsonl"]
+
+
+def test_bad_arguments_are_value_errors_and_the_cli_prints_them(tmp_path: Path, capsys) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", requests=5)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        run_cache_bench(traces=[trace], policy="nope")
+    with pytest.raises(ValueError, match="positive"):
+        run_cache_bench(traces=[trace], capacities=[0])
+    assert main(["bench", "cache", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "aiokv bench cache: trace not found" in capsys.readouterr().err
