@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 
@@ -160,3 +160,73 @@ def test_adaptive_keeps_admitting_when_everything_fits() -> None:
         mgr.complete_store(plan.keys_to_store)
     assert not adm.filtering
     assert mgr.count_leading_hits(convo[-1]) == len(convo[-1])
+
+
+def _chat(turns: int, convs: int, partial_tail: bool) -> list[list[int]]:
+    # Interleaved conversations; each turn re-sends the previous turn and adds two blocks. With
+    # ``partial_tail`` the last block of a turn is partial: the next turn sends a new id for it.
+    out: list[list[int]] = []
+    fresh = 1_000_000
+    history: list[list[int]] = [[] for _ in range(convs)]
+    for _ in range(turns):
+        for c in range(convs):
+            prev = history[c]
+            keep = prev[:-1] if partial_tail and prev else prev
+            cur = [*keep, fresh, fresh + 1]
+            fresh += 2
+            history[c] = cur
+            out.append([0, *cur])
+    return out
+
+
+def test_adaptive_skips_last_keys_that_never_come_back() -> None:
+    trace = _chat(turns=12, convs=40, partial_tail=True)  # 961 distinct keys
+    mgr = ChunkManager(800, policy="adaptive")
+    for keys in trace:
+        plan = mgr.prepare_store(keys)
+        assert plan is not None
+        mgr.complete_store(plan.keys_to_store)
+    adm = mgr.admission
+    assert isinstance(adm, AdaptiveAdmission) and adm.tail.skip
+    assert len(mgr) == 800  # full: last keys are skipped only when room is short
+    last = trace[-1]
+    assert last[-1] not in mgr and last[-2] in mgr
+    # Every key the next turn re-sends is still a hit.
+    assert mgr.count_leading_hits(last[:-1]) == len(last) - 1
+    mgr.check_invariants()
+
+
+def test_adaptive_keeps_last_keys_that_are_sent_again() -> None:
+    trace = _chat(turns=12, convs=40, partial_tail=False)
+    mgr = ChunkManager(10_000, policy="adaptive")
+    for keys in trace:
+        plan = mgr.prepare_store(keys)
+        assert plan is not None
+        mgr.complete_store(plan.keys_to_store)
+    adm = mgr.admission
+    assert isinstance(adm, AdaptiveAdmission) and not adm.tail.skip
+    assert mgr.count_leading_hits(trace[-1]) == len(trace[-1])
+
+
+def test_tail_skip_raises_hit_rate_on_a_small_cache() -> None:
+    from aiokv.cache.trace import simulate
+
+    trace = _chat(turns=10, convs=60, partial_tail=True)
+    never_skip = AdaptiveAdmission(600)
+    never_skip.tail.ratio = 0.0
+    without = simulate(trace, 600, "adaptive", never_skip)
+    assert simulate(trace, 600, "adaptive") > without + 0.02
+
+
+def test_admit_offer_defaults_to_admit() -> None:
+    from aiokv.cache import AdmitAll
+
+    class EvenOnly(AdmitAll):
+        def admit(self, keys: Sequence[Hashable], free_chunks: int) -> list[bool]:
+            return [int(str(k)) % 2 == 0 for k in keys]
+
+    adm = EvenOnly()
+    assert adm.admit_offer([1, 2, 3, 4], [3, 4], 10) == [False, True]
+    mgr = ChunkManager(8, policy="lru", admission=adm)
+    plan = mgr.prepare_store([1, 2, 3, 4])
+    assert plan is not None and plan.keys_to_store == [2, 4]

@@ -2,8 +2,9 @@
 
 Most blocks of real traffic are never requested again, and storing one evicts a block that
 might be. An admission policy sees the offered keys that are not held yet (in prefix order)
-and says which to store. ``admit`` must not change state (the manager may drop the plan when
-the store cannot fit); ``on_offer`` then records the decision once it is final.
+and says which to store. ``admit`` (or ``admit_offer``, which also sees the whole offer) must
+not change state (the manager may drop the plan when the store cannot fit); ``on_offer`` then
+records the decision once it is final.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class AdmissionPolicy(ABC):
     @abstractmethod
     def admit(self, keys: Sequence[Hashable], free_chunks: int) -> list[bool]:
         """One flag per key (prefix order); no state change."""
+
+    def admit_offer(
+        self, offer: Sequence[Hashable], keys: Sequence[Hashable], free_chunks: int
+    ) -> list[bool]:
+        """Like ``admit`` for ``keys``, the not-held part of ``offer`` (every offered key, in
+        prefix order); what the manager calls. Override to use the offer's shape."""
+        return self.admit(keys, free_chunks)
 
     def on_offer(self, keys: Sequence[Hashable], admitted: Sequence[bool]) -> None:
         """The store went ahead with these decisions (same keys as ``admit``)."""
@@ -148,6 +156,67 @@ class _Shadow:
             held[key] = None
 
 
+class _TailReuse:
+    """Learns whether the last key of an offer is ever offered again, against the key before it.
+
+    Why: a serving engine that hashes a request's partial last block offers a key that the
+    next turn never sends again (the block grows and hashes anew). On the Mooncake chat trace
+    about 1% of those last keys come back against about 30% of the others, so storing them
+    only displaces blocks that will be used. Engines that offer only full blocks re-send their
+    last key like any other, and then nothing is skipped.
+
+    Each offer of two or more keys remembers its last and its second-to-last key in two
+    windows of equal length; a later offer of a remembered key counts a return for its side.
+    Both sides enter one key per offer, so their return counts compare directly; counts
+    halve every few windows so the verdict follows the traffic. ``skip`` holds while last
+    keys return less than ``ratio`` times as often (chat trace 0.02: skipped; the synthetic
+    trace 0.14: kept, since skipping there cost hits at large sizes).
+    """
+
+    __slots__ = (
+        "_body",
+        "_offers",
+        "_period",
+        "_tail",
+        "body_returns",
+        "min_returns",
+        "ratio",
+        "skip",
+        "tail_returns",
+    )
+
+    def __init__(self, window: int, *, ratio: float = 0.1, min_returns: int = 32) -> None:
+        self._tail = _Ghost(window)
+        self._body = _Ghost(window)
+        self.tail_returns = 0.0
+        self.body_returns = 0.0
+        self.ratio = ratio
+        self.min_returns = min_returns
+        self.skip = False
+        self._offers = 0
+        self._period = 4 * max(1, window)
+
+    def observe(self, offer: Sequence[Hashable]) -> None:
+        tail, body = self._tail, self._body
+        if len(tail) or len(body):
+            for key in offer:
+                if tail.discard(key):
+                    self.tail_returns += 1
+                if body.discard(key):
+                    self.body_returns += 1
+        if len(offer) < 2:
+            return
+        tail.add(offer[-1])
+        body.add(offer[-2])
+        self._offers += 1
+        if self._offers >= self._period:
+            self._offers = 0
+            self.tail_returns /= 2
+            self.body_returns /= 2
+        b = self.body_returns
+        self.skip = b >= self.min_returns and self.tail_returns < self.ratio * b
+
+
 class AdaptiveAdmission(AdmissionPolicy):
     """Admit everything or only second offers, whichever a miniature simulation says wins.
 
@@ -157,6 +226,9 @@ class AdaptiveAdmission(AdmissionPolicy):
     rules on the live traffic; decayed hit counts pick the rule, with hysteresis. While the
     cache has free chunks everything is admitted. The second-offer ghost is kept up to date
     in both modes so a switch takes effect at once.
+
+    In both modes, once the cache is full, an offer's last key is turned away while
+    ``_TailReuse`` finds such keys rarely come back (a request's partial last block).
     """
 
     def __init__(
@@ -179,6 +251,7 @@ class AdaptiveAdmission(AdmissionPolicy):
         self._decay_per_ref = 0.5 ** (1.0 / (half_life * scaled))
         self._margin = margin
         self.filtering = False
+        self.tail = _TailReuse(max(1024, capacity))
 
     def _sampled(self, key: Hashable) -> bool:
         return ((hash(key) * 0x9E3779B97F4A7C15) >> 16) & 0xFFFFFFFF < self._threshold
@@ -189,6 +262,14 @@ class AdaptiveAdmission(AdmissionPolicy):
         ghost = self._ghost
         return [key in ghost for key in keys]
 
+    def admit_offer(
+        self, offer: Sequence[Hashable], keys: Sequence[Hashable], free_chunks: int
+    ) -> list[bool]:
+        flags = self.admit(keys, free_chunks)
+        if self.tail.skip and free_chunks < len(keys) and len(offer) >= 2 and keys[-1] == offer[-1]:
+            flags[-1] = False
+        return flags
+
     def on_offer(self, keys: Sequence[Hashable], admitted: Sequence[bool]) -> None:
         ghost = self._ghost
         for key, ok in zip(keys, admitted):
@@ -198,6 +279,7 @@ class AdaptiveAdmission(AdmissionPolicy):
                 ghost.add(key)
 
     def observe(self, offer: Sequence[Hashable]) -> None:
+        self.tail.observe(offer)
         sample = [k for k in offer if self._sampled(k)]
         if not sample:
             return

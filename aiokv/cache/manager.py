@@ -186,7 +186,7 @@ class ChunkManager:
         if not new:
             self._admission.observe(offer)
             return StorePlan([], [], [])
-        flags = self._admission.admit(new, len(self._free))
+        flags = self._admission.admit_offer(offer, new, len(self._free))
         to_store = [k for k, ok in zip(new, flags) if ok]
         need = len(to_store) - len(self._free)
         victims: list[Hashable] = []

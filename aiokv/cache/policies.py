@@ -115,6 +115,8 @@ class AdaptivePolicy(PrefixLRUPolicy):
 
     Why: on the Mooncake traces, what is admitted matters more than what is evicted; an
     adaptive filter over a tail-first LRU is never worse than LRU at any size we measured.
+    Eviction order matters little behind the filter: frequency-weighted orders measured within
+    0.003 of this one, and orders by a predicted next use (conversation pace) did worse.
     """
 
     preferred_admission = "adaptive"
