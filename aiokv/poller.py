@@ -20,6 +20,8 @@ import anyio.lowlevel
 
 __all__ = ["Poller"]
 
+_MAX_NAP = 0.01
+
 
 class Poller:
     """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0."""
@@ -67,7 +69,8 @@ class Poller:
                 self.sleeps += 1
                 eta = self._expected_wait()
                 early = eta is not None and eta > self._spin + self._interval
-                nap = eta - self._spin if early and eta is not None else self._interval
+                # Capped, so a stale rate estimate costs at most a few milliseconds of delay.
+                nap = min(eta - self._spin, _MAX_NAP) if early and eta is not None else self._interval
                 with anyio.move_on_after(nap):
                     await self._wake.wait()  # a submit cuts the sleep short
                 if early:
