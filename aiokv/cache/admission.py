@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from .registry import Registry
+
 __all__ = [
     "AdaptiveAdmission",
     "AdmissionPolicy",
@@ -293,24 +295,20 @@ class AdaptiveAdmission(AdmissionPolicy):
             self.filtering = True
 
 
-_REGISTRY: dict[str, AdmissionFactory] = {
-    "all": AdmitAll,
-    "second-offer": SecondOfferAdmission,
-    "adaptive": AdaptiveAdmission,
-}
+_REGISTRY: Registry[AdmissionPolicy] = Registry(
+    "admission policy",
+    {"all": AdmitAll, "second-offer": SecondOfferAdmission, "adaptive": AdaptiveAdmission},
+)
 
 
 def register_admission(name: str, factory: AdmissionFactory, *, replace: bool = False) -> None:
     """Make ``factory`` selectable by ``name``."""
-    key = name.lower()
-    if key in _REGISTRY and not replace:
-        raise ValueError(f"admission policy {name!r} is already registered")
-    _REGISTRY[key] = factory
+    _REGISTRY.register(name, factory, replace=replace)
 
 
 def available_admissions() -> list[str]:
     """Registered admission names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def make_admission(admission: str | AdmissionPolicy | None, capacity: int) -> AdmissionPolicy:
@@ -319,8 +317,4 @@ def make_admission(admission: str | AdmissionPolicy | None, capacity: int) -> Ad
         return AdmitAll()
     if isinstance(admission, AdmissionPolicy):
         return admission
-    try:
-        factory = _REGISTRY[admission.lower()]
-    except KeyError:
-        raise ValueError(f"unknown admission policy {admission!r}; known: {available_admissions()}") from None
-    return factory(capacity)
+    return _REGISTRY.build(admission, capacity)

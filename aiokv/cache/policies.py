@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from .registry import Registry
+
 __all__ = [
     "ARCPolicy",
     "AdaptivePolicy",
@@ -216,33 +218,24 @@ class ARCPolicy(EvictionPolicy):
         return out
 
 
-_REGISTRY: dict[str, PolicyFactory] = {
-    "lru": LRUPolicy,
-    "prefix-lru": PrefixLRUPolicy,
-    "adaptive": AdaptivePolicy,
-    "arc": ARCPolicy,
-}
+_REGISTRY: Registry[EvictionPolicy] = Registry(
+    "eviction policy",
+    {"lru": LRUPolicy, "prefix-lru": PrefixLRUPolicy, "adaptive": AdaptivePolicy, "arc": ARCPolicy},
+)
 
 
 def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
     """Make ``factory`` selectable by ``name`` in ChunkManager and the simulator."""
-    key = name.lower()
-    if key in _REGISTRY and not replace:
-        raise ValueError(f"eviction policy {name!r} is already registered")
-    _REGISTRY[key] = factory
+    _REGISTRY.register(name, factory, replace=replace)
 
 
 def available_policies() -> list[str]:
     """Registered policy names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """A policy instance from a registered name (or the instance itself)."""
     if isinstance(policy, EvictionPolicy):
         return policy
-    try:
-        factory = _REGISTRY[policy.lower()]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {policy!r}; known: {available_policies()}") from None
-    return factory(capacity)
+    return _REGISTRY.build(policy, capacity)

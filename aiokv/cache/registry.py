@@ -1,0 +1,34 @@
+"""A name -> factory table, shared by eviction and admission policies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["Registry"]
+
+
+class Registry(Generic[T]):
+    """Factories taking a capacity in chunks, selectable by a case-insensitive name."""
+
+    def __init__(self, kind: str, entries: dict[str, Callable[[int], T]]) -> None:
+        self.kind = kind
+        self._entries = {name.lower(): factory for name, factory in entries.items()}
+
+    def register(self, name: str, factory: Callable[[int], T], *, replace: bool = False) -> None:
+        key = name.lower()
+        if key in self._entries and not replace:
+            raise ValueError(f"{self.kind} {name!r} is already registered; pass replace=True")
+        self._entries[key] = factory
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def build(self, name: str, capacity: int) -> T:
+        try:
+            factory = self._entries[name.lower()]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
+        return factory(capacity)
