@@ -304,6 +304,7 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
     big_gemm, med_gemm = _Gemm(8192, 8192, 8192), _Gemm(4096, 4096, 14336)
     say("GEMMs alone")
     big_alone, med_alone = big_gemm.alone(window), med_gemm.alone(window)
+    say(f"ceilings {ceil}")
     rows.append(BenchRow(sec, "GEMM 8192^3 bf16 alone", big_alone, "TFLOP/s"))
     rows.append(BenchRow(sec, "GEMM 4096x4096x14336 bf16 alone (thread)", med_alone, "TFLOP/s"))
     with big_gemm:
@@ -358,12 +359,24 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                             "one job in flight at a time")
                 return out
 
-            rows += asyncio.run(body())
+            try:
+                rows += asyncio.run(body())
+            except Exception as exc:  # keep the rest of the run; the row says what broke
+                rows.append(BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200]))
+            say("\n".join(f"  {r.name}: {r.value:.2f} {r.unit} ratio={r.ratio} {r.note}"
+                          for r in rows if r.section == sec))
     say("wake-up latency")
-    p50, p99, devt = asyncio.run(_latency(100 if quick else 400))
+    try:
+        p50, p99, devt = asyncio.run(_latency(100 if quick else 400))
+    except Exception as exc:
+        p50 = p99 = devt = float("nan")
+        say(f"latency failed: {exc!r}")
     rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p50", p50, "us", None,
                          f"device time {devt:.1f} us"))
     rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p99", p99, "us"))
     say("baselines")
-    rows += _baselines(per_layer, reps, ceil)
+    try:
+        rows += _baselines(per_layer, reps, ceil)
+    except Exception as exc:
+        rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", 0.0, "", None, repr(exc)[:200]))
     return rows

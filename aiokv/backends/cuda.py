@@ -1,0 +1,622 @@
+"""CUDA backend: dedicated streams per direction, pooled events, errors translated once.
+
+The only module that imports cuda-python. Everything else (copy strategies, host pool)
+talks to the device through the small ``Driver`` facade defined here, so that every
+return code is checked in one place and translated into ``aiokv.specs`` errors.
+
+Threads: the driver is called from the submitting thread (an event loop or an engine
+thread), from whoever polls, and from whoever waits. ``Driver.ensure_context`` makes the
+device's primary context (the one torch uses) current in each such thread once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from cuda.bindings import driver as cu
+
+from ..layout import CanonicalKVCaches
+from ..plan import CopyPlan, HostLayout
+from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
+from .base import Backend, Completion, HostPool, Lane
+
+__all__ = ["CudaBackend", "CudaCallFailed", "Driver"]
+
+_OK = cu.CUresult.CUDA_SUCCESS
+_NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
+
+# Errors after which the context is unusable for the rest of the process.
+_STICKY = frozenset(
+    int(getattr(cu.CUresult, name))
+    for name in (
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_ASSERT",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_LAUNCH_TIMEOUT",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_ERROR_EXTERNAL_DEVICE",
+    )
+    if hasattr(cu.CUresult, name)
+)
+# Errors that mean the caller handed us something unusable.
+_BAD_INPUT = frozenset(
+    int(getattr(cu.CUresult, name))
+    for name in (
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_INVALID_HANDLE",
+        "CUDA_ERROR_INVALID_CONTEXT",
+        "CUDA_ERROR_INVALID_DEVICE",
+        "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+    )
+    if hasattr(cu.CUresult, name)
+)
+
+
+class CudaCallFailed(AiokvError, RuntimeError):
+    """A driver call failed for a reason that is neither bad input nor a broken context."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _DriverError(Exception):
+    """The raw driver failure, kept as ``__cause__`` of the translated error."""
+
+    def __init__(self, code: int, what: str) -> None:
+        name = _error_name(code)
+        super().__init__(f"{what} returned {name} ({code})")
+        self.code = code
+        self.name = name
+
+
+def _error_name(code: int) -> str:
+    try:
+        return cu.CUresult(code).name
+    except ValueError:
+        return "CUDA_ERROR_UNKNOWN_CODE"
+
+
+def _translate(code: int, what: str) -> Exception:
+    """The one place a driver code becomes an aiokv error (raised ``from`` the raw one)."""
+    raw = _DriverError(code, what)
+    if code in _STICKY:
+        err: Exception = WorkerBroken(
+            f"the CUDA context is broken ({raw}); every pending transfer failed. Restart the "
+            "process: a sticky CUDA error cannot be cleared"
+        )
+    elif code in _BAD_INPUT:
+        err = InvalidSpec(f"CUDA rejected the request: {raw}")
+    else:
+        err = CudaCallFailed(f"CUDA call failed: {raw}", code)
+    err.__cause__ = raw
+    return err
+
+
+@dataclass
+class _Events:
+    """A timing pair around one job's copies and the completion event after them."""
+
+    start: Any
+    stop: Any
+    done: Any
+
+
+class Driver:
+    """A thin, checked facade over the driver for one device (streams, events, copies).
+
+    Also holds the backend-wide ``broken`` state: once a sticky error is seen, every
+    pending completion reports it and every launch raises ``WorkerBroken``.
+    """
+
+    # Tell the driver where each side of a batched copy lives (measured: no gain on the H200).
+    use_location_hints: bool = False
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._local = threading.local()
+        self.broken: WorkerBroken | None = None
+        self._check(cu.cuInit(0), "cuInit")
+        self.device = self._check(cu.cuDeviceGet(device_index), "cuDeviceGet")
+        self.context = self._check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.ensure_context()
+        self.driver_version = int(self._check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        least, greatest = self._check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        self.priority_low, self.priority_high = int(least), int(greatest)
+        self._pool_lock = threading.Lock()
+        self._event_pool: list[_Events] = []
+        self._sync_pool: list[Any] = []
+        self._all_events: list[Any] = []
+        self._batch_fn, self.batch_kind = self._load_batch()
+        self._attrs: dict[tuple[bool, bool | None], Any] = {}
+        self._probe_stream = self.create_stream()
+        self._probe_event = self.create_event()
+
+    # -- checking -------------------------------------------------------------------------
+
+    def _check(self, ret: Any, what: str) -> Any:
+        """Unpack a cuda-python return tuple, raising the translated error on failure."""
+        code = ret[0] if isinstance(ret, tuple) else ret
+        if code != _OK:
+            raise self.fail(int(code), what)
+        if isinstance(ret, tuple):
+            return ret[1] if len(ret) == 2 else ret[1:]
+        return None
+
+    def fail(self, code: int, what: str) -> Exception:
+        """Translate ``code``; a sticky one also marks the whole backend broken."""
+        err = _translate(code, what)
+        if isinstance(err, WorkerBroken) and self.broken is None:
+            self.broken = err
+        return err
+
+    def ensure_context(self) -> None:
+        """Make the primary context current in the calling thread (once per thread)."""
+        if getattr(self._local, "ready", False):
+            return
+        ret = cu.cuCtxSetCurrent(self.context)
+        if ret[0] != _OK:
+            raise self.fail(int(ret[0]), "cuCtxSetCurrent")
+        self._local.ready = True
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    # -- streams and events ---------------------------------------------------------------
+
+    def create_stream(self, high_priority: bool = False) -> Any:
+        """A non-blocking stream (never synchronises with the legacy default stream)."""
+        prio = self.priority_high if high_priority else self.priority_low
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        return self._check(cu.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
+
+    def destroy_stream(self, stream: Any) -> None:
+        cu.cuStreamDestroy(stream)  # best effort at teardown
+
+    def create_event(self, timing: bool = False, blocking: bool = False) -> Any:
+        flags = 0
+        if not timing:
+            flags |= cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        if blocking:
+            flags |= cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+        ev = self._check(cu.cuEventCreate(flags), "cuEventCreate")
+        with self._pool_lock:
+            self._all_events.append(ev)
+        return ev
+
+    def take_job_events(self) -> _Events:
+        """A timing pair plus a blocking-sync completion event, from the pool."""
+        with self._pool_lock:
+            if self._event_pool:
+                return self._event_pool.pop()
+        return _Events(
+            self.create_event(timing=True),
+            self.create_event(timing=True),
+            self.create_event(blocking=True),
+        )
+
+    def give_job_events(self, events: _Events) -> None:
+        with self._pool_lock:
+            self._event_pool.append(events)
+
+    def take_sync_event(self) -> Any:
+        """A plain (no timing) event for dependencies and fork/join edges."""
+        with self._pool_lock:
+            if self._sync_pool:
+                return self._sync_pool.pop()
+        return self.create_event()
+
+    def give_sync_event(self, event: Any) -> None:
+        with self._pool_lock:
+            self._sync_pool.append(event)
+
+    def record(self, event: Any, stream: Any) -> None:
+        ret = cu.cuEventRecord(event, stream)
+        if ret[0] != _OK:
+            raise self.fail(int(ret[0]), "cuEventRecord")
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        """Enqueue a wait on the event's latest record; the event may be re-recorded after."""
+        ret = cu.cuStreamWaitEvent(stream, event, 0)
+        if ret[0] != _OK:
+            raise self.fail(int(ret[0]), "cuStreamWaitEvent")
+
+    def query(self, event: Any) -> bool:
+        """True when done, False when NOT_READY; anything else raises (translated)."""
+        code = cu.cuEventQuery(event)[0]
+        if code == _OK:
+            return True
+        if code == _NOT_READY:
+            return False
+        raise self.fail(int(code), "cuEventQuery")
+
+    def confirm_healthy(self) -> None:
+        """Raise if the context died: after a sticky error, event queries may still say
+        "done" for work that never ran, but enqueueing anything reports the error."""
+        self.record(self._probe_event, self._probe_stream)
+
+    def synchronize(self, event: Any) -> None:
+        """Block (GIL released, no spin for blocking-sync events) until the event lands."""
+        code = cu.cuEventSynchronize(event)[0]
+        if code != _OK:
+            raise self.fail(int(code), "cuEventSynchronize")
+
+    def elapsed(self, start: Any, stop: Any) -> float | None:
+        ret = cu.cuEventElapsedTime(start, stop)
+        return float(ret[1]) / 1e3 if ret[0] == _OK else None
+
+    def stream_synchronize(self, stream: Any) -> None:
+        code = cu.cuStreamSynchronize(stream)[0]
+        if code != _OK:
+            raise self.fail(int(code), "cuStreamSynchronize")
+
+    # -- host memory ----------------------------------------------------------------------
+
+    def host_register(self, address: int, nbytes: int) -> int:
+        """Pin (page-lock) host memory; returns its device (UVA) address."""
+        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        self._check(cu.cuMemHostRegister(address, nbytes, flags), "cuMemHostRegister")
+        try:
+            dptr = self._check(cu.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer")
+        except BaseException:
+            cu.cuMemHostUnregister(address)
+            raise
+        return int(dptr)
+
+    def host_unregister(self, address: int) -> None:
+        self._check(cu.cuMemHostUnregister(address), "cuMemHostUnregister")
+
+    # -- copies ---------------------------------------------------------------------------
+
+    def _load_batch(self) -> tuple[Any, str]:
+        """Bind cuMemcpyBatchAsync for raw pointer arrays (ctypes releases the GIL).
+
+        cuda-python's own wrapper converts Python lists entry by entry, which costs about
+        half a microsecond per page and holds the GIL; numpy arrays go in as they are here.
+        """
+        if self.driver_version < 12080:
+            return None, "loop"
+        version = 13000 if self.driver_version >= 13000 else 12080
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        try:
+            ret = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", version, flags)
+        except Exception:
+            return None, "loop"
+        if ret[0] != _OK or not int(ret[1]):
+            return None, "loop"
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        if version >= 13000:
+            proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp)
+            return proto(int(ret[1])), "batch13"
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)
+        return proto(int(ret[1])), "batch12"
+
+    def _attr(self, stream_ordered: bool, to_host: bool | None) -> Any:
+        hints = to_host if self.use_location_hints else None
+        attr = self._attrs.get((stream_ordered, hints))
+        if attr is None:
+            attr = cu.CUmemcpyAttributes()
+            order = cu.CUmemcpySrcAccessOrder
+            attr.srcAccessOrder = (
+                order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                if stream_ordered
+                else order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+            )
+            if hints is not None:
+                host, dev = cu.CUmemLocation(), cu.CUmemLocation()
+                host.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+                dev.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                dev.id = self.device_index
+                attr.srcLocHint, attr.dstLocHint = (dev, host) if hints else (host, dev)
+            attr.flags = 0
+            self._attrs[(stream_ordered, hints)] = attr
+        return attr
+
+    def memcpy_batch(
+        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any, *,
+        stream_ordered: bool = True, to_host: bool | None = None,
+    ) -> None:
+        """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64.
+
+        Falls back to one cuMemcpyAsync per entry where the driver lacks batched copies.
+        """
+        n = int(dst.shape[0])
+        if n == 0:
+            return
+        if self._batch_fn is None:
+            for d, s, k in zip(dst.tolist(), src.tolist(), sizes.tolist()):
+                ret = cu.cuMemcpyAsync(d, s, k, stream)
+                if ret[0] != _OK:
+                    raise self.fail(int(ret[0]), "cuMemcpyAsync")
+            return
+        attr = self._attr(stream_ordered, to_host)
+        idx = ctypes.c_size_t(0)
+        args: list[Any] = [dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, n,
+                           attr.getPtr(), ctypes.addressof(idx), 1]
+        if self.batch_kind == "batch12":
+            fail_idx = ctypes.c_size_t(0)
+            args.append(ctypes.addressof(fail_idx))
+        args.append(int(stream))
+        code = self._batch_fn(*args)
+        if code != 0:
+            raise self.fail(int(code), "cuMemcpyBatchAsync")
+
+    def memcpy_batch_lists(self, dst: list[int], src: list[int], sizes: list[int], stream: Any) -> None:
+        """cuda-python's own batched call on Python lists: the baseline a user would write."""
+        attr = self._attr(True, None)
+        dsts = [cu.CUdeviceptr(x) for x in dst]
+        srcs = [cu.CUdeviceptr(x) for x in src]
+        ret = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attr], [0], 1, stream)
+        code = ret[0] if isinstance(ret, tuple) else ret
+        if code != _OK:
+            raise self.fail(int(code), "cuMemcpyBatchAsync")
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        ret = cu.cuMemcpyAsync(dst, src, nbytes, stream)
+        if ret[0] != _OK:
+            raise self.fail(int(ret[0]), "cuMemcpyAsync")
+
+    def close(self) -> None:
+        """Destroy pooled events and release the primary context reference."""
+        with self._pool_lock:
+            events, self._all_events = self._all_events, []
+            self._event_pool, self._sync_pool = [], []
+        for ev in events:
+            cu.cuEventDestroy(ev)
+        cu.cuStreamDestroy(self._probe_stream)
+        cu.cuDevicePrimaryCtxRelease(self.device)
+
+
+class CudaCompletion(Completion):
+    """The completion event of one job; its events go back to the pool once observed."""
+
+    __slots__ = ("_done", "_driver", "_elapsed", "_error", "_events", "_lock")
+
+    def __init__(self, driver: Driver, events: _Events, error: BaseException | None = None) -> None:
+        self._driver = driver
+        self._events: _Events | None = events
+        self._done = False
+        self._error = error
+        self._elapsed: float | None = None
+        self._lock = threading.Lock()
+
+    def query(self) -> bool:
+        if self._done:
+            return True
+        drv = self._driver
+        if drv.broken is not None:
+            self._finish(drv.broken)
+            return True
+        events = self._events
+        if events is None:
+            return self._done
+        try:
+            drv.ensure_context()
+            if not drv.query(events.done):
+                return False
+            drv.confirm_healthy()
+        except Exception as exc:
+            self._finish(exc)
+            return True
+        self._finish(None)
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.query():
+            return True
+        events = self._events
+        if timeout is None and events is not None:
+            try:
+                self._driver.synchronize(events.done)
+                self._driver.confirm_healthy()
+            except Exception as exc:
+                self._finish(exc)
+                return True
+            return self.query()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 20e-6
+        while not self.query():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done:
+                return
+            events, self._events = self._events, None
+            if self._error is None:
+                self._error = error
+            if events is not None and self._error is None:
+                self._elapsed = self._driver.elapsed(events.start, events.stop)
+            self._done = True
+        if events is not None and self._driver.broken is None:
+            self._driver.give_job_events(events)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def elapsed(self) -> float | None:
+        return self._elapsed
+
+
+class _Dependency:
+    """What a copy waits for: an event recorded (or given) at submit time."""
+
+    __slots__ = ("event", "owned")
+
+    def __init__(self, event: Any, owned: bool) -> None:
+        self.event = event
+        self.owned = owned
+
+
+class CudaLane(Lane):
+    """One direction: a main stream whose job end events mark completion, in order."""
+
+    def __init__(self, backend: CudaBackend, direction: Direction, strategy: Any) -> None:
+        self.direction = direction
+        self._backend = backend
+        self._driver = backend.driver
+        self._strategy = strategy
+        self.strategy_name: str = strategy.name
+        self.stream = strategy.main_stream
+
+    def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
+        drv = self._driver
+        drv.ensure_context()
+        drv.check_usable()
+        events = drv.take_job_events()
+        dep: _Dependency | None = dependency
+        try:
+            prepared = self._strategy.prepare(plan)
+        except BaseException:
+            drv.give_job_events(events)
+            if dep is not None and dep.owned:
+                drv.give_sync_event(dep.event)
+            raise
+        error: BaseException | None = None
+        try:
+            dep_event = dep.event if dep is not None else None
+            self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
+        except Exception as exc:
+            if drv.broken is not None:
+                raise drv.broken from exc
+            error = exc  # partly enqueued: the job fails, but only once its copies are over
+        finally:
+            if dep is not None and dep.owned:
+                drv.give_sync_event(dep.event)
+        drv.record(events.done, self.stream)
+        return CudaCompletion(drv, events, error)
+
+    def close(self) -> None:
+        self._strategy.close()
+
+
+class CudaBackend(Backend):
+    """Copies between CUDA KV tensors and a ``cudaHostRegister``'d host pool."""
+
+    name = "cuda"
+
+    def __init__(self, kv: CanonicalKVCaches, options: Any = None) -> None:
+        from ..core import WorkerOptions
+
+        self.options = WorkerOptions.coerce(options)
+        devices = {t.tensor.device for t in kv.tensors}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise InvalidSpec(
+                f"the CUDA backend needs every KV tensor on one CUDA device; got {sorted(map(str, devices))}"
+            )
+        dev = next(iter(devices))
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", index)
+        from ..copy import STRATEGIES
+
+        if self.options.strategy not in STRATEGIES:
+            raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.options.strategy!r}")
+        if self.options.streams_per_direction < 0:
+            raise InvalidSpec("streams_per_direction must be >= 0 (0 picks a default)")
+        torch.cuda.init()
+        try:
+            self.driver = Driver(self.torch_device.index)
+        except AiokvError:
+            raise
+        self._lanes: list[CudaLane] = []
+
+    def check_caches(self, kv: CanonicalKVCaches) -> None:
+        for i, t in enumerate(kv.tensors):
+            if t.tensor.device != self.torch_device:
+                raise InvalidSpec(f"tensors[{i}] is on {t.tensor.device}, expected {self.torch_device}")
+
+    def allocate_pool(self, nbytes: int) -> HostPool:
+        from ..host_pool import PinnedHostPool
+
+        return PinnedHostPool(nbytes, self.driver)
+
+    def capture(self, after: Any) -> Any:
+        """Record (or take) the event a copy waits on, on the submitting thread."""
+        drv = self.driver
+        drv.ensure_context()
+        drv.check_usable()
+        if after is None:
+            with torch.cuda.device(self.torch_device):
+                stream: Any = torch.cuda.current_stream().cuda_stream
+            return self._record_on(stream)
+        if isinstance(after, torch.cuda.Event):
+            handle = int(after.cuda_event) if getattr(after, "cuda_event", 0) else 0
+            if handle == 0:
+                return None  # never recorded: nothing to wait for (torch does the same)
+            return _Dependency(cu.CUevent(handle), owned=False)
+        if isinstance(after, torch.cuda.Stream):
+            return self._record_on(after.cuda_stream)
+        proto = getattr(after, "__cuda_stream__", None)
+        if proto is not None:
+            value = proto() if callable(proto) else proto
+            try:
+                handle = int(value[1]) if isinstance(value, tuple) else int(value)
+            except (TypeError, ValueError, IndexError) as exc:
+                raise InvalidSpec(f"after.__cuda_stream__ returned {value!r}, not (version, handle)") from exc
+            return self._record_on(handle)
+        if isinstance(after, int) and not isinstance(after, bool):
+            if after < 0:
+                raise InvalidSpec(f"after= stream handle must be >= 0, got {after}")
+            return self._record_on(after)
+        raise InvalidSpec(
+            f"after= must be None, a torch.cuda.Event, a torch.cuda.Stream, an object with "
+            f"__cuda_stream__ or a raw stream handle (int); got {type(after).__name__}"
+        )
+
+    def _record_on(self, stream: Any) -> _Dependency:
+        event = self.driver.take_sync_event()
+        try:
+            self.driver.record(event, cu.CUstream(int(stream)))
+        except BaseException:
+            self.driver.give_sync_event(event)
+            raise
+        return _Dependency(event, owned=True)
+
+    def open_lane(
+        self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
+    ) -> Lane:
+        from ..copy import CopyContext, make_strategy
+
+        self.driver.ensure_context()
+        ctx = CopyContext(
+            driver=self.driver,
+            direction=direction,
+            kv=kv,
+            pool=pool,
+            device=self.torch_device,
+            streams=self.options.streams_per_direction,
+        )
+        lane = CudaLane(self, direction, make_strategy(self.options.strategy, ctx))
+        self._lanes.append(lane)
+        return lane
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "device": str(self.torch_device),
+            "driver_version": self.driver.driver_version,
+            "memcpy": self.driver.batch_kind,
+            "strategy": {lane.direction.value: lane.strategy_name for lane in self._lanes},
+        }
+
+    def close(self) -> None:
+        self.driver.close()

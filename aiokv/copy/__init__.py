@@ -1,0 +1,142 @@
+"""Copy strategies: how one lane executes a ``CopyPlan`` on its streams.
+
+- ``dma``: batched memcpy on the copy engines, one job spread over several streams that
+  fork from and join back into the lane's main stream (no SMs; holds up under compute).
+- ``kernel``: SM gather/scatter over a UVA (zero-copy) CUDA view of the pinned pool.
+- ``staged``: a device-side gather into a staging buffer laid out like the host chunks,
+  then a few large DMAs (and the reverse for loads).
+- ``auto``: picked from measurements on the H200 (see docs/performance.md).
+
+Strategies never import cuda-python: they drive the device through
+``aiokv.backends.cuda.Driver`` and torch ops on external streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..layout import CanonicalKVCaches
+from ..plan import CopyPlan
+from ..specs import Direction
+
+if TYPE_CHECKING:
+    from ..backends.base import HostPool
+    from ..backends.cuda import Driver
+
+__all__ = ["STRATEGIES", "CopyContext", "CopyStrategy", "make_strategy"]
+
+STRATEGIES = ("auto", "dma", "kernel", "staged")
+# Streams one direction's DMA is spread over when the user leaves it to us. The device has
+# three copy engines; more streams than engines keep each engine's queue fed.
+DEFAULT_DMA_STREAMS = 16
+
+
+@dataclass
+class CopyContext:
+    """Everything a strategy needs to address the device tensors and the host pool."""
+
+    driver: Driver
+    direction: Direction
+    kv: CanonicalKVCaches
+    pool: HostPool
+    device: torch.device
+    streams: int = 0
+    # Base address of row 0 of each page tensor (device pointers), as uint64.
+    device_base: np.ndarray = field(init=False)
+    host_base: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device_base = np.array([t.tensor.data_ptr() for t in self.kv.tensors], dtype=np.int64)
+        self.host_base = int(getattr(self.pool, "device_ptr", self.pool.tensor.data_ptr()))
+
+    @property
+    def to_host(self) -> bool:
+        return self.direction.to_host
+
+    def pointers(self, plan: CopyPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dst, src, sizes) as contiguous uint64 arrays, built in numpy without Python loops."""
+        dev = self.device_base[plan.tensor_idx] + plan.device_offset
+        host = plan.host_offset + self.host_base
+        dst, src = (host, dev) if self.to_host else (dev, host)
+        as_u64 = np.ascontiguousarray
+        return (
+            as_u64(dst, dtype=np.int64).view(np.uint64),
+            as_u64(src, dtype=np.int64).view(np.uint64),
+            as_u64(plan.nbytes, dtype=np.int64).view(np.uint64),
+        )
+
+
+class CopyStrategy:
+    """Executes plans on a main stream whose order is the lane's order.
+
+    ``prepare`` is host-only work that may raise before anything is enqueued;
+    ``enqueue`` waits on the dependency, records ``start`` and ``stop`` (timing events) on
+    the device around the copies, and leaves the main stream behind every copy it issued.
+    """
+
+    name = "base"
+    main_stream: Any
+
+    def prepare(self, plan: CopyPlan) -> Any:
+        raise NotImplementedError
+
+    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Destroy the strategy's streams (the lane guarantees nothing is in flight)."""
+
+
+def byte_splits(sizes: np.ndarray, parts: int) -> np.ndarray:
+    """Boundaries that cut ``sizes`` into ``parts`` contiguous slices of about equal bytes."""
+    n = int(sizes.shape[0])
+    parts = max(1, min(parts, n))
+    if parts == 1:
+        return np.array([0, n], dtype=np.int64)
+    cum = np.cumsum(sizes.astype(np.int64))
+    targets = cum[-1] * np.arange(1, parts, dtype=np.int64) // parts
+    cuts = np.minimum(np.searchsorted(cum, targets, side="left") + 1, n)
+    return np.unique(np.concatenate(([0], cuts, [n])).astype(np.int64))
+
+
+def copy_unit(plan: CopyPlan, *extra: int) -> int:
+    """The largest byte count dividing every copy's size and offsets (and ``extra``)."""
+    g = 0
+    for arr in (plan.nbytes, plan.device_offset, plan.host_offset):
+        if arr.size:
+            g = math.gcd(g, int(np.gcd.reduce(arr)))
+    for x in extra:
+        g = math.gcd(g, int(x))
+    return g or 1
+
+
+def expand_rows(offsets: np.ndarray, counts: np.ndarray, unit: int) -> np.ndarray:
+    """Row indices (in ``unit``-byte rows) of every unit that copies starting at ``offsets`` cover."""
+    total = int(counts.sum())
+    starts = np.repeat(offsets // unit, counts)
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    return starts + (np.arange(total, dtype=np.int64) - firsts)
+
+
+def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
+    """Build the named strategy for one lane (``auto`` resolves here)."""
+    if name == "auto":
+        name = "dma"
+    if name == "dma":
+        from .dma import DmaCopy
+
+        return DmaCopy(ctx)
+    if name == "kernel":
+        from .kernel import KernelCopy
+
+        return KernelCopy(ctx)
+    if name == "staged":
+        from .staged import StagedCopy
+
+        return StagedCopy(ctx)
+    raise ValueError(f"unknown strategy {name!r}")

@@ -1,0 +1,71 @@
+"""Pinned host memory for the chunks: an exact-size mapping, page-locked with cuMemHostRegister.
+
+torch's pinned allocator rounds every request up to a power of two (a 40 GiB pool would
+pin 64 GiB), so the pool is an anonymous mapping of exactly the bytes asked for (rounded
+to a page) that the driver registers. It is built under an undo stack, so a failure
+part-way unregisters and unmaps what was done, and it is released only by ``close``,
+which the worker calls after every copy that may touch it has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .backends.base import HostPool
+from .specs import InvalidSpec
+
+if TYPE_CHECKING:
+    from .backends.cuda import Driver
+
+__all__ = ["PinnedHostPool"]
+
+
+class PinnedHostPool(HostPool):
+    """``tensor`` is a flat uint8 CPU tensor over the registered memory (tests inspect it);
+    ``device_ptr`` is the same memory's device (UVA) address, which copies use."""
+
+    def __init__(self, nbytes: int, driver: Driver) -> None:
+        if nbytes <= 0:
+            raise InvalidSpec(f"the host pool needs a positive size, got {nbytes} bytes")
+        self._driver = driver
+        self.nbytes = nbytes
+        mapped = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        driver.ensure_context()
+        with contextlib.ExitStack() as undo:
+            try:
+                self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (OSError, OverflowError) as exc:
+                raise InvalidSpec(f"could not map {nbytes} bytes of host memory: {exc}") from exc
+            undo.callback(self._close_map)
+            array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
+            self.address = int(array.ctypes.data)
+            self.device_ptr = driver.host_register(self.address, mapped)
+            undo.callback(driver.host_unregister, self.address)
+            self.tensor = torch.from_numpy(array)
+            undo.pop_all()
+        self._registered = True
+
+    def _close_map(self) -> None:
+        # The mapping stays alive while tensors or arrays view it; unmapping happens when
+        # the last of them is gone (mmap.close refuses while views exist).
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+    def close(self) -> None:
+        if not self._registered:
+            return
+        self._registered = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self._driver.broken is None:
+            self._driver.ensure_context()
+            self._driver.host_unregister(self.address)
+        self._close_map()
+
+    def __repr__(self) -> str:
+        state = "registered" if self._registered else "closed"
+        return f"<PinnedHostPool {self.nbytes} bytes {state}>"

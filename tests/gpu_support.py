@@ -1,0 +1,107 @@
+"""Shared helpers of the GPU suite: KV layouts with random bytes, and a CPU oracle.
+
+The oracle runs the same jobs through the CPU backend on CPU copies of the same bytes,
+so every CUDA strategy is checked byte for byte against an independent implementation,
+over the whole host pool and every device tensor (untouched bytes included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from aiokv import (
+    AsyncOffloadingWorker,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    SyncOffloadingWorker,
+)
+from aiokv.backends import cuda_usable
+
+STRATEGIES = ["dma", "kernel", "staged", "auto"]
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDA device and cuda-python"),
+]
+
+
+def random_like(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str, gen: torch.Generator
+) -> torch.Tensor:
+    """Random bytes (never zeros) viewed as ``dtype``; NaN bit patterns are fine for copies."""
+    nbytes = 1
+    for s in shape:
+        nbytes *= s
+    nbytes *= torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape).to(device)
+
+
+def layouts(device: str, seed: int = 0) -> dict[str, tuple[list[torch.Tensor], Any]]:
+    """name -> (tensors, how to describe them): the layouts users have."""
+    g = torch.Generator().manual_seed(seed)
+    nb = 40
+    out: dict[str, tuple[list[torch.Tensor], Any]] = {}
+    out["kv_split"] = ([random_like((2, nb, 4, 2, 64), torch.bfloat16, device, g) for _ in range(3)], 1)
+    out["kv_pages"] = ([random_like((nb, 8, 64), torch.float16, device, g) for _ in range(4)], 0)
+    out["cross_layer"] = ([random_like((nb, 3, 2, 4, 128), torch.bfloat16, device, g)], 0)
+    out["odd_pages"] = ([random_like((nb, 3, 20), torch.uint8, device, g) for _ in range(2)], 0)
+    return out
+
+
+def describe(tensors: list[torch.Tensor], how: Any) -> CanonicalKVCaches:
+    return CanonicalKVCaches.from_tensors(tensors, block_dim=how)
+
+
+def two_groups(tensors: list[torch.Tensor]) -> CanonicalKVCaches:
+    """Two KV-cache groups over (nb, page) byte views: group 0 owns tensors 0-1, group 1 the rest;
+    group 1 copies only part of each row."""
+    views = [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]
+    canon = [CanonicalKVCacheTensor(v, v.shape[1]) for v in views]
+    g0 = [CanonicalKVCacheRef(0, views[0].shape[1]), CanonicalKVCacheRef(1, views[1].shape[1])]
+    g1 = [CanonicalKVCacheRef(i, views[i].shape[1] // 2) for i in range(2, len(views))]
+    return CanonicalKVCaches(canon, [g0, g1])
+
+
+def clone_kv(
+    kv: CanonicalKVCaches, tensors: list[torch.Tensor]
+) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    """The same description over CPU copies of ``tensors`` (the oracle's side)."""
+    cpu = [t.detach().cpu().clone() for t in tensors]
+    by_ptr = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}
+    new = []
+    for ct in kv.tensors:
+        src = ct.tensor
+        i = by_ptr[src.untyped_storage().data_ptr()]
+        base = cpu[i].view(-1).view(torch.uint8)
+        view = torch.as_strided(base, src.shape, src.stride(), src.storage_offset())
+        new.append(CanonicalKVCacheTensor(view, ct.page_size_bytes))
+    return CanonicalKVCaches(new, kv.group_data_refs), cpu
+
+
+def sync_pair(
+    kv: CanonicalKVCaches, tensors: list[torch.Tensor], chunks: int, bpc: int, strategy: str, seed: int = 7
+) -> tuple[SyncOffloadingWorker, SyncOffloadingWorker, list[torch.Tensor]]:
+    """A CUDA worker and its CPU oracle with identical random host pools."""
+    cuda_w = SyncOffloadingWorker(AsyncOffloadingWorker(
+        kv, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cuda", strategy=strategy))
+    kv_cpu, cpu_tensors = clone_kv(kv, tensors)
+    oracle = SyncOffloadingWorker(AsyncOffloadingWorker(
+        kv_cpu, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cpu"))
+    fill = torch.randint(1, 256, (cuda_w._worker.host_pool.numel(),), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    cuda_w._worker.host_pool.copy_(fill)
+    oracle._worker.host_pool.copy_(fill)
+    return cuda_w, oracle, cpu_tensors
+
+
+def drain(worker: SyncOffloadingWorker, ids: set[int]) -> list[Any]:
+    worker.wait(ids)
+    out = []
+    while len(out) < len(ids):
+        out += worker.get_finished()
+    return out

@@ -1,0 +1,230 @@
+"""Error translation, a sticky context error, shutdown with jobs in flight, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+import torch
+
+from aiokv import (
+    AsyncOffloadingWorker,
+    CanonicalKVCaches,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    InvalidSpec,
+    SyncOffloadingWorker,
+    WorkerBroken,
+)
+
+from .gpu_support import drain, gpu
+
+pytestmark = gpu
+
+SLEEP_CYCLES = 300_000_000
+
+
+def _kv() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    tensors = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
+
+
+def test_driver_codes_translate_to_aiokv_errors() -> None:
+    from cuda.bindings import driver as cu
+
+    from aiokv.backends.cuda import CudaCallFailed, _translate
+
+    bad = _translate(int(cu.CUresult.CUDA_ERROR_INVALID_VALUE), "cuX")
+    assert isinstance(bad, InvalidSpec) and "CUDA_ERROR_INVALID_VALUE" in str(bad)
+    assert bad.__cause__ is not None
+    sticky = _translate(int(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS), "cuX")
+    assert isinstance(sticky, WorkerBroken)
+    other = _translate(int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY), "cuX")
+    assert isinstance(other, CudaCallFailed) and other.code == int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+
+
+def test_failing_driver_call_is_translated_and_leaves_worker_usable() -> None:
+    _, kv = _kv()
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
+    try:
+        pool = w._core.pool
+        with pytest.raises(InvalidSpec) as info:  # registering the same range twice
+            w._core.backend.driver.host_register(pool.address, pool.nbytes)
+        assert "cuMemHostRegister" in str(info.value.__cause__)
+        assert w._core.backend.driver.broken is None
+        w.submit_store(1, GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([0, 1]))
+        assert drain(w, {1})[0].success
+    finally:
+        w.shutdown()
+
+
+def test_bad_specs_raise_before_enqueue() -> None:
+    _, kv = _kv()
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
+    try:
+        with pytest.raises(InvalidSpec):
+            w.submit_store(1, GPULoadStoreSpec([64]), CPULoadStoreSpec([0]))
+        with pytest.raises(InvalidSpec):
+            w.submit_load(1, CPULoadStoreSpec([8]), GPULoadStoreSpec([0]))
+        w.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([0]))
+        assert drain(w, {1})[0].success
+    finally:
+        w.shutdown()
+
+
+def test_wrong_device_is_rejected() -> None:
+    t = torch.zeros(4, 128, dtype=torch.uint8)
+    kv = CanonicalKVCaches.from_tensors([t])
+    with pytest.raises(InvalidSpec):
+        AsyncOffloadingWorker(kv, num_cpu_chunks=2, backend="cuda")
+
+
+STICKY_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, time, torch
+    from aiokv import (AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec,
+                       SyncOffloadingWorker, TransferFailed, WorkerBroken)
+    t = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")]
+    kv = CanonicalKVCaches.from_tensors(t, block_dim=1)
+    mode = sys.argv[1]
+    idx = torch.tensor([100], device="cuda")
+    small = torch.zeros(4, device="cuda")
+    side = torch.cuda.Stream()
+
+    def hold_side():
+        # Enqueued after the worker exists: pinning its pool synchronises the device.
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s: the copy waits on this
+
+    def poison():
+        # After ~50 ms, while the copy still waits: an out-of-range index_select trips a
+        # device-side assert, which is sticky for the whole context.
+        torch.cuda._sleep(100_000_000)
+        small.index_select(0, idx)
+
+    if mode == "sync":
+        w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
+        hold_side()
+        w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side)
+        poison()
+        deadline = time.time() + 60
+        got = []
+        while not got and time.time() < deadline:
+            got = w.get_finished()
+            time.sleep(0.01)
+        print("RESULT", got[0].success if got else "HANG")
+        try:
+            w.submit_store(2, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            print("SUBMIT ok")
+        except WorkerBroken:
+            print("SUBMIT broken")
+        w.shutdown()
+        print("SHUTDOWN ok")
+    else:
+        async def main():
+            async with AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda") as w:
+                hold_side()
+                fut = w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side)
+                poison()
+                try:
+                    await asyncio.wait_for(fut, 60)
+                    print("RESULT True")
+                except TransferFailed as exc:
+                    print("RESULT False", type(exc.__cause__).__name__, exc.reason[:80])
+            print("SHUTDOWN ok")
+        asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sticky_error_fails_pending_jobs_instead_of_hanging(mode: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", STICKY_SCRIPT, mode], capture_output=True, text=True, timeout=180
+    )
+    out = proc.stdout
+    assert "RESULT False" in out, (out, proc.stderr[-2000:])
+    assert "SHUTDOWN ok" in out, (out, proc.stderr[-2000:])
+    if mode == "sync":
+        assert "SUBMIT broken" in out
+
+
+def test_sync_shutdown_drains_jobs_in_flight() -> None:
+    tensors, kv = _kv()
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda"))
+    for t in tensors:
+        t.fill_(2.0)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for j in range(6):
+        ids = list(range(j * 8, j * 8 + 8))
+        w.submit_store(j, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))
+    pool = w._worker.host_pool
+    w.shutdown()
+    results = w.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(6)) and all(r.success for r in results)
+    assert torch.all(pool[: 48 * w._worker.chunk_bytes].view(torch.bfloat16) == 2.0)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_close_drains_and_cancelled_waits_leave_copies_running(backend: str) -> None:
+    tensors, kv = _kv()
+
+    async def main() -> None:
+        worker = AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda")
+        async with worker:
+            for t in tensors:
+                t.fill_(4.0)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            futs = [worker.submit_store(j, GPULoadStoreSpec([j]), CPULoadStoreSpec([j])) for j in range(4)]
+            with anyio.move_on_after(0.01) as scope:
+                await futs[0]  # cancelled: the copy goes on
+            assert scope.cancelled_caught and not futs[0].done()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(futs[1]._wait)
+                tg.cancel_scope.cancel()
+        # aclose drained everything before freeing memory
+        assert all(f.done() and f.result().success for f in futs)
+        stats = worker.statistics()
+        assert stats.completed["store"] == 4
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.asyncio
+async def test_asyncio_task_cancel_does_not_cancel_copy() -> None:
+    tensors, kv = _kv()
+    async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+        for t in tensors:
+            t.fill_(6.0)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        fut = w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
+        task = asyncio.create_task(fut._wait())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        res = await fut
+        assert res.success
+        got = w.host_pool[5 * w.chunk_bytes :][: 2 * 32768].view(torch.bfloat16)
+        assert torch.all(got == 6.0)
+
+
+def test_trio_cancel_scope_around_await() -> None:
+    import trio
+
+    _, kv = _kv()
+
+    async def main() -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            fut = w.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([0]))
+            with trio.move_on_after(0.01):
+                await fut
+            assert not fut.done()
+            assert (await fut).success
+
+    trio.run(main)

@@ -1,0 +1,154 @@
+"""Byte-exact round trips on random data for every strategy and layout, against the CPU oracle."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
+
+from .gpu_support import STRATEGIES, describe, drain, gpu, layouts, sync_pair, two_groups
+
+pytestmark = gpu
+
+
+def _check_same(cuda_w, oracle, tensors, cpu_tensors) -> None:
+    torch.cuda.synchronize()
+    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
+    for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
+        assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
+
+
+def _run_jobs(workers, jobs) -> None:
+    """jobs: (kind, job_id, gpu_spec, cpu_spec). Run on every worker and check each result."""
+    for w in workers:
+        for kind, jid, gspec, cspec in jobs:
+            if kind == "store":
+                assert w.submit_store(jid, gspec, cspec)
+            else:
+                assert w.submit_load(jid, cspec, gspec, expedited=kind == "expedited")
+        results = drain(w, {j[1] for j in jobs})
+        assert all(r.success for r in results), results
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer", "odd_pages"])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_round_trip_matches_oracle(strategy: str, layout: str, bpc: int) -> None:
+    tensors, how = layouts("cuda", seed=hash((layout, bpc)) % 1000)[layout]
+    kv = describe(tensors, how)
+    chunks = 30
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, chunks, bpc, strategy)
+    rng = np.random.default_rng(3)
+    try:
+        # Stores with a skip at the start (block_indices), then loads into other blocks.
+        blocks = rng.choice(40, 7, replace=False)
+        skip = 2 if bpc > 1 else 0
+        nchunks = -(-(7 + skip) // bpc)
+        chunk_ids = rng.choice(chunks, nchunks, replace=False)
+        gspec = GPULoadStoreSpec(blocks, block_indices=[skip + 3 * bpc])
+        store = ("store", 1, gspec, CPULoadStoreSpec(chunk_ids))
+        blocks2 = rng.choice(40, 9, replace=False)
+        chunk_ids2 = rng.choice(chunks, -(-9 // bpc), replace=False)
+        other = ("store", 2, GPULoadStoreSpec(blocks2), CPULoadStoreSpec(chunk_ids2))
+        _run_jobs([cuda_w, oracle], [store, other])
+        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        dst = rng.choice(40, 7, replace=False)
+        load = ("load", 3, GPULoadStoreSpec(dst, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
+        dst2 = rng.choice(40, 9, replace=False)
+        exp = ("expedited", 4, GPULoadStoreSpec(dst2), CPULoadStoreSpec(chunk_ids2))
+        _run_jobs([cuda_w, oracle], [load])
+        _run_jobs([cuda_w, oracle], [exp])
+        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_several_groups(strategy: str) -> None:
+    tensors, _ = layouts("cuda", seed=5)["kv_pages"]
+    kv = two_groups(tensors)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 16, 2, strategy)
+    try:
+        gspec = GPULoadStoreSpec([3, 9, 4, 11, 12, 30], group_sizes=[2, 4], block_indices=[1, 0])
+        cspec = CPULoadStoreSpec([5, 0, 7, 2])  # group 0: ceil(3/2)=2 chunks; group 1: 2
+        _run_jobs([cuda_w, oracle], [("store", 1, gspec, cspec)])
+        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        gload = GPULoadStoreSpec([1, 2, 5, 6, 7, 8], group_sizes=[2, 4], block_indices=[1, 0])
+        _run_jobs([cuda_w, oracle], [("load", 2, gload, cspec)])
+        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_realistic_job_round_trip(strategy: str) -> None:
+    """32 KiB pages, (2, N, 16, 8, 128) bf16 per layer: store 64 random blocks, load them back."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shape = (2, 256, 16, 8, 128)
+    tensors = [torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(4)]
+    kv = describe(tensors, 1)
+    w = _sync_worker(kv, strategy)
+    try:
+        rng = np.random.default_rng(1)
+        src = rng.choice(256, 64, replace=False)
+        chunks = rng.choice(128, 64, replace=False)
+        expect = [t[:, src].clone() for t in tensors]
+        w.submit_store(1, GPULoadStoreSpec(src), CPULoadStoreSpec(chunks))
+        drain(w, {1})
+        for t in tensors:
+            t.normal_()
+        dst = rng.permutation(256)[:64]
+        w.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst))
+        (res,) = drain(w, {2})
+        assert res.success and res.transfer_size == 64 * 8 * 32768 and res.transfer_time > 0
+        for t, e in zip(tensors, expect):
+            assert torch.equal(t[:, dst], e)
+    finally:
+        w.shutdown()
+
+
+def _sync_worker(kv, strategy):
+    from aiokv import SyncOffloadingWorker
+
+    return SyncOffloadingWorker(
+        AsyncOffloadingWorker(kv, num_cpu_chunks=128, backend="cuda", strategy=strategy)
+    )
+
+
+def test_host_pool_is_exact_size_cpu_tensor() -> None:
+    tensors, how = layouts("cuda")["kv_split"]
+    kv = describe(tensors, how)
+    w = AsyncOffloadingWorker(kv, num_cpu_chunks=7, backend="cuda")
+    try:
+        pool = w.host_pool
+        assert pool.device.type == "cpu" and pool.dtype == torch.uint8
+        assert pool.numel() == 7 * w.chunk_bytes
+        assert w._core.backend.describe()["backend"] == "cuda"
+    finally:
+        anyio.run(w.aclose)
+
+
+async def _async_round_trip(strategy: str) -> None:
+    tensors, how = layouts("cuda", seed=9)["kv_split"]
+    kv = describe(tensors, how)
+    expect = [t.clone() for t in tensors]
+    async with AsyncOffloadingWorker(kv, num_cpu_chunks=40, backend="cuda", strategy=strategy) as w:
+        ids = list(range(40))
+        await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))
+        for t in tensors:
+            t.zero_()
+        res = await w.submit_load(2, CPULoadStoreSpec(ids[::-1]), GPULoadStoreSpec(ids))
+        assert res.success
+    for t, e in zip(tensors, expect):  # compare bytes: random bit patterns include NaNs
+        assert torch.equal(t.view(torch.uint8), e.flip(1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "staged"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_round_trip(strategy: str, backend: str) -> None:
+    anyio.run(_async_round_trip, strategy, backend=backend)
