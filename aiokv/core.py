@@ -29,6 +29,9 @@ class WorkerOptions:
     strategy: str = "auto"
     # CUDA streams one job's copies are spread over (several copy engines); 0 = auto.
     streams_per_direction: int = 0
+    # Host threads that issue a DMA job's per-stream batches in parallel (driver calls
+    # drop the GIL); 0 issues them from the submitting thread. Experimental.
+    submit_threads: int = 0
     # After a completion or a submit, the poller yields for this long before sleeping.
     spin_seconds: float = 200e-6
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).

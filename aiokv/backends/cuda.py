@@ -530,6 +530,8 @@ class CudaBackend(Backend):
 
         if self.options.strategy not in STRATEGIES:
             raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.options.strategy!r}")
+        if self.options.submit_threads < 0:
+            raise InvalidSpec("submit_threads must be >= 0 (0 submits from the calling thread)")
         if self.options.streams_per_direction < 0:
             raise InvalidSpec("streams_per_direction must be >= 0 (0 picks a default)")
         torch.cuda.init()
@@ -604,6 +606,7 @@ class CudaBackend(Backend):
             pool=pool,
             device=self.torch_device,
             streams=self.options.streams_per_direction,
+            submit_threads=self.options.submit_threads,
         )
         lane = CudaLane(self, direction, make_strategy(self.options.strategy, ctx))
         self._lanes.append(lane)

@@ -48,10 +48,10 @@ class _Setup:
         ]
         self.job_bytes = JOB_BLOCKS * sum(r.page_size_bytes for r in self.kv.group_data_refs[0])
 
-    def worker(self, strategy: str, streams: int = 0) -> AsyncOffloadingWorker:
+    def worker(self, strategy: str, streams: int = 0, threads: int = 0) -> AsyncOffloadingWorker:
         return AsyncOffloadingWorker(
             self.kv, num_cpu_chunks=self.chunks, backend="cuda",
-            options={"strategy": strategy, "streams_per_direction": streams},
+            options={"strategy": strategy, "streams_per_direction": streams, "submit_threads": threads},
         )
 
 
@@ -313,16 +313,19 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                          f"GEMM {100 * (1 - big_gemm.rate / big_alone):+.1f}% slower"))
 
     ids = _JobIds()
-    strategies = ["dma", "staged", "kernel"]
+    strategies = ["dma", "dma/t4", "staged", "kernel"]
     if not quick:
         strategies += ["dma:1", "dma:4", "dma:32"]
     for setup in (per_layer, big):
         for strat in strategies if setup is per_layer else ["dma", "staged", "kernel"]:
+            strat, _, nthreads = strat.partition("/t")
+            threads = int(nthreads) if nthreads else 0
             name, _, nstreams = strat.partition(":")
             streams = int(nstreams) if nstreams else 0
             label = f"{name} x{streams} streams" if streams else name
+            label += f", {threads} submit threads" if threads else ""
             say(f"{setup.name}: {label}")
-            worker = setup.worker(name, streams)
+            worker = setup.worker(name, streams, threads)
             sec = f"{setup.name}, {label}"
 
             async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,

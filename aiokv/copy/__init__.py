@@ -46,6 +46,7 @@ class CopyContext:
     pool: HostPool
     device: torch.device
     streams: int = 0
+    submit_threads: int = 0
     # Base address of row 0 of each page tensor (device pointers), as uint64.
     device_base: np.ndarray = field(init=False)
     host_base: int = field(init=False)
