@@ -623,3 +623,45 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         self.driver.close()
+
+
+def device_facts(index: int = 0) -> dict[str, Any]:
+    """Driver version, batched-copy support and the PCIe link, for ``aiokv info``.
+
+    Every fact is best effort: a missing one reads "unknown" rather than failing.
+    """
+    facts: dict[str, Any] = {}
+    try:
+        drv = Driver(index)
+    except Exception as exc:  # info must print something useful even on a broken setup
+        return {"driver": f"unusable ({exc})"}
+    try:
+        v = drv.driver_version
+        facts["CUDA driver API"] = f"{v // 1000}.{(v % 1000) // 10}"
+        facts["batched memcpy"] = drv.batch_kind or "no (one cuMemcpyAsync per copy)"
+        code, bus = cu.cuDeviceGetPCIBusId(32, drv.device)
+        if code == _OK:
+            bus_id = bus.decode().strip("\x00").lower() if isinstance(bus, bytes) else str(bus).lower()
+            facts["PCI bus id"] = bus_id
+            facts["PCIe link"] = _pcie_link(bus_id)
+        code, engines = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, drv.device
+        )
+        if code == _OK:
+            facts["copy engines"] = int(engines)
+    finally:
+        drv.close()
+    return facts
+
+
+def _pcie_link(bus_id: str) -> str:
+    """Current link speed and width from sysfs (Linux); "unknown" elsewhere."""
+    base = f"/sys/bus/pci/devices/{bus_id}"
+    try:
+        with open(f"{base}/current_link_speed") as fh:
+            speed = fh.read().strip()
+        with open(f"{base}/current_link_width") as fh:
+            width = fh.read().strip()
+    except OSError:
+        return "unknown"
+    return f"{speed} x{width}"
