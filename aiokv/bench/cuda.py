@@ -249,7 +249,10 @@ def _baselines(setup: _Setup, reps: int, ceiling: dict[str, float]) -> list[Benc
                          ceiling["store"], "wall, incl. host submit"))
     for label, store in (("store", True), ("load", False)):
         d, s = (hst, dev) if store else (dev, hst)
-        rate = timed(lambda d=d, s=s: drv.memcpy_batch_lists(d, s, sizes, stream))
+        def batched(d: list[int] = d, s: list[int] = s) -> None:
+            drv.memcpy_batch_lists(d, s, sizes, stream)
+
+        rate = timed(batched)
         rows.append(BenchRow("baselines (32 KiB pages)", f"{label}, one batched memcpy call per job", rate,
                              "GB/s", ceiling[label], "cuda-python list API, 1 stream"))
     drv.stream_synchronize(stream)
@@ -262,13 +265,14 @@ async def _latency(iters: int) -> tuple[float, float, float]:
     """Tiny-copy round trip through ``await`` on asyncio (p50, p99 in us), and the device time."""
     t = torch.randn(64, 1024, device="cuda").view(torch.uint8)
     kv = CanonicalKVCaches.from_tensors([t])
-    samples, dev = [], []
+    samples: list[float] = []
+    dev: list[float] = []
     async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
         for i in range(iters + 20):
             t0 = time.perf_counter()
             res = await w.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64]))
             samples.append(time.perf_counter() - t0)
-            dev.append(res.transfer_time)
+            dev.append(res.transfer_time or 0.0)
     s = np.array(samples[20:]) * 1e6
     return float(np.percentile(s, 50)), float(np.percentile(s, 99)), float(np.median(dev[20:]) * 1e6)
 
