@@ -107,11 +107,7 @@ class OffloadCore:
         """Validate, plan and launch one job; raises before anything is enqueued."""
         if self.closed:
             raise WorkerClosed("the worker is closed; create a new one to transfer more")
-        if self.broken is not None:
-            raise WorkerBroken(
-                f"the device failed under this worker ({self.broken}); every pending job failed. "
-                "Close it and create a new worker (the CUDA context may need a process restart)"
-            ) from self.broken
+        self.check_healthy()
         if not isinstance(job_id, int) or isinstance(job_id, bool):
             raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
@@ -139,6 +135,14 @@ class OffloadCore:
             job = self.handlers[direction].submit(job_id, plan, dependency)
             self._jobs[job_id] = job
         return job
+
+    def check_healthy(self) -> None:
+        """Raise ``WorkerBroken`` once a sticky device error was seen."""
+        if self.broken is not None:
+            raise WorkerBroken(
+                f"the device failed under this worker ({self.broken}); every pending job failed. "
+                "Close it and create a new worker (the CUDA context may need a process restart)"
+            ) from self.broken
 
     # -- completing ---------------------------------------------------------------------
 
@@ -220,10 +224,10 @@ def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes:
     if (num_cpu_chunks is None) == (cpu_bytes is None):
         raise InvalidSpec("pass exactly one of num_cpu_chunks= and cpu_bytes=")
     if num_cpu_chunks is not None:
-        if not isinstance(num_cpu_chunks, int) or num_cpu_chunks < 1:
+        if not isinstance(num_cpu_chunks, int) or isinstance(num_cpu_chunks, bool) or num_cpu_chunks < 1:
             raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
         return num_cpu_chunks
-    if not isinstance(cpu_bytes, int) or cpu_bytes < chunk_bytes:
+    if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes < chunk_bytes:
         raise InvalidSpec(
             f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}"
         )

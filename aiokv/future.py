@@ -7,6 +7,7 @@ still completed and reported.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -16,6 +17,8 @@ import anyio.lowlevel
 from .specs import TransferFailed, TransferResult
 
 __all__ = ["TransferFuture"]
+
+_log = logging.getLogger("aiokv")
 
 
 class TransferFuture:
@@ -81,7 +84,10 @@ class TransferFuture:
         self._waiters.clear()
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # a user's callback must not cost other jobs their results
+                _log.exception("done callback of job %s raised", self.job_id)
 
     def __repr__(self) -> str:
         state = "pending" if self._result is None else ("failed" if self._error else "done")

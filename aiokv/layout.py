@@ -114,11 +114,14 @@ class CanonicalKVCaches:
                     f"layer {layer}: block_dim={block_dim} is the last dimension, so a "
                     "block has no page; pass the dimension that indexes blocks"
                 )
-            lead = math.prod(t.shape[:block_dim])
-            if lead == 0 or t.shape[block_dim] == 0:
+            if math.prod(t.shape[: block_dim + 1]) == 0:
                 raise InvalidSpec(f"layer {layer}: tensor of shape {tuple(t.shape)} is empty")
-            split = t.reshape(lead, *t.shape[block_dim:]) if block_dim else t.unsqueeze(0)
-            for part in split.unbind(0):
+            # unbind, never reshape: a reshape may copy, and a copy would silently
+            # detach the description from the tensor the model reads.
+            parts = [t]
+            for _ in range(block_dim):
+                parts = [q for p in parts for q in p.unbind(0)]
+            for part in parts:
                 pages.append(_page_view(part, layer))
         refs = [CanonicalKVCacheRef(i, p.page_size_bytes) for i, p in enumerate(pages)]
         return cls(tensors=pages, group_data_refs=[refs])

@@ -78,6 +78,8 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
         with self._lock:
+            if self._core.closed:
+                raise WorkerClosed("this worker was shut down; create a new one to transfer more")
             if job_id in self._unreported_ids:
                 raise DuplicateJob(f"job {job_id} finished but was not reported by get_finished() yet")
             self._core.submit(direction, job_id, src, dst, after)

@@ -83,6 +83,11 @@ class AsyncOffloadingWorker:
         return self._core.layout.blocks_per_chunk
 
     @property
+    def num_gpu_blocks(self) -> int:
+        """GPU blocks addressable in every group (block ids must be below this)."""
+        return min(self._core.layout.num_gpu_blocks)
+
+    @property
     def chunk_bytes(self) -> int:
         return self._core.layout.chunk_bytes
 
@@ -118,6 +123,16 @@ class AsyncOffloadingWorker:
         return self._submit(direction, job_id, src_spec, dst_spec, after)
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
+        self.check_submittable()
+        job = self._core.submit(direction, job_id, src, dst, after)
+        future = TransferFuture(job.job_id)
+        self._futures[job.job_id] = future
+        assert self._poller is not None
+        self._poller.wake()
+        return future
+
+    def check_submittable(self) -> None:
+        """Raise what ``submit_*`` would raise for this worker's state or calling thread."""
         if self._state is not _State.OPEN:
             raise WorkerClosed(
                 "the worker is closed; create a new one"
@@ -129,16 +144,11 @@ class AsyncOffloadingWorker:
                 "submit_* must be called on the event loop thread that opened the worker; "
                 "engine threads use SyncOffloadingWorker"
             )
-        job = self._core.submit(direction, job_id, src, dst, after)
-        future = TransferFuture(job.job_id)
-        self._futures[job.job_id] = future
-        assert self._poller is not None
-        self._poller.wake()
-        return future
+        self._core.check_healthy()
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
-        for job in done:
+        for job in done:  # every popped job is resolved: _resolve never raises
             assert job.result is not None
             future = self._futures.pop(job.job_id)
             future._resolve(job.result, repr(job.error) if job.error else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -212,3 +213,22 @@ async def test_a_sticky_device_error_fails_pending_jobs_and_refuses_new_ones(mon
         with pytest.raises(WorkerBroken, match="create a new worker"):
             worker.submit_store(9, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     assert worker.statistics().failed["store"] == 3
+
+
+async def test_a_raising_done_callback_costs_no_other_job_its_result(caplog) -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+            first.add_done_callback(lambda f: 1 / 0)
+            second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+            latch.set()  # both finish in one poll
+            assert (await second).success and (await first).success
+    assert "done callback of job 1 raised" in caplog.text
+
+
+def test_bool_sizes_are_rejected() -> None:
+    kv = make_layers(num_blocks=8)
+    with pytest.raises(InvalidSpec, match="positive int"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=True)

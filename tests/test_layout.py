@@ -61,3 +61,15 @@ def test_an_engines_own_description_is_read_by_attribute() -> None:
     core.close()
     with pytest.raises(InvalidSpec, match="CanonicalKVCaches"):
         CanonicalKVCaches.coerce(object())
+
+
+def test_leading_dimensions_are_split_without_copying() -> None:
+    # (2, layers, blocks, page) made by a transpose: reshape would copy; unbind must not.
+    base = torch.randn(4, 2, 6, 8)
+    t = base.transpose(0, 1)
+    kv = CanonicalKVCaches.from_tensors([t], block_dim=2)
+    assert len(kv.tensors) == 8
+    for page in kv.tensors:
+        assert page.tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    kv.tensors[5].tensor[3] = 7  # writes through to the caller's tensor: K/V 1, layer 1, block 3
+    assert torch.equal(t[1, 1, 3].view(torch.uint8), torch.full((32,), 7, dtype=torch.uint8))

@@ -391,3 +391,15 @@ async def test_prefix_reuse_workload_restores_what_was_computed(policy: str) -> 
         # The face makes the same decisions as the offline replay of the same requests.
         assert st.hit_rate == pytest.approx(simulate(requests, num_chunks, policy))
         assert_settled(cache)
+
+
+async def test_bad_block_ids_evict_nothing_before_raising() -> None:
+    async with open_cache(num_chunks=4) as (_kv, _, cache):
+        await cache.offload(["a", "b", "c", "d"], [1, 2, 3, 4])
+        with pytest.raises(InvalidSpec, match=r"\[0, 32\)"):
+            await cache.offload(["x", "y"], [999, 1000])
+        with pytest.raises(InvalidSpec, match=r"\[0, 32\)"):
+            await cache.restore(["a"], [-1])
+        assert cache.lookup(["a", "b", "c", "d"]) == 4
+        assert cache.stats().evictions == 0 and cache.stats().manager.pinned_keys == 0
+        assert_settled(cache)

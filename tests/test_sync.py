@@ -154,6 +154,7 @@ def test_bad_input_raises_typed_errors_and_nothing_is_enqueued() -> None:
         worker.submit_store(1, GPULoadStoreSpec([999]), CPULoadStoreSpec([0]))
     with pytest.raises(InvalidSpec):
         worker.submit_load(1, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([0]))
+    assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
     assert worker.get_finished() == []
     assert worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
     worker.shutdown()
@@ -161,8 +162,10 @@ def test_bad_input_raises_typed_errors_and_nothing_is_enqueued() -> None:
 
 def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
     worker, pages = make_sync()
+    pool = worker._worker.host_pool
+    chunk_bytes = worker._worker.chunk_bytes
     latch = threading.Event()
-    want = pages[0][9].clone()
+    want = torch.cat([p[9] for p in pages])  # chunk 9 holds every page of block 9, in order
     worker.submit_store(1, GPULoadStoreSpec([9]), CPULoadStoreSpec([9]), after=latch)
     for j in range(2, 40):
         worker.submit_store(j, GPULoadStoreSpec([j]), CPULoadStoreSpec([j]))
@@ -170,9 +173,11 @@ def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
     worker.shutdown()
     results = worker.get_finished()
     assert [r.job_id for r in results] == list(range(1, 40)) and all(r.success for r in results)
-    assert same_bytes(pages[0][9], want)
+    assert same_bytes(pool[9 * chunk_bytes : 9 * chunk_bytes + want.numel()], want)
     with pytest.raises(WorkerClosed):
         worker.submit_store(100, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    with pytest.raises(WorkerClosed):  # also with the id of a drained, unreported job
+        worker.submit_store(5, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     worker.shutdown()  # idempotent
 
 

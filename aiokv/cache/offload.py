@@ -162,6 +162,19 @@ class OffloadCache:
 
     # -- the three calls a server makes -------------------------------------------------
 
+    def _checked_blocks(self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray
+                        ) -> list[int]:
+        """Reject bad input before the manager evicts or pins anything."""
+        self._worker.check_submittable()
+        blocks = _as_block_list(gpu_block_ids)
+        if len(blocks) != len(keys):
+            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
+        limit = self._worker.num_gpu_blocks
+        bad = [b for b in blocks if not 0 <= b < limit]
+        if bad:
+            raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got {bad[:5]}")
+        return blocks
+
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys``, from the first, are loadable now. Pure query: it does not
         count as a use for eviction (``restore`` does), so schedulers may poll it."""
@@ -179,9 +192,7 @@ class OffloadCache:
         if the awaiting task is cancelled, the copy still runs to completion (see
         ``drain``) and the keys become loadable (or are freed) when it does.
         """
-        blocks = _as_block_list(gpu_block_ids)
-        if len(blocks) != len(keys):
-            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
+        blocks = self._checked_blocks(keys, gpu_block_ids)
         block_of: dict[Hashable, int] = {}
         for key, block in zip(keys, blocks):
             block_of.setdefault(key, block)
@@ -240,9 +251,7 @@ class OffloadCache:
         undefined and must be recomputed). Chunks stay pinned until the copy is over, even
         if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
         """
-        blocks = _as_block_list(gpu_block_ids)
-        if len(blocks) != len(keys):
-            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
+        blocks = self._checked_blocks(keys, gpu_block_ids)
         self._restores += 1
         if not keys:
             return True
