@@ -26,15 +26,19 @@ class Completion(abc.ABC):
     def wait(self, timeout: float | None = None) -> bool:
         """Block (off the event loop) until done; False if ``timeout`` passed first."""
 
-    @property
-    @abc.abstractmethod
-    def error(self) -> BaseException | None:
-        """Why the job failed, once ``query()`` is True; None on success."""
+    # Set by the backend when the job is over.
+    _error: BaseException | None
+    _elapsed: float | None
 
     @property
-    @abc.abstractmethod
+    def error(self) -> BaseException | None:
+        """Why the job failed, once ``query()`` is True; None on success."""
+        return self._error
+
+    @property
     def elapsed(self) -> float | None:
         """Seconds the copies took on the device, when measured."""
+        return self._elapsed
 
 
 class HostPool(abc.ABC):

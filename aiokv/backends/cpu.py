@@ -38,13 +38,6 @@ class CpuCompletion(Completion):
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
-    def elapsed(self) -> float | None:
-        return self._elapsed
 
     def _finish(self, error: BaseException | None, elapsed: float | None) -> None:
         self._error, self._elapsed = error, elapsed

@@ -448,13 +448,6 @@ class CudaCompletion(Completion):
         if events is not None and self._driver.broken is None:
             self._driver.give_job_events(events)
 
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
-    def elapsed(self) -> float | None:
-        return self._elapsed
 
 
 class _Dependency:
