@@ -21,6 +21,14 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _cuda_python_version() -> str:
+    """cuda-python's version, or that of cuda-bindings where only the bindings are installed."""
+    version = _version("cuda-python")
+    if version == "not installed" and _version("cuda-bindings") != "not installed":
+        return f"cuda-bindings {_version('cuda-bindings')}"
+    return version
+
+
 def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -47,7 +55,7 @@ def collect_info() -> dict[str, Any]:
         "aiokv": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cuda-python": _version("cuda-python"),
+        "cuda-python": _cuda_python_version(),
         "anyio": _version("anyio"),
         "backend (auto)": "cuda" if cuda_usable() else "cpu",
         "host memory available": _fmt_bytes(_mem_available()),

@@ -634,7 +634,8 @@ def device_facts(index: int = 0) -> dict[str, Any]:
         facts["batched memcpy"] = drv.batch_kind or "no (one cuMemcpyAsync per copy)"
         code, bus = cu.cuDeviceGetPCIBusId(32, drv.device)
         if code == _OK:
-            bus_id = bus.decode().strip("\x00").lower() if isinstance(bus, bytes) else str(bus).lower()
+            raw = bus.decode(errors="replace") if isinstance(bus, bytes) else str(bus)
+            bus_id = raw.split("\x00", 1)[0].strip().lower()
             facts["PCI bus id"] = bus_id
             facts["PCIe link"] = _pcie_link(bus_id)
         code, engines = cu.cuDeviceGetAttribute(
@@ -655,6 +656,6 @@ def _pcie_link(bus_id: str) -> str:
             speed = fh.read().strip()
         with open(f"{base}/current_link_width") as fh:
             width = fh.read().strip()
-    except OSError:
+    except (OSError, ValueError):
         return "unknown"
     return f"{speed} x{width}"

@@ -327,7 +327,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
             name, _, nstreams = strat.partition(":")
             streams = int(nstreams) if nstreams else 0
             label = f"{name} x{streams} streams" if streams else name
-            label += f", {threads} submit threads" if threads else ""
+            if name == "dma":
+                label += f", {threads} submit threads" if threads else ", no submit threads"
             say(f"{setup.name}: {label}")
             worker = setup.worker(name, streams, threads)
             sec = f"{setup.name}, {label}"
