@@ -39,6 +39,20 @@ class WorkerOptions:
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
     poll_interval: float = 1e-3
 
+    def __post_init__(self) -> None:
+        from .copy import STRATEGIES  # torch only; no cuda-python
+
+        if self.strategy not in STRATEGIES:
+            raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("streams_per_direction", "submit_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("spin_seconds", "poll_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise InvalidSpec(f"{name} must be a number of seconds >= 0, got {value!r}")
+
     @classmethod
     def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
         if value is None:

@@ -177,6 +177,12 @@ def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, backend="tpu")
     with pytest.raises(InvalidSpec, match="CanonicalKVCaches"):
         AsyncOffloadingWorker([torch.zeros(4, 4)], num_cpu_chunks=4)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="strategy must be one of"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, strategy="fastest")
+    with pytest.raises(InvalidSpec, match="submit_threads"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"submit_threads": -1})
+    with pytest.raises(InvalidSpec, match="poll_interval"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": "1ms"})
     with pytest.raises(InvalidSpec, match="unknown worker options"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"nope": 1})
     meta = CanonicalKVCaches.from_tensors([torch.empty(2, 8, 4, device="meta")], block_dim=1)
