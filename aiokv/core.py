@@ -32,9 +32,8 @@ class WorkerOptions:
     # Host threads that issue a large DMA job's per-stream batches in parallel (the
     # driver spends ~0.9 us of host time per descriptor and drops the GIL); 0 issues them
     # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
-    # the ceiling on the H200 (docs/performance.md); opt-in until the whole GPU suite has
-    # run with it.
-    submit_threads: int = 0
+    # the ceiling on the H200 (docs/performance.md). Only jobs of >= 1024 descriptors use them.
+    submit_threads: int = 4
     # After a completion or a submit, the poller yields for this long before sleeping.
     spin_seconds: float = 200e-6
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).

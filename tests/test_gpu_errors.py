@@ -91,9 +91,12 @@ STICKY_SCRIPT = textwrap.dedent(
     t = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")]
     kv = CanonicalKVCaches.from_tensors(t, block_dim=1)
     mode = sys.argv[1]
-    idx = torch.tensor([100], device="cuda")
-    small = torch.zeros(4, device="cuda")
-    side = torch.cuda.Stream()
+    # Nothing here touches the legacy default stream or syncs the host: an earlier version
+    # poisoned with index_select on the default stream, whose launch waited ~1 s for the
+    # side stream, so the copy had finished (correctly reported as a success) first.
+    side, bad = torch.cuda.Stream(), torch.cuda.Stream()
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    torch.cuda.synchronize()
 
     def hold_side():
         # Enqueued after the worker exists: pinning its pool synchronises the device.
@@ -101,16 +104,23 @@ STICKY_SCRIPT = textwrap.dedent(
             torch.cuda._sleep(2_000_000_000)  # ~1 s: the copy waits on this
 
     def poison():
-        # After ~50 ms, while the copy still waits: an out-of-range index_select trips a
-        # device-side assert, which is sticky for the whole context.
-        torch.cuda._sleep(100_000_000)
-        small.index_select(0, idx)
+        # After ~50 ms, while the copy still waits: a device-side assert, which is sticky
+        # for the whole context.
+        with torch.cuda.stream(bad):
+            torch.cuda._sleep(100_000_000)
+            torch._assert_async(flag)
+
+    def enqueue(submit):
+        t0 = time.perf_counter()
+        hold_side()
+        out = submit()
+        poison()
+        print("ENQUEUED_MS", round((time.perf_counter() - t0) * 1e3, 1))
+        return out
 
     if mode == "sync":
         w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
-        hold_side()
-        w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side)
-        poison()
+        enqueue(lambda: w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side))
         deadline = time.time() + 60
         got = []
         while not got and time.time() < deadline:
@@ -127,9 +137,8 @@ STICKY_SCRIPT = textwrap.dedent(
     else:
         async def main():
             async with AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda") as w:
-                hold_side()
-                fut = w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side)
-                poison()
+                fut = enqueue(lambda: w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]),
+                                                     after=side))
                 try:
                     await asyncio.wait_for(fut, 60)
                     print("RESULT True")
@@ -147,6 +156,9 @@ def test_sticky_error_fails_pending_jobs_instead_of_hanging(mode: str) -> None:
         [sys.executable, "-c", STICKY_SCRIPT, mode], capture_output=True, text=True, timeout=180
     )
     out = proc.stdout
+    # The scenario only means something if the poison was enqueued while the copy waited.
+    enqueued = float(out.split("ENQUEUED_MS", 1)[1].split()[0])
+    assert enqueued < 500, out
     assert "RESULT False" in out, (out, proc.stderr[-2000:])
     assert "SHUTDOWN ok" in out, (out, proc.stderr[-2000:])
     if mode == "sync":
