@@ -58,6 +58,11 @@ class Handler:
         # Observed bytes/s of large jobs (EWMA), to predict when the head will finish.
         self._rate: float | None = None
         self._last_done = 0.0
+        # When a query last found the head not done, and, per finished job, how long before
+        # it was seen done that could have been: an upper bound on how late completion
+        # was noticed (the benchmark reports it as the wake-up latency).
+        self._last_miss = 0.0
+        self.detect_windows: deque[float] = deque(maxlen=4096)
 
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
@@ -71,8 +76,13 @@ class Handler:
         """Pop finished jobs from the head, in submission order."""
         done: list[Job] = []
         fifo = self._fifo
-        while fifo and fifo[0].completion.query():
+        while fifo:
+            if not fifo[0].completion.query():
+                self._last_miss = time.perf_counter()
+                break
             job = fifo.popleft()
+            seen = time.perf_counter()
+            self.detect_windows.append(seen - max(self._last_miss, job.submitted_at))
             result = job.finish()
             if result.success:
                 self.completed += 1

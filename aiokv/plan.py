@@ -2,8 +2,13 @@
 
 Host layout (ours to choose): the pool is an array of chunks of ``chunk_bytes`` each.
 Inside a chunk, group ``g``'s pages are stored page-major: all ``blocks_per_chunk``
-sub-blocks of its first page, then of its second, and so on. A run of consecutive GPU
-blocks therefore lands on consecutive host bytes, and coalesces into one copy.
+sub-blocks of one page, then of the next, and so on. A run of consecutive GPU blocks
+therefore lands on consecutive host bytes, and coalesces into one copy.
+
+Pages follow the device address of their tensors, not the order of the refs: when page
+tensors sit at a uniform pitch on the device (one allocation, or per-layer allocations
+that the caching allocator placed back to back, in either direction), one block's pages
+then form a single pitched (2D) copy instead of one copy per page (``plan_pitched``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ import numpy as np
 from .layout import CanonicalKVCaches
 from .specs import InvalidSpec
 
-__all__ = ["BlockMapping", "CopyPlan", "HostLayout", "map_blocks", "plan_copies"]
+__all__ = [
+    "BlockMapping",
+    "CopyPlan",
+    "HostLayout",
+    "PitchedPlan",
+    "PitchedRun",
+    "map_blocks",
+    "pitched_runs",
+    "plan_copies",
+    "plan_pitched",
+]
 
 _CHUNK_ALIGN = 512
 
@@ -57,8 +72,7 @@ class HostLayout:
         idx, sizes, offsets, nblocks = [], [], [], []
         widest = 0
         for g, refs in enumerate(kv.group_data_refs):
-            off = 0
-            g_idx, g_sizes, g_offs = [], [], []
+            g_idx, g_sizes = [], []
             for ref in refs:
                 if not 0 <= ref.tensor_idx < len(kv.tensors):
                     raise InvalidSpec(f"group {g} refers to tensor {ref.tensor_idx}, which does not exist")
@@ -70,8 +84,13 @@ class HostLayout:
                     )
                 g_idx.append(ref.tensor_idx)
                 g_sizes.append(ref.page_size_bytes)
-                g_offs.append(off)
-                off += ref.page_size_bytes * blocks_per_chunk
+            # Host order = device address order (see the module docstring).
+            order = sorted(range(len(refs)), key=lambda k: kv.tensors[g_idx[k]].tensor.data_ptr())
+            g_offs = [0] * len(refs)
+            off = 0
+            for k in order:
+                g_offs[k] = off
+                off += g_sizes[k] * blocks_per_chunk
             widest = max(widest, off)
             idx.append(tuple(g_idx))
             sizes.append(tuple(g_sizes))
@@ -135,6 +154,8 @@ class CopyPlan:
     host_offset: np.ndarray
     nbytes: np.ndarray
     total_bytes: int
+    # The blocks the plan came from, for strategies that plan their own way (pitched).
+    mapping: BlockMapping | None = None
 
     def __len__(self) -> int:
         return int(self.nbytes.shape[0])
@@ -267,4 +288,118 @@ def plan_copies(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
         host_offset=h[starts],
         nbytes=np.add.reduceat(s, starts),
         total_bytes=int(s.sum()),
+        mapping=mapping,
     )
+
+
+@dataclass(frozen=True)
+class PitchedRun:
+    """Pages of one group that a block moves as one pitched copy.
+
+    ``refs`` (indices into the group's refs, in host order) have equal page size and row
+    stride, and their rows sit ``device_pitch`` bytes apart on the device; on the host they
+    are ``page_bytes * blocks_per_chunk`` apart by construction.
+    """
+
+    group: int
+    refs: tuple[int, ...]
+    device_pitch: int
+
+
+@dataclass(frozen=True)
+class PitchedPlan:
+    """Pitched copies: op ``i`` moves ``height[i]`` rows of ``width[i]`` bytes.
+
+    Rows start at ``device_addr[i] + r * device_pitch[i]`` on the device and at
+    ``host_offset[i] + r * host_pitch[i]`` in the pool.
+    """
+
+    device_addr: np.ndarray
+    device_pitch: np.ndarray
+    host_offset: np.ndarray
+    host_pitch: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    total_bytes: int
+
+    def __len__(self) -> int:
+        return int(self.width.shape[0])
+
+
+def pitched_runs(layout: HostLayout, device_base: np.ndarray, max_pitch: int) -> tuple[PitchedRun, ...]:
+    """Cut each group's pages (in host order) into maximal runs of uniform device pitch.
+
+    ``device_base[t]`` is the address of row 0 of tensor ``t``. A pitch must be at least
+    the page size (rows may not overlap) and at most ``max_pitch`` (the driver's limit).
+    """
+    runs: list[PitchedRun] = []
+    for g in range(layout.num_groups):
+        refs = sorted(range(len(layout.tensor_idx[g])), key=lambda k: layout.page_offsets[g][k])
+        current: list[int] = []
+        pitch = 0
+        for k in refs:
+            if current:
+                last = current[-1]
+                t_last, t_k = layout.tensor_idx[g][last], layout.tensor_idx[g][k]
+                delta = int(device_base[t_k]) - int(device_base[t_last])
+                size = layout.page_sizes[g][k]
+                fits = (
+                    size == layout.page_sizes[g][last]
+                    and layout.row_strides[t_k] == layout.row_strides[t_last]
+                    and size <= delta <= max_pitch
+                    and (len(current) == 1 or delta == pitch)
+                )
+                if fits:
+                    pitch = delta
+                    current.append(k)
+                    continue
+                runs.append(_run(layout, g, current, pitch))
+            current, pitch = [k], 0
+        if current:
+            runs.append(_run(layout, g, current, pitch))
+    return tuple(runs)
+
+
+def plan_pitched(
+    mapping: BlockMapping, layout: HostLayout, runs: Sequence[PitchedRun], device_base: np.ndarray
+) -> PitchedPlan:
+    """One pitched copy per (block, run): the rows of a block's pages in that run.
+
+    Example: 64 pages of 32 KiB at a uniform device pitch and 128 blocks give 128 copies of
+    64 rows each, where ``plan_copies`` gives 8192 copies.
+    """
+    bpc = layout.blocks_per_chunk
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("dev", "dp", "host", "hp", "w", "h")}
+    for run in runs:
+        blocks, slots = mapping.gpu_blocks[run.group], mapping.host_slots[run.group]
+        if blocks.size == 0:
+            continue
+        first = run.refs[0]
+        tensor = layout.tensor_idx[run.group][first]
+        width = layout.page_sizes[run.group][first]
+        chunk, sub = np.divmod(slots, bpc)
+        n = blocks.size
+        cols["dev"].append(int(device_base[tensor]) + blocks * layout.row_strides[tensor])
+        cols["host"].append(chunk * layout.chunk_bytes + layout.page_offsets[run.group][first] + sub * width)
+        cols["dp"].append(np.full(n, run.device_pitch, dtype=np.int64))
+        cols["hp"].append(np.full(n, width * bpc, dtype=np.int64))
+        cols["w"].append(np.full(n, width, dtype=np.int64))
+        cols["h"].append(np.full(n, len(run.refs), dtype=np.int64))
+    if not cols["w"]:
+        empty = np.zeros(0, dtype=np.int64)
+        return PitchedPlan(empty, empty, empty, empty, empty, empty, 0)
+    w, h = np.concatenate(cols["w"]), np.concatenate(cols["h"])
+    return PitchedPlan(
+        device_addr=np.concatenate(cols["dev"]).astype(np.int64),
+        device_pitch=np.concatenate(cols["dp"]),
+        host_offset=np.concatenate(cols["host"]).astype(np.int64),
+        host_pitch=np.concatenate(cols["hp"]),
+        width=w,
+        height=h,
+        total_bytes=int((w * h).sum()),
+    )
+
+
+def _run(layout: HostLayout, group: int, refs: list[int], pitch: int) -> PitchedRun:
+    # A single page still needs a pitch the driver accepts (>= its width).
+    return PitchedRun(group, tuple(refs), pitch if len(refs) > 1 else layout.page_sizes[group][refs[0]])

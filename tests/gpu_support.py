@@ -70,17 +70,37 @@ def two_groups(tensors: list[torch.Tensor]) -> CanonicalKVCaches:
 def clone_kv(
     kv: CanonicalKVCaches, tensors: list[torch.Tensor]
 ) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
-    """The same description over CPU copies of ``tensors`` (the oracle's side)."""
-    cpu = [t.detach().cpu().clone() for t in tensors]
+    """The same description over CPU copies of ``tensors`` (the oracle's side).
+
+    The copies sit in one arena in the device tensors' address order, so the oracle's host
+    layout (which orders pages by address) matches the CUDA worker's byte for byte.
+    """
+    order = sorted(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    aligned = [-(-n // 512) * 512 for n in sizes]
+    arena = torch.empty(sum(aligned), dtype=torch.uint8)
+    cpu: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    off = 0
+    for i in order:
+        t = tensors[i]
+        cpu[i] = arena[off : off + sizes[i]].view(t.dtype).view(t.shape)
+        cpu[i].copy_(t.detach().cpu())
+        off += aligned[i]
     by_ptr = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}
     new = []
     for ct in kv.tensors:
         src = ct.tensor
         i = by_ptr[src.untyped_storage().data_ptr()]
         base = cpu[i].view(-1).view(torch.uint8)
-        view = torch.as_strided(base, src.shape, src.stride(), src.storage_offset())
+        view = torch.as_strided(base, src.shape, src.stride(), base.storage_offset() + src.storage_offset())
         new.append(CanonicalKVCacheTensor(view, ct.page_size_bytes))
     return CanonicalKVCaches(new, kv.group_data_refs), cpu
+
+
+def dma_copies(worker: SyncOffloadingWorker) -> list[Any]:
+    """The DMA strategies of a CUDA worker's lanes (to see which path a job took)."""
+    return [lane._strategy for lane in worker._worker._core.backend._lanes
+            if getattr(lane._strategy, "name", "") == "dma"]
 
 
 def sync_pair(

@@ -9,7 +9,17 @@ import torch
 
 from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
 
-from .gpu_support import STRATEGIES, describe, drain, gpu, layouts, sync_pair, two_groups
+from .gpu_support import (
+    STRATEGIES,
+    describe,
+    dma_copies,
+    drain,
+    gpu,
+    layouts,
+    random_like,
+    sync_pair,
+    two_groups,
+)
 
 pytestmark = gpu
 
@@ -154,11 +164,45 @@ def test_async_round_trip(strategy: str, backend: str) -> None:
     anyio.run(_async_round_trip, strategy, backend=backend)
 
 
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_pitched_dma_round_trip_matches_oracle(descending: bool, bpc: int) -> None:
+    """Layers as views of one allocation: one pitched copy per block (16 rows of 1 KiB)."""
+    base = random_like((8, 2, 40, 4, 2, 64), torch.bfloat16, "cuda", torch.Generator().manual_seed(bpc))
+    layers = list(base.unbind(0))
+    if descending:  # back-to-back allocations often come out in descending address order
+        layers.reverse()
+    kv = describe(layers, 1)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, [base], 30, bpc, "dma")
+    rng = np.random.default_rng(bpc)
+    try:
+        skip = 1 if bpc > 1 else 0
+        blocks = rng.choice(40, 11, replace=False)
+        chunk_ids = rng.choice(30, -(-(11 + skip) // bpc), replace=False)
+        store = ("store", 1, GPULoadStoreSpec(blocks, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
+        _run_jobs([cuda_w, oracle], [store])
+        _check_same(cuda_w, oracle, [base], cpu_tensors)
+        dst = rng.choice(40, 11, replace=False)
+        load = ("expedited", 2, GPULoadStoreSpec(dst, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
+        _run_jobs([cuda_w, oracle], [load])
+        _check_same(cuda_w, oracle, [base], cpu_tensors)
+        assert sum(d.pitched_jobs for d in dma_copies(cuda_w)) == 2
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
 def test_threaded_dma_submission_is_byte_exact() -> None:
-    """Many small pages (>= 1024 descriptors) issued from 4 host threads over 16 streams."""
+    """Many small pages (>= 1024 descriptors) issued from 4 host threads over 16 streams.
+
+    Layers sit at uneven distances, so no pitched copy applies (one descriptor per page).
+    """
     gen = torch.Generator(device="cuda").manual_seed(5)
-    layers = [torch.randint(0, 256, (2, 512, 4096), dtype=torch.uint8, device="cuda", generator=gen)
-              for _ in range(8)]
+    layer_bytes = 2 * 512 * 4096
+    arena = torch.randint(0, 256, (8 * layer_bytes + 8 * 8 * 4096,), dtype=torch.uint8, device="cuda",
+                          generator=gen)
+    starts = [i * layer_bytes + i * (i + 1) // 2 * 4096 for i in range(8)]
+    layers = [arena[s : s + layer_bytes].view(2, 512, 4096) for s in starts]
     kv = describe(layers, 1)
     rng = np.random.default_rng(9)
     blocks = rng.choice(512, 128, replace=False)  # 128 blocks x 16 pages = 2048 descriptors

@@ -165,7 +165,8 @@ def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
     pool = worker._worker.host_pool
     chunk_bytes = worker._worker.chunk_bytes
     latch = threading.Event()
-    want = torch.cat([p[9] for p in pages])  # chunk 9 holds every page of block 9, in order
+    # chunk 9 holds every page of block 9, in device-address order (the host layout's order)
+    want = torch.cat([p[9] for p in sorted(pages, key=lambda p: p.data_ptr())])
     worker.submit_store(1, GPULoadStoreSpec([9]), CPULoadStoreSpec([9]), after=latch)
     for j in range(2, 40):
         worker.submit_store(j, GPULoadStoreSpec([j]), CPULoadStoreSpec([j]))

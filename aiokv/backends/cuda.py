@@ -140,6 +140,11 @@ class Driver:
         self._sync_pool: list[Any] = []
         self._all_events: list[Any] = []
         self._batch_fn, self.batch_kind = self._load_batch()
+        self._batch3d_fn = self._load_batch3d()
+        self.max_pitch = int(self._check(
+            cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
+            "cuDeviceGetAttribute",
+        ))
         self._attrs: dict[tuple[bool, bool | None], Any] = {}
         self._probe_stream = self.create_stream()
         self._probe_event = self.create_event()
@@ -303,6 +308,76 @@ class Driver:
             return proto(int(ret[1])), "batch13"
         proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)
         return proto(int(ret[1])), "batch12"
+
+    def _load_batch3d(self) -> Any:
+        """Bind cuMemcpy3DBatchAsync (CUDA >= 12.8) for pitched copies, or None."""
+        if self.batch_kind == "loop":
+            return None
+        version = 13000 if self.batch_kind == "batch13" else 12080
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        try:
+            ret = cu.cuGetProcAddress(b"cuMemcpy3DBatchAsync", version, flags)
+        except Exception:
+            return None
+        if ret[0] != _OK or not int(ret[1]):
+            return None
+        vp, sz, ull = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong
+        if version >= 13000:
+            return ctypes.CFUNCTYPE(ctypes.c_int, sz, vp, ull, vp)(int(ret[1]))
+        return ctypes.CFUNCTYPE(ctypes.c_int, sz, vp, vp, ull, vp)(int(ret[1]))
+
+    @property
+    def pitched_copies(self) -> bool:
+        """Whether ``memcpy_pitched`` can issue a whole batch of 2D copies in one call."""
+        return self._batch3d_fn is not None
+
+    @staticmethod
+    def pitched_ops(
+        dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pitch: np.ndarray,
+        width: np.ndarray, height: np.ndarray, *, stream_ordered: bool = True,
+    ) -> np.ndarray:
+        """Pack 2D copies as ``CUDA_MEMCPY3D_BATCH_OP`` rows (14 x uint64 = 112 bytes each).
+
+        Pointer operands with 1-byte elements: ``rowLength`` is the pitch in bytes and the
+        extent is (width bytes, height rows, depth 1). Layout checked against
+        cuda-bindings' own struct (13.x): words 0-4 src (type, ptr, rowLength, layerHeight,
+        locHint), 5-9 dst, 10-12 extent, 13 srcAccessOrder | flags << 32.
+        """
+        ops = np.zeros((int(width.shape[0]), 14), dtype=np.uint64)
+        pointer = int(cu.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER)
+        order = cu.CUmemcpySrcAccessOrder
+        access = order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        if not stream_ordered:
+            access = order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+        ops[:, 0] = pointer
+        ops[:, 1] = src
+        ops[:, 2] = src_pitch
+        ops[:, 3] = height
+        ops[:, 5] = pointer
+        ops[:, 6] = dst
+        ops[:, 7] = dst_pitch
+        ops[:, 8] = height
+        ops[:, 10] = width
+        ops[:, 11] = height
+        ops[:, 12] = 1
+        ops[:, 13] = int(access)
+        return ops
+
+    def memcpy_pitched(self, ops: np.ndarray, stream: Any) -> None:
+        """Enqueue packed 2D copies (``pitched_ops`` rows, C-contiguous) on ``stream``."""
+        n = int(ops.shape[0])
+        if n == 0:
+            return
+        if self._batch3d_fn is None:
+            raise CudaCallFailed("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)",
+                                 int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED))
+        if self.batch_kind == "batch13":
+            code = self._batch3d_fn(n, ops.ctypes.data, 0, int(stream))
+        else:
+            fail_idx = ctypes.c_size_t(0)
+            code = self._batch3d_fn(n, ops.ctypes.data, ctypes.addressof(fail_idx), 0, int(stream))
+        if code != 0:
+            raise self.fail(int(code), "cuMemcpy3DBatchAsync")
 
     def _attr(self, stream_ordered: bool, to_host: bool | None) -> Any:
         hints = to_host if self.use_location_hints else None
@@ -596,6 +671,7 @@ class CudaBackend(Backend):
             driver=self.driver,
             direction=direction,
             kv=kv,
+            layout=layout,
             pool=pool,
             device=self.torch_device,
             streams=self.options.streams_per_direction,

@@ -48,11 +48,31 @@ class _Setup:
         ]
         self.job_bytes = JOB_BLOCKS * sum(r.page_size_bytes for r in self.kv.group_data_refs[0])
 
-    def worker(self, strategy: str, streams: int = 0, threads: int = 0) -> AsyncOffloadingWorker:
-        return AsyncOffloadingWorker(
-            self.kv, num_cpu_chunks=self.chunks, backend="cuda",
-            options={"strategy": strategy, "streams_per_direction": streams, "submit_threads": threads},
-        )
+    def worker(self, strategy: str, streams: int = 0, threads: int | None = None) -> AsyncOffloadingWorker:
+        options: dict[str, Any] = {"strategy": strategy, "streams_per_direction": streams}
+        if threads is not None:
+            options["submit_threads"] = threads
+        return AsyncOffloadingWorker(self.kv, num_cpu_chunks=self.chunks, backend="cuda", options=options)
+
+
+def _uneven_layers(device: torch.device) -> list[torch.Tensor]:
+    """The per-layer cache again, but layers carved from one allocation at uneven distances,
+    so no two layers sit at one pitch and every page is its own copy (the 1-D path)."""
+    layer_elems = 2 * BLOCKS * 16 * 8 * 128
+    gap = 4096  # bf16 elements (8 KiB), growing by one per layer
+    arena = torch.randn(LAYERS * layer_elems + gap * LAYERS * (LAYERS + 1) // 2, dtype=torch.bfloat16,
+                        device=device)
+    starts = [i * layer_elems + gap * i * (i + 1) // 2 for i in range(LAYERS)]
+    return [arena[s : s + layer_elems].view(2, BLOCKS, 16, 8, 128) for s in starts]
+
+
+def _pitched_share(worker: AsyncOffloadingWorker) -> tuple[int, str]:
+    """How many jobs went as pitched copies, and the run heights the layout allows."""
+    lanes = worker._core.backend._lanes  # type: ignore[attr-defined]
+    jobs = sum(getattr(lane._strategy, "pitched_jobs", 0) for lane in lanes)
+    runs = lanes[0]._strategy.ctx.runs if lanes and hasattr(lanes[0]._strategy, "ctx") else ()
+    heights = sorted({len(r.refs) for r in runs})
+    return jobs, f"runs of {heights} pages" if heights else "no uniform pitch"
 
 
 class _JobIds:
@@ -261,20 +281,64 @@ def _baselines(setup: _Setup, reps: int, ceiling: dict[str, float]) -> list[Benc
     return rows
 
 
-async def _latency(iters: int) -> tuple[float, float, float]:
-    """Tiny-copy round trip through ``await`` on asyncio (p50, p99 in us), and the device time."""
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q)) if values else float("nan")
+
+
+async def _wakeups(
+    worker: AsyncOffloadingWorker, submit: Callable[[int], Any], iters: int
+) -> dict[str, float]:
+    """One job at a time: submit time, round trip, wake-up and CPU spent while awaiting.
+
+    Wake-up is an upper bound: from the last poll that found the job not done (or its
+    submit) to the awaiting coroutine running again (``Handler.detect_windows`` plus the
+    hop from the poller resolving the future to the task resuming).
+    """
+    from ..specs import Direction
+
+    stores = worker._core.handlers[Direction.STORE]
+    subs, trips, wakes, dev = [], [], [], []
+    cpu = wall = 0.0
+    resolved: list[float] = []
+    for i in range(iters + 10):
+        resolved.clear()
+        t0 = time.perf_counter()
+        fut = submit(i)
+        t1 = time.perf_counter()
+        fut.add_done_callback(lambda _f: resolved.append(time.perf_counter()))
+        c1 = time.process_time()
+        res = await fut
+        t2 = time.perf_counter()
+        c2 = time.process_time()
+        if i < 10:
+            continue
+        window = stores.detect_windows[-1]
+        subs.append(t1 - t0)
+        trips.append(t2 - t0)
+        wakes.append(window + (t2 - resolved[0] if resolved else 0.0))
+        dev.append(res.transfer_time or 0.0)
+        cpu += c2 - c1
+        wall += t2 - t1
+    return {
+        "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
+        "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
+        "cpu_wait": cpu / wall if wall else float("nan"),
+    }
+
+
+async def _tiny_wakeups(iters: int) -> dict[str, float]:
     t = torch.randn(64, 1024, device="cuda").view(torch.uint8)
     kv = CanonicalKVCaches.from_tensors([t])
-    samples: list[float] = []
-    dev: list[float] = []
     async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
-        for i in range(iters + 20):
-            t0 = time.perf_counter()
-            res = await w.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64]))
-            samples.append(time.perf_counter() - t0)
-            dev.append(res.transfer_time or 0.0)
-    s = np.array(samples[20:]) * 1e6
-    return float(np.percentile(s, 50)), float(np.percentile(s, 99)), float(np.median(dev[20:]) * 1e6)
+        return await _wakeups(
+            w, lambda i: w.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64])), iters
+        )
+
+
+async def _long_wakeups(setup: _Setup, iters: int) -> dict[str, float]:
+    ids = _JobIds()
+    async with setup.worker("auto") as w:
+        return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids), iters)
 
 
 def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
@@ -317,71 +381,86 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                          f"GEMM {100 * (1 - big_gemm.rate / big_alone):+.1f}% slower"))
 
     ids = _JobIds()
-    strategies = ["dma", "dma/t4", "staged", "kernel"]
+    uneven = _Setup("32 KiB pages, uneven layer spacing", _uneven_layers(dev), block_dim=1, chunks=CHUNKS,
+                    seed=1)
+    # (setup, strategy, streams, submit threads); None = the default.
+    runs: list[tuple[_Setup, str, int, int | None]] = [
+        (per_layer, "dma", 0, None), (per_layer, "staged", 0, None), (per_layer, "kernel", 0, None),
+        (uneven, "dma", 0, None), (uneven, "dma", 0, 0),
+        (big, "dma", 0, None), (big, "staged", 0, None), (big, "kernel", 0, None),
+    ]
     if not quick:
-        strategies += ["dma:1", "dma:4", "dma:32"]
-    for setup in (per_layer, big):
-        for strat in strategies if setup is per_layer else ["dma", "staged", "kernel"]:
-            strat, _, nthreads = strat.partition("/t")
-            threads = int(nthreads) if nthreads else 0
-            name, _, nstreams = strat.partition(":")
-            streams = int(nstreams) if nstreams else 0
-            label = f"{name} x{streams} streams" if streams else name
-            if name == "dma":
-                label += f", {threads} submit threads" if threads else ", no submit threads"
-            say(f"{setup.name}: {label}")
-            worker = setup.worker(name, streams, threads)
-            sec = f"{setup.name}, {label}"
+        runs += [(uneven, "dma", n, None) for n in (1, 4, 32)]
+    for setup, name, streams, threads in runs:
+        label = f"{name} x{streams} streams" if streams else name
+        if name == "dma" and threads is not None:
+            label += f", {threads} submit threads" if threads else ", no submit threads"
+        say(f"{setup.name}: {label}")
+        worker = setup.worker(name, streams, threads)
+        sec = f"{setup.name}, {label}"
 
-            async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,
-                           full: bool = not streams) -> list[BenchRow]:
-                out = []
+        async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,
+                       full: bool = not streams, dma: bool = name == "dma") -> list[BenchRow]:
+            out = []
 
-                def add(fig: str, value: float, unit: str, ceiling: float | None, note: str = "") -> None:
-                    out.append(BenchRow(sec, fig, value, unit, ceiling, note))
+            def add(fig: str, value: float, unit: str, ceiling: float | None, note: str = "") -> None:
+                out.append(BenchRow(sec, fig, value, unit, ceiling, note))
 
-                async with worker:
-                    for what, store in (("store", True), ("load", False)):
-                        top = ceil[what]
-                        rate, _ = await _device_rate(worker, setup, store, reps, ids)
-                        add(f"{what}, one job (device time)", rate, "GB/s", top)
-                        if not full:
-                            continue
-                        s = await _stream(worker, setup, window, ids, store=store)
-                        add(f"{what}, streamed idle (wall)", s["gbps"], "GB/s", top,
-                            f"cpu {100 * s['cpu']:.1f}% of a core")
-                        add(f"{what}, host submit per job", s["submit_p50"] * 1e6, "us",
-                            setup.job_bytes / rate / GB * 1e6,
-                            f"ratio = share of transfer time; max {s['submit_max'] * 1e6:.0f} us")
-                        for gname, gemm, alone in (("GEMM 8192^3", big_gemm, big_alone),
-                                                   ("medium GEMMs (thread)", med_gemm, med_alone)):
-                            with gemm:
-                                s = await _stream(worker, setup, window, ids, store=store)
-                            add(f"{what}, under {gname}", s["gbps"], "GB/s", top,
-                                f"GEMM {100 * (1 - gemm.rate / alone):+.1f}% slower")
-                    if full:
-                        s = await _stream(worker, setup, window, ids, both=True, depth=4)
-                        add("both directions at once (sum, wall)", s["gbps"], "GB/s", ceil["both"])
-                        s = await _stream(worker, setup, window, ids, store=True, depth=1)
-                        add("CPU while awaiting long transfers", 100 * s["cpu"], "% core", None,
-                            "one job in flight at a time")
-                return out
+            async with worker:
+                for what, store in (("store", True), ("load", False)):
+                    top = ceil[what]
+                    rate, _ = await _device_rate(worker, setup, store, reps, ids)
+                    add(f"{what}, one job (device time)", rate, "GB/s", top)
+                    if not full:
+                        continue
+                    s = await _stream(worker, setup, window, ids, store=store)
+                    add(f"{what}, streamed idle (wall)", s["gbps"], "GB/s", top,
+                        f"cpu {100 * s['cpu']:.1f}% of a core")
+                    add(f"{what}, host submit per job", s["submit_p50"] * 1e6, "us",
+                        setup.job_bytes / rate / GB * 1e6,
+                        f"ratio = share of transfer time; max {s['submit_max'] * 1e6:.0f} us")
+                    for gname, gemm, alone in (("GEMM 8192^3", big_gemm, big_alone),
+                                               ("medium GEMMs (thread)", med_gemm, med_alone)):
+                        with gemm:
+                            s = await _stream(worker, setup, window, ids, store=store)
+                        add(f"{what}, under {gname}", s["gbps"], "GB/s", top,
+                            f"GEMM {100 * (1 - gemm.rate / alone):+.1f}% slower")
+                if full:
+                    s = await _stream(worker, setup, window, ids, both=True, depth=4)
+                    add("both directions at once (sum, wall)", s["gbps"], "GB/s", ceil["both"])
+                    s = await _stream(worker, setup, window, ids, store=True, depth=1)
+                    add("CPU while awaiting long transfers", 100 * s["cpu"], "% core", None,
+                        "one job in flight at a time")
+                if dma:
+                    jobs, how = _pitched_share(worker)
+                    add("jobs sent as pitched (2D) copies", jobs, "jobs", None, how)
+            return out
 
-            try:
-                rows += asyncio.run(body())
-            except Exception as exc:  # keep the rest of the run; the row says what broke
-                rows.append(BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200]))
-            say("\n".join(f"  {r.name}: {r.value:.2f} {r.unit} ratio={r.ratio} {r.note}"
-                          for r in rows if r.section == sec))
+        try:
+            rows += asyncio.run(body())
+        except Exception as exc:  # keep the rest of the run; the row says what broke
+            rows.append(BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200]))
+        say("\n".join(f"  {r.name}: {r.value:.2f} {r.unit} ratio={r.ratio} {r.note}"
+                      for r in rows if r.section == sec))
     say("wake-up latency")
-    try:
-        p50, p99, devt = asyncio.run(_latency(100 if quick else 400))
-    except Exception as exc:
-        p50 = p99 = devt = float("nan")
-        say(f"latency failed: {exc!r}")
-    rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p50", p50, "us", None,
-                         f"device time {devt:.1f} us"))
-    rows.append(BenchRow("completion wake-up (asyncio, 4 KiB job)", "round trip p99", p99, "us"))
+    sec = "completion wake-up (asyncio, one job in flight)"
+    for label, run in (("4 KiB job", lambda: _tiny_wakeups(100 if quick else 400)),
+                       ("32 KiB-page job (auto)", lambda: _long_wakeups(per_layer, 20 if quick else 60))):
+        try:
+            w = asyncio.run(run())
+        except Exception as exc:
+            rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200]))
+            continue
+        rows += [
+            BenchRow(sec, f"{label}: wake-up p50", w["wake50"] * 1e6, "us", None,
+                     "last poll that saw it running -> await returns"),
+            BenchRow(sec, f"{label}: wake-up p99", w["wake99"] * 1e6, "us"),
+            BenchRow(sec, f"{label}: round trip p50", w["trip50"] * 1e6, "us", None,
+                     f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
+            BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
+            BenchRow(sec, f"{label}: CPU while awaiting", 100 * w["cpu_wait"], "% core", None,
+                     "process CPU between submit return and await return"),
+        ]
     say("baselines")
     try:
         rows += _baselines(per_layer, reps, ceil)
