@@ -326,11 +326,15 @@ class PitchedPlan:
         return int(self.width.shape[0])
 
 
-def pitched_runs(layout: HostLayout, device_base: np.ndarray, max_pitch: int) -> tuple[PitchedRun, ...]:
+def pitched_runs(
+    layout: HostLayout, device_base: np.ndarray, max_pitch: int, allocation: np.ndarray | None = None
+) -> tuple[PitchedRun, ...]:
     """Cut each group's pages (in host order) into maximal runs of uniform device pitch.
 
     ``device_base[t]`` is the address of row 0 of tensor ``t``. A pitch must be at least
     the page size (rows may not overlap) and at most ``max_pitch`` (the driver's limit).
+    ``allocation[t]`` names the device allocation tensor ``t`` lives in: one copy may not
+    span two allocations (the driver rejects it), even when they sit back to back.
     """
     runs: list[PitchedRun] = []
     for g in range(layout.num_groups):
@@ -345,6 +349,7 @@ def pitched_runs(layout: HostLayout, device_base: np.ndarray, max_pitch: int) ->
                 size = layout.page_sizes[g][k]
                 fits = (
                     size == layout.page_sizes[g][last]
+                    and (allocation is None or allocation[t_k] == allocation[t_last])
                     and layout.row_strides[t_k] == layout.row_strides[t_last]
                     and size <= delta <= max_pitch
                     and (len(current) == 1 or delta == pitch)

@@ -96,6 +96,11 @@ STICKY_SCRIPT = textwrap.dedent(
     # side stream, so the copy had finished (correctly reported as a success) first.
     side, bad = torch.cuda.Stream(), torch.cuda.Stream()
     flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    # Load every kernel the scenario launches now: with lazy module loading (CUDA's
+    # default) the first launch of a kernel waits for the device to go idle, which would
+    # hold the poison back until the 1 s sleep (and the copy) are over.
+    torch.cuda._sleep(1)
+    torch._assert_async(torch.ones((), dtype=torch.bool, device="cuda"))
     torch.cuda.synchronize()
 
     def hold_side():
@@ -113,9 +118,13 @@ STICKY_SCRIPT = textwrap.dedent(
     def enqueue(submit):
         t0 = time.perf_counter()
         hold_side()
+        t1 = time.perf_counter()
         out = submit()
+        t2 = time.perf_counter()
         poison()
-        print("ENQUEUED_MS", round((time.perf_counter() - t0) * 1e3, 1))
+        t3 = time.perf_counter()
+        print("ENQUEUED_MS", round((t3 - t0) * 1e3, 1), "hold/submit/poison ms",
+              [round((b - a) * 1e3, 1) for a, b in ((t0, t1), (t1, t2), (t2, t3))])
         return out
 
     if mode == "sync":

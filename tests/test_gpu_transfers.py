@@ -222,3 +222,34 @@ def test_threaded_dma_submission_is_byte_exact() -> None:
             assert torch.equal(t[:, targets], w)
 
     anyio.run(main)
+
+
+def test_pitched_copies_never_span_two_allocations() -> None:
+    """Layers that are separate cudaMallocs, even back to back, go one page per copy."""
+    torch.cuda.empty_cache()  # so each 24 MiB layer below is its own allocation
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    layers = [torch.randint(1, 256, (2, 192, 65536), dtype=torch.uint8, device="cuda", generator=gen)
+              for _ in range(8)]
+    kv = describe(layers, 1)
+    rng = np.random.default_rng(4)
+    blocks, targets = rng.choice(192, 24, replace=False), rng.choice(192, 24, replace=False)
+    want = [t[:, blocks].clone() for t in layers]
+
+    async def main() -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=32) as worker:
+            lanes = worker._core.backend._lanes
+            driver = worker._core.backend.driver
+            for lane in lanes:
+                ctx = lane._strategy.ctx
+                for run in ctx.runs:  # every run lies inside one allocation
+                    tensors = [ctx.layout.tensor_idx[run.group][k] for k in run.refs]
+                    assert len({driver.allocation_base(int(ctx.device_base[t])) for t in tensors}) == 1
+            chunks = CPULoadStoreSpec(range(24))
+            assert (await worker.submit_store(1, GPULoadStoreSpec(blocks), chunks)).success
+            assert (await worker.submit_load(2, chunks, GPULoadStoreSpec(targets))).success
+            assert sum(getattr(lane._strategy, "pitched_jobs", 0) for lane in lanes) == 0
+        torch.cuda.synchronize()
+        for t, w in zip(layers, want):
+            assert torch.equal(t[:, targets], w)
+
+    anyio.run(main)

@@ -168,6 +168,10 @@ def test_pitched_runs_find_uniform_pitch_and_break_on_gaps() -> None:
     singles = pitched_runs(layout, base, max_pitch=512)
     assert [r.refs for r in singles] == [(0,), (1,), (2,), (3,)]
     assert all(r.device_pitch == 64 for r in singles)
+    # Pages in two allocations never share a copy, even at a uniform pitch.
+    _, kv, base = carved([0, 768, 1536, 2304])
+    split = pitched_runs(HostLayout.build(kv, 1), base, 1 << 20, allocation=np.array([0, 0, 1, 1]))
+    assert [r.refs for r in split] == [(0, 1), (2, 3)]
     # Overlapping rows (pitch below the page size) never form a run.
     _, kv, base = carved([0, 32], stride=200)
     assert len(pitched_runs(HostLayout.build(kv, 1), base, max_pitch=1 << 20)) == 2

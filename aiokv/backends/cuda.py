@@ -281,6 +281,11 @@ class Driver:
             raise
         return int(dptr)
 
+    def allocation_base(self, address: int) -> int:
+        """Start of the device allocation holding ``address`` (copies may not span two)."""
+        base, _size = self._check(cu.cuMemGetAddressRange(address), "cuMemGetAddressRange")
+        return int(base)
+
     def host_unregister(self, address: int) -> None:
         self._check(cu.cuMemHostUnregister(address), "cuMemHostUnregister")
 

@@ -55,17 +55,6 @@ class _Setup:
         return AsyncOffloadingWorker(self.kv, num_cpu_chunks=self.chunks, backend="cuda", options=options)
 
 
-def _uneven_layers(device: torch.device) -> list[torch.Tensor]:
-    """The per-layer cache again, but layers carved from one allocation at uneven distances,
-    so no two layers sit at one pitch and every page is its own copy (the 1-D path)."""
-    layer_elems = 2 * BLOCKS * 16 * 8 * 128
-    gap = 4096  # bf16 elements (8 KiB), growing by one per layer
-    arena = torch.randn(LAYERS * layer_elems + gap * LAYERS * (LAYERS + 1) // 2, dtype=torch.bfloat16,
-                        device=device)
-    starts = [i * layer_elems + gap * i * (i + 1) // 2 for i in range(LAYERS)]
-    return [arena[s : s + layer_elems].view(2, BLOCKS, 16, 8, 128) for s in starts]
-
-
 def _pitched_share(worker: AsyncOffloadingWorker) -> tuple[int, str]:
     """How many jobs went as pitched copies, and the run heights the layout allows."""
     lanes = worker._core.backend._lanes  # type: ignore[attr-defined]
@@ -193,7 +182,7 @@ class _Contiguous:
 
     def _timed(self, fn: Callable[[], None], reps: int) -> float:
         out = []
-        for _ in range(reps + 1):
+        for _ in range(reps + 2):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record(self.s1)
             fn()
@@ -201,7 +190,7 @@ class _Contiguous:
             e1.record(self.s1)
             e1.synchronize()
             out.append(e0.elapsed_time(e1) / 1e3)
-        return statistics.median(out[1:])
+        return statistics.median(out[2:])  # two warm-ups: first copies after allocation run slow
 
     def d2h(self) -> None:
         with torch.cuda.stream(self.s1):
@@ -381,16 +370,19 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                          f"GEMM {100 * (1 - big_gemm.rate / big_alone):+.1f}% slower"))
 
     ids = _JobIds()
-    uneven = _Setup("32 KiB pages, uneven layer spacing", _uneven_layers(dev), block_dim=1, chunks=CHUNKS,
-                    seed=1)
+    one_alloc = _Setup(
+        "32 KiB pages, layers in one allocation",
+        list(torch.randn(LAYERS, 2, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device=dev).unbind(0)),
+        block_dim=1, chunks=CHUNKS, seed=1,
+    )
     # (setup, strategy, streams, submit threads); None = the default.
     runs: list[tuple[_Setup, str, int, int | None]] = [
-        (per_layer, "dma", 0, None), (per_layer, "staged", 0, None), (per_layer, "kernel", 0, None),
-        (uneven, "dma", 0, None), (uneven, "dma", 0, 0),
+        (per_layer, "dma", 0, None), (per_layer, "dma", 0, 0), (per_layer, "staged", 0, None),
+        (per_layer, "kernel", 0, None), (one_alloc, "dma", 0, None),
         (big, "dma", 0, None), (big, "staged", 0, None), (big, "kernel", 0, None),
     ]
     if not quick:
-        runs += [(uneven, "dma", n, None) for n in (1, 4, 32)]
+        runs += [(per_layer, "dma", n, None) for n in (1, 4, 32)]
     for setup, name, streams, threads in runs:
         label = f"{name} x{streams} streams" if streams else name
         if name == "dma" and threads is not None:
@@ -444,8 +436,9 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                       for r in rows if r.section == sec))
     say("wake-up latency")
     sec = "completion wake-up (asyncio, one job in flight)"
+    long_iters = 20 if quick else 60
     for label, run in (("4 KiB job", lambda: _tiny_wakeups(100 if quick else 400)),
-                       ("32 KiB-page job (auto)", lambda: _long_wakeups(per_layer, 20 if quick else 60))):
+                       ("32 KiB-page job (default worker)", lambda: _long_wakeups(per_layer, long_iters))):
         try:
             w = asyncio.run(run())
         except Exception as exc:
@@ -466,4 +459,20 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         rows += _baselines(per_layer, reps, ceil)
     except Exception as exc:
         rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", 0.0, "", None, repr(exc)[:200]))
+    say("ceilings again")
+    _raise_ceilings(rows, ceil, contig.rates(reps))
     return rows
+
+
+def _raise_ceilings(rows: list[BenchRow], first: dict[str, float], again: dict[str, float]) -> None:
+    """Ceilings are the better of the run's first and last measurement (shared machines
+    drift); every ratio is recomputed against it, so no figure is flattered by a slow start."""
+    names = {"store": "store D2H", "load": "load H2D", "both": "both directions at once (sum)"}
+    for key, label in names.items():
+        best = max(first[key], again[key])
+        for row in rows:
+            if row.ceiling == first[key]:
+                row.ceiling = best
+            if row.section.startswith("ceilings") and row.name == label:
+                row.value = best
+                row.note = f"best of start {first[key]:.2f} / end {again[key]:.2f} GB/s"

@@ -63,7 +63,8 @@ class CopyContext:
         self.host_base = int(getattr(self.pool, "device_ptr", self.pool.tensor.data_ptr()))
         self.runs = ()
         if self.driver.pitched_copies:
-            runs = pitched_runs(self.layout, self.device_base, self.driver.max_pitch)
+            allocation = np.array([self.driver.allocation_base(int(a)) for a in self.device_base])
+            runs = pitched_runs(self.layout, self.device_base, self.driver.max_pitch, allocation)
             pages = sum(len(r.refs) for r in runs)
             if pages >= MIN_PITCHED_HEIGHT * len(runs):
                 self.runs = runs
