@@ -6,7 +6,15 @@ from hypothesis import strategies as st
 
 from aiokv import InvalidSpec
 from aiokv.layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from aiokv.plan import HostLayout, map_blocks, pitched_runs, plan_copies, plan_pitched
+from aiokv.plan import (
+    HostLayout,
+    _plan_numpy,
+    _plan_small,
+    map_blocks,
+    pitched_runs,
+    plan_copies,
+    plan_pitched,
+)
 from tests.conftest import make_layers, make_two_groups
 
 
@@ -207,3 +215,40 @@ def test_pitched_plan_moves_exactly_the_bytes_a_naive_loop_moves(starts, bpc: in
     assert np.array_equal(got, expect)
     assert plan.total_bytes == plan_copies(m, layout).total_bytes
     assert len(plan) == n * len(runs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    bpc=st.integers(1, 3),
+    gpu=st.lists(st.integers(-1, 17), max_size=8),
+    chunks=st.lists(st.integers(-1, 9), max_size=8),
+    start=st.integers(0, 5),
+    store=st.booleans(),
+    exact=st.booleans(),
+)
+def test_small_job_fast_path_agrees_with_numpy(bpc: int, gpu, chunks, start: int, store: bool, exact) -> None:
+    """Short Python-list jobs take a plain-Python path; it must map, plan and fail alike."""
+    layout = layout_for(bpc)
+    if exact:  # the right number of chunks, so most examples are valid jobs
+        need = -(-(len(gpu) + start % bpc) // bpc) if gpu else 0
+        chunks = (chunks + list(range(8)))[:need]
+    kwargs = dict(layout=layout, num_chunks=8, block_indices=[start], unique_gpu=not store, unique_host=store)
+
+    def outcome(g, c):
+        try:
+            return map_blocks(g, c, **kwargs)
+        except InvalidSpec as exc:
+            return str(exc)
+
+    fast = outcome(gpu, chunks)
+    slow = outcome(np.array(gpu, dtype=np.int64), np.array(chunks, dtype=np.int64))
+    if isinstance(slow, str):
+        assert fast == slow
+        return
+    assert not isinstance(fast, str)
+    assert [a.tolist() for a in fast.gpu_blocks] == [a.tolist() for a in slow.gpu_blocks]
+    assert [a.tolist() for a in fast.host_slots] == [a.tolist() for a in slow.host_slots]
+    a, b = _plan_small(fast, layout), _plan_numpy(fast, layout)
+    for field in ("tensor_idx", "device_offset", "host_offset", "nbytes"):
+        assert getattr(a, field).tolist() == getattr(b, field).tolist(), field
+    assert a.total_bytes == b.total_bytes
