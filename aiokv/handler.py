@@ -66,8 +66,12 @@ class Handler:
 
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
+        # The device may start on the first copies while the host still issues the rest,
+        # so the job's clock starts before the launch, not after it (a long launch would
+        # otherwise push every predicted end, and the poller's nap, that much too late).
+        started = time.perf_counter()
         completion = self.lane.launch(plan, dependency)
-        job = Job(job_id, self.direction, plan.total_bytes, completion, plan=plan)
+        job = Job(job_id, self.direction, plan.total_bytes, completion, plan=plan, submitted_at=started)
         self._fifo.append(job)
         self.submitted += 1
         return job

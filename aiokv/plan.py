@@ -144,22 +144,46 @@ class BlockMapping:
     host_slots: tuple[np.ndarray, ...]
 
 
-@dataclass(frozen=True)
 class CopyPlan:
-    """Coalesced byte copies between device page tensors and the host pool.
+    """A job's blocks and, computed on first use, its coalesced byte copies.
 
     Copy ``i`` moves ``nbytes[i]`` bytes between offset ``device_offset[i]`` of tensor
     ``tensor_idx[i]`` and offset ``host_offset[i]`` of the pool. Direction is not part of
-    the plan: the handler that runs it knows it.
+    the plan: the handler that runs it knows it. The copies are lazy because a strategy
+    that plans its own way (pitched copies) never needs them.
     """
 
-    tensor_idx: np.ndarray
-    device_offset: np.ndarray
-    host_offset: np.ndarray
-    nbytes: np.ndarray
-    total_bytes: int
-    # The blocks the plan came from, for strategies that plan their own way (pitched).
-    mapping: BlockMapping | None = None
+    __slots__ = ("__dict__", "layout", "mapping", "total_bytes")
+
+    def __init__(self, mapping: BlockMapping, layout: HostLayout) -> None:
+        self.mapping = mapping
+        self.layout = layout
+        self.total_bytes = sum(
+            int(blocks.size) * size for blocks, size in zip(mapping.gpu_blocks, layout.block_bytes)
+        )
+
+    @functools.cached_property
+    def _copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        pages = sum(b.size * len(self.layout.tensor_idx[g]) for g, b in enumerate(self.mapping.gpu_blocks))
+        if pages <= _SMALL_PLAN:
+            return _plan_small(self.mapping, self.layout)
+        return _plan_numpy(self.mapping, self.layout)
+
+    @property
+    def tensor_idx(self) -> np.ndarray:
+        return self._copies[0]
+
+    @property
+    def device_offset(self) -> np.ndarray:
+        return self._copies[1]
+
+    @property
+    def host_offset(self) -> np.ndarray:
+        return self._copies[2]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self._copies[3]
 
     def __len__(self) -> int:
         return int(self.nbytes.shape[0])
@@ -308,13 +332,13 @@ def plan_copies(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
     Example: one page of 4 KiB per block, blocks [7, 8, 2] to slots [0, 1, 2] gives two
     copies: 8 KiB (blocks 7-8 to slots 0-1) and 4 KiB (block 2 to slot 2).
     """
-    pages = sum(b.size * len(layout.tensor_idx[g]) for g, b in enumerate(mapping.gpu_blocks))
-    if pages <= _SMALL_PLAN:
-        return _plan_small(mapping, layout)
-    return _plan_numpy(mapping, layout)
+    return CopyPlan(mapping, layout)
 
 
-def _plan_small(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
+_Copies = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _plan_small(mapping: BlockMapping, layout: HostLayout) -> _Copies:
     """``plan_copies`` in plain Python, same order and merging, for a few pages."""
     bpc, cb = layout.blocks_per_chunk, layout.chunk_bytes
     rows: list[list[int]] = []
@@ -330,17 +354,10 @@ def _plan_small(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
                 else:
                     rows.append([t, d, h, page])
     cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
-    return CopyPlan(
-        tensor_idx=cols[0].copy(),
-        device_offset=cols[1].copy(),
-        host_offset=cols[2].copy(),
-        nbytes=cols[3].copy(),
-        total_bytes=int(cols[3].sum()),
-        mapping=mapping,
-    )
+    return cols[0].copy(), cols[1].copy(), cols[2].copy(), cols[3].copy()
 
 
-def _plan_numpy(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
+def _plan_numpy(mapping: BlockMapping, layout: HostLayout) -> _Copies:
     """``plan_copies`` vectorised, for everything but tiny jobs."""
     bpc = layout.blocks_per_chunk
     t_idx, d_off, h_off, size = [], [], [], []
@@ -357,21 +374,14 @@ def _plan_numpy(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:
         size.append(np.broadcast_to(pages, (pages.size, blocks.size)).ravel())
     if not t_idx:
         empty = np.zeros(0, dtype=np.int64)
-        return CopyPlan(empty, empty, empty, empty, 0)
+        return empty, empty, empty, empty
     t = np.concatenate(t_idx)
     d = np.concatenate(d_off)
     h = np.concatenate(h_off)
     s = np.concatenate(size)
     joins = (t[1:] == t[:-1]) & (d[1:] == d[:-1] + s[:-1]) & (h[1:] == h[:-1] + s[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return CopyPlan(
-        tensor_idx=t[starts],
-        device_offset=d[starts],
-        host_offset=h[starts],
-        nbytes=np.add.reduceat(s, starts),
-        total_bytes=int(s.sum()),
-        mapping=mapping,
-    )
+    return t[starts], d[starts], h[starts], np.add.reduceat(s, starts)
 
 
 @dataclass(frozen=True)
