@@ -286,7 +286,7 @@ async def _wakeups(
     from ..specs import Direction
 
     stores = worker._core.handlers[Direction.STORE]
-    subs, trips, wakes, dev = [], [], [], []
+    subs, trips, wakes, windows, dev = [], [], [], [], []
     cpu = wall = 0.0
     resolved: list[float] = []
     for i in range(iters + 10):
@@ -305,12 +305,14 @@ async def _wakeups(
         subs.append(t1 - t0)
         trips.append(t2 - t0)
         wakes.append(window + (t2 - resolved[0] if resolved else 0.0))
+        windows.append(window)
         dev.append(res.transfer_time or 0.0)
         cpu += c2 - c1
         wall += t2 - t1
     return {
         "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
         "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
+        "window50": _p(windows, 50),
         "cpu_wait": cpu / wall if wall else float("nan"),
     }
 
@@ -446,7 +448,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
             continue
         rows += [
             BenchRow(sec, f"{label}: wake-up p50", w["wake50"] * 1e6, "us", None,
-                     "last poll that saw it running -> await returns"),
+                     f"last poll that saw it running -> await returns; {w['window50'] * 1e6:.0f} us of it "
+                     "until a poll saw it done"),
             BenchRow(sec, f"{label}: wake-up p99", w["wake99"] * 1e6, "us"),
             BenchRow(sec, f"{label}: round trip p50", w["trip50"] * 1e6, "us", None,
                      f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
