@@ -30,7 +30,10 @@ class Job:
     error: BaseException | None = None
     # Keeps the plan alive until the copy is over (a lane may read it asynchronously).
     plan: CopyPlan | None = field(default=None, repr=False)
+    # When the launch began (the device may start then) and when it returned (every copy
+    # enqueued: the job cannot have finished before this).
     submitted_at: float = field(default_factory=time.perf_counter, repr=False)
+    launched_at: float = field(default_factory=time.perf_counter, repr=False)
 
     def finish(self) -> TransferResult:
         """Turn the completion into a result and drop what the copy no longer needs."""
@@ -86,7 +89,7 @@ class Handler:
                 break
             job = fifo.popleft()
             seen = time.perf_counter()
-            self.detect_windows.append(seen - max(self._last_miss, job.submitted_at))
+            self.detect_windows.append(seen - max(self._last_miss, job.launched_at))
             result = job.finish()
             if result.success:
                 self.completed += 1

@@ -6,7 +6,8 @@ gives wake-ups of tens of microseconds; after that it sleeps ``poll_interval`` b
 queries (asyncio rounds sleeps under a millisecond up to ~1.1 ms and uvloop down to a
 busy spin, so shorter sleeps buy nothing). When the observed transfer rate predicts that
 the head job needs longer, it sleeps until a spin window before the predicted end instead,
-so long transfers are noticed within microseconds at little CPU cost. With nothing in
+and when the job should end within one sleep it keeps spinning, so long transfers are
+noticed within microseconds at little CPU cost. With nothing in
 flight it sleeps on an event that submits set.
 """
 
@@ -51,6 +52,11 @@ class Poller:
         if not self._wake.is_set():
             self._wake.set()
 
+    def _finishing_soon(self) -> bool:
+        """The head job should end within one sleep (or is only just overdue)."""
+        eta = self._expected_wait()
+        return eta is not None and -self._spin < eta <= self._spin + self._interval
+
     async def run(self) -> None:
         """Poll until cancelled."""
         while True:
@@ -64,6 +70,9 @@ class Poller:
                 self._active_since = time.perf_counter()
                 await anyio.lowlevel.checkpoint()
             elif time.perf_counter() - self._active_since < self._spin:
+                await anyio.lowlevel.checkpoint()
+            elif self._finishing_soon():
+                # A nap cannot be shorter than ~1 ms on asyncio: spin through the last stretch.
                 await anyio.lowlevel.checkpoint()
             else:
                 self.sleeps += 1
