@@ -153,8 +153,6 @@ class CopyPlan:
     that plans its own way (pitched copies) never needs them.
     """
 
-    __slots__ = ("__dict__", "layout", "mapping", "total_bytes")
-
     def __init__(self, mapping: BlockMapping, layout: HostLayout) -> None:
         self.mapping = mapping
         self.layout = layout
