@@ -54,3 +54,36 @@ async def test_long_overdue_job_is_polled_at_the_interval_not_spun() -> None:
     p = _poller(-0.01)  # 10 ms overdue: the prediction is stale
     await _run_for(p, 0.03)
     assert p.sleeps >= 3
+
+
+class _Pending:
+    """A completion that never finishes."""
+
+    elapsed = None
+    error = None
+
+    def query(self) -> bool:
+        return False
+
+
+class _Lane:
+    def launch(self, plan, dependency):
+        return _Pending()
+
+
+def test_handler_reads_a_slightly_late_job_as_due_and_a_very_late_one_as_stale() -> None:
+    from types import SimpleNamespace
+
+    from aiokv.handler import Handler
+    from aiokv.specs import Direction
+
+    h = Handler(Direction.STORE, _Lane())
+    assert h.expected_wait(0.0) is None  # nothing in flight
+    job = h.submit(1, SimpleNamespace(total_bytes=8 << 20), None)
+    assert h.expected_wait(job.submitted_at) is None  # rate not learned yet
+    h._rate = 1e9  # 8 MiB at 1 GB/s: predicted to take ~8.4 ms
+    start = job.submitted_at
+    span = (8 << 20) / 1e9
+    assert h.expected_wait(start) == pytest.approx(span)
+    assert h.expected_wait(start + span + 1e-3) == 0.0  # 1 ms late: under the 2 ms slack
+    assert h.expected_wait(start + span + 3e-3) == pytest.approx(-3e-3)  # stale

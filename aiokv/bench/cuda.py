@@ -303,6 +303,9 @@ async def _wakeups(
     subs, trips, wakes, windows, dev = [], [], [], [], []
     cpu = wall = 0.0
     resolved: list[float] = []
+    poller = worker._poller
+    assert poller is not None  # the worker is open
+    polls = 0
     for i in range(iters + 10):
         resolved.clear()
         t0 = time.perf_counter()
@@ -310,6 +313,7 @@ async def _wakeups(
         t1 = time.perf_counter()
         fut.add_done_callback(lambda _f: resolved.append(time.perf_counter()))
         c1 = time.process_time()
+        p1 = poller.polls
         res = await fut
         t2 = time.perf_counter()
         c2 = time.process_time()
@@ -320,13 +324,14 @@ async def _wakeups(
         trips.append(t2 - t0)
         wakes.append(window + (t2 - resolved[0] if resolved else 0.0))
         windows.append(window)
+        polls += poller.polls - p1
         dev.append(res.transfer_time or 0.0)
         cpu += c2 - c1
         wall += t2 - t1
     return {
         "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
         "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
-        "window50": _p(windows, 50),
+        "window50": _p(windows, 50), "polls": polls / max(1, len(trips)),
         "cpu_wait": cpu / wall if wall else float("nan"),
     }
 
@@ -454,7 +459,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
     sec = "completion wake-up (asyncio, one job in flight)"
     long_iters = 20 if quick else 60
     for label, run in (("4 KiB job", lambda: _tiny_wakeups(100 if quick else 400)),
-                       ("32 KiB-page job (default worker)", lambda: _long_wakeups(per_layer, long_iters))):
+                       ("32 KiB-page job (default worker)", lambda: _long_wakeups(per_layer, long_iters)),
+                       ("2 MiB-page job (default worker)", lambda: _long_wakeups(big, long_iters))):
         try:
             w = asyncio.run(run())
         except Exception as exc:
@@ -469,7 +475,7 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                      f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
             BenchRow(sec, f"{label}: CPU while awaiting", 100 * w["cpu_wait"], "% core", None,
-                     "process CPU between submit return and await return"),
+                     f"process CPU between submit return and await return; {w['polls']:.0f} polls per job"),
         ]
     say("baselines")
     try:
