@@ -160,10 +160,15 @@ class CopyPlan:
             int(blocks.size) * size for blocks, size in zip(mapping.gpu_blocks, layout.block_bytes)
         )
 
+    @property
+    def num_pages(self) -> int:
+        """Pages the job moves (copies before coalescing); cheap, unlike ``len``."""
+        blocks = self.mapping.gpu_blocks
+        return sum(int(b.size) * len(self.layout.tensor_idx[g]) for g, b in enumerate(blocks))
+
     @functools.cached_property
     def _copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        pages = sum(b.size * len(self.layout.tensor_idx[g]) for g, b in enumerate(self.mapping.gpu_blocks))
-        if pages <= _SMALL_PLAN:
+        if self.num_pages <= _SMALL_PLAN:
             return _plan_small(self.mapping, self.layout)
         return _plan_numpy(self.mapping, self.layout)
 

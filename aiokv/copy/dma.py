@@ -168,7 +168,8 @@ class DmaCopy(CopyStrategy):
         ctx = self.ctx
         if ctx.runs and plan.mapping is not None:
             pitched = plan_pitched(plan.mapping, ctx.layout, ctx.runs, ctx.device_base)
-            if len(pitched) * MIN_PITCHED_HEIGHT <= len(plan):
+            # Against the page count, not len(plan): that would build the 1-D plan anyway.
+            if len(pitched) * MIN_PITCHED_HEIGHT <= plan.num_pages:
                 self.pitched_jobs += 1
                 return self.dma.split_pitched(*ctx.pitched(pitched))
         return self.dma.split(*ctx.pointers(plan))
