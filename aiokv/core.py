@@ -38,6 +38,9 @@ class WorkerOptions:
     spin_seconds: float = 200e-6
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
     poll_interval: float = 1e-3
+    # Async face: once the spin is over, wait for each direction's oldest job in a thread
+    # blocked in the driver (no CPU, woken by the completion) instead of polling on a timer.
+    wait_threads: bool = True
 
     def __post_init__(self) -> None:
         from .copy import STRATEGIES  # torch only; no cuda-python
@@ -48,6 +51,8 @@ class WorkerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.wait_threads, bool):
+            raise InvalidSpec(f"wait_threads must be a bool, got {self.wait_threads!r}")
         for name in ("spin_seconds", "poll_interval"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -189,6 +194,11 @@ class OffloadCore:
         with self._lock:
             jobs = [job for h in self.handlers.values() for job in h.pending()]
         return all(job.completion.wait(timeout) for job in jobs)
+
+    def heads(self) -> list[Job]:
+        """The oldest job still in flight of each direction (the next to finish in each)."""
+        with self._lock:
+            return [h.head for h in self.handlers.values() if h.head is not None]
 
     def expected_wait(self) -> float | None:
         """Seconds until the soonest head job should finish (None when unknown)."""

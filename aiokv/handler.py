@@ -133,6 +133,10 @@ class Handler:
     def in_flight(self) -> int:
         return len(self._fifo)
 
+    @property
+    def head(self) -> Job | None:
+        return self._fifo[0] if self._fifo else None
+
     def pending(self) -> list[Job]:
         """A snapshot of jobs not yet popped, oldest first."""
         return list(self._fifo)

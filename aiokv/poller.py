@@ -9,6 +9,10 @@ the head job needs longer, it sleeps until a spin window before the predicted en
 and when the job should end within one sleep it keeps spinning, so long transfers are
 noticed within microseconds at little CPU cost. With nothing in
 flight it sleeps on an event that submits set.
+
+Given a ``watch`` hook (the worker's), the poller does not guess after the spin: the hook
+starts a thread per head job that blocks in the driver until the job ends (no CPU) and then
+wakes the poller, which sleeps meanwhile (polling every 10 ms as a backstop).
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ class Poller:
         pending: Callable[[], int],
         *,
         expected_wait: Callable[[], float | None] = lambda: None,
+        watch: Callable[[], None] | None = None,
         spin_seconds: float,
         poll_interval: float,
     ) -> None:
         self._poll = poll
         self._pending = pending
         self._expected_wait = expected_wait
+        self._watch = watch
         self._spin = spin_seconds
         self._interval = poll_interval
         self._wake = anyio.Event()
@@ -71,6 +77,12 @@ class Poller:
                 await anyio.lowlevel.checkpoint()
             elif time.perf_counter() - self._active_since < self._spin:
                 await anyio.lowlevel.checkpoint()
+            elif self._watch is not None:
+                # Threads blocked in the driver on each head job wake us when it ends.
+                self.sleeps += 1
+                self._watch()
+                with anyio.move_on_after(_MAX_NAP):
+                    await self._wake.wait()
             elif self._finishing_soon():
                 # A nap cannot be shorter than ~1 ms on asyncio: spin through the last stretch.
                 await anyio.lowlevel.checkpoint()

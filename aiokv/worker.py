@@ -9,9 +9,11 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from .core import OffloadCore, WorkerOptions, WorkerStatistics
 from .future import TransferFuture
+from .handler import Job
 from .layout import CanonicalKVCaches
 from .poller import Poller
 from .specs import Direction, InvalidSpec, WorkerClosed
@@ -69,6 +71,8 @@ class AsyncOffloadingWorker:
         self._futures: dict[int, TransferFuture] = {}
         self._poller: Poller | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._watched: set[Job] = set()  # head jobs a thread is waiting on
+        self._wait_limiter: anyio.CapacityLimiter | None = None
         self._loop_thread: int | None = None
         self._closed = threading.Event()
 
@@ -154,6 +158,25 @@ class AsyncOffloadingWorker:
             future._resolve(job.result, repr(job.error) if job.error else "")
         return len(done)
 
+    def _watch_heads(self) -> None:
+        """Start a waiting thread for each direction's oldest job that has none yet."""
+        assert self._task_group is not None
+        for job in self._core.heads():
+            if job not in self._watched:
+                self._watched.add(job)
+                self._task_group.start_soon(self._wait_for, job)
+
+    async def _wait_for(self, job: Job) -> None:
+        # Jobs of one direction end in order, so one thread per direction is ever busy;
+        # a cancelled wait (at close) abandons a thread that returns once the copy ends.
+        try:
+            await anyio.to_thread.run_sync(job.completion.wait, abandon_on_cancel=True,
+                                           limiter=self._wait_limiter)
+        finally:
+            self._watched.discard(job)
+        assert self._poller is not None
+        self._poller.wake()
+
     # -- lifetime -----------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncOffloadingWorker:
@@ -162,10 +185,12 @@ class AsyncOffloadingWorker:
         if self._state is _State.CLOSED:
             raise WorkerClosed("this worker was closed; create a new one")
         opts = self._core.options
+        self._wait_limiter = anyio.CapacityLimiter(len(Direction))
         self._poller = Poller(
             self._complete_finished,
             lambda: len(self._futures),
             expected_wait=self._core.expected_wait,
+            watch=self._watch_heads if opts.wait_threads else None,
             spin_seconds=opts.spin_seconds,
             poll_interval=opts.poll_interval,
         )

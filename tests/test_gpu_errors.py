@@ -249,3 +249,33 @@ def test_trio_cancel_scope_around_await() -> None:
             assert (await fut).success
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_waiting_thread_leaves_the_loop_free_and_wakes_it(backend: str) -> None:
+    """A store held ~150 ms behind a sleep kernel: the worker waits for it in a thread
+    blocked in the driver, so other tasks keep running and the poller is not spinning."""
+    _, kv = _kv()
+
+    async def main() -> None:
+        ticks = 0
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            fut = w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not fut.done():
+                    ticks += 1
+                    await anyio.sleep(0.001)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await anyio.sleep(0.03)
+                assert not fut.done() and len(w._watched) == 1
+                polls = w._poller.polls
+                assert (await fut).success
+            assert w._poller.polls - polls < 60  # woken by the thread (10 ms backstop polls at most)
+        assert ticks >= 40
+
+    anyio.run(main, backend=backend)

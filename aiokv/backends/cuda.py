@@ -141,6 +141,10 @@ class Driver:
         self._all_events: list[Any] = []
         self._batch_fn, self.batch_kind = self._load_batch()
         self._batch3d_fn = self._load_batch3d()
+        # Through ctypes, which always drops the GIL while the driver blocks: a thread
+        # waiting for a copy must never stall the event loop.
+        sync_proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        self._event_sync = self._load_proc(b"cuEventSynchronize", sync_proto)
         self.max_pitch = int(self._check(
             cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
             "cuDeviceGetAttribute",
@@ -255,7 +259,10 @@ class Driver:
 
     def synchronize(self, event: Any) -> None:
         """Block (GIL released, no spin for blocking-sync events) until the event lands."""
-        code = cu.cuEventSynchronize(event)[0]
+        if self._event_sync is not None:
+            code = self._event_sync(int(event))
+        else:
+            code = cu.cuEventSynchronize(event)[0]
         if code != _OK:
             raise self.fail(int(code), "cuEventSynchronize")
 
@@ -313,6 +320,17 @@ class Driver:
             return proto(int(ret[1])), "batch13"
         proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)
         return proto(int(ret[1])), "batch12"
+
+    def _load_proc(self, name: bytes, proto: Any) -> Any:
+        """A driver entry point bound through ctypes, or None where it cannot be found."""
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        try:
+            ret = cu.cuGetProcAddress(name, 12000, flags)
+        except Exception:
+            return None
+        if ret[0] != _OK or not int(ret[1]):
+            return None
+        return proto(int(ret[1]))
 
     def _load_batch3d(self) -> Any:
         """Bind cuMemcpy3DBatchAsync (CUDA >= 12.8) for pitched copies, or None."""
@@ -463,7 +481,7 @@ class Driver:
 class CudaCompletion(Completion):
     """The completion event of one job; its events go back to the pool once observed."""
 
-    __slots__ = ("_done", "_driver", "_elapsed", "_error", "_events", "_lock")
+    __slots__ = ("_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan", "_waiting")
 
     def __init__(self, driver: Driver, events: _Events, error: BaseException | None = None) -> None:
         self._driver = driver
@@ -472,6 +490,10 @@ class CudaCompletion(Completion):
         self._error = error
         self._elapsed: float | None = None
         self._lock = threading.Lock()
+        # Threads inside cuEventSynchronize on our events: those go back to the pool only
+        # once the last one is out, or a new job could re-record an event being waited on.
+        self._waiting = 0
+        self._orphan: _Events | None = None
 
     def query(self) -> bool:
         if self._done:
@@ -497,13 +519,28 @@ class CudaCompletion(Completion):
     def wait(self, timeout: float | None = None) -> bool:
         if self.query():
             return True
-        events = self._events
-        if timeout is None and events is not None:
+        if timeout is None:
+            with self._lock:
+                events = self._events
+                if events is None:
+                    return True
+                self._waiting += 1
+            error: Exception | None = None
             try:
                 self._driver.synchronize(events.done)
                 self._driver.confirm_healthy()
             except Exception as exc:
-                self._finish(exc)
+                error = exc
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+                    orphan = self._orphan if self._waiting == 0 else None
+                    if orphan is not None:
+                        self._orphan = None
+                if orphan is not None:
+                    self._driver.give_job_events(orphan)
+            if error is not None:
+                self._finish(error)
                 return True
             return self.query()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -525,6 +562,8 @@ class CudaCompletion(Completion):
             if events is not None and self._error is None:
                 self._elapsed = self._driver.elapsed(events.start, events.stop)
             self._done = True
+            if events is not None and self._waiting:
+                self._orphan, events = events, None  # the last waiter gives them back
         if events is not None and self._driver.broken is None:
             self._driver.give_job_events(events)
 
