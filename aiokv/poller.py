@@ -10,9 +10,11 @@ and when the job should end within one sleep it keeps spinning, so long transfer
 noticed within microseconds at little CPU cost. With nothing in
 flight it sleeps on an event that submits set.
 
-Given a ``watch`` hook (the worker's), the poller does not guess after the spin: the hook
-starts a thread per head job that blocks in the driver until the job ends (no CPU) and then
-wakes the poller, which sleeps meanwhile (polling every 10 ms as a backstop).
+Given a ``watch`` hook (the worker's, with ``WorkerOptions.wait_threads``), the poller
+does not guess after the spin: the hook starts a thread per head job that blocks in the
+driver until the job ends (no CPU) and then wakes the poller, which sleeps meanwhile
+(polling every 10 ms as a backstop). On the H200 that noticed long jobs later than the
+predictive poller, so it is opt-in.
 """
 
 from __future__ import annotations

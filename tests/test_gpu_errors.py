@@ -253,13 +253,14 @@ def test_trio_cancel_scope_around_await() -> None:
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_waiting_thread_leaves_the_loop_free_and_wakes_it(backend: str) -> None:
-    """A store held ~150 ms behind a sleep kernel: the worker waits for it in a thread
-    blocked in the driver, so other tasks keep running and the poller is not spinning."""
+    """wait_threads=True: a store held ~150 ms behind a sleep kernel is waited for in a
+    thread blocked in the driver, so other tasks keep running and the poller is not spinning."""
     _, kv = _kv()
 
     async def main() -> None:
         ticks = 0
-        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda",
+                                         options={"wait_threads": True}) as w:
             torch.cuda._sleep(SLEEP_CYCLES)
             fut = w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
 

@@ -225,7 +225,7 @@ async def test_a_long_wait_blocks_in_a_thread_not_in_a_poll_loop(kv4: KV) -> Non
             ticks += 1
             await anyio.sleep(0.001)
 
-    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"wait_threads": True}) as worker:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         async with anyio.create_task_group() as tg:
             tg.start_soon(busy_loop_work)
@@ -242,7 +242,7 @@ async def test_a_long_wait_blocks_in_a_thread_not_in_a_poll_loop(kv4: KV) -> Non
 
 async def test_closing_with_a_thread_waiting_drains_and_returns(kv4: KV) -> None:
     latch = threading.Event()
-    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8)
+    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"wait_threads": True})
     async with worker:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         await anyio.sleep(0.02)
@@ -251,9 +251,9 @@ async def test_closing_with_a_thread_waiting_drains_and_returns(kv4: KV) -> None
     assert fut.done() and fut.result().success
 
 
-async def test_wait_threads_off_polls_on_a_timer_instead(kv4: KV) -> None:
+async def test_by_default_a_long_wait_polls_on_a_timer(kv4: KV) -> None:
     latch = threading.Event()
-    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"wait_threads": False}) as worker:
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         await anyio.sleep(0.05)
         assert not worker._watched and worker._poller.sleeps >= 5
