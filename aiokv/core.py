@@ -39,9 +39,9 @@ class WorkerOptions:
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
     poll_interval: float = 1e-3
     # Async face: once the spin is over, wait for each direction's oldest job in a thread
-    # blocked in the driver instead of polling on a timer. Opt-in: on the H200 it noticed
-    # long jobs ~1-5 ms late (blocking-sync wake-up plus the thread hop), against ~60 us
-    # for the default predictive poller (docs/performance.md, device run 12).
+    # blocked in the driver instead of polling on a timer. Opt-in: on the H200 a 2 MiB-page
+    # job's round trip took ~0.45 ms longer and more CPU than with the default predictive
+    # poller (docs/performance.md, device run 12).
     wait_threads: bool = False
 
     def __post_init__(self) -> None:

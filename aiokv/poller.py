@@ -13,7 +13,7 @@ flight it sleeps on an event that submits set.
 Given a ``watch`` hook (the worker's, with ``WorkerOptions.wait_threads``), the poller
 does not guess after the spin: the hook starts a thread per head job that blocks in the
 driver until the job ends (no CPU) and then wakes the poller, which sleeps meanwhile
-(polling every 10 ms as a backstop). On the H200 that noticed long jobs later than the
+(polling every 10 ms as a backstop). On the H200 that woke long jobs later than the
 predictive poller, so it is opt-in.
 """
 
