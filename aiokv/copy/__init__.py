@@ -85,7 +85,6 @@ class CopyContext:
             as_u64(plan.nbytes, dtype=np.int64).view(np.uint64),
         )
 
-
     def pitched(self, plan: PitchedPlan) -> tuple[np.ndarray, np.ndarray]:
         """Packed 2D copy rows for the driver, and each one's bytes."""
         dev = plan.device_addr
