@@ -43,8 +43,10 @@ torch.zeros(1, device="cuda")
 check(cu.cuInit(0))
 ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0))))
 check(cu.cuCtxSetCurrent(ctx))
-addr = check(cu.cuGetProcAddress(b"cuLaunchHostFunc", 12000,
-                                 cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT))
+_default = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+ret = cu.cuGetProcAddress(b"cuLaunchHostFunc", 12000, _default)
+assert int(ret[0]) == 0 and int(ret[1]), ret
+addr = ret[1]
 launch_host = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(int(addr))
 rfd, wfd = os.pipe()
 os.set_blocking(rfd, False)
