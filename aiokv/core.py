@@ -38,11 +38,11 @@ class WorkerOptions:
     spin_seconds: float = 200e-6
     # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
     poll_interval: float = 1e-3
-    # Async face: once the spin is over, wait for each direction's oldest job in a thread
-    # blocked in the driver instead of polling on a timer. Opt-in: on the H200 a 2 MiB-page
-    # job's round trip took ~0.45 ms longer and more CPU than with the default predictive
-    # poller (docs/performance.md, device run 12).
-    wait_threads: bool = False
+    # Async face: while napping, have each direction's oldest job ring a pipe the loop
+    # sleeps on when it ends (on CUDA a host function writes it, no Python involved), so a
+    # job that ends away from its predicted time is noticed in ~0.1-0.5 ms, not after a
+    # timer nap of one or more milliseconds.
+    doorbell: bool = True
 
     def __post_init__(self) -> None:
         from .copy import STRATEGIES  # torch only; no cuda-python
@@ -53,8 +53,8 @@ class WorkerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.wait_threads, bool):
-            raise InvalidSpec(f"wait_threads must be a bool, got {self.wait_threads!r}")
+        if not isinstance(self.doorbell, bool):
+            raise InvalidSpec(f"doorbell must be a bool, got {self.doorbell!r}")
         for name in ("spin_seconds", "poll_interval"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:

@@ -38,6 +38,8 @@ class Job:
     # enqueued: the job cannot have finished before this).
     submitted_at: float = field(default_factory=time.perf_counter, repr=False)
     launched_at: float = field(default_factory=time.perf_counter, repr=False)
+    # Whether the job will ring the async face's doorbell when it ends.
+    bell_armed: bool = field(default=False, repr=False)
 
     def finish(self) -> TransferResult:
         """Turn the completion into a result and drop what the copy no longer needs."""

@@ -9,11 +9,10 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.to_thread
 
 from .core import OffloadCore, WorkerOptions, WorkerStatistics
+from .doorbell import Doorbell
 from .future import TransferFuture
-from .handler import Job
 from .layout import CanonicalKVCaches
 from .poller import Poller
 from .specs import Direction, InvalidSpec, WorkerClosed
@@ -71,8 +70,7 @@ class AsyncOffloadingWorker:
         self._futures: dict[int, TransferFuture] = {}
         self._poller: Poller | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._watched: set[Job] = set()  # head jobs a thread is waiting on
-        self._wait_limiter: anyio.CapacityLimiter | None = None
+        self._bell: Doorbell | None = None
         self._loop_thread: int | None = None
         self._closed = threading.Event()
 
@@ -158,24 +156,16 @@ class AsyncOffloadingWorker:
             future._resolve(job.result, repr(job.error) if job.error else "")
         return len(done)
 
-    def _watch_heads(self) -> None:
-        """Start a waiting thread for each direction's oldest job that has none yet."""
-        assert self._task_group is not None
+    def _arm_heads(self) -> bool:
+        """Have each direction's oldest job ring the doorbell as it ends; False if one cannot."""
+        bell = self._bell
+        assert bell is not None
+        armed = True
         for job in self._core.heads():
-            if job not in self._watched:
-                self._watched.add(job)
-                self._task_group.start_soon(self._wait_for, job)
-
-    async def _wait_for(self, job: Job) -> None:
-        # Jobs of one direction end in order, so one thread per direction is ever busy;
-        # a cancelled wait (at close) abandons a thread that returns once the copy ends.
-        try:
-            await anyio.to_thread.run_sync(job.completion.wait, abandon_on_cancel=True,
-                                           limiter=self._wait_limiter)
-        finally:
-            self._watched.discard(job)
-        assert self._poller is not None
-        self._poller.wake()
+            if not job.bell_armed:
+                job.bell_armed = job.completion.ring_when_done(bell)
+            armed = armed and job.bell_armed
+        return armed
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -185,17 +175,22 @@ class AsyncOffloadingWorker:
         if self._state is _State.CLOSED:
             raise WorkerClosed("this worker was closed; create a new one")
         opts = self._core.options
-        self._wait_limiter = anyio.CapacityLimiter(len(Direction))
+        self._bell = Doorbell() if opts.doorbell else None
         self._poller = Poller(
             self._complete_finished,
             lambda: len(self._futures),
             expected_wait=self._core.expected_wait,
-            watch=self._watch_heads if opts.wait_threads else None,
+            bell=self._bell,
+            arm=self._arm_heads if self._bell is not None else None,
             spin_seconds=opts.spin_seconds,
             poll_interval=opts.poll_interval,
         )
         self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
+        try:
+            await self._task_group.__aenter__()
+        except BaseException:
+            self._close_bell()
+            raise
         self._task_group.start_soon(self._poller.run)
         self._loop_thread = threading.get_ident()
         self._state = _State.OPEN
@@ -231,5 +226,12 @@ class AsyncOffloadingWorker:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
         finally:
-            self._core.close()
-            self._closed.set()
+            try:
+                self._core.close()  # lanes let pending rings run before they go
+            finally:
+                self._close_bell()
+                self._closed.set()
+
+    def _close_bell(self) -> None:
+        if self._bell is not None:
+            self._bell.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import subprocess
 import sys
 import textwrap
@@ -252,15 +253,15 @@ def test_trio_cancel_scope_around_await() -> None:
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_waiting_thread_leaves_the_loop_free_and_wakes_it(backend: str) -> None:
-    """wait_threads=True: a store held ~150 ms behind a sleep kernel is waited for in a
-    thread blocked in the driver, so other tasks keep running and the poller is not spinning."""
+def test_a_held_job_is_napped_for_on_the_doorbell(backend: str) -> None:
+    """A store held ~150 ms behind a sleep kernel: the poller asks it to ring the doorbell
+    and naps on it (10 ms backstop), so other tasks run and there is no busy loop; the
+    bell never rings before the copy is over."""
     _, kv = _kv()
 
     async def main() -> None:
         ticks = 0
-        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda",
-                                         options={"wait_threads": True}) as w:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
             torch.cuda._sleep(SLEEP_CYCLES)
             fut = w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
 
@@ -273,10 +274,39 @@ def test_waiting_thread_leaves_the_loop_free_and_wakes_it(backend: str) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
                 await anyio.sleep(0.03)
-                assert not fut.done() and len(w._watched) == 1
+                (job,) = w._core.heads()
+                assert not fut.done() and job.bell_armed
                 polls = w._poller.polls
                 assert (await fut).success
-            assert w._poller.polls - polls < 60  # woken by the thread (10 ms backstop polls at most)
+            assert w._poller.polls - polls < 60  # woken by the bell (10 ms backstop polls at most)
         assert ticks >= 40
 
     anyio.run(main, backend=backend)
+
+
+def test_the_doorbell_rings_only_once_the_copy_is_over() -> None:
+    """Driver level: armed while the copy waits behind a sleep kernel, the bell stays
+    silent until the copy's event is done, then rings within the test's patience."""
+    from aiokv.doorbell import Doorbell
+
+    _, kv = _kv()
+
+    async def main() -> None:
+        bell = Doorbell()
+        try:
+            async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda",
+                                             options={"doorbell": False}) as w:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                fut = w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
+                (job,) = w._core.heads()
+                assert job.completion.ring_when_done(bell)
+                rung = select.select([bell.fileno()], [], [], 10.0)[0]
+                assert rung and job.completion.query()
+                assert bell.drain() == 1
+                assert (await fut).success
+                # Arming a job that is already over rings at once.
+                assert job.completion.ring_when_done(bell) and bell.drain() == 1
+        finally:
+            bell.close()
+
+    anyio.run(main)

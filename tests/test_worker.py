@@ -213,49 +213,27 @@ async def test_awaiting_a_done_future_still_checkpoints(kv4: KV) -> None:
             worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
 
 
-async def test_a_long_wait_blocks_in_a_thread_not_in_a_poll_loop(kv4: KV) -> None:
-    """After the spin, the worker waits for the head job in a thread: the loop stays free
-    and the poller wakes when the job ends, not on a timer."""
-    latch = threading.Event()
-    ticks = 0
-
-    async def busy_loop_work() -> None:
-        nonlocal ticks
-        while not latch.is_set():
-            ticks += 1
-            await anyio.sleep(0.001)
-
-    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"wait_threads": True}) as worker:
-        fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(busy_loop_work)
-            await anyio.sleep(0.1)
-            assert not fut.done()
-            assert len(worker._watched) == 1  # one thread waits on the held job
-            polls = worker._poller.polls
-            latch.set()
-            assert (await fut).success
-        assert worker._poller.polls - polls <= 3  # woken by the thread, not by polling
-        assert ticks >= 20  # the loop ran other tasks meanwhile
-        assert not worker._watched
-
-
-async def test_closing_with_a_thread_waiting_drains_and_returns(kv4: KV) -> None:
-    latch = threading.Event()
-    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"wait_threads": True})
-    async with worker:
-        fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
-        await anyio.sleep(0.02)
-        assert worker._watched
-        threading.Timer(0.05, latch.set).start()
-    assert fut.done() and fut.result().success
-
-
-async def test_by_default_a_long_wait_polls_on_a_timer(kv4: KV) -> None:
+async def test_by_default_a_long_wait_naps_on_the_doorbell(kv4: KV) -> None:
+    """The held job is asked to ring the doorbell; the poller naps up to 10 ms at a time
+    on it (a timer-only poller would nap ~1 ms at a time) and wakes when the job ends."""
     latch = threading.Event()
     async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
-        await anyio.sleep(0.05)
-        assert not worker._watched and worker._poller.sleeps >= 5
+        await anyio.sleep(0.1)
+        assert 1 <= worker._poller.sleeps <= 30
+        (job,) = worker._core.heads()
+        assert job.bell_armed
+        latch.set()
+        assert (await fut).success
+
+
+async def test_without_the_doorbell_a_long_wait_polls_on_a_timer(kv4: KV) -> None:
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"doorbell": False}) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
+        await anyio.sleep(0.1)
+        assert worker._poller.sleeps >= 40
+        (job,) = worker._core.heads()
+        assert not job.bell_armed
         latch.set()
         assert (await fut).success

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..doorbell import Doorbell
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
@@ -25,6 +26,11 @@ class Completion(abc.ABC):
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
         """Block (off the event loop) until done; False if ``timeout`` passed first."""
+
+    def ring_when_done(self, bell: Doorbell) -> bool:
+        """Have ``bell`` rung once the job is over (at once if it is); False if this
+        backend cannot, and the caller must keep polling on a timer."""
+        return False
 
     # Set by the backend when the job is over.
     _error: BaseException | None

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..doorbell import Doorbell
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction, InvalidSpec
@@ -25,12 +26,14 @@ __all__ = ["CpuBackend"]
 class CpuCompletion(Completion):
     """Set by the lane's thread when the job's copies are over."""
 
-    __slots__ = ("_done", "_elapsed", "_error")
+    __slots__ = ("_bells", "_done", "_elapsed", "_error", "_lock")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._elapsed: float | None = None
+        self._lock = threading.Lock()
+        self._bells: list[Doorbell] = []
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -38,10 +41,21 @@ class CpuCompletion(Completion):
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
+    def ring_when_done(self, bell: Doorbell) -> bool:
+        with self._lock:
+            if not self._done.is_set():
+                self._bells.append(bell)
+                return True
+        bell.ring()
+        return True
 
     def _finish(self, error: BaseException | None, elapsed: float | None) -> None:
         self._error, self._elapsed = error, elapsed
-        self._done.set()
+        with self._lock:
+            self._done.set()
+            bells, self._bells = self._bells, []
+        for bell in bells:
+            bell.ring()
 
 
 class CpuHostPool(HostPool):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 
+from ..doorbell import Doorbell
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
@@ -145,6 +146,8 @@ class Driver:
         # waiting for a copy must never stall the event loop.
         sync_proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
         self._event_sync = self._load_proc(b"cuEventSynchronize", sync_proto)
+        vp = ctypes.c_void_p
+        self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp))
         self.max_pitch = int(self._check(
             cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
             "cuDeviceGetAttribute",
@@ -269,6 +272,28 @@ class Driver:
     def elapsed(self, start: Any, stop: Any) -> float | None:
         ret = cu.cuEventElapsedTime(start, stop)
         return float(ret[1]) / 1e3 if ret[0] == _OK else None
+
+    def ring_after(self, stream: Any, event: Any, bell: Doorbell) -> bool:
+        """Ring ``bell`` from the driver's callback thread once ``event``'s latest record
+        lands, via a host function enqueued on ``stream`` (a side stream, so the copies
+        never wait for the callback). False where host functions cannot be used."""
+        fn = Doorbell.host_function()
+        if self._host_func is None or not fn:
+            return False
+        try:
+            handle = bell.deferred_ring()
+        except OSError:
+            return False
+        try:
+            self.ensure_context()
+            self.stream_wait(stream, event)
+            code = self._host_func(int(stream), fn, handle)
+            if code != _OK:
+                raise self.fail(int(code), "cuLaunchHostFunc")
+        except BaseException:
+            Doorbell.cancel_deferred(handle)
+            raise
+        return True
 
     def stream_synchronize(self, stream: Any) -> None:
         code = cu.cuStreamSynchronize(stream)[0]
@@ -481,10 +506,15 @@ class Driver:
 class CudaCompletion(Completion):
     """The completion event of one job; its events go back to the pool once observed."""
 
-    __slots__ = ("_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan", "_waiting")
+    __slots__ = (
+        "_bell_stream", "_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan", "_waiting",
+    )
 
-    def __init__(self, driver: Driver, events: _Events, error: BaseException | None = None) -> None:
+    def __init__(
+        self, driver: Driver, events: _Events, error: BaseException | None = None, bell_stream: Any = None
+    ) -> None:
         self._driver = driver
+        self._bell_stream = bell_stream
         self._events: _Events | None = events
         self._done = False
         self._error = error
@@ -552,6 +582,19 @@ class CudaCompletion(Completion):
             pause = min(pause * 2, 1e-3)
         return True
 
+    def ring_when_done(self, bell: Doorbell) -> bool:
+        with self._lock:
+            events = self._events
+            if events is not None and not self._done:
+                if self._bell_stream is None:
+                    return False
+                try:
+                    return self._driver.ring_after(self._bell_stream, events.done, bell)
+                except Exception:
+                    return False  # a sticky error: the next query reports it
+        bell.ring()
+        return True
+
     def _finish(self, error: BaseException | None) -> None:
         with self._lock:
             if self._done:
@@ -589,6 +632,8 @@ class CudaLane(Lane):
         self._strategy = strategy
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
+        # Where completion doorbells wait on job end events (see Driver.ring_after).
+        self.bell_stream = self._driver.create_stream()
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
         drv = self._driver
@@ -615,10 +660,16 @@ class CudaLane(Lane):
             if dep is not None and dep.owned:
                 drv.give_sync_event(dep.event)
         drv.record(events.done, self.stream)
-        return CudaCompletion(drv, events, error)
+        return CudaCompletion(drv, events, error, self.bell_stream)
 
     def close(self) -> None:
         self._strategy.close()
+        # Pending rings run before the stream goes (the doorbell is closed after this).
+        try:
+            self._driver.stream_synchronize(self.bell_stream)
+        except Exception:
+            pass  # a dead context runs no host functions
+        self._driver.destroy_stream(self.bell_stream)
 
 
 class CudaBackend(Backend):

@@ -1,0 +1,140 @@
+"""The doorbell pipe, the deferred (driver-run) ring, and the poller napping on it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import threading
+
+import anyio
+import pytest
+
+from aiokv.doorbell import Doorbell
+from aiokv.poller import Poller
+
+
+def _readable(bell: Doorbell) -> bool:
+    return bool(select.select([bell.fileno()], [], [], 0)[0])
+
+
+def test_ring_makes_it_readable_until_drained() -> None:
+    bell = Doorbell()
+    try:
+        assert not _readable(bell) and bell.drain() == 0
+        bell.ring()
+        bell.ring()
+        assert _readable(bell)
+        assert bell.drain() == 2
+        assert not _readable(bell)
+    finally:
+        bell.close()
+
+
+def test_ringing_a_full_or_closed_bell_is_harmless() -> None:
+    bell = Doorbell()
+    for _ in range(200_000):  # far past a pipe's 64 KiB
+        bell.ring()
+    assert bell.drain() >= 4096
+    bell.close()
+    bell.close()
+    bell.ring()  # a late ring after close
+
+
+def test_a_deferred_ring_rings_only_when_the_host_function_runs() -> None:
+    """What the driver does: call ``host_function()`` with the handle, from its thread."""
+    bell = Doorbell()
+    fn = Doorbell.host_function()
+    assert fn  # glibc is loadable on every machine we run on
+    host_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(fn)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    handles = [bell.deferred_ring() for _ in range(3)]
+    assert not _readable(bell)  # the byte sits in the FILE's buffer
+    done = threading.Thread(target=host_fn, args=(handles[0],))
+    done.start()
+    done.join()
+    assert bell.drain() == 1
+    Doorbell.cancel_deferred(handles[1])
+    host_fn(handles[2])
+    assert bell.drain() == 2
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # each FILE closed its dup
+    bell.close()
+
+
+class _Job:
+    """One pending job that a thread finishes (and rings for) when told to."""
+
+    def __init__(self, bell: Doorbell) -> None:
+        self.bell = bell
+        self.done = threading.Event()
+        self.armed = 0
+        self.popped = False
+
+    def arm(self) -> bool:
+        self.armed += 1
+        return True
+
+    def poll(self) -> int:
+        if self.done.is_set() and not self.popped:
+            self.popped = True
+            return 1
+        return 0
+
+    def pending(self) -> int:
+        return 0 if self.popped else 1
+
+    def finish(self) -> None:
+        self.done.set()
+        self.bell.ring()
+
+
+@pytest.mark.anyio
+async def test_poller_naps_on_the_bell_and_wakes_when_it_rings() -> None:
+    bell = Doorbell()
+    job = _Job(bell)
+    # Naps of up to a minute: only the bell can end them within the test's time.
+    p = Poller(job.poll, job.pending, bell=bell, arm=job.arm, spin_seconds=200e-6,
+               poll_interval=60.0, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.05)
+        assert p.sleeps == 1 and job.armed == 1  # one long nap on the bell
+        with anyio.fail_after(10):
+            await anyio.to_thread.run_sync(job.finish)
+            while job.pending():
+                await anyio.sleep(0.001)
+        tg.cancel_scope.cancel()
+    bell.close()
+
+
+@pytest.mark.anyio
+async def test_a_submit_cuts_a_bell_nap_short() -> None:
+    bell = Doorbell()
+    job = _Job(bell)
+    p = Poller(job.poll, job.pending, bell=bell, arm=job.arm, spin_seconds=200e-6,
+               poll_interval=60.0, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.05)
+        polls = p.polls
+        job.done.set()  # finished without ringing: only the submit's wake ends the nap
+        p.wake()
+        with anyio.fail_after(10):
+            while job.pending():
+                await anyio.sleep(0.001)
+        assert p.polls > polls
+        tg.cancel_scope.cancel()
+    bell.close()
+
+
+@pytest.mark.anyio
+async def test_an_unarmed_head_falls_back_to_timer_naps() -> None:
+    bell = Doorbell()
+    p = Poller(lambda: 0, lambda: 1, bell=bell, arm=lambda: False, spin_seconds=200e-6,
+               poll_interval=1e-3, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert p.sleeps >= 5  # ~1 ms naps, not one minute-long one
+    bell.close()
