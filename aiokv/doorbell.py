@@ -1,4 +1,4 @@
-"""A pipe whose read end an event loop sleeps on until a copy ends.
+"""A pipe whose read end an event loop sleeps on until a copy ends (or an alarm goes off).
 
 Backends ring it when a job they were asked about is over. The CUDA backend rings it
 without Python: ``cuLaunchHostFunc`` runs libc's ``fclose`` on a ``FILE`` that wraps a dup
@@ -6,12 +6,17 @@ of the write end and holds one buffered byte (``deferred_ring``), so the driver'
 thread writes that byte with no GIL to take. On the H200 the byte was readable 15-140 us
 (p50) after the copy's event (probes/probe_doorbell.py), where an asyncio timer nap
 overshoots by a millisecond or more.
+
+Event loops only time naps to the millisecond (asyncio rounds every timeout up to the next
+whole one), so the bell also carries a precise alarm: a ``timerfd`` watched together with
+the pipe through one epoll descriptor, which is what the loop actually waits on.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 from typing import Any
 
 __all__ = ["Doorbell"]
@@ -34,6 +39,50 @@ class _Libc:
 
 _LIBC: _Libc | bool | None = False  # False: not loaded yet
 
+_CLOCK_MONOTONIC = 1  # perf_counter's clock on Linux
+_TFD_NONBLOCK, _TFD_CLOEXEC = os.O_NONBLOCK, getattr(os, "O_CLOEXEC", 0)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class _Alarm:
+    """A one-shot Linux timerfd, readable once it expires (nanosecond resolution)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._settime = libc.timerfd_settime
+        self._settime.restype = ctypes.c_int
+        self._settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        create = libc.timerfd_create
+        create.restype, create.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+        self.fd = create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self._spec = _Itimerspec()
+
+    def set(self, seconds: float) -> None:
+        """Go off ``seconds`` from now (at least 1 ns); 0 or less disarms."""
+        value = self._spec.it_value
+        if seconds <= 0:
+            value.tv_sec = value.tv_nsec = 0
+        else:
+            ns = max(1, int(seconds * 1e9))
+            value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
+        if self._settime(self.fd, 0, ctypes.addressof(self._spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def clear(self) -> None:
+        try:
+            os.read(self.fd, 8)
+        except (BlockingIOError, OSError):
+            pass
+
 
 def _libc() -> _Libc | None:
     global _LIBC
@@ -53,10 +102,36 @@ class Doorbell:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self.closed = False
+        self._alarm: _Alarm | None = None
+        self._epoll: Any = None
+        if hasattr(select, "epoll"):
+            try:
+                self._alarm = _Alarm()
+            except (OSError, AttributeError):
+                self._alarm = None
+        if self._alarm is not None:
+            self._epoll = select.epoll()
+            self._epoll.register(self._read, select.EPOLLIN)
+            self._epoll.register(self._alarm.fd, select.EPOLLIN)
+
+    @property
+    def has_alarm(self) -> bool:
+        """Whether ``set_alarm`` is available (Linux)."""
+        return self._alarm is not None
 
     def fileno(self) -> int:
-        """The read end, readable once rung (until ``drain``)."""
-        return self._read
+        """What to wait on: readable once rung or once the alarm went off (until ``drain``)."""
+        return self._epoll.fileno() if self._epoll is not None else self._read
+
+    def set_alarm(self, seconds: float) -> bool:
+        """Become readable ``seconds`` from now (replacing any earlier alarm; <= 0 clears
+        it). False where there is no alarm, and the caller must time the nap itself."""
+        if self._alarm is None or self.closed:
+            return False
+        self._alarm.set(seconds)
+        if seconds <= 0:
+            self._alarm.clear()
+        return True
 
     def ring(self) -> None:
         """Make the read end readable. Safe from any thread; a full pipe is rung already."""
@@ -66,7 +141,9 @@ class Doorbell:
             pass  # full (a ring is pending) or closed (nobody is listening any more)
 
     def drain(self) -> int:
-        """Consume every pending ring; returns how many there were."""
+        """Consume every pending ring (and an alarm that went off); returns the rings."""
+        if self._alarm is not None:
+            self._alarm.clear()
         count = 0
         while True:
             try:
@@ -112,5 +189,9 @@ class Doorbell:
         Python's default SIGPIPE handling turns into a harmless EPIPE."""
         if not self.closed:
             self.closed = True
+            if self._epoll is not None:
+                self._epoll.close()
+            if self._alarm is not None:
+                os.close(self._alarm.fd)
             os.close(self._read)
             os.close(self._write)

@@ -41,6 +41,12 @@ class Job:
     # Whether the job will ring the async face's doorbell when it ends.
     bell_armed: bool = field(default=False, repr=False)
 
+    @property
+    def started_at(self) -> float:
+        """When the device could start: the backend's stamp, else the launch's start."""
+        started = self.completion.started_at
+        return self.submitted_at if started is None else started
+
     def finish(self) -> TransferResult:
         """Turn the completion into a result and drop what the copy no longer needs."""
         err = self.completion.error
@@ -110,7 +116,7 @@ class Handler:
     def _learn_rate(self, job: Job) -> None:
         elapsed = job.completion.elapsed
         if elapsed is None:
-            elapsed = time.perf_counter() - max(job.submitted_at, self._last_done)
+            elapsed = time.perf_counter() - max(job.started_at, self._last_done)
         if job.nbytes >= 1 << 20 and elapsed > 0:
             rate = job.nbytes / elapsed
             self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
@@ -126,7 +132,7 @@ class Handler:
             return None
         head = self._fifo[0]
         span = head.nbytes / self._rate
-        eta = max(head.submitted_at, self._last_done) + span - now
+        eta = max(head.started_at, self._last_done) + span - now
         if -min(_MAX_SLACK, _SLACK_SHARE * span) < eta < 0:
             return 0.0
         return eta

@@ -7,13 +7,15 @@ rate predicts that the head job needs longer, the nap ends a spin window before 
 predicted end, and when the job should end within one nap it keeps spinning, so a job that
 ends on time is noticed within microseconds at little CPU cost.
 
-A nap on a timer cannot end sooner than it was set for (asyncio rounds anything under a
-millisecond up to ~1.1 ms), so a job that ends early, or late after the spin gave up, used
-to wait milliseconds to be noticed. With a ``bell`` the poller first asks every head job to
-ring it when it ends (``arm``) and naps on the bell's file descriptor instead: the nap ends
-as the job ends, and the timer (``max_nap``, 10 ms) is only a backstop. Submits ring it
-too. Where a head job cannot ring, naps fall back to ``poll_interval``. With nothing in
-flight the poller sleeps on an event that submits set.
+Event loops time naps to the millisecond (asyncio rounds every timeout up to the next whole
+one), so a nap aimed just before a predicted end often overshot it, and a job that ended
+early, or late after the spin gave up, waited milliseconds to be noticed. With a ``bell``
+(``aiokv.doorbell``) the poller first asks every head job to ring it when it ends
+(``arm``) and naps on the bell's file descriptor instead: the nap ends when the job ends or
+when the bell's precise alarm (set to the spin window before the predicted end) goes off,
+and the loop's timer (``max_nap``, 10 ms) is only a backstop. Submits ring it too. Where a
+head job cannot ring, naps fall back to ``poll_interval``. With nothing in flight the
+poller sleeps on an event that submits set.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .doorbell import Doorbell
 __all__ = ["Poller"]
 
 _MAX_NAP = 0.01
+# The shortest nap worth taking on the bell's alarm (waking a sleeping thread takes ~50 us).
+_MIN_ALARM_NAP = 100e-6
 
 
 class Poller:
@@ -54,6 +58,8 @@ class Poller:
         self._bell = bell
         self._arm = arm
         self._max_nap = max_nap
+        # Without the alarm, a nap cannot end sooner than the loop's ~1 ms timer allows.
+        self._shortest_nap = _MIN_ALARM_NAP if bell is not None and bell.has_alarm else poll_interval
         self._napping = False
         self._wake = anyio.Event()
         self._active_since = time.perf_counter()
@@ -68,27 +74,33 @@ class Poller:
         if self._napping and self._bell is not None:
             self._bell.ring()  # the nap waits on the bell, not on the event
 
-    def _finishing_soon(self) -> bool:
-        """The head job should end within one sleep (or is only just overdue)."""
-        eta = self._expected_wait()
-        return eta is not None and -self._spin < eta <= self._spin + self._interval
+    def _finishing_soon(self, eta: float | None) -> bool:
+        """The head job should end before a nap could (or is only just overdue)."""
+        return eta is not None and -self._spin < eta <= self._spin + self._shortest_nap
 
-    async def _nap(self, timer: float, rung: float) -> None:
-        """Sleep ``timer`` seconds, or up to ``rung`` when every head job will ring the
-        bell as it ends; a submit cuts either short."""
+    async def _nap(self, until: float | None) -> None:
+        """Nap ``until`` seconds (a spin window before a predicted end) or, with no
+        prediction, for as long as the head jobs' rings allow; a submit cuts it short."""
         bell, arm = self._bell, self._arm
         if bell is None or arm is None:
-            with anyio.move_on_after(timer):
+            with anyio.move_on_after(self._interval if until is None else until):
                 await self._wake.wait()
             return
         bell.drain()  # rings of jobs already seen done
         armed = arm()
+        alarm = until is not None and bell.set_alarm(until)
+        if alarm or armed:
+            limit = self._max_nap  # a backstop: the alarm or a ring ends the nap
+        else:
+            limit = self._interval if until is None else until
         self._napping = True
         try:
-            with anyio.move_on_after(rung if armed else timer):
+            with anyio.move_on_after(limit):
                 await anyio.wait_readable(bell.fileno())
         finally:
             self._napping = False
+            if alarm:
+                bell.set_alarm(0)
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -102,18 +114,18 @@ class Poller:
             if self._poll():
                 self._active_since = time.perf_counter()
                 await anyio.lowlevel.checkpoint()
-            elif time.perf_counter() - self._active_since < self._spin:
+                continue
+            if time.perf_counter() - self._active_since < self._spin:
                 await anyio.lowlevel.checkpoint()
-            elif self._finishing_soon():
-                # A nap cannot be shorter than ~1 ms on asyncio: spin through the last stretch.
-                await anyio.lowlevel.checkpoint()
+                continue
+            eta = self._expected_wait()
+            if self._finishing_soon(eta):
+                await anyio.lowlevel.checkpoint()  # spin through the last stretch
+                continue
+            self.sleeps += 1
+            if eta is not None and eta > 0:
+                # Capped, so a stale rate estimate costs at most a few milliseconds.
+                await self._nap(min(eta - self._spin, self._max_nap))
+                self._active_since = time.perf_counter()  # spin around the predicted end
             else:
-                self.sleeps += 1
-                eta = self._expected_wait()
-                if eta is not None and eta > self._spin + self._interval:
-                    # Capped, so a stale rate estimate costs at most a few milliseconds.
-                    nap = min(eta - self._spin, self._max_nap)
-                    await self._nap(nap, nap)
-                    self._active_since = time.perf_counter()  # spin around the predicted end
-                else:
-                    await self._nap(self._interval, self._max_nap)
+                await self._nap(None)  # no prediction, or a stale one

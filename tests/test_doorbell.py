@@ -6,6 +6,7 @@ import ctypes
 import os
 import select
 import threading
+import time
 
 import anyio
 import pytest
@@ -137,4 +138,48 @@ async def test_an_unarmed_head_falls_back_to_timer_naps() -> None:
         await anyio.sleep(0.05)
         tg.cancel_scope.cancel()
     assert p.sleeps >= 5  # ~1 ms naps, not one minute-long one
+    bell.close()
+
+
+def test_the_alarm_makes_it_readable_once_it_goes_off() -> None:
+    bell = Doorbell()
+    try:
+        assert bell.has_alarm  # Linux: timerfd
+        assert bell.set_alarm(0.02)
+        assert not _readable(bell)
+        assert select.select([bell.fileno()], [], [], 5.0)[0]
+        assert bell.drain() == 0  # no ring, only the alarm
+        assert not _readable(bell)
+        assert bell.set_alarm(0.01) and bell.set_alarm(0)  # cleared before it went off
+        assert not select.select([bell.fileno()], [], [], 0.03)[0]
+    finally:
+        bell.close()
+    assert not bell.set_alarm(0.01)  # closed
+
+
+@pytest.mark.anyio
+async def test_poller_wakes_on_the_alarm_before_a_predicted_end() -> None:
+    """A job predicted to end in 50 ms that ends then without ringing: only the alarm set
+    for just before that end can wake a poller whose timer naps last a minute."""
+    bell = Doorbell()
+    deadline = [0.0]
+    done = [False]
+
+    def poll() -> int:
+        if not done[0] and time.perf_counter() >= deadline[0]:
+            done[0] = True
+            return 1
+        return 0
+
+    p = Poller(poll, lambda: 0 if done[0] else 1, bell=bell, arm=lambda: True,
+               expected_wait=lambda: deadline[0] - time.perf_counter(),
+               spin_seconds=200e-6, poll_interval=60.0, max_nap=60.0)
+    deadline[0] = time.perf_counter() + 0.05
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        with anyio.fail_after(10):
+            while not done[0]:
+                await anyio.sleep(0.001)
+        tg.cancel_scope.cancel()
+    assert p.sleeps >= 1
     bell.close()

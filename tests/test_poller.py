@@ -61,6 +61,7 @@ class _Pending:
 
     elapsed = None
     error = None
+    started_at: float | None = None  # the backend gave no stamp
 
     def query(self) -> bool:
         return False
@@ -87,3 +88,6 @@ def test_handler_reads_a_slightly_late_job_as_due_and_a_very_late_one_as_stale()
     assert h.expected_wait(start) == pytest.approx(span)
     assert h.expected_wait(start + span + 1e-3) == 0.0  # 1 ms late: under the 2 ms slack
     assert h.expected_wait(start + span + 3e-3) == pytest.approx(-3e-3)  # stale
+    # A backend stamp of when the copies were handed over (after planning) moves the end.
+    job.completion.started_at = start + 5e-3
+    assert h.expected_wait(start) == pytest.approx(span + 5e-3)

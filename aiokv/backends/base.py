@@ -35,6 +35,13 @@ class Completion(abc.ABC):
     # Set by the backend when the job is over.
     _error: BaseException | None
     _elapsed: float | None
+    # Host clock (perf_counter) just before the first copy was enqueued, when known.
+    _started: float | None = None
+
+    @property
+    def started_at(self) -> float | None:
+        """When the copies were handed to the device: they cannot have begun earlier."""
+        return self._started
 
     @property
     def error(self) -> BaseException | None:

@@ -26,12 +26,13 @@ __all__ = ["CpuBackend"]
 class CpuCompletion(Completion):
     """Set by the lane's thread when the job's copies are over."""
 
-    __slots__ = ("_bells", "_done", "_elapsed", "_error", "_lock")
+    __slots__ = ("_bells", "_done", "_elapsed", "_error", "_lock", "_started")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._elapsed: float | None = None
+        self._started: float | None = None
         self._lock = threading.Lock()
         self._bells: list[Doorbell] = []
 
@@ -101,7 +102,7 @@ class CpuLane(Lane):
             plan, completion, dependency = item
             if dependency is not None:
                 dependency.wait()
-            start = time.perf_counter()
+            start = completion._started = time.perf_counter()
             try:
                 self._copy(plan)
             except BaseException as exc:  # report, never kill the lane

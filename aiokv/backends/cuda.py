@@ -507,13 +507,16 @@ class CudaCompletion(Completion):
     """The completion event of one job; its events go back to the pool once observed."""
 
     __slots__ = (
-        "_bell_stream", "_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan", "_waiting",
+        "_bell_stream", "_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan",
+        "_started", "_waiting",
     )
 
     def __init__(
-        self, driver: Driver, events: _Events, error: BaseException | None = None, bell_stream: Any = None
+        self, driver: Driver, events: _Events, error: BaseException | None = None,
+        bell_stream: Any = None, started: float | None = None,
     ) -> None:
         self._driver = driver
+        self._started = started
         self._bell_stream = bell_stream
         self._events: _Events | None = events
         self._done = False
@@ -649,6 +652,7 @@ class CudaLane(Lane):
                 drv.give_sync_event(dep.event)
             raise
         error: BaseException | None = None
+        started = time.perf_counter()  # the start event is recorded after this
         try:
             dep_event = dep.event if dep is not None else None
             self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
@@ -660,7 +664,7 @@ class CudaLane(Lane):
             if dep is not None and dep.owned:
                 drv.give_sync_event(dep.event)
         drv.record(events.done, self.stream)
-        return CudaCompletion(drv, events, error, self.bell_stream)
+        return CudaCompletion(drv, events, error, self.bell_stream, started)
 
     def close(self) -> None:
         self._strategy.close()
