@@ -47,6 +47,7 @@ async def test_long_job_naps_until_just_before_its_predicted_end() -> None:
     p = _poller(0.05)  # 50 ms to go: naps are capped at 10 ms
     await _run_for(p, 0.06)
     assert 1 <= p.sleeps <= 8
+    assert p.polls <= p.sleeps + 1  # no spin first: the job is known to need long
 
 
 @pytest.mark.anyio
@@ -91,3 +92,20 @@ def test_handler_reads_a_slightly_late_job_as_due_and_a_very_late_one_as_stale()
     # A backend stamp of when the copies were handed over (after planning) moves the end.
     job.completion.started_at = start + 5e-3
     assert h.expected_wait(start) == pytest.approx(span + 5e-3)
+
+
+def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
+    import time
+
+    p = _poller(None)
+    base = p._lateness
+    p._learn_lateness(time.perf_counter() - 1e-3)  # a nap ended 1 ms late
+    assert p._lateness > base + 0.2e-3
+    high = p._lateness
+    p._learn_lateness(time.perf_counter() + 1.0)  # ended early (a ring): says nothing
+    assert p._lateness == high
+    p._learn_lateness(time.perf_counter())  # on time
+    assert high * 0.9 < p._lateness < high
+    for _ in range(100):
+        p._learn_lateness(time.perf_counter() - 1.0)  # absurdly late: capped
+    assert p._lateness <= 2e-3
