@@ -19,10 +19,16 @@ import numpy as np
 from ..plan import CopyPlan, plan_pitched
 from . import DEFAULT_DMA_STREAMS, MIN_PITCHED_HEIGHT, CopyContext, CopyStrategy, byte_splits
 
-__all__ = ["DmaCopy", "MultiStreamDma"]
+__all__ = ["DmaCopy", "MultiStreamDma", "stream_parts"]
 
 # A slice smaller than this is not worth its own stream (fork/join cost ~10 us of device time).
 MIN_SLICE_BYTES = 2 << 20
+# Nor is a job slice of fewer descriptors: each stream's batch call and fork/join edges cost
+# tens of microseconds of host time, and a few large copies keep an engine busy anyway. On
+# the H200, 128 copies of 2 MiB moved at the same rate on 1, 2, 4 or 16 streams, while host
+# submit fell from 1.1 ms (16 streams) to 0.9 ms (4); both directions at once held 0.92 on 4
+# streams against 0.86 on one (docs/performance.md).
+MIN_SLICE_DESCRIPTORS = 32
 # Below this many descriptors a thread handoff costs more than the driver call it spreads.
 MIN_THREADED_DESCRIPTORS = 1024
 # Pitched jobs are few, large ops: one engine already ran them at 0.92 of the ceiling.
@@ -45,6 +51,13 @@ class PitchedBatch:
 
     ops: np.ndarray
     bounds: np.ndarray
+
+
+def stream_parts(total_bytes: int, descriptors: int, max_streams: int, min_descriptors: int = 1) -> int:
+    """How many streams a job of ``descriptors`` copies and ``total_bytes`` is spread over."""
+    by_bytes = total_bytes // MIN_SLICE_BYTES
+    by_count = descriptors // max(1, min_descriptors)
+    return max(1, min(max_streams, by_bytes, by_count))
 
 
 class MultiStreamDma:
@@ -74,9 +87,13 @@ class MultiStreamDma:
             self.close()
             raise
 
-    def split(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> DmaBatch:
+    def split(
+        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, min_descriptors: int = 1
+    ) -> DmaBatch:
+        """Cut a job between streams: byte-balanced slices of at least ``MIN_SLICE_BYTES``
+        and ``min_descriptors`` copies each."""
         total = int(sizes.sum()) if sizes.size else 0
-        parts = min(self.max_streams, max(1, total // MIN_SLICE_BYTES))
+        parts = stream_parts(total, int(sizes.shape[0]), self.max_streams, min_descriptors)
         return DmaBatch(dst, src, sizes, byte_splits(sizes, parts))
 
     def split_pitched(self, ops: np.ndarray, nbytes: np.ndarray) -> PitchedBatch:
@@ -172,7 +189,7 @@ class DmaCopy(CopyStrategy):
             if len(pitched) * MIN_PITCHED_HEIGHT <= plan.num_pages:
                 self.pitched_jobs += 1
                 return self.dma.split_pitched(*ctx.pitched(pitched))
-        return self.dma.split(*ctx.pointers(plan))
+        return self.dma.split(*ctx.pointers(plan), min_descriptors=MIN_SLICE_DESCRIPTORS)
 
     def enqueue(self, prepared: DmaBatch | PitchedBatch, dependency: Any, start: Any, stop: Any) -> None:
         drv, main = self.ctx.driver, self.main_stream
