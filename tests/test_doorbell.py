@@ -89,43 +89,37 @@ class _Job:
         self.bell.ring()
 
 
+def _long_napper(job: _Job) -> Poller:
+    """Naps of up to a minute: only the bell (or a submit) can end them within a test."""
+    return Poller(job.poll, job.pending, bell=job.bell, arm=job.arm, spin_seconds=200e-6,
+                  poll_interval=60.0, max_nap=60.0)
+
+
+async def _until_popped(job: _Job) -> None:
+    with anyio.fail_after(10):
+        while job.pending():
+            await anyio.sleep(0.001)
+
+
 @pytest.mark.anyio
-async def test_poller_naps_on_the_bell_and_wakes_when_it_rings() -> None:
-    bell = Doorbell()
-    job = _Job(bell)
-    # Naps of up to a minute: only the bell can end them within the test's time.
-    p = Poller(job.poll, job.pending, bell=bell, arm=job.arm, spin_seconds=200e-6,
-               poll_interval=60.0, max_nap=60.0)
+@pytest.mark.parametrize("ended_by", ["ring", "submit"])
+async def test_a_bell_nap_ends_on_a_ring_or_a_submit(ended_by: str) -> None:
+    job = _Job(Doorbell())
+    p = _long_napper(job)
     async with anyio.create_task_group() as tg:
         tg.start_soon(p.run)
         await anyio.sleep(0.05)
         assert p.sleeps == 1 and job.armed == 1  # one long nap on the bell
-        with anyio.fail_after(10):
-            await anyio.to_thread.run_sync(job.finish)
-            while job.pending():
-                await anyio.sleep(0.001)
-        tg.cancel_scope.cancel()
-    bell.close()
-
-
-@pytest.mark.anyio
-async def test_a_submit_cuts_a_bell_nap_short() -> None:
-    bell = Doorbell()
-    job = _Job(bell)
-    p = Poller(job.poll, job.pending, bell=bell, arm=job.arm, spin_seconds=200e-6,
-               poll_interval=60.0, max_nap=60.0)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(p.run)
-        await anyio.sleep(0.05)
         polls = p.polls
-        job.done.set()  # finished without ringing: only the submit's wake ends the nap
-        p.wake()
-        with anyio.fail_after(10):
-            while job.pending():
-                await anyio.sleep(0.001)
+        if ended_by == "ring":
+            await anyio.to_thread.run_sync(job.finish)  # from another thread, as a lane does
+        else:
+            job.done.set()  # finished without ringing: only the submit's wake ends the nap
+            p.wake()
+        await _until_popped(job)
         assert p.polls > polls
         tg.cancel_scope.cancel()
-    bell.close()
+    job.bell.close()
 
 
 @pytest.mark.anyio
