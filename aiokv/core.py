@@ -34,9 +34,11 @@ class WorkerOptions:
     # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
     # the ceiling on the H200 (docs/performance.md). Only jobs of >= 1024 descriptors use them.
     submit_threads: int = 4
-    # After a completion or a submit, the poller yields for this long before sleeping.
+    # After a completion or a submit (unless the oldest job is predicted to need longer),
+    # and before a predicted end, the poller yields to the loop for this long.
     spin_seconds: float = 200e-6
-    # Sleep between polls once spinning stopped (asyncio cannot sleep under ~1.1 ms).
+    # Timer nap between polls when the oldest job cannot ring the doorbell (asyncio cannot
+    # sleep under ~1.1 ms); with the doorbell, naps last until a ring (10 ms backstop).
     poll_interval: float = 1e-3
     # Async face: while napping, have each direction's oldest job ring a pipe the loop
     # sleeps on when it ends (on CUDA a host function writes it, no Python involved), so a

@@ -33,6 +33,10 @@ class _Libc:
         self.fputc.restype, self.fputc.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
         self.fclose = libc.fclose
         self.fclose.restype, self.fclose.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        # Drops a FILE's buffered bytes (glibc, musl), so an unused deferred ring stays silent.
+        self.fpurge = getattr(libc, "__fpurge", None)
+        if self.fpurge is not None:
+            self.fpurge.restype, self.fpurge.argtypes = None, [ctypes.c_void_p]
         # What the driver calls: void fn(void *userData), userData being the FILE*.
         self.fclose_address = int(ctypes.cast(libc.fclose, ctypes.c_void_p).value or 0)
 
@@ -99,20 +103,29 @@ class Doorbell:
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
         self.closed = False
         self._alarm: _Alarm | None = None
         self._epoll: Any = None
-        if hasattr(select, "epoll"):
-            try:
-                self._alarm = _Alarm()
-            except (OSError, AttributeError):
-                self._alarm = None
-        if self._alarm is not None:
-            self._epoll = select.epoll()
-            self._epoll.register(self._read, select.EPOLLIN)
-            self._epoll.register(self._alarm.fd, select.EPOLLIN)
+        try:
+            os.set_blocking(self._read, False)
+            os.set_blocking(self._write, False)
+            if hasattr(select, "epoll"):
+                try:
+                    self._alarm = _Alarm()
+                except (OSError, AttributeError):
+                    self._alarm = None
+            if self._alarm is not None:
+                self._epoll = select.epoll()
+                self._epoll.register(self._read, select.EPOLLIN)
+                self._epoll.register(self._alarm.fd, select.EPOLLIN)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def supported() -> bool:
+        """Whether an event loop can wait on a pipe here (POSIX; Windows loops wait on sockets)."""
+        return os.name == "posix"
 
     @property
     def has_alarm(self) -> bool:
@@ -135,6 +148,8 @@ class Doorbell:
 
     def ring(self) -> None:
         """Make the read end readable. Safe from any thread; a full pipe is rung already."""
+        if self.closed:
+            return
         try:
             os.write(self._write, b"!")
         except (BlockingIOError, OSError):
@@ -142,6 +157,8 @@ class Doorbell:
 
     def drain(self) -> int:
         """Consume every pending ring (and an alarm that went off); returns the rings."""
+        if self.closed:
+            return 0
         if self._alarm is not None:
             self._alarm.clear()
         count = 0
@@ -179,14 +196,18 @@ class Doorbell:
 
     @staticmethod
     def cancel_deferred(handle: Any) -> None:
-        """Close a deferred ring the driver never took (it rings now, harmlessly)."""
+        """Close a deferred ring the driver never took, without ringing where libc allows
+        (a ring from a failed arm would end every nap at once)."""
         libc = _libc()
         if libc is not None:
+            if libc.fpurge is not None:
+                libc.fpurge(handle)
             libc.fclose(handle)
 
     def close(self) -> None:
-        """Close both ends. Deferred rings still pending write into a closed pipe, which
-        Python's default SIGPIPE handling turns into a harmless EPIPE."""
+        """Close the pipe, the alarm and the epoll descriptor. Call once nothing can ring
+        any more: backends let pending host functions run before their lanes close (a ring
+        into a pipe nobody reads would be an EPIPE, or a SIGPIPE where that is not ignored)."""
         if not self.closed:
             self.closed = True
             if self._epoll is not None:

@@ -38,8 +38,8 @@ class Job:
     # enqueued: the job cannot have finished before this).
     submitted_at: float = field(default_factory=time.perf_counter, repr=False)
     launched_at: float = field(default_factory=time.perf_counter, repr=False)
-    # Whether the job will ring the async face's doorbell when it ends.
-    bell_armed: bool = field(default=False, repr=False)
+    # Whether the job will ring the async face's doorbell when it ends (None: it cannot).
+    bell_armed: bool | None = field(default=False, repr=False)
 
     @property
     def started_at(self) -> float:
@@ -82,8 +82,8 @@ class Handler:
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
         # The device may start on the first copies while the host still issues the rest,
-        # so the job's clock starts before the launch, not after it (a long launch would
-        # otherwise push every predicted end, and the poller's nap, that much too late).
+        # so a job's predicted end counts from the backend's stamp of when the copies were
+        # handed over (``Job.started_at``), or from here, before the launch, without one.
         started = time.perf_counter()
         completion = self.lane.launch(plan, dependency)
         job = Job(job_id, self.direction, plan.total_bytes, completion, plan=plan, submitted_at=started)

@@ -1,18 +1,18 @@
 """Wakes futures when their copies finish, from one task on the event loop.
 
-Completion is polled (an event query costs under a microsecond), adaptively: after a
-submit or a completion the poller only yields to the loop for ``spin_seconds``, which
-gives wake-ups of tens of microseconds. After that it naps. When the observed transfer
-rate predicts that the head job needs longer, the nap ends a spin window before the
-predicted end, and when the job should end within one nap it keeps spinning, so a job that
-ends on time is noticed within microseconds at little CPU cost.
+Completion is polled (an event query costs under a microsecond), adaptively. When the
+observed transfer rate predicts that the oldest job needs longer, the poller naps at once,
+until a lead (``spin_seconds`` plus how late its naps have been ending) before the
+predicted end, then spins through it, so a job that ends on time is noticed within tens
+of microseconds at little CPU cost. Without a prediction it only yields to the loop for
+``spin_seconds`` after a submit or a completion, then naps.
 
 Event loops time naps to the millisecond (asyncio rounds every timeout up to the next whole
 one), so a nap aimed just before a predicted end often overshot it, and a job that ended
 early, or late after the spin gave up, waited milliseconds to be noticed. With a ``bell``
 (``aiokv.doorbell``) the poller first asks every head job to ring it when it ends
 (``arm``) and naps on the bell's file descriptor instead: the nap ends when the job ends or
-when the bell's precise alarm (set to the spin window before the predicted end) goes off,
+when the bell's precise alarm (set to the lead before the predicted end) goes off,
 and the loop's timer (``max_nap``, 10 ms) is only a backstop. Submits ring it too. Where a
 head job cannot ring, naps fall back to ``poll_interval``. With nothing in flight the
 poller sleeps on an event that submits set.
@@ -33,7 +33,7 @@ __all__ = ["Poller"]
 _MAX_NAP = 0.01
 # The shortest nap worth taking on the bell's alarm.
 _MIN_ALARM_NAP = 100e-6
-# How late a nap is assumed to end before any was measured, and the most it is trusted to.
+# How late a nap is assumed to end before any was measured; a later one is a stalled loop.
 _INITIAL_LATENESS = 100e-6
 _MAX_LATENESS = 2e-3
 
@@ -86,26 +86,37 @@ class Poller:
         """Track how late naps end (waking a sleeping thread took 0.2-0.3 ms on the H200's
         host): rises quickly, decays slowly, so the lead covers most naps."""
         late = time.perf_counter() - target
-        if late < 0:
-            return  # a ring or a submit ended it early
+        if late < 0 or late > _MAX_LATENESS:
+            return  # a ring or a submit ended it early, or the loop was stalled
         step = 0.25 if late > self._lateness else 0.05
-        self._lateness = min(_MAX_LATENESS, self._lateness + step * (late - self._lateness))
+        self._lateness += step * (late - self._lateness)
 
-    async def _nap(self, until: float | None) -> None:
+    async def _nap(self, until: float | None) -> float | None:
         """Nap ``until`` seconds (a spin window before a predicted end) or, with no
-        prediction, for as long as the head jobs' rings allow; a submit cuts it short."""
+        prediction, for as long as the head jobs' rings allow; a submit cuts it short.
+
+        Returns when a timed nap was meant to end (for learning lateness), else None.
+        """
         bell, arm = self._bell, self._arm
         if bell is None or arm is None:
+            target = None if until is None else time.perf_counter() + until
             with anyio.move_on_after(self._interval if until is None else until):
                 await self._wake.wait()
-            return
-        bell.drain()  # rings of jobs already seen done
+            return target
+        bell.drain()  # rings of jobs already seen done, and of any that ended since the
+        self.polls += 1  # last poll: so look once more, or such a ring would be lost
+        if self._poll():
+            self._active_since = time.perf_counter()
+            return None
         armed = arm()
         alarm = until is not None and bell.set_alarm(until)
-        if alarm or armed:
-            limit = self._max_nap  # a backstop: the alarm or a ring ends the nap
+        target = None if until is None else time.perf_counter() + until
+        if alarm:
+            limit = self._max_nap  # a backstop: the alarm (or a ring) ends the nap
+        elif until is not None:
+            limit = until  # no alarm here: the loop's timer it is
         else:
-            limit = self._interval if until is None else until
+            limit = self._max_nap if armed else self._interval
         self._napping = True
         try:
             with anyio.move_on_after(limit):
@@ -114,6 +125,7 @@ class Poller:
             self._napping = False
             if alarm:
                 bell.set_alarm(0)
+        return target
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -134,10 +146,9 @@ class Poller:
                 # The oldest job needs longer (later jobs end after it): nap until the lead
                 # before its predicted end, capped so a stale rate costs a few ms at most.
                 self.sleeps += 1
-                until = min(eta - lead, self._max_nap)
-                target = time.perf_counter() + until
-                await self._nap(until)
-                self._learn_lateness(target)
+                target = await self._nap(min(eta - lead, self._max_nap))
+                if target is not None:
+                    self._learn_lateness(target)
                 self._active_since = time.perf_counter()  # spin around the predicted end
             elif time.perf_counter() - self._active_since < self._spin or (
                 eta is not None and eta > -self._spin

@@ -162,9 +162,9 @@ class AsyncOffloadingWorker:
         assert bell is not None
         armed = True
         for job in self._core.heads():
-            if not job.bell_armed:
-                job.bell_armed = job.completion.ring_when_done(bell)
-            armed = armed and job.bell_armed
+            if job.bell_armed is False:  # asked once: None means it cannot ring
+                job.bell_armed = True if job.completion.ring_when_done(bell) else None
+            armed = armed and job.bell_armed is True
         return armed
 
     # -- lifetime -----------------------------------------------------------------------
@@ -175,7 +175,7 @@ class AsyncOffloadingWorker:
         if self._state is _State.CLOSED:
             raise WorkerClosed("this worker was closed; create a new one")
         opts = self._core.options
-        self._bell = Doorbell() if opts.doorbell else None
+        self._bell = Doorbell() if opts.doorbell and Doorbell.supported() else None
         self._poller = Poller(
             self._complete_finished,
             lambda: len(self._futures),
@@ -228,8 +228,8 @@ class AsyncOffloadingWorker:
         finally:
             try:
                 self._core.close()  # lanes let pending rings run before they go
+                self._close_bell()  # not if that failed: a lane may still ring it
             finally:
-                self._close_bell()
                 self._closed.set()
 
     def _close_bell(self) -> None:

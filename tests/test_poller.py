@@ -106,6 +106,6 @@ def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
     assert p._lateness == high
     p._learn_lateness(time.perf_counter())  # on time
     assert high * 0.9 < p._lateness < high
-    for _ in range(100):
-        p._learn_lateness(time.perf_counter() - 1.0)  # absurdly late: capped
-    assert p._lateness <= 2e-3
+    settled = p._lateness
+    p._learn_lateness(time.perf_counter() - 1.0)  # a stalled loop, not a slow wake-up
+    assert p._lateness == settled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import anyio
@@ -223,8 +224,42 @@ async def test_by_default_a_long_wait_naps_on_the_doorbell(kv4: KV) -> None:
         assert 1 <= worker._poller.sleeps <= 30
         (job,) = worker._core.heads()
         assert job.bell_armed
+        worker._poller._max_nap = 60.0  # from the next nap on, only the ring can end it
+        await anyio.sleep(0.03)
+        latch.set()
+        with anyio.fail_after(10):
+            assert (await fut).success
+
+
+async def test_a_job_that_cannot_ring_is_asked_once_and_timer_naps_take_over(
+    kv4: KV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokv.backends.cpu import CpuCompletion
+
+    asked = []
+    monkeypatch.setattr(CpuCompletion, "ring_when_done", lambda self, bell: asked.append(self) or False)
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
+        await anyio.sleep(0.1)
+        (job,) = worker._core.heads()
+        assert len(asked) == 1 and job.bell_armed is None
+        assert worker._poller.sleeps >= 20  # ~1 ms timer naps, not a spin on its own ring
         latch.set()
         assert (await fut).success
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+async def test_the_doorbell_costs_four_descriptors_and_returns_them(kv4: KV) -> None:
+    before = _open_fds()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        assert _open_fds() == before + 4  # pipe (2), timerfd, epoll
+        assert (await worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]))).success
+    assert _open_fds() == before
 
 
 async def test_without_the_doorbell_a_long_wait_polls_on_a_timer(kv4: KV) -> None:

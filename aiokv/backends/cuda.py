@@ -594,7 +594,7 @@ class CudaCompletion(Completion):
                 try:
                     return self._driver.ring_after(self._bell_stream, events.done, bell)
                 except Exception:
-                    return False  # a sticky error: the next query reports it
+                    return False  # the driver refused; a sticky error shows at the next query
         bell.ring()
         return True
 
@@ -636,7 +636,11 @@ class CudaLane(Lane):
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
         # Where completion doorbells wait on job end events (see Driver.ring_after).
-        self.bell_stream = self._driver.create_stream()
+        try:
+            self.bell_stream = self._driver.create_stream()
+        except BaseException:
+            strategy.close()
+            raise
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
         drv = self._driver
@@ -667,13 +671,16 @@ class CudaLane(Lane):
         return CudaCompletion(drv, events, error, self.bell_stream, started)
 
     def close(self) -> None:
-        self._strategy.close()
-        # Pending rings run before the stream goes (the doorbell is closed after this).
+        # Pending rings run before the stream goes (the doorbell is closed after this). A
+        # dead context runs no host functions: their FILEs and descriptors are leaked.
         try:
-            self._driver.stream_synchronize(self.bell_stream)
-        except Exception:
-            pass  # a dead context runs no host functions
-        self._driver.destroy_stream(self.bell_stream)
+            try:
+                self._driver.stream_synchronize(self.bell_stream)
+            except Exception:
+                pass
+            self._driver.destroy_stream(self.bell_stream)
+        finally:
+            self._strategy.close()
 
 
 class CudaBackend(Backend):
