@@ -92,7 +92,7 @@ class Poller:
         self._lateness += step * (late - self._lateness)
 
     async def _nap(self, until: float | None) -> float | None:
-        """Nap ``until`` seconds (a spin window before a predicted end) or, with no
+        """Nap ``until`` seconds (to the lead before a predicted end) or, with no
         prediction, for as long as the head jobs' rings allow; a submit cuts it short.
 
         Returns when a timed nap was meant to end (for learning lateness), else None.
