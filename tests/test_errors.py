@@ -183,8 +183,12 @@ def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"submit_threads": -1})
     with pytest.raises(InvalidSpec, match="poll_interval"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": "1ms"})
+    with pytest.raises(InvalidSpec, match="doorbell must be a bool"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"doorbell": "yes"})
     with pytest.raises(InvalidSpec, match="unknown worker options"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"nope": 1})
+    with pytest.raises(InvalidSpec, match="unknown worker options"):  # removed in 0.1.0's lifetime
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"wait_threads": True})
     meta = CanonicalKVCaches.from_tensors([torch.empty(2, 8, 4, device="meta")], block_dim=1)
     with pytest.raises(InvalidSpec, match="CPU backend needs CPU tensors"):
         AsyncOffloadingWorker(meta, num_cpu_chunks=4, backend="cpu")
