@@ -199,9 +199,9 @@ def _as_ids(ids: Any, what: str) -> np.ndarray:
         raise InvalidSpec(f"{what} could not be read as an array of integers: {exc}") from exc
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidSpec(f"{what} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
-    return arr.astype(np.int64, copy=False)
+    return np.array(arr, dtype=np.int64)  # our own copy: callers reuse their id buffers
 
 
 def map_blocks(
@@ -237,57 +237,67 @@ def map_blocks(
     gpu = _as_ids(block_ids, "block_ids")
     chunks = _as_ids(chunk_ids, "chunk_ids")
     ngroups = layout.num_groups
+    # Per-group scalars stay Python ints: numpy's per-call cost would dominate here.
     if group_sizes is None:
         if ngroups != 1:
             raise InvalidSpec(f"the KV cache has {ngroups} groups; pass group_sizes")
-        sizes = np.array([gpu.size], dtype=np.int64)
+        sizes = [int(gpu.size)]
     else:
-        sizes = _as_ids(group_sizes, "group_sizes")
-        if sizes.size != ngroups:
-            raise InvalidSpec(f"group_sizes has {sizes.size} entries but the KV cache has {ngroups} groups")
-        if (sizes < 0).any() or int(sizes.sum()) != gpu.size:
+        sizes = _as_ids(group_sizes, "group_sizes").tolist()
+        if len(sizes) != ngroups:
+            raise InvalidSpec(f"group_sizes has {len(sizes)} entries but the KV cache has {ngroups} groups")
+        if min(sizes) < 0 or sum(sizes) != gpu.size:
             raise InvalidSpec(
-                f"group_sizes {sizes.tolist()} must be non-negative and add up to the "
-                f"{gpu.size} block ids given"
+                f"group_sizes {sizes} must be non-negative and add up to the {gpu.size} block ids given"
             )
     if block_indices is None:
-        starts = np.zeros(ngroups, dtype=np.int64)
+        starts = [0] * ngroups
     else:
-        starts = _as_ids(block_indices, "block_indices")
-        if starts.size != ngroups or (starts < 0).any():
-            raise InvalidSpec(f"block_indices must hold {ngroups} non-negative values, got {starts.tolist()}")
-    skips = starts % bpc
-    needed = np.where(sizes > 0, -(-(sizes + skips) // bpc), 0)
-    if int(needed.sum()) != chunks.size:
+        starts = _as_ids(block_indices, "block_indices").tolist()
+        if len(starts) != ngroups or min(starts, default=0) < 0:
+            raise InvalidSpec(f"block_indices must hold {ngroups} non-negative values, got {starts}")
+    skips = [start % bpc for start in starts]
+    needed = [-(-(n + skip) // bpc) if n > 0 else 0 for n, skip in zip(sizes, skips)]
+    if sum(needed) != chunks.size:
         raise InvalidSpec(
-            f"{chunks.size} chunk ids given but {int(needed.sum())} are needed: each group "
+            f"{chunks.size} chunk ids given but {sum(needed)} are needed: each group "
             f"uses ceil((blocks + skip) / blocks_per_chunk) chunks with blocks_per_chunk={bpc} "
-            f"(blocks per group {sizes.tolist()}, skips {skips.tolist()})"
+            f"(blocks per group {sizes}, skips {skips})"
         )
     if chunks.size and (chunks.min() < 0 or chunks.max() >= num_chunks):
         raise InvalidSpec(f"chunk ids must lie in [0, {num_chunks}); got {chunks.min()}..{chunks.max()}")
     gpu_out, host_out = [], []
     b0 = c0 = 0
     for g in range(ngroups):
-        n, nchunks = int(sizes[g]), int(needed[g])
+        n, nchunks, skip = sizes[g], needed[g], skips[g]
         blocks = gpu[b0 : b0 + n]
         limit = layout.num_gpu_blocks[g]
         if n and (blocks.min() < 0 or blocks.max() >= limit):
             raise InvalidSpec(
                 f"group {g}: GPU block ids must lie in [0, {limit}); got {blocks.min()}..{blocks.max()}"
             )
-        pos = np.arange(n, dtype=np.int64) + skips[g]
-        slots = chunks[c0 : c0 + nchunks][pos // bpc] * bpc + pos % bpc
-        if unique_gpu and np.unique(blocks).size != n:
+        if bpc == 1:
+            slots = chunks[c0 : c0 + nchunks]
+        else:
+            pos = np.arange(skip, skip + n, dtype=np.int64)
+            slots = chunks[c0 : c0 + nchunks][pos // bpc] * bpc + pos % bpc
+        if unique_gpu and n and _has_duplicates(blocks):
             raise InvalidSpec(f"group {g}: a GPU block appears twice, so one load would write it twice")
         gpu_out.append(blocks)
         host_out.append(slots)
         b0 += n
         c0 += nchunks
-    if unique_host and gpu.size and np.unique(np.concatenate(host_out)).size != gpu.size:
+    if unique_host and gpu.size:
         # Groups share the pool, so a slot must be unique across groups too.
-        raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
+        if _has_duplicates(host_out[0] if ngroups == 1 else np.concatenate(host_out)):
+            raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
     return BlockMapping(tuple(gpu_out), tuple(host_out))
+
+
+def _has_duplicates(ids: np.ndarray) -> bool:
+    """Whether a value repeats (a sort and one compare: ``np.unique`` costs 4x as much)."""
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _small_ids(ids: Any) -> list[int] | None:
@@ -370,20 +380,20 @@ def _plan_numpy(mapping: BlockMapping, layout: HostLayout) -> _Copies:
         # Rows: pages of the group; columns: blocks. Raveled page-major, so each page
         # tensor's copies are adjacent and runs can merge.
         tensors, pages, strides, offsets = layout.group_arrays[g]
-        chunk, sub = np.divmod(slots, bpc)
-        t_idx.append(np.broadcast_to(tensors, (tensors.size, blocks.size)).ravel())
+        chunk, sub = np.divmod(slots, bpc) if bpc > 1 else (slots, 0)
+        t_idx.append(np.repeat(tensors.ravel(), blocks.size))
         d_off.append((strides * blocks[None, :]).ravel())
-        h_off.append((chunk[None, :] * layout.chunk_bytes + offsets + sub[None, :] * pages).ravel())
-        size.append(np.broadcast_to(pages, (pages.size, blocks.size)).ravel())
+        h_off.append((chunk[None, :] * layout.chunk_bytes + offsets + sub * pages).ravel())
+        size.append(np.repeat(pages.ravel(), blocks.size))
     if not t_idx:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty, empty
-    t = np.concatenate(t_idx)
-    d = np.concatenate(d_off)
-    h = np.concatenate(h_off)
-    s = np.concatenate(size)
+    t, d, h, s = (np.concatenate(x) if len(x) > 1 else x[0] for x in (t_idx, d_off, h_off, size))
     joins = (t[1:] == t[:-1]) & (d[1:] == d[:-1] + s[:-1]) & (h[1:] == h[:-1] + s[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    if not joins.any():
+        return t, d, h, s
+    starts = np.flatnonzero(~joins) + 1
+    starts = np.concatenate((np.zeros(1, dtype=starts.dtype), starts))
     return t[starts], d[starts], h[starts], np.add.reduceat(s, starts)
 
 

@@ -48,6 +48,27 @@ async def test_round_trip_is_byte_exact_and_touches_nothing_else() -> None:
 
 
 @pytest.mark.parametrize("bpc", [1, 3])
+async def test_id_arrays_reused_by_the_caller_after_submit_do_not_change_the_job(bpc: int) -> None:
+    # Engines refill one numpy buffer of ids every step; the job must keep the ids it had.
+    kv = make_layers(num_blocks=64)
+    rng = np.random.default_rng(4)
+    blocks = rng.choice(64, 40, replace=False).astype(np.int64)
+    chunks = rng.choice(48, -(-40 // bpc), replace=False).astype(np.int64)
+    wanted = blocks_of(kv, blocks.tolist())
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=48, blocks_per_chunk=bpc) as worker:
+        latch = threading.Event()
+        store = worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks), after=latch)
+        saved_blocks, saved_chunks = blocks.copy(), chunks.copy()
+        blocks[:] = blocks[::-1]
+        chunks[:] = chunks[::-1]
+        latch.set()
+        await store
+        clobber(kv, saved_blocks.tolist(), seed=5)
+        await worker.submit_load(2, CPULoadStoreSpec(saved_chunks), GPULoadStoreSpec(saved_blocks))
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, saved_blocks.tolist()), wanted))
+
+
+@pytest.mark.parametrize("bpc", [1, 3])
 async def test_sub_blocks_with_skips_and_two_groups(bpc: int) -> None:
     kv = make_two_groups()
     async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=12, blocks_per_chunk=bpc) as worker:

@@ -102,7 +102,8 @@ class CopyStrategy:
 
     ``prepare`` is host-only work that may raise before anything is enqueued;
     ``enqueue`` waits on the dependency, records ``start`` and ``stop`` (timing events) on
-    the device around the copies, and leaves the main stream behind every copy it issued.
+    the device around the copies, and leaves the main stream behind every copy it issued;
+    ``stop``, recorded last on the main stream, is also the job's completion event.
     """
 
     name = "base"
@@ -118,16 +119,18 @@ class CopyStrategy:
         """Destroy the strategy's streams (the lane guarantees nothing is in flight)."""
 
 
-def byte_splits(sizes: np.ndarray, parts: int) -> np.ndarray:
+def byte_splits(sizes: np.ndarray, parts: int) -> list[int]:
     """Boundaries that cut ``sizes`` into ``parts`` contiguous slices of about equal bytes."""
     n = int(sizes.shape[0])
     parts = max(1, min(parts, n))
     if parts == 1:
-        return np.array([0, n], dtype=np.int64)
-    cum = np.cumsum(sizes.astype(np.int64))
-    targets = cum[-1] * np.arange(1, parts, dtype=np.int64) // parts
-    cuts = np.minimum(np.searchsorted(cum, targets, side="left") + 1, n)
-    return np.unique(np.concatenate(([0], cuts, [n])).astype(np.int64))
+        return [0, n]
+    if sizes[0] == sizes[-1] and (sizes == sizes[0]).all():
+        return [n * i // parts for i in range(parts + 1)]  # equal copies: equal counts
+    cum = np.cumsum(sizes, dtype=np.int64)
+    targets = int(cum[-1]) * np.arange(1, parts, dtype=np.int64) // parts
+    cuts = (np.searchsorted(cum, targets, side="left") + 1).tolist()
+    return sorted({0, n, *(min(c, n) for c in cuts)})
 
 
 def copy_unit(plan: CopyPlan, *extra: int) -> int:

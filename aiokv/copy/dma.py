@@ -42,7 +42,7 @@ class DmaBatch:
     dst: np.ndarray
     src: np.ndarray
     sizes: np.ndarray
-    bounds: np.ndarray
+    bounds: list[int]
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PitchedBatch:
     """One job as packed 2D copies (``Driver.pitched_ops`` rows), cut between streams."""
 
     ops: np.ndarray
-    bounds: np.ndarray
+    bounds: list[int]
 
 
 def stream_parts(total_bytes: int, descriptors: int, max_streams: int, min_descriptors: int = 1) -> int:
@@ -110,24 +110,29 @@ class MultiStreamDma:
             self.driver.memcpy_batch(batch.dst[lo:hi], batch.src[lo:hi], batch.sizes[lo:hi], stream,
                                      stream_ordered=stream_ordered, to_host=self.to_host)
 
-    def issue(self, batch: DmaBatch | PitchedBatch, *, stream_ordered: bool = True) -> None:
-        """Enqueue the batch behind everything already on ``home``; ``home`` waits for it."""
+    def issue(self, batch: DmaBatch | PitchedBatch, *, stream_ordered: bool = True, fork: Any = None) -> None:
+        """Enqueue the batch behind everything already on ``home``; ``home`` waits for it.
+
+        ``fork``: an event the caller just recorded on ``home`` (saves recording another).
+        """
         drv, bounds = self.driver, batch.bounds
         nparts = len(bounds) - 1
         if nparts <= 1 or not self.subs:
-            self._put(batch, 0, int(bounds[-1]), self.home, stream_ordered)
+            self._put(batch, 0, bounds[-1], self.home, stream_ordered)
             return
-        drv.record(self.fork, self.home)
+        if fork is None:
+            fork = self.fork
+            drv.record(fork, self.home)
         if (self.threads is not None and isinstance(batch, DmaBatch)
                 and batch.sizes.shape[0] >= MIN_THREADED_DESCRIPTORS):
-            self._issue_threaded(batch, stream_ordered)
+            self._issue_threaded(batch, stream_ordered, fork)
             return
         issued = 0
         try:
             for i in range(nparts):
-                lo, hi = int(bounds[i]), int(bounds[i + 1])
+                lo, hi = bounds[i], bounds[i + 1]
                 sub = self.subs[i]
-                drv.stream_wait(sub, self.fork)
+                drv.stream_wait(sub, fork)
                 issued = i + 1
                 self._put(batch, lo, hi, sub, stream_ordered)
         finally:
@@ -137,13 +142,13 @@ class MultiStreamDma:
                 drv.record(self.joins[i], self.subs[i])
                 drv.stream_wait(self.home, self.joins[i])
 
-    def _issue_threaded(self, batch: DmaBatch, stream_ordered: bool) -> None:
+    def _issue_threaded(self, batch: DmaBatch, stream_ordered: bool, fork: Any) -> None:
         drv, bounds = self.driver, batch.bounds
 
         def part(i: int) -> None:
             drv.ensure_context()
-            lo, hi = int(bounds[i]), int(bounds[i + 1])
-            drv.stream_wait(self.subs[i], self.fork)
+            lo, hi = bounds[i], bounds[i + 1]
+            drv.stream_wait(self.subs[i], fork)
             drv.memcpy_batch(batch.dst[lo:hi], batch.src[lo:hi], batch.sizes[lo:hi], self.subs[i],
                              stream_ordered=stream_ordered, to_host=self.to_host)
 
@@ -196,7 +201,7 @@ class DmaCopy(CopyStrategy):
         if dependency is not None:
             drv.stream_wait(main, dependency)
         drv.record(start, main)
-        self.dma.issue(prepared)
+        self.dma.issue(prepared, fork=start)
         drv.record(stop, main)
 
     def close(self) -> None:
