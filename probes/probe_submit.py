@@ -11,20 +11,22 @@ times each phase of ``submit_store`` separately over many jobs (median, us):
 
 Then the floor: the same descriptors issued by one batched call on one stream with no
 events at all, and single ``cuEventRecord`` / ``cuStreamWaitEvent`` calls, to show how much
-of the submit no Python-side change can remove (and the same record through ctypes, and
-torch's current stream looked up by index or inside ``torch.cuda.device()``). Run on the GPU
-machine from the repo root:
+of the submit no Python-side change can remove: the record through cuda-python and through
+ctypes (the backend's way), and torch's current stream looked up as a raw handle (the
+backend's way), by index, or inside ``torch.cuda.device()``. Run on the GPU machine from
+the repo root:
 ``python3 probes/probe_submit.py [jobs, default 200]``.
 """
 
 import asyncio
-import ctypes
 import statistics
 import sys
 import time
 
 import torch
+from cuda.bindings import driver as cu
 
+from aiokv.backends.cuda import _current_stream
 from aiokv.bench import cuda as b
 from aiokv.plan import map_blocks, plan_copies
 
@@ -45,10 +47,10 @@ def phases(setup: b._Setup, jobs: int) -> None:
             strat, drv = lane._strategy, lane._driver
             cols: dict[str, list[float]] = {k: [] for k in ("plan", "capture", "prepare", "enqueue", "whole")}
             floor: dict[str, list[float]] = {
-                k: [] for k in ("one call", "record", "wait", "ctypes record", "stream", "stream in device()")
+                k: []
+                for k in ("one call", "record", "wait", "cuda-python record", "raw stream", "stream",
+                          "stream in device()")
             }
-            vp = ctypes.c_void_p
-            c_record = drv._load_proc(b"cuEventRecord", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp))
             for k in range(jobs + 5):
                 blocks, chunks = setup.jobs[k % len(setup.jobs)]
                 t0 = time.perf_counter()
@@ -63,8 +65,7 @@ def phases(setup: b._Setup, jobs: int) -> None:
                 t3 = time.perf_counter()
                 ev = drv.take_job_events()
                 t3b = time.perf_counter()
-                strat.enqueue(prepared, dep.event, ev.start, ev.stop)
-                drv.record(ev.done, lane.stream)
+                strat.enqueue(prepared, dep.event, ev.start, ev.stop)  # stop marks the end
                 t4 = time.perf_counter()
                 drv.synchronize(ev.done)
                 drv.give_job_events(ev)
@@ -81,8 +82,10 @@ def phases(setup: b._Setup, jobs: int) -> None:
                 f2 = time.perf_counter()
                 drv.stream_wait(lane.stream, ev.done)
                 f3 = time.perf_counter()
-                c_record(int(ev.done), int(lane.stream))
+                cu.cuEventRecord(ev.done, lane.stream)
                 f4 = time.perf_counter()
+                _ = _current_stream(0)
+                f4b = time.perf_counter()
                 _ = torch.cuda.current_stream(0).cuda_stream
                 f5 = time.perf_counter()
                 with torch.cuda.device(0):
@@ -98,7 +101,8 @@ def phases(setup: b._Setup, jobs: int) -> None:
                                      ("enqueue", t4 - t3b), ("whole", s1 - s0)):
                         cols[name].append(dt)
                     for name, dt in (("one call", f1 - f0), ("record", f2 - f1), ("wait", f3 - f2),
-                                     ("ctypes record", f4 - f3), ("stream", f5 - f4),
+                                     ("cuda-python record", f4 - f3), ("raw stream", f4b - f4),
+                                     ("stream", f5 - f4b),
                                      ("stream in device()", f6 - f5)):
                         floor[name].append(dt)
             parts = len(getattr(prepared, "bounds", [0, 0])) - 1
