@@ -154,8 +154,8 @@ class Driver:
         self._event_sync = self._load_proc(b"cuEventSynchronize", sync_proto)
         vp = ctypes.c_void_p
         self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp))
-        # A job makes ~15 records and waits: through ctypes each cost 8 us of host time on
-        # the H200's host against 15 us through cuda-python (probes/probe_submit.py).
+        # A job makes ~16 records and waits. A record cost 8-12 us of host time through
+        # ctypes on the H200's host, 12-15 us through cuda-python (probes/probe_submit.py).
         self._record_fn = self._load_proc(b"cuEventRecord", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp))
         self._wait_fn = self._load_proc(
             b"cuStreamWaitEvent", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
@@ -630,9 +630,9 @@ class CudaCompletion(Completion):
 
 
 
-# torch's raw-handle lookup (what its compiler uses): 41-48 us less per submit than
-# ``torch.cuda.current_stream(index)`` on the H200's host, 61-73 us less than doing that
-# inside ``torch.cuda.device()`` (probes/probe_submit.py).
+# torch's raw-handle lookup (what its compiler uses) took 6-7 us on the H200's host, where
+# ``torch.cuda.current_stream(index)`` took 54-58 us and the same inside
+# ``torch.cuda.device()`` 62-64 us (probes/probe_submit.py).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
