@@ -6,8 +6,7 @@ lateness the poller learned. Run on the GPU machine from the repo root:
 python3 probes/probe_wakeups.py [jobs per row, default 100; 3x that for 4 KiB] (device runs
 16-24, as `wake.py` then). With ``sweep`` after the job count, it instead runs the 2 MiB-page
 job under several ``spin_seconds`` (the trade between wake-up latency and CPU), and prints
-which threads used the process CPU over each row (from /proc, 10 ms ticks); with ``burst``,
-it runs the pitched and 2 MiB-page jobs with the poller's in-place burst off and on, twice.
+which threads used the process CPU over each row (from /proc, 10 ms ticks).
 """
 
 import asyncio
@@ -18,7 +17,6 @@ from typing import Any
 
 import torch
 
-from aiokv import poller
 from aiokv.bench import cuda as b
 from aiokv.poller import Poller
 
@@ -32,15 +30,6 @@ def _recording(self: Poller, target: float) -> None:
 
 
 Poller._learn_lateness = _recording  # type: ignore[method-assign]
-
-
-async def _burst_wakeups(setup: b._Setup, iters: int, burst: float) -> dict[str, float]:
-    """The default worker with the poller's in-place burst set to ``burst`` (0: one poll)."""
-    saved, poller._BURST = poller._BURST, burst
-    try:
-        return await b._long_wakeups(setup, iters)
-    finally:
-        poller._BURST = saved
 
 
 def _thread_ticks() -> dict[str, int]:
@@ -88,10 +77,6 @@ def main() -> None:
         for bell in (True, False):
             runs.append((f"{setup.name} bell={bell}",
                          lambda s=setup, bell=bell: b._long_wakeups(s, iters, doorbell=bell)))
-    if "burst" in sys.argv[2:]:
-        runs = [(f"{setup.name} burst={burst * 1e6:g}us",
-                 lambda s=setup, burst=burst: _burst_wakeups(s, iters, burst))
-                for _ in range(2) for setup in (one, big) for burst in (0.0, poller._BURST)]
     if "sweep" in sys.argv[2:]:
         runs = [(f"2 MiB spin={spin:g}us", lambda spin=spin: _spin_wakeups(big, iters, spin * 1e-6))
                 for spin in (0, 50, 100, 200, 400)]
