@@ -4,9 +4,7 @@ Completion is polled (an event query costs under a microsecond), adaptively. Whe
 observed transfer rate predicts that the oldest job needs longer, the poller naps at once,
 until a lead (``spin_seconds`` plus how late its naps have been ending) before the
 predicted end, then spins through it, so a job that ends on time is noticed within tens
-of microseconds at little CPU cost. Once the job is due it polls back to back for up to
-25 us per turn of the loop (``_BURST``), so the end is seen within microseconds rather
-than one turn of the loop. Without a prediction it only yields to the loop for
+of microseconds at little CPU cost. Without a prediction it only yields to the loop for
 ``spin_seconds`` after a submit or a completion, then naps.
 
 Event loops time naps to the millisecond (asyncio rounds every timeout up to the next whole
@@ -33,9 +31,6 @@ from .doorbell import Doorbell
 __all__ = ["Poller"]
 
 _MAX_NAP = 0.01
-# How long the poller may hold the loop, polling in place, while the oldest job is due: the
-# other tasks wait at most this long per turn, for the stretch around a predicted end.
-_BURST = 25e-6
 # The shortest nap worth taking on the bell's alarm.
 _MIN_ALARM_NAP = 100e-6
 # How late a nap is assumed to end before any was measured; a later one is a stalled loop.
@@ -132,17 +127,6 @@ class Poller:
                 bell.set_alarm(0)
         return target
 
-    def _burst(self) -> int:
-        """Poll back to back for up to ``_BURST`` without yielding. A job seen done between
-        two queries (a few microseconds apart) instead of between two turns of the loop
-        (18-44 us apart on the H200's host) wakes its awaiter that much sooner."""
-        end = time.perf_counter() + _BURST
-        while True:
-            self.polls += 1
-            done = self._poll()
-            if done or time.perf_counter() >= end:
-                return done
-
     async def run(self) -> None:
         """Poll until cancelled."""
         while True:
@@ -166,14 +150,10 @@ class Poller:
                 if target is not None:
                     self._learn_lateness(target)
                 self._active_since = time.perf_counter()  # spin around the predicted end
-            elif eta is not None and -self._spin < eta <= _BURST:
-                if self._burst():  # due now: poll in place, then let the task resume
-                    self._active_since = time.perf_counter()
-                await anyio.lowlevel.checkpoint()
             elif time.perf_counter() - self._active_since < self._spin or (
                 eta is not None and eta > -self._spin
             ):
-                await anyio.lowlevel.checkpoint()  # just submitted or finished, or soon due
+                await anyio.lowlevel.checkpoint()  # just submitted or finished, or due now
             else:
                 self.sleeps += 1
                 await self._nap(None)  # no prediction, or a stale one

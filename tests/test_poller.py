@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import anyio
-import anyio.lowlevel
 import pytest
 
 from aiokv.poller import Poller
@@ -110,51 +109,3 @@ def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
     settled = p._lateness
     p._learn_lateness(time.perf_counter() - 1.0)  # a stalled loop, not a slow wake-up
     assert p._lateness == settled
-
-
-async def _turns_while(poller: Poller, seconds: float) -> int:
-    """Run the poller beside a task that counts its own turns of the loop."""
-    turns = 0
-
-    async def count() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await anyio.lowlevel.checkpoint()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(poller.run)
-        tg.start_soon(count)
-        await anyio.sleep(seconds)
-        tg.cancel_scope.cancel()
-    return turns
-
-
-@pytest.mark.anyio
-async def test_due_job_is_polled_in_bursts_and_the_loop_still_turns() -> None:
-    p = _poller(0.0)  # due now, every time it is asked
-    turns = await _turns_while(p, 0.03)
-    assert p.polls > 5 * turns, "polled once per turn: no burst"
-    assert turns > 100, "the burst starved the loop"  # 25 us bursts leave ~1000 turns in 30 ms
-
-
-@pytest.mark.anyio
-async def test_job_not_yet_due_is_polled_once_per_turn() -> None:
-    p = _poller(0.5e-3)
-    turns = await _turns_while(p, 0.03)
-    assert p.polls <= turns + 5
-
-
-@pytest.mark.anyio
-async def test_burst_ends_at_the_poll_that_finds_the_job_done() -> None:
-    calls = 0
-
-    def poll() -> int:
-        nonlocal calls
-        calls += 1
-        return 1 if calls == 4 else 0
-
-    p = Poller(poll, lambda: 1 if calls < 4 else 0, expected_wait=lambda: 0.0,
-               spin_seconds=200e-6, poll_interval=1e-3)
-    await _run_for(p, 0.02)
-    assert calls == 4 and p.polls == 4
