@@ -253,3 +253,31 @@ def test_pitched_copies_never_span_two_allocations() -> None:
             assert torch.equal(t[:, targets], w)
 
     anyio.run(main)
+
+
+def test_round_trip_through_cuda_python_records_and_waits() -> None:
+    """Where ctypes cannot bind cuEventRecord / cuStreamWaitEvent, cuda-python's wrappers
+    carry every dependency, fork, join and completion edge instead."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    tensors = [torch.randn((2, 256, 16, 8, 128), dtype=torch.bfloat16, device="cuda", generator=g)
+               for _ in range(4)]
+    w = _sync_worker(describe(tensors, 1), "dma")
+    try:
+        drv = w._worker._core.backend.driver
+        drv._record_fn = drv._wait_fn = None
+        rng = np.random.default_rng(2)
+        src = rng.choice(256, 64, replace=False)
+        chunks = rng.choice(128, 64, replace=False)
+        expect = [t[:, src].clone() for t in tensors]
+        w.submit_store(1, GPULoadStoreSpec(src), CPULoadStoreSpec(chunks))
+        (stored,) = drain(w, {1})
+        for t in tensors:
+            t.normal_()
+        dst = rng.permutation(256)[:64]
+        w.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst))
+        (loaded,) = drain(w, {2})
+        assert stored.success and loaded.success and loaded.transfer_time > 0
+        for t, e in zip(tensors, expect):
+            assert torch.equal(t[:, dst], e)
+    finally:
+        w.shutdown()
