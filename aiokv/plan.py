@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _CHUNK_ALIGN = 512
+_INT64_MAX = (1 << 63) - 1
 # Jobs up to this many blocks (one group) / pages are planned in plain Python: numpy's
 # per-call overhead made a 1-block job's planning ~40 us, most of its submit time.
 _SMALL_JOB = 16
@@ -201,6 +202,8 @@ def _as_ids(ids: Any, what: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidSpec(f"{what} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+    if arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:
+        raise InvalidSpec(f"{what} must be valid int64 ids; got {int(arr.max())}")
     return np.array(arr, dtype=np.int64)  # our own copy: callers reuse their id buffers
 
 
