@@ -72,7 +72,7 @@ def test_two_groups_use_their_own_chunks_and_pages() -> None:
         (dict(block_ids=[1, 1], chunk_ids=[0, 1], unique_gpu=True), "twice"),
         (dict(block_ids=[1, 2], chunk_ids=[3, 3], unique_host=True), "twice"),
         (dict(block_ids=np.array([1, 2**63], dtype=np.uint64), chunk_ids=[0, 1]), "9223372036854775808"),
-        (dict(block_ids=np.array([1, 2], dtype="m8"), chunk_ids=[0, 1]), "integers"),
+        (dict(block_ids=np.array([1, 2], dtype="m8[s]"), chunk_ids=[0, 1]), "integers"),
     ],
 )
 def test_bad_specs_are_rejected(kwargs, message) -> None:
