@@ -110,7 +110,7 @@ def _translate(code: int, what: str) -> Exception:
 class _Events:
     """A timing pair around one job's copies; ``stop`` (blocking-sync) also marks completion.
 
-    One event for both saves a record per job: ~12 us of host time on the H200's host.
+    One event for both saves a record per job: 8-17 us of host time on the H200's host.
     """
 
     start: Any
@@ -155,7 +155,7 @@ class Driver:
         vp = ctypes.c_void_p
         self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp))
         # A job makes ~16 records and waits. A record cost 8-12 us of host time through
-        # ctypes on the H200's host, 12-15 us through cuda-python (probes/probe_submit.py).
+        # ctypes on the H200's host, 9-17 us through cuda-python (probes/probe_submit.py).
         self._record_fn = self._load_proc(b"cuEventRecord", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp))
         self._wait_fn = self._load_proc(
             b"cuStreamWaitEvent", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
@@ -630,9 +630,9 @@ class CudaCompletion(Completion):
 
 
 
-# torch's raw-handle lookup (what its compiler uses) took 6-7 us on the H200's host, where
-# ``torch.cuda.current_stream(index)`` took 54-58 us and the same inside
-# ``torch.cuda.device()`` 62-64 us (probes/probe_submit.py).
+# torch's raw-handle lookup (what its compiler uses) took 5-7 us on the H200's host, where
+# ``torch.cuda.current_stream(index)`` took 38-58 us and the same inside
+# ``torch.cuda.device()`` 43-64 us (probes/probe_submit.py, runs 29 and 32).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
