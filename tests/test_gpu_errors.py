@@ -175,6 +175,49 @@ def test_sticky_error_fails_pending_jobs_instead_of_hanging(mode: str) -> None:
         assert "SUBMIT broken" in out
 
 
+HEALTH_SCRIPT = textwrap.dedent(
+    """
+    import time, torch
+    from aiokv import (CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec, SyncOffloadingWorker,
+                       AsyncOffloadingWorker, WorkerBroken)
+    t = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")]
+    kv = CanonicalKVCaches.from_tensors(t, block_dim=1)
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
+    drv = w._worker._core.backend.driver
+    w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    w.wait({1})
+    print("FIRST", [r.success for r in w.get_finished()])
+    drv.confirm_healthy()
+    print("HEALTHY before")
+    bad = torch.cuda.Stream()
+    with torch.cuda.stream(bad):
+        torch._assert_async(torch.zeros((), dtype=torch.bool, device="cuda"))
+    t0 = time.perf_counter()
+    seen = None
+    while seen is None and time.perf_counter() - t0 < 30:
+        try:
+            drv.confirm_healthy()
+            time.sleep(0.001)
+        except WorkerBroken as exc:
+            seen = exc
+    print("HEALTH", "broken" if seen else "HEALTHY", round((time.perf_counter() - t0) * 1e3, 1), "ms",
+          repr(seen)[:120])
+    """
+)
+
+
+def test_health_check_reports_a_sticky_error_with_nothing_in_flight() -> None:
+    # The check runs before every job is reported done, so it must see a context that died
+    # on someone else's stream, with no job of ours pending to report it.
+    proc = subprocess.run(
+        [sys.executable, "-c", HEALTH_SCRIPT], capture_output=True, text=True, timeout=180
+    )
+    out = proc.stdout
+    assert "FIRST [True]" in out, (out, proc.stderr[-2000:])
+    assert "HEALTHY before" in out, (out, proc.stderr[-2000:])
+    assert "HEALTH broken" in out, (out, proc.stderr[-2000:])
+
+
 def test_sync_shutdown_drains_jobs_in_flight() -> None:
     tensors, kv = _kv()
     w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda"))

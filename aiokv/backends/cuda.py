@@ -65,6 +65,22 @@ _BAD_INPUT = frozenset(
 )
 
 
+# Batches this small return within ~15 us of host time (0.65-0.9 us per descriptor, 2-3 us
+# per pitched op; docs/performance.md), so they keep the GIL like a record does. Larger ones
+# drop it: held through the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM
+# loop in another Python thread by 0.6-5.7% instead of -0.7-1.7% (runs 36-37).
+GIL_HELD_DESCRIPTORS = 16
+GIL_HELD_PITCHED_OPS = 4
+
+
+def _holding_gil(fn: Any) -> Any:
+    """The same ctypes entry point, called without dropping the GIL (None stays None)."""
+    if fn is None:
+        return None
+    proto = ctypes.PYFUNCTYPE(fn._restype_, *fn._argtypes_)
+    return proto(int(ctypes.cast(fn, ctypes.c_void_p).value or 0))
+
+
 class CudaCallFailed(AiokvError, RuntimeError):
     """A driver call failed for a reason that is neither bad input nor a broken context."""
 
@@ -148,18 +164,24 @@ class Driver:
         self._all_events: list[Any] = []
         self._batch_fn, self.batch_kind = self._load_batch()
         self._batch3d_fn = self._load_batch3d()
+        self._batch_fn_gil = _holding_gil(self._batch_fn)
+        self._batch3d_fn_gil = _holding_gil(self._batch3d_fn)
         # Through ctypes, which always drops the GIL while the driver blocks: a thread
         # waiting for a copy must never stall the event loop.
         sync_proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
         self._event_sync = self._load_proc(b"cuEventSynchronize", sync_proto)
         vp = ctypes.c_void_p
-        self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp))
-        # A job makes ~16 records and waits. A record cost 8-12 us of host time through
-        # ctypes on the H200's host, 9-17 us through cuda-python (probes/probe_submit.py).
-        self._record_fn = self._load_proc(b"cuEventRecord", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp))
+        # A job makes ~16 records and waits, and every poll a query. They return at once, so
+        # they keep the GIL (PYFUNCTYPE): a call that drops it may have to win it back from
+        # another Python thread, which takes up to the switch interval (5 ms;
+        # probes/probe_completion.py, run 36). Through ctypes a record cost 8-12 us of host
+        # time on the H200's host in runs 27-32, 0.6-1.5 us in runs 35-36.
+        self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp, vp))
+        self._record_fn = self._load_proc(b"cuEventRecord", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp))
         self._wait_fn = self._load_proc(
-            b"cuStreamWaitEvent", ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
+            b"cuStreamWaitEvent", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
         )
+        self._query_fn = self._load_proc(b"cuEventQuery", ctypes.PYFUNCTYPE(ctypes.c_int, vp))
         self.max_pitch = int(self._check(
             cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
             "cuDeviceGetAttribute",
@@ -263,7 +285,10 @@ class Driver:
 
     def query(self, event: Any) -> bool:
         """True when done, False when NOT_READY; anything else raises (translated)."""
-        code = cu.cuEventQuery(event)[0]
+        if self._query_fn is not None:
+            code = self._query_fn(int(event))
+        else:
+            code = cu.cuEventQuery(event)[0]
         if code == _OK:
             return True
         if code == _NOT_READY:
@@ -271,8 +296,9 @@ class Driver:
         raise self.fail(int(code), "cuEventQuery")
 
     def confirm_healthy(self) -> None:
-        """Raise if the context died: after a sticky error, event queries may still say
-        "done" for work that never ran, but enqueueing anything reports the error."""
+        """Raise if the context died, before a job is reported done: enqueueing anything
+        reports a sticky error once the driver has seen one (a record cost 1.1 us in run 35,
+        less than querying an idle stream, 2.2 us)."""
         self.record(self._probe_event, self._probe_stream)
 
     def synchronize(self, event: Any) -> None:
@@ -285,6 +311,7 @@ class Driver:
             raise self.fail(int(code), "cuEventSynchronize")
 
     def elapsed(self, start: Any, stop: Any) -> float | None:
+        """Seconds between two completed timing events (None if the driver cannot say)."""
         ret = cu.cuEventElapsedTime(start, stop)
         return float(ret[1]) / 1e3 if ret[0] == _OK else None
 
@@ -339,7 +366,7 @@ class Driver:
     # -- copies ---------------------------------------------------------------------------
 
     def _load_batch(self) -> tuple[Any, str]:
-        """Bind cuMemcpyBatchAsync for raw pointer arrays (ctypes releases the GIL).
+        """Bind cuMemcpyBatchAsync for raw pointer arrays (this binding drops the GIL).
 
         cuda-python's own wrapper converts Python lists entry by entry, which costs about
         half a microsecond per page and holds the GIL; numpy arrays go in as they are here.
@@ -434,11 +461,12 @@ class Driver:
         if self._batch3d_fn is None:
             raise CudaCallFailed("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)",
                                  int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED))
+        fn = self._batch3d_fn_gil if n <= GIL_HELD_PITCHED_OPS else self._batch3d_fn
         if self.batch_kind == "batch13":
-            code = self._batch3d_fn(n, ops.ctypes.data, 0, int(stream))
+            code = fn(n, ops.ctypes.data, 0, int(stream))
         else:
             fail_idx = ctypes.c_size_t(0)
-            code = self._batch3d_fn(n, ops.ctypes.data, ctypes.addressof(fail_idx), 0, int(stream))
+            code = fn(n, ops.ctypes.data, ctypes.addressof(fail_idx), 0, int(stream))
         if code != 0:
             raise self.fail(int(code), "cuMemcpy3DBatchAsync")
 
@@ -465,11 +493,13 @@ class Driver:
 
     def memcpy_batch(
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any, *,
-        stream_ordered: bool = True, to_host: bool | None = None,
+        stream_ordered: bool = True, to_host: bool | None = None, hold_gil: bool | None = None,
     ) -> None:
         """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64.
 
-        Falls back to one cuMemcpyAsync per entry where the driver lacks batched copies.
+        ``hold_gil``: keep the GIL through the call (default: for small batches only; threads
+        issuing slices side by side pass False). Falls back to one cuMemcpyAsync per entry
+        where the driver lacks batched copies.
         """
         n = int(dst.shape[0])
         if n == 0:
@@ -488,7 +518,9 @@ class Driver:
             fail_idx = ctypes.c_size_t(0)
             args.append(ctypes.addressof(fail_idx))
         args.append(int(stream))
-        code = self._batch_fn(*args)
+        if hold_gil is None:
+            hold_gil = n <= GIL_HELD_DESCRIPTORS
+        code = (self._batch_fn_gil if hold_gil else self._batch_fn)(*args)
         if code != 0:
             raise self.fail(int(code), "cuMemcpyBatchAsync")
 

@@ -10,6 +10,7 @@ another Python thread, with each GEMM's slowdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import statistics
 import threading
@@ -356,10 +357,36 @@ async def _tiny_wakeups(iters: int) -> dict[str, float]:
         )
 
 
-async def _long_wakeups(setup: _Setup, iters: int, doorbell: bool = True) -> dict[str, float]:
+async def _long_wakeups(
+    setup: _Setup, iters: int, doorbell: bool = True, busy: bool = False
+) -> dict[str, float]:
     ids = _JobIds()
     async with setup.worker("auto", doorbell=doorbell) as w:
-        return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids), iters)
+        with _BusyThread() if busy else contextlib.nullcontext():
+            return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids), iters)
+
+
+class _BusyThread:
+    """Another Python thread that never drops the GIL by itself (pure Python), as a
+    tokenizer or a scheduler might: every call of ours that drops the GIL, and every wake
+    from a nap, may then wait up to the switch interval (5 ms) to get it back."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+
+    def __enter__(self) -> _BusyThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
@@ -469,12 +496,14 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
     say("wake-up latency")
     sec = "completion wake-up (asyncio, one job in flight)"
     long_iters = 50 if quick else 200
+    busy = "2 MiB-page job, a busy Python thread beside"
     wake_runs: list[tuple[str, Callable[[], Any]]] = [
         ("4 KiB job", lambda: _tiny_wakeups(100 if quick else 400)),
         ("32 KiB-page job (default worker)", lambda: _long_wakeups(per_layer, long_iters)),
         ("2 MiB-page job (default worker)", lambda: _long_wakeups(big, long_iters)),
         ("32 KiB-page job, no doorbell", lambda: _long_wakeups(per_layer, long_iters, doorbell=False)),
         ("2 MiB-page job, no doorbell", lambda: _long_wakeups(big, long_iters, doorbell=False)),
+        (busy, lambda: _long_wakeups(big, long_iters // 2, busy=True)),
     ]
     for label, run in wake_runs:
         try:
@@ -491,9 +520,11 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
             BenchRow(sec, f"{label}: round trip p50", w["trip50"] * 1e6, "us", None,
                      f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
-            BenchRow(sec, f"{label}: CPU while awaiting", 100 * w["cpu_wait"], "% core", None,
-                     f"process CPU between submit return and await return; {w['polls']:.0f} polls per job"),
         ]
+        if label != busy:  # there, the process CPU is mostly the busy thread's
+            note = f"process CPU between submit return and await return; {w['polls']:.0f} polls per job"
+            cpu = 100 * w["cpu_wait"]
+            rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
     say("baselines")
     try:
         rows += _baselines(per_layer, reps, ceil)

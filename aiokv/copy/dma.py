@@ -72,7 +72,7 @@ class MultiStreamDma:
         self.joins: list[Any] = []
         self.fork = None
         # The driver spends ~0.9 us of host time per descriptor; issuing the slices from
-        # several threads (ctypes drops the GIL) can overlap that cost.
+        # several threads (their batch calls drop the GIL) can overlap that cost.
         self.threads = (
             ThreadPoolExecutor(ctx.submit_threads, thread_name_prefix="aiokv-dma-submit")
             if ctx.submit_threads > 1 else None
@@ -150,7 +150,7 @@ class MultiStreamDma:
             lo, hi = bounds[i], bounds[i + 1]
             drv.stream_wait(self.subs[i], fork)
             drv.memcpy_batch(batch.dst[lo:hi], batch.src[lo:hi], batch.sizes[lo:hi], self.subs[i],
-                             stream_ordered=stream_ordered, to_host=self.to_host)
+                             stream_ordered=stream_ordered, to_host=self.to_host, hold_gil=False)
 
         assert self.threads is not None
         nparts = len(bounds) - 1
