@@ -23,20 +23,16 @@ __all__ = ["Doorbell"]
 
 
 class _Libc:
-    """The libc calls a deferred ring and a drain need (None where libc cannot be loaded)."""
+    """The three libc calls a deferred ring needs (None where libc cannot be loaded)."""
 
     def __init__(self) -> None:
-        libc = ctypes.PyDLL(None, use_errno=True)  # quick, non-blocking calls: keep the GIL
+        libc = ctypes.CDLL(None, use_errno=True)
         self.fdopen = libc.fdopen
         self.fdopen.restype, self.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
         self.fputc = libc.fputc
         self.fputc.restype, self.fputc.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
         self.fclose = libc.fclose
         self.fclose.restype, self.fclose.argtypes = ctypes.c_int, [ctypes.c_void_p]
-        # Non-blocking reads that keep the GIL (os.read drops it), for draining.
-        self.read = libc.read
-        self.read.restype = ctypes.c_ssize_t
-        self.read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
         # Drops a FILE's buffered bytes (glibc, musl), so an unused deferred ring stays silent.
         self.fpurge = getattr(libc, "__fpurge", None)
         if self.fpurge is not None:
@@ -63,9 +59,7 @@ class _Alarm:
     """A one-shot Linux timerfd, readable once it expires (nanosecond resolution)."""
 
     def __init__(self) -> None:
-        # PyDLL keeps the GIL through the call: dropping it, the loop thread could wait up
-        # to the switch interval (5 ms) to win it back from a busy Python thread.
-        libc = ctypes.PyDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         self._settime = libc.timerfd_settime
         self._settime.restype = ctypes.c_int
         self._settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -88,26 +82,10 @@ class _Alarm:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
     def clear(self) -> None:
-        _read_all(self.fd, 8)
-
-
-def _read_all(fd: int, size: int) -> int:
-    """Read a non-blocking descriptor until it is empty; returns the bytes read."""
-    libc = _libc()
-    count = 0
-    if libc is not None:
-        buf = ctypes.create_string_buffer(size)
-        while (n := libc.read(fd, buf, size)) > 0:
-            count += n
-        return count
-    while True:
         try:
-            data = os.read(fd, size)
+            os.read(self.fd, 8)
         except (BlockingIOError, OSError):
-            return count
-        if not data:
-            return count
-        count += len(data)
+            pass
 
 
 def _libc() -> _Libc | None:
@@ -183,7 +161,15 @@ class Doorbell:
             return 0
         if self._alarm is not None:
             self._alarm.clear()
-        return _read_all(self._read, 4096)
+        count = 0
+        while True:
+            try:
+                data = os.read(self._read, 4096)
+            except (BlockingIOError, OSError):
+                return count
+            if not data:
+                return count
+            count += len(data)
 
     @staticmethod
     def host_function() -> int:

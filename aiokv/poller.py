@@ -48,7 +48,11 @@ def _loop_yield() -> Callable[[], Awaitable[None]]:
 
         library = sniffio.current_async_library()
     except Exception:  # sniffio absent, or a loop it cannot name
-        library = "asyncio" if asyncio._get_running_loop() is not None else None
+        try:
+            asyncio.get_running_loop()
+            library = "asyncio"
+        except RuntimeError:
+            library = None
     if library == "asyncio":
         return lambda: asyncio.sleep(0)
     if library == "trio":

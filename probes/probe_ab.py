@@ -48,7 +48,8 @@ def main() -> None:
     trees = [("old", old), ("new", os.getcwd())]
     for r in range(rounds):
         for name, path in trees if r % 2 == 0 else trees[::-1]:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
+            paths = [path, os.environ.get("PYTHONPATH", "")]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
             if busy:
                 env["AB_BUSY"] = "1"
             proc = subprocess.run([sys.executable, "-c", SNIPPET], env=env, capture_output=True,

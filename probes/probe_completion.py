@@ -4,8 +4,8 @@ Medians over many calls (us) of each way to make the calls a poll makes:
 
 - ``cuEventQuery`` on a finished event and on one still waiting: cuda-python, ctypes
   ``CFUNCTYPE`` (drops and re-takes the GIL) and ctypes ``PYFUNCTYPE`` (keeps it);
-- the health check before a job is reported done: recording an event on an idle stream (the
-  old check) against ``cuStreamQuery`` of that stream (the new one);
+- the health check before a job is reported done: recording an event on an idle stream
+  (the check aiokv makes) against ``cuStreamQuery`` of that stream (an alternative);
 - ``cuEventElapsedTime``: cuda-python against ``PYFUNCTYPE``;
 - one zero-length yield to the event loop: ``anyio.lowlevel.checkpoint`` against the
   loop's own (``asyncio.sleep(0)``), on asyncio and uvloop;

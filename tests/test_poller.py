@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
+import anyio.lowlevel
 import pytest
 
 from aiokv.poller import Poller
@@ -109,3 +112,20 @@ def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
     settled = p._lateness
     p._learn_lateness(time.perf_counter() - 1.0)  # a stalled loop, not a slow wake-up
     assert p._lateness == settled
+
+
+@pytest.mark.anyio
+async def test_spin_turns_yield_through_the_running_loops_own_primitive(anyio_backend_name: str) -> None:
+    from aiokv.poller import _loop_yield
+
+    yield_now = _loop_yield()
+    await yield_now()  # it is awaitable on this loop
+    if anyio_backend_name == "trio":
+        import trio.lowlevel
+
+        assert yield_now is trio.lowlevel.checkpoint
+    else:  # asyncio and uvloop: the loop's own sleep(0), not anyio's per-call lookup
+        assert yield_now is not anyio.lowlevel.checkpoint
+        coro = yield_now()
+        assert asyncio.iscoroutine(coro)
+        await coro

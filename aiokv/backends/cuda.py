@@ -166,7 +166,7 @@ class Driver:
         self._batch3d_fn = self._load_batch3d()
         self._batch_fn_gil = _holding_gil(self._batch_fn)
         self._batch3d_fn_gil = _holding_gil(self._batch3d_fn)
-        # Through ctypes, which always drops the GIL while the driver blocks: a thread
+        # Through ctypes CFUNCTYPE, which drops the GIL while the driver blocks: a thread
         # waiting for a copy must never stall the event loop.
         sync_proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
         self._event_sync = self._load_proc(b"cuEventSynchronize", sync_proto)
