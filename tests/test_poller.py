@@ -129,3 +129,25 @@ async def test_spin_turns_yield_through_the_running_loops_own_primitive(anyio_ba
         coro = yield_now()
         assert asyncio.iscoroutine(coro)
         await coro
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], indirect=True)
+@pytest.mark.anyio
+async def test_without_sniffio_asyncio_is_still_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from aiokv.poller import _loop_yield
+
+    monkeypatch.setitem(sys.modules, "sniffio", None)  # "import sniffio" now raises
+    yield_now = _loop_yield()
+    assert yield_now is not anyio.lowlevel.checkpoint
+    await yield_now()
+
+
+def test_outside_any_loop_falls_back_to_anyio(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from aiokv.poller import _loop_yield
+
+    monkeypatch.setitem(sys.modules, "sniffio", None)
+    assert _loop_yield() is anyio.lowlevel.checkpoint
