@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+from _setups import one_alloc, two_mib
 
 from aiokv.bench import cuda as b
 from aiokv.handler import Handler, Job
@@ -49,11 +50,8 @@ async def _row(setup: b._Setup, iters: int, spin: float) -> None:
 
 def main() -> None:
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 100
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    big = b._Setup("2 MiB", [torch.randn(b.BLOCKS, b.LAYERS, 2, 16, 8, 128, dtype=bf16, device=dev)],
-                   block_dim=0, chunks=b.CHUNKS // 2, seed=2)
-    layers = torch.randn(b.LAYERS, 2, b.BLOCKS, 16, 8, 128, dtype=bf16, device=dev)
-    one = b._Setup("32K one-alloc", list(layers.unbind(0)), block_dim=1, chunks=b.CHUNKS, seed=1)
+    dev = torch.device("cuda")
+    big, one = two_mib(dev), one_alloc(dev)
     qs = (1, 10, 50, 90, 99)
     print(f"{'job':<28} " + " ".join(f"{'p' + str(q):>7}" for q in qs) + f" {'enqueue':>8}")
     for setup in (big, one):

@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from _setups import one_alloc, two_mib
 from cuda.bindings import driver as cu
 
 from aiokv.backends.cuda import _current_stream
@@ -118,12 +119,8 @@ def phases(setup: b._Setup, jobs: int) -> None:
 
 def main() -> None:
     jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    big = b._Setup("2 MiB", [torch.randn(b.BLOCKS, b.LAYERS, 2, 16, 8, 128, dtype=bf16, device=dev)],
-                   block_dim=0, chunks=b.CHUNKS // 2, seed=2)
-    layers = torch.randn(b.LAYERS, 2, b.BLOCKS, 16, 8, 128, dtype=bf16, device=dev)
-    one = b._Setup("32K one-alloc", list(layers.unbind(0)), block_dim=1, chunks=b.CHUNKS, seed=1)
-    for setup in (big, one):
+    dev = torch.device("cuda")
+    for setup in (two_mib(dev), one_alloc(dev)):
         phases(setup, jobs)
 
 

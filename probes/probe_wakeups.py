@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+import _setups
 import torch
 
 from aiokv.bench import cuda as b
@@ -65,13 +66,7 @@ async def _spin_wakeups(setup: b._Setup, iters: int, spin: float) -> dict[str, f
 def main() -> None:
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     dev = torch.device("cuda")
-    bf16 = torch.bfloat16
-    per_layer = b._Setup("32K per-layer", [torch.randn(2, b.BLOCKS, 16, 8, 128, dtype=bf16, device=dev)
-                                           for _ in range(b.LAYERS)], block_dim=1, chunks=b.CHUNKS, seed=1)
-    layers = torch.randn(b.LAYERS, 2, b.BLOCKS, 16, 8, 128, dtype=bf16, device=dev)
-    one = b._Setup("32K one-alloc", list(layers.unbind(0)), block_dim=1, chunks=b.CHUNKS, seed=1)
-    big = b._Setup("2 MiB", [torch.randn(b.BLOCKS, b.LAYERS, 2, 16, 8, 128, dtype=bf16, device=dev)],
-                   block_dim=0, chunks=b.CHUNKS // 2, seed=2)
+    per_layer, one, big = _setups.per_layer(dev), _setups.one_alloc(dev), _setups.two_mib(dev)
     runs: list[tuple[str, Any]] = [("4 KiB", lambda: b._tiny_wakeups(3 * iters))]
     for setup in (per_layer, one, big):
         for bell in (True, False):
