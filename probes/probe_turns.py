@@ -1,8 +1,9 @@
 """Where a long job's wake-up and CPU go, poll by poll.
 
-Runs the bench's one-job-at-a-time row for the 2 MiB-page job (``_wakeups``) with the
-default worker, and logs every poll (start, cost, jobs found done) and every nap (start,
-end, the end it aimed at). Per job it then reports (percentiles over the jobs, us):
+Runs the bench's one-job-at-a-time rows for the 2 MiB-page job and the pitched 32 KiB-page
+job (``_wakeups``) with the default worker, and logs every poll (start, cost, jobs found
+done) and every nap (start, end, the end it aimed at). Per job it then reports
+(percentiles over the jobs, us):
 
 - turn: time between two polls of one spin (the poll itself, the yield, one loop pass);
 - poll: the cost of one poll that found nothing;
@@ -10,14 +11,17 @@ end, the end it aimed at). Per job it then reports (percentiles over the jobs, u
 - nap late: how late the last nap before the end ended, against the end it aimed at;
 - window: the detection window the bench reports (last poll that saw the job running ->
   the poll that saw it done), split by whether the job was caught spinning or on waking;
-- CPU per job, from a submit's return to the next submit: the whole process, the loop's
-  thread, and the loop thread's share spent inside polls and inside naps;
-- each driver call on the completion path (GPU only): the event query (done / not done),
-  the health check, the elapsed-time read, the events' return to the pool.
+- CPU per job, from a submit's return to the next submit's start: the whole process, the
+  loop's thread, and the loop thread's share spent inside polls and inside naps;
+- each call on the completion path (GPU only): the event query (done / not done), the
+  health check, the elapsed-time read, the events' return to the pool; and on the nap's:
+  arming the head job's ring, draining the bell, the alarm, the wait itself (wall and
+  loop-thread CPU, calls per job).
 
 Rows: asyncio and uvloop (when installed). Run on the GPU machine from the repo root:
-``python3 probes/probe_turns.py [jobs, default 100]``; ``cpu`` after the job count runs
-small CPU-backend jobs instead (no GPU needed: only the loop-side figures mean anything).
+``python3 probes/probe_turns.py [jobs, default 100] [cpu] [nobell]``; ``cpu`` runs the jobs
+on the CPU backend (no GPU needed: only the loop-side figures mean anything); ``nobell``
+adds a 2 MiB row with the doorbell off.
 """
 
 import asyncio
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _setups import two_mib
+from _setups import one_alloc, two_mib
 
 from aiokv.bench import cuda as b
 from aiokv.poller import Poller
@@ -58,29 +62,45 @@ async def _logged_nap(self: Poller, until: float | None) -> float | None:
 AsyncOffloadingWorker._complete_finished = _logged_complete  # type: ignore[method-assign]
 Poller._nap = _logged_nap  # type: ignore[method-assign]
 
-# Each driver call on the completion path, timed: (name, seconds).
-calls: list[tuple[str, float]] = []
+# Calls on the completion and nap paths, timed: (name, wall seconds, loop-thread CPU seconds).
+calls: list[tuple[str, float, float, float]] = []  # (name, start, wall, loop-thread CPU)
 
 
-def _timed(cls: Any, name: str, label: Any) -> None:
-    original = getattr(cls, name)
+def _timed(owner: Any, name: str, label: Any) -> None:
+    original = getattr(owner, name)
 
-    def timed(self: Any, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        out = original(self, *args)
-        calls.append((label(out), time.perf_counter() - t0))
+    def timed(*args: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = original(*args)
+        calls.append((label(out), t0, time.perf_counter() - t0, time.thread_time() - c0))
         return out
 
-    setattr(cls, name, timed)
+    setattr(owner, name, timed)
 
 
-def _time_driver() -> None:
+def _time_calls() -> None:
+    import anyio
+
     from aiokv.backends.cuda import Driver
+    from aiokv.doorbell import Doorbell
 
     _timed(Driver, "query", lambda done: "query, done" if done else "query, not done")
     _timed(Driver, "confirm_healthy", lambda _: "health check (record)")
     _timed(Driver, "elapsed", lambda _: "elapsed time read")
     _timed(Driver, "give_job_events", lambda _: "events back to the pool")
+    _timed(AsyncOffloadingWorker, "_arm_heads", lambda _: "nap: arm the head job's ring")
+    _timed(Doorbell, "drain", lambda _: "nap: drain the bell")
+    _timed(Doorbell, "set_alarm", lambda _: "nap: set or clear the alarm")
+    wait_readable = anyio.wait_readable
+
+    async def timed_wait(fd: Any) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            await wait_readable(fd)
+        finally:
+            calls.append(("nap: wait on the bell", t0, time.perf_counter() - t0, time.thread_time() - c0))
+
+    anyio.wait_readable = timed_wait
 
 
 def _q(values: list[float]) -> str:
@@ -130,28 +150,36 @@ def _analyse(spans: list[tuple[float, float]], stores: Any) -> None:
     print(f"  polls per job: p50 {np.median(counts):.0f}")
     for key, values in cpu.items():
         print(f"  CPU per job, {key:<22} {_q(values)}")
-    for label in sorted({name for name, _ in calls}):
-        print(f"  {label:<34} {_q([dt for name, dt in calls if name == label])}")
+    print(f"  {'call: wall / loop-thread CPU (us)':<34} {'calls/job':>9} {'wall p50':>9} {'CPU p50':>8}")
+    measured = [c for c in calls if spans[0][0] <= c[1] <= spans[-1][1]]
+    for label in sorted({c[0] for c in measured}):
+        mine = [c for c in measured if c[0] == label]
+        print(f"  {label:<34} {len(mine) / n:9.1f} {np.median([c[2] for c in mine]) * 1e6:9.1f}"
+              f" {np.median([c[3] for c in mine]) * 1e6:8.1f}")
 
 
-async def _row(setup: b._Setup, iters: int, backend: str) -> None:
+async def _row(setup: b._Setup, iters: int, backend: str, bell: bool) -> None:
     ids = b._JobIds()
-    marks: list[tuple[float, float, float]] = []  # after each submit: perf, thread and process CPU
+    # Around each submit: perf counter, thread and process CPU, before and after.
+    marks: list[tuple[tuple[float, float, float], tuple[float, float, float]]] = []
 
     def submit(i: int) -> Any:
+        before = (time.perf_counter(), time.thread_time(), time.process_time())
         fut = b._submit(w, setup, True, i, ids)
-        marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
+        marks.append((before, (time.perf_counter(), time.thread_time(), time.process_time())))
         return fut
 
-    async with AsyncOffloadingWorker(setup.kv, num_cpu_chunks=setup.chunks, backend=backend) as w:
+    worker = AsyncOffloadingWorker(setup.kv, num_cpu_chunks=setup.chunks, backend=backend,
+                                   options={"doorbell": bell})
+    async with worker as w:
         polls.clear()
         naps.clear()
         calls.clear()
         stores = next(h for d, h in w._core.handlers.items() if d.to_host)
         out = await b._wakeups(w, submit, iters)
     # One job at a time: a job's polls and naps lie between its submit's return and the
-    # next submit (CPU from the return to the next submit, so submits are left out).
-    spans = [(a[0], c[0], c[1] - a[1], c[2] - a[2]) for a, c in itertools.pairwise(marks)][10:]
+    # next submit's start.
+    spans = [(a[0], c[0], c[1] - a[1], c[2] - a[2]) for (_, a), (c, _) in itertools.pairwise(marks)][10:]
     print(f"  bench figures: wake-up p50 {out['wake50'] * 1e6:.0f} / p99 {out['wake99'] * 1e6:.0f} us, "
           f"window p50 {out['window50'] * 1e6:.0f} us, CPU {100 * out['cpu_wait']:.1f}%, "
           f"device {out['device'] * 1e6:.0f} us, polls/job {out['polls']:.0f}")
@@ -162,9 +190,9 @@ def main() -> None:
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     cpu = "cpu" in sys.argv[2:]
     dev = torch.device("cpu" if cpu else "cuda")
-    setup = two_mib(dev)
+    setups = [two_mib(dev)] if cpu else [two_mib(dev), one_alloc(dev)]
     if not cpu:
-        _time_driver()
+        _time_calls()
     runners: list[tuple[str, Any]] = [("asyncio", asyncio.run)]
     try:
         import uvloop
@@ -172,9 +200,13 @@ def main() -> None:
         runners.append(("uvloop", uvloop.run))
     except ImportError:
         pass
-    for name, run in runners:
-        print(f"== {setup.name} job, default worker, {name}", flush=True)
-        run(_row(setup, iters, "cpu" if cpu else "cuda"))
+    for setup in setups:
+        for name, run in runners:
+            print(f"== {setup.name} job, default worker, {name}", flush=True)
+            run(_row(setup, iters, "cpu" if cpu else "cuda", True))
+    if "nobell" in sys.argv[2:]:
+        print(f"== {setups[0].name} job, no doorbell, asyncio", flush=True)
+        asyncio.run(_row(setups[0], iters, "cpu" if cpu else "cuda", False))
 
 
 if __name__ == "__main__":
