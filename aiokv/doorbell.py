@@ -167,9 +167,9 @@ class Doorbell:
                 data = os.read(self._read, 4096)
             except (BlockingIOError, OSError):
                 return count
-            if not data:
-                return count
             count += len(data)
+            if len(data) < 4096:  # emptied (a ring landing since keeps it readable)
+                return count
 
     @staticmethod
     def host_function() -> int:

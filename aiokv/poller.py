@@ -39,21 +39,25 @@ _INITIAL_LATENESS = 100e-6
 _MAX_LATENESS = 2e-3
 
 
+def _loop_library() -> str | None:
+    """"asyncio" (uvloop included), "trio", or None outside a loop we can name."""
+    try:
+        import sniffio
+
+        return sniffio.current_async_library()
+    except Exception:  # sniffio absent, or a loop it cannot name
+        try:
+            asyncio.get_running_loop()
+            return "asyncio"
+        except RuntimeError:
+            return None
+
+
 def _loop_yield() -> Callable[[], Awaitable[None]]:
     """The running loop's own zero-length yield. ``anyio.lowlevel.checkpoint`` looks the
     loop up on every call: on asyncio it took 6.0-9.8 us against 2.2-3.7 us for
     ``asyncio.sleep(0)`` on the H200's host (probes/probe_completion.py, runs 35-36)."""
-    library: str | None
-    try:
-        import sniffio
-
-        library = sniffio.current_async_library()
-    except Exception:  # sniffio absent, or a loop it cannot name
-        try:
-            asyncio.get_running_loop()
-            library = "asyncio"
-        except RuntimeError:
-            library = None
+    library = _loop_library()
     if library == "asyncio":
         return lambda: asyncio.sleep(0)
     if library == "trio":
@@ -61,6 +65,67 @@ def _loop_yield() -> Callable[[], Awaitable[None]]:
 
         return trio.lowlevel.checkpoint
     return anyio.lowlevel.checkpoint
+
+
+class _BellNaps:
+    """Naps on the bell through anyio: the loop watches its descriptor only while napping,
+    so a nap first drains rings that came since the last poll and looks once more."""
+
+    drains_first = True
+
+    def __init__(self, bell: Doorbell) -> None:
+        self._bell = bell
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    async def nap(self, limit: float) -> None:
+        with anyio.move_on_after(limit):
+            await anyio.wait_readable(self._bell.fileno())
+
+    def end_nap(self) -> None:
+        self._bell.ring()
+
+
+class _ReaderNaps:
+    """asyncio: the bell stays registered with the loop for the poller's life, and its
+    callback drains it and ends the nap in progress. That spares each nap the loop's
+    register / unregister and anyio's wrappers (PROBE FIGURES). A ring that lands while
+    the poller spins is drained there; a poll always follows, so none is lost."""
+
+    drains_first = False
+
+    def __init__(self, bell: Doorbell, loop: asyncio.AbstractEventLoop) -> None:
+        self._bell = bell
+        self._loop = loop
+        self._napping: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self._loop.add_reader(self._bell.fileno(), self._rung)
+
+    def stop(self) -> None:
+        self._loop.remove_reader(self._bell.fileno())
+
+    def _rung(self) -> None:
+        self._bell.drain()
+        self.end_nap()
+
+    def end_nap(self) -> None:
+        napping = self._napping
+        if napping is not None and not napping.done():
+            napping.set_result(None)
+
+    async def nap(self, limit: float) -> None:
+        napping = self._napping = self._loop.create_future()
+        backstop = self._loop.call_later(limit, self.end_nap)
+        try:
+            await napping
+        finally:
+            backstop.cancel()
+            self._napping = None
 
 
 class Poller:
@@ -89,6 +154,7 @@ class Poller:
         # Without the alarm, a nap cannot end sooner than the loop's ~1 ms timer allows.
         self._shortest_nap = _MIN_ALARM_NAP if bell is not None and bell.has_alarm else poll_interval
         self._napping = False
+        self._naps: _BellNaps | _ReaderNaps | None = None  # chosen per run, for its loop
         self._lateness = _INITIAL_LATENESS
         self._wake = anyio.Event()
         self._active_since = time.perf_counter()
@@ -100,8 +166,8 @@ class Poller:
         self._active_since = time.perf_counter()
         if not self._wake.is_set():
             self._wake.set()
-        if self._napping and self._bell is not None:
-            self._bell.ring()  # the nap waits on the bell, not on the event
+        if self._napping and self._naps is not None:
+            self._naps.end_nap()  # the nap waits on the bell, not on the event
 
     def _lead(self) -> float:
         """How long before a predicted end a nap must be set to end, to be spinning then."""
@@ -122,17 +188,18 @@ class Poller:
 
         Returns when a timed nap was meant to end (for learning lateness), else None.
         """
-        bell, arm = self._bell, self._arm
-        if bell is None or arm is None:
+        bell, arm, naps = self._bell, self._arm, self._naps
+        if bell is None or arm is None or naps is None:
             target = None if until is None else time.perf_counter() + until
             with anyio.move_on_after(self._interval if until is None else until):
                 await self._wake.wait()
             return target
-        bell.drain()  # rings of jobs already seen done, and of any that ended since the
-        self.polls += 1  # last poll: so look once more, or such a ring would be lost
-        if self._poll():
-            self._active_since = time.perf_counter()
-            return None
+        if naps.drains_first:
+            bell.drain()  # rings of jobs already seen done, and of any that ended since the
+            self.polls += 1  # last poll: so look once more, or such a ring would be lost
+            if self._poll():
+                self._active_since = time.perf_counter()
+                return None
         armed = arm()
         alarm = until is not None and bell.set_alarm(until)
         target = None if until is None else time.perf_counter() + until
@@ -142,19 +209,32 @@ class Poller:
             limit = until  # no alarm here: the loop's timer it is
         else:
             limit = self._max_nap if armed else self._interval
+        # The alarm is left set when a ring ends the nap first: clearing it cost two system
+        # calls per nap, and should it go off later, it is drained like a ring.
         self._napping = True
         try:
-            with anyio.move_on_after(limit):
-                await anyio.wait_readable(bell.fileno())
+            await naps.nap(limit)
         finally:
             self._napping = False
-            if alarm:
-                bell.set_alarm(0)
         return target
 
     async def run(self) -> None:
         """Poll until cancelled."""
         checkpoint = _loop_yield()
+        if self._bell is not None and self._arm is not None:
+            if _loop_library() == "asyncio":
+                self._naps = _ReaderNaps(self._bell, asyncio.get_running_loop())
+            else:
+                self._naps = _BellNaps(self._bell)
+            self._naps.start()
+        try:
+            await self._spin_and_nap(checkpoint)
+        finally:
+            if self._naps is not None:
+                self._naps.stop()
+                self._naps = None
+
+    async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:
             if self._wake.is_set():
                 self._wake = anyio.Event()

@@ -91,16 +91,24 @@ def _time_calls() -> None:
     _timed(AsyncOffloadingWorker, "_arm_heads", lambda _: "nap: arm the head job's ring")
     _timed(Doorbell, "drain", lambda _: "nap: drain the bell")
     _timed(Doorbell, "set_alarm", lambda _: "nap: set or clear the alarm")
-    wait_readable = anyio.wait_readable
 
-    async def timed_wait(fd: Any) -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            await wait_readable(fd)
-        finally:
-            calls.append(("nap: wait on the bell", t0, time.perf_counter() - t0, time.thread_time() - c0))
+    def timed_wait(wait: Any) -> Any:
+        async def timed(*args: Any) -> None:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                await wait(*args)
+            finally:
+                calls.append(("nap: wait on the bell", t0, time.perf_counter() - t0, time.thread_time() - c0))
 
-    anyio.wait_readable = timed_wait
+        return timed
+
+    from aiokv import poller
+
+    if hasattr(poller, "_ReaderNaps"):  # the wait itself, however the loop watches the bell
+        for cls in (poller._ReaderNaps, poller._BellNaps):
+            cls.nap = timed_wait(cls.nap)
+    else:  # trees before it: anyio's wait_readable on every loop
+        anyio.wait_readable = timed_wait(anyio.wait_readable)
 
 
 def _q(values: list[float]) -> str:

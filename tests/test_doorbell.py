@@ -207,3 +207,55 @@ async def test_a_ring_between_a_poll_and_the_nap_is_not_lost() -> None:
                 await anyio.sleep(0.001)
         tg.cancel_scope.cancel()
     bell.close()
+
+
+@pytest.mark.anyio
+async def test_on_asyncio_the_bell_stays_watched_while_the_poller_runs(anyio_backend_name: str) -> None:
+    """asyncio and uvloop keep the bell registered with the loop (no register/unregister
+    per nap): a ring while the poller spins is drained by the loop, and once the poller
+    stops nothing watches the bell any more. Trio watches it only while napping."""
+    bell = Doorbell()
+    p = Poller(lambda: 0, lambda: 1, bell=bell, arm=lambda: True, expected_wait=lambda: 0.0,
+               spin_seconds=60.0, poll_interval=60.0, max_nap=60.0)  # "due now": it spins
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.01)
+        bell.ring()
+        await anyio.sleep(0.01)
+        drained_while_spinning = not _readable(bell)
+        tg.cancel_scope.cancel()
+    assert p.sleeps == 0
+    assert drained_while_spinning is (anyio_backend_name != "trio")
+    bell.drain()
+    bell.ring()
+    await anyio.sleep(0.01)
+    assert _readable(bell)  # stopped: nobody drains it
+    bell.close()
+
+
+@pytest.mark.anyio
+async def test_an_alarm_left_set_by_a_rung_nap_does_not_disturb_later_naps() -> None:
+    """A ring ends a nap before its alarm; the alarm is not cleared and goes off later,
+    while the poller is idle. The next job's nap must still last until its own ring."""
+    job = _Job(Doorbell())
+    p = Poller(job.poll, job.pending, bell=job.bell, arm=job.arm,
+               expected_wait=lambda: 0.03 if not job.done.is_set() else None,
+               spin_seconds=0.0, poll_interval=60.0, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.005)  # napping, the alarm set ~30 ms out
+        assert p.sleeps == 1
+        await anyio.to_thread.run_sync(job.finish)
+        await _until_popped(job)
+        await anyio.sleep(0.06)  # the stale alarm goes off with nothing in flight
+        second = _Job(job.bell)
+        job.__dict__.update(done=second.done, popped=False)  # a new job in the same slot
+        before = p.sleeps
+        p.wake()
+        await anyio.sleep(0.05)
+        assert job.pending()
+        assert 1 <= p.sleeps - before <= 4  # ~30 ms naps on the new alarm, not a busy loop
+        await anyio.to_thread.run_sync(job.finish)
+        await _until_popped(job)
+        tg.cancel_scope.cancel()
+    job.bell.close()
