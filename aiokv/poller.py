@@ -68,10 +68,7 @@ def _loop_yield() -> Callable[[], Awaitable[None]]:
 
 
 class _BellNaps:
-    """Naps on the bell through anyio: the loop watches its descriptor only while napping,
-    so a nap first drains rings that came since the last poll and looks once more."""
-
-    drains_first = True
+    """Naps on the bell through anyio: the loop watches its descriptor only while napping."""
 
     def __init__(self, bell: Doorbell) -> None:
         self._bell = bell
@@ -95,8 +92,6 @@ class _ReaderNaps:
     callback drains it and ends the nap in progress. That spares each nap the loop's
     register / unregister and anyio's wrappers (PROBE FIGURES). A ring that lands while
     the poller spins is drained there; a poll always follows, so none is lost."""
-
-    drains_first = False
 
     def __init__(self, bell: Doorbell, loop: asyncio.AbstractEventLoop) -> None:
         self._bell = bell
@@ -194,9 +189,12 @@ class Poller:
             with anyio.move_on_after(self._interval if until is None else until):
                 await self._wake.wait()
             return target
-        if naps.drains_first:
-            bell.drain()  # rings of jobs already seen done, and of any that ended since the
-            self.polls += 1  # last poll: so look once more, or such a ring would be lost
+        # Rings pending now are of jobs already seen done (the driver's callback thread
+        # often rings after a spinning poll saw the end), or of one that ended since the
+        # last poll: drain them, or the nap would end at once, and if there were any, look
+        # once more, or such a ring would be lost.
+        if bell.drain():
+            self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
                 return None

@@ -259,3 +259,22 @@ async def test_an_alarm_left_set_by_a_rung_nap_does_not_disturb_later_naps() -> 
         await _until_popped(job)
         tg.cancel_scope.cancel()
     job.bell.close()
+
+
+@pytest.mark.anyio
+async def test_a_stale_ring_pending_when_a_nap_begins_does_not_end_it() -> None:
+    """A job's ring can land after the job was already seen done by a poll (the driver's
+    callback thread is slower than a spinning poll), while the next job is submitted. The
+    next nap must not end on that ring: on the GPU host it split every nap in two."""
+    bell = Doorbell()
+    bell.ring()  # the previous job's ring, late
+    end = time.perf_counter() + 0.5
+    p = Poller(lambda: 0, lambda: 1, bell=bell, arm=lambda: True,
+               expected_wait=lambda: end - time.perf_counter(),
+               spin_seconds=0.0, poll_interval=60.0, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.03)
+        tg.cancel_scope.cancel()
+    assert p.sleeps == 1
+    bell.close()
