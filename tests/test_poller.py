@@ -151,3 +151,50 @@ def test_outside_any_loop_falls_back_to_anyio(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setitem(sys.modules, "sniffio", None)
     assert _loop_yield() is anyio.lowlevel.checkpoint
+
+
+def _handler_with_rate(rate: float):
+    from aiokv.handler import Handler
+    from aiokv.specs import Direction
+
+    h = Handler(Direction.STORE, _Lane())
+    h._rate = rate
+    return h
+
+
+def test_end_bias_settles_near_the_earliest_ends_from_closely_seen_jobs() -> None:
+    """Jobs end 40-100 us after the rate's prediction and each end is seen within 5 us:
+    the bias moves towards the early ends, so the spin before them starts that much later."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(7)
+    h = _handler_with_rate(50e9)
+    nbytes = 256 << 20  # ~5.4 ms at 50 GB/s
+    for i in range(400):
+        job = SimpleNamespace(started_at=float(i), nbytes=nbytes)
+        end = i + nbytes / 50e9 + rng.uniform(40e-6, 100e-6)
+        h._learn_bias(job, end - 5e-6, end + 5e-6)
+    assert 35e-6 < h._bias < 75e-6
+    head = h.submit(1, SimpleNamespace(total_bytes=nbytes), None)
+    assert h.expected_wait(head.started_at) == pytest.approx(nbytes / 50e9 + h._bias)
+
+
+def test_end_bias_ignores_jobs_seen_late_and_stays_bounded() -> None:
+    from types import SimpleNamespace
+
+    h = _handler_with_rate(50e9)
+    job = SimpleNamespace(started_at=0.0, nbytes=256 << 20)
+    predicted = job.nbytes / 50e9
+    for _ in range(50):  # caught after a nap: running long before, seen long after
+        h._learn_bias(job, predicted - 2e-3, predicted + 2e-3)
+    assert h._bias == 0.0
+    for _ in range(500):  # surely ending 5 ms late, again and again: capped at 0.5 ms
+        h._learn_bias(job, predicted + 5e-3, predicted + 5.01e-3)
+    assert h._bias == pytest.approx(0.5e-3)
+    small = SimpleNamespace(started_at=0.0, nbytes=2 << 20)  # ~42 us: a quarter of it at most
+    h._learn_bias(small, small.nbytes / 50e9 + 1e-3, small.nbytes / 50e9 + 1.01e-3)
+    assert h._bias == pytest.approx(0.25 * small.nbytes / 50e9)
+    for _ in range(100):  # ending before the prediction pulls it down, fast
+        h._learn_bias(job, predicted - 30e-6, predicted - 20e-6)
+    assert -30e-6 < h._bias < 0
