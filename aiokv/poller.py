@@ -1,9 +1,10 @@
 """Wakes futures when their copies finish, from one task on the event loop.
 
 Completion is polled (an event query costs under a microsecond), adaptively. When the
-observed transfer rate predicts that the oldest job needs longer, the poller naps at once,
-until a lead (``spin_seconds`` plus how late its naps have been ending) before the
-predicted end, then spins through it, so a job that ends on time is noticed within tens
+observed transfer rate (plus how far after such predictions jobs have been ending)
+predicts that the oldest job needs longer, the poller naps at once, until a lead
+(``spin_seconds`` plus how late its naps have been ending) before the predicted end, then
+spins through it, so a job that ends on time is noticed within tens
 of microseconds at little CPU cost. Without a prediction it only yields to the loop for
 ``spin_seconds`` after a submit or a completion, then naps.
 
@@ -13,9 +14,10 @@ early, or late after the spin gave up, waited milliseconds to be noticed. With a
 (``aiokv.doorbell``) the poller first asks every head job to ring it when it ends
 (``arm``) and naps on the bell's file descriptor instead: the nap ends when the job ends or
 when the bell's precise alarm (set to the lead before the predicted end) goes off,
-and the loop's timer (``max_nap``, 10 ms) is only a backstop. Submits ring it too. Where a
-head job cannot ring, naps fall back to ``poll_interval``. With nothing in flight the
-poller sleeps on an event that submits set.
+and the loop's timer (``max_nap``, 10 ms) is only a backstop. Submits end the nap too.
+On asyncio (and uvloop) the bell stays registered with the loop for the poller's life; on
+trio it is watched only while napping. Where a head job cannot ring, naps fall back to
+``poll_interval``. With nothing in flight the poller sleeps on an event that submits set.
 """
 
 from __future__ import annotations
@@ -90,8 +92,10 @@ class _BellNaps:
 class _ReaderNaps:
     """asyncio: the bell stays registered with the loop for the poller's life, and its
     callback drains it and ends the nap in progress. That spares each nap the loop's
-    register / unregister and anyio's wrappers (PROBE FIGURES). A ring that lands while
-    the poller spins is drained there; a poll always follows, so none is lost."""
+    register / unregister and anyio's wrappers: a 4.4 ms nap on the alarm cost 97 against
+    147 us of CPU on asyncio, 78 against 125 us on uvloop (probes/probe_nap.py, device run
+    45). A ring that lands while the poller spins is drained there; a poll always follows,
+    so none is lost."""
 
     def __init__(self, bell: Doorbell, loop: asyncio.AbstractEventLoop) -> None:
         self._bell = bell
