@@ -75,9 +75,6 @@ class _BellNaps:
     def __init__(self, bell: Doorbell) -> None:
         self._bell = bell
 
-    def start(self) -> None:
-        pass
-
     def stop(self) -> None:
         pass
 
@@ -100,13 +97,15 @@ class _ReaderNaps:
     def __init__(self, bell: Doorbell, loop: asyncio.AbstractEventLoop) -> None:
         self._bell = bell
         self._loop = loop
+        self._fd = bell.fileno()  # kept: a closed epoll object no longer says its number
         self._napping: asyncio.Future[None] | None = None
 
     def start(self) -> None:
-        self._loop.add_reader(self._bell.fileno(), self._rung)
+        """Raises ``NotImplementedError`` on a loop that cannot watch descriptors."""
+        self._loop.add_reader(self._fd, self._rung)
 
     def stop(self) -> None:
-        self._loop.remove_reader(self._bell.fileno())
+        self._loop.remove_reader(self._fd)
 
     def _rung(self) -> None:
         self._bell.drain()
@@ -224,11 +223,14 @@ class Poller:
         """Poll until cancelled."""
         checkpoint = _loop_yield()
         if self._bell is not None and self._arm is not None:
+            self._naps = _BellNaps(self._bell)
             if _loop_library() == "asyncio":
-                self._naps = _ReaderNaps(self._bell, asyncio.get_running_loop())
-            else:
-                self._naps = _BellNaps(self._bell)
-            self._naps.start()
+                reader = _ReaderNaps(self._bell, asyncio.get_running_loop())
+                try:
+                    reader.start()
+                    self._naps = reader
+                except NotImplementedError:  # e.g. the proactor loop: anyio's way it is
+                    pass
         try:
             await self._spin_and_nap(checkpoint)
         finally:

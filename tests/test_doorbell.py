@@ -278,3 +278,32 @@ async def test_a_stale_ring_pending_when_a_nap_begins_does_not_end_it() -> None:
         tg.cancel_scope.cancel()
     assert p.sleeps == 1
     bell.close()
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], indirect=True)
+@pytest.mark.anyio
+async def test_a_loop_that_cannot_keep_the_bell_registered_naps_through_anyio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An asyncio loop whose add_reader is not implemented for the poller (as on Windows'
+    proactor loop) still gets bell naps, watched only while napping."""
+    import asyncio
+
+    from aiokv import poller
+
+    def unsupported(self: poller._ReaderNaps) -> None:
+        raise NotImplementedError
+
+    monkeypatch.setattr(poller._ReaderNaps, "start", unsupported)
+    job = _Job(Doorbell())
+    p = _long_napper(job)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.05)
+        assert isinstance(p._naps, poller._BellNaps) and p.sleeps == 1
+        await anyio.to_thread.run_sync(job.finish)
+        await _until_popped(job)
+        tg.cancel_scope.cancel()
+    assert p._naps is None
+    assert not asyncio.get_running_loop().remove_reader(job.bell.fileno())  # never registered
+    job.bell.close()
