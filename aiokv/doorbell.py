@@ -159,8 +159,12 @@ class Doorbell:
         """Consume every pending ring (and an alarm that went off); returns the rings."""
         if self.closed:
             return 0
-        if self._alarm is not None:
-            self._alarm.clear()
+        if self._epoll is not None:  # one system call says which of the two to read
+            ready = {fd for fd, _ in self._epoll.poll(0)}
+            if self._alarm is not None and self._alarm.fd in ready:
+                self._alarm.clear()
+            if self._read not in ready:
+                return 0
         count = 0
         while True:
             try:
