@@ -22,7 +22,7 @@ _SLACK_SHARE = 0.25
 _MAX_SLACK = 2e-3
 # The learned offset of real ends from predicted ones: moved fast by a job that surely
 # ended before it and slowly by one that surely ended after, so it settles near the
-# earliest sixth of ends; bounded, as a share of the job and absolutely.
+# earliest sixth of ends; bounded, and applied to a head at most a quarter of its span.
 _BIAS_DOWN, _BIAS_UP = 0.25, 0.05
 _MAX_BIAS = 0.5e-3
 
@@ -139,16 +139,19 @@ class Handler:
 
     def _learn_bias(self, job: Job, running: float, seen: float) -> None:
         """The job ended after ``running`` and by ``seen``: move the bias only on what
-        that interval proves, so a job noticed late (after a nap) cannot push it up."""
+        that interval proves, so a job noticed late (after a nap) cannot push it up.
+
+        A job popped in the same poll as the one before it says nothing: its prediction
+        would count from that job's pop, after it really ended.
+        """
         predicted = self._predicted_end(job)
-        if predicted is None:
+        if predicted is None or self._last_done > running:
             return
         if seen - predicted < self._bias:
             self._bias += _BIAS_DOWN * (seen - predicted - self._bias)
         elif running - predicted > self._bias:
             self._bias += _BIAS_UP * (running - predicted - self._bias)
-        limit = min(_MAX_BIAS, _SLACK_SHARE * job.nbytes / (self._rate or 1.0))
-        self._bias = max(-limit, min(limit, self._bias))
+        self._bias = max(-_MAX_BIAS, min(_MAX_BIAS, self._bias))
 
     def expected_wait(self, now: float) -> float | None:
         """Seconds until the head job should finish, from the observed rate; None if unknown.
@@ -161,7 +164,10 @@ class Handler:
             return None
         head = self._fifo[0]
         span = head.nbytes / self._rate
-        bias = self._bias if head.nbytes >= 1 << 20 else 0.0
+        bias = 0.0
+        if head.nbytes >= 1 << 20:
+            limit = _SLACK_SHARE * span
+            bias = max(-limit, min(limit, self._bias))
         eta = max(head.started_at, self._last_done) + span + bias - now
         if -min(_MAX_SLACK, _SLACK_SHARE * span) < eta < 0:
             return 0.0

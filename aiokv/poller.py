@@ -234,9 +234,13 @@ class Poller:
         try:
             await self._spin_and_nap(checkpoint)
         finally:
-            if self._naps is not None:
-                self._naps.stop()
-                self._naps = None
+            self.release_bell()
+
+    def release_bell(self) -> None:
+        """Stop watching the bell, which is about to close; later naps are timer naps."""
+        if self._naps is not None:
+            self._naps.stop()
+            self._naps = None
 
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:

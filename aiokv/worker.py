@@ -228,6 +228,8 @@ class AsyncOffloadingWorker:
         finally:
             try:
                 self._core.close()  # lanes let pending rings run before they go
+                if self._poller is not None:  # still running if the drain was interrupted
+                    self._poller.release_bell()
                 self._close_bell()  # not if that failed: a lane may still ring it
             finally:
                 self._closed.set()

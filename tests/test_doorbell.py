@@ -307,3 +307,23 @@ async def test_a_loop_that_cannot_keep_the_bell_registered_naps_through_anyio(
     assert p._naps is None
     assert not asyncio.get_running_loop().remove_reader(job.bell.fileno())  # never registered
     job.bell.close()
+
+
+@pytest.mark.anyio
+async def test_releasing_the_bell_while_the_poller_runs_unwatches_it() -> None:
+    """What a close interrupted mid-drain does before closing the bell: the still-running
+    poller stops watching it and falls back to timer naps."""
+    bell = Doorbell()
+    p = Poller(lambda: 0, lambda: 1, bell=bell, arm=lambda: True, spin_seconds=0.0,
+               poll_interval=1e-3, max_nap=60.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        await anyio.sleep(0.01)
+        p.release_bell()
+        bell.ring()
+        before = p.sleeps
+        await anyio.sleep(0.03)
+        assert _readable(bell)  # nobody drains it any more
+        assert p.sleeps - before >= 5  # ~1 ms timer naps, not one long bell nap
+        tg.cancel_scope.cancel()
+    bell.close()

@@ -192,9 +192,75 @@ def test_end_bias_ignores_jobs_seen_late_and_stays_bounded() -> None:
     for _ in range(500):  # surely ending 5 ms late, again and again: capped at 0.5 ms
         h._learn_bias(job, predicted + 5e-3, predicted + 5.01e-3)
     assert h._bias == pytest.approx(0.5e-3)
-    small = SimpleNamespace(started_at=0.0, nbytes=2 << 20)  # ~42 us: a quarter of it at most
-    h._learn_bias(small, small.nbytes / 50e9 + 1e-3, small.nbytes / 50e9 + 1.01e-3)
-    assert h._bias == pytest.approx(0.25 * small.nbytes / 50e9)
+    small = h.submit(1, SimpleNamespace(total_bytes=2 << 20), None)  # ~42 us of work
+    span = small.nbytes / 50e9
+    assert h.expected_wait(small.started_at) == pytest.approx(1.25 * span)  # a quarter at most
+    h._fifo.clear()
     for _ in range(100):  # ending before the prediction pulls it down, fast
         h._learn_bias(job, predicted - 30e-6, predicted - 20e-6)
     assert -30e-6 < h._bias < 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _TimedCompletion:
+    """Handed to the device at ``start``, which starts ``delay`` later and takes ``span``."""
+
+    error = None
+
+    def __init__(self, clock: _Clock, start: float, span: float, delay: float) -> None:
+        self.clock, self.started_at, self.elapsed = clock, start, span
+        self.end = start + delay + span
+
+    def query(self) -> bool:
+        return self.clock.now >= self.end
+
+
+def test_end_bias_through_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back-to-back 8 MiB jobs polled every 10 us; now and then a poll comes late and finds
+    two jobs done. The second of those must not count (its prediction would start at the
+    first one's pop): with ends exactly as the rate predicts, the bias stays ~0. Then the
+    device starts each job 60 us after it is handed over: the bias climbs to about that."""
+    from types import SimpleNamespace
+
+    import aiokv.handler as handler_module
+    from aiokv.handler import Handler
+    from aiokv.specs import Direction
+
+    clock = _Clock()
+    monkeypatch.setattr(handler_module, "time", clock)
+    span = (8 << 20) / 50e9
+
+    class Lane:
+        device_free = 0.0  # the device runs one job after another
+        delay = 0.0
+
+        def launch(self, plan, dependency):
+            done = _TimedCompletion(clock, max(clock.now, self.device_free), span, self.delay)
+            self.device_free = done.end
+            return done
+
+    lane = Lane()
+    h = Handler(Direction.STORE, lane)
+    h._rate = 50e9
+
+    def run_pairs(n: int) -> None:
+        for i in range(n):
+            for job_id in (2 * i, 2 * i + 1):
+                job = h.submit(job_id, SimpleNamespace(total_bytes=8 << 20), None)
+                job.launched_at = clock.now  # its default stamp reads the real clock
+            while h.in_flight:
+                h.pop_finished()
+                clock.now += 10e-6 if i % 3 else 3 * span  # every third pair: one late poll
+
+    run_pairs(200)
+    assert abs(h._bias) < 15e-6
+    lane.delay = 60e-6
+    run_pairs(200)
+    assert 40e-6 < h._bias < 75e-6
