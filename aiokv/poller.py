@@ -239,6 +239,7 @@ class Poller:
     def release_bell(self) -> None:
         """Stop watching the bell, which is about to close; later naps are timer naps."""
         if self._naps is not None:
+            self._naps.end_nap()
             self._naps.stop()
             self._naps = None
 
