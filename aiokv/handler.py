@@ -20,11 +20,6 @@ __all__ = ["Handler", "Job"]
 # How late a job may run past its predicted end and still be spun for (see expected_wait).
 _SLACK_SHARE = 0.25
 _MAX_SLACK = 2e-3
-# The learned offset of real ends from predicted ones: moved fast by a job that surely
-# ended before it and slowly by one that surely ended after, so it settles near the
-# earliest sixth of ends; bounded, and applied to a head at most a quarter of its span.
-_BIAS_DOWN, _BIAS_UP = 0.25, 0.05
-_MAX_BIAS = 0.5e-3
 
 
 @dataclass(eq=False)
@@ -78,9 +73,6 @@ class Handler:
         # Observed bytes/s of large jobs (EWMA), to predict when the head will finish.
         self._rate: float | None = None
         self._last_done = 0.0
-        # How far after the predicted end jobs really end (device start-up, the lag in
-        # seeing the previous job done), learned from jobs whose end was seen closely.
-        self._bias = 0.0
         # When a query last found the head not done, and, per finished job, how long before
         # it was seen done that could have been: an upper bound on how late completion
         # was noticed (the benchmark reports it as the wake-up latency).
@@ -109,13 +101,11 @@ class Handler:
                 break
             job = fifo.popleft()
             seen = time.perf_counter()
-            running = max(self._last_miss, job.launched_at)  # last seen (or surely) running
-            self.detect_windows.append(seen - running)
+            self.detect_windows.append(seen - max(self._last_miss, job.launched_at))
             result = job.finish()
             if result.success:
                 self.completed += 1
                 self.bytes_moved += job.nbytes
-                self._learn_bias(job, running, seen)
                 self._learn_rate(job)
             else:
                 self.failed += 1
@@ -131,28 +121,6 @@ class Handler:
             rate = job.nbytes / elapsed
             self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
 
-    def _predicted_end(self, job: Job) -> float | None:
-        """When the rate says ``job`` ends, before the bias (None while it is unknown)."""
-        if self._rate is None or job.nbytes < 1 << 20:
-            return None
-        return max(job.started_at, self._last_done) + job.nbytes / self._rate
-
-    def _learn_bias(self, job: Job, running: float, seen: float) -> None:
-        """The job ended after ``running`` and by ``seen``: move the bias only on what
-        that interval proves, so a job noticed late (after a nap) cannot push it up.
-
-        A job popped in the same poll as the one before it says nothing: its prediction
-        would count from that job's pop, after it really ended.
-        """
-        predicted = self._predicted_end(job)
-        if predicted is None or self._last_done > running:
-            return
-        if seen - predicted < self._bias:
-            self._bias += _BIAS_DOWN * (seen - predicted - self._bias)
-        elif running - predicted > self._bias:
-            self._bias += _BIAS_UP * (running - predicted - self._bias)
-        self._bias = max(-_MAX_BIAS, min(_MAX_BIAS, self._bias))
-
     def expected_wait(self, now: float) -> float | None:
         """Seconds until the head job should finish, from the observed rate; None if unknown.
 
@@ -164,11 +132,7 @@ class Handler:
             return None
         head = self._fifo[0]
         span = head.nbytes / self._rate
-        bias = 0.0
-        if head.nbytes >= 1 << 20:
-            limit = _SLACK_SHARE * span
-            bias = max(-limit, min(limit, self._bias))
-        eta = max(head.started_at, self._last_done) + span + bias - now
+        eta = max(head.started_at, self._last_done) + span - now
         if -min(_MAX_SLACK, _SLACK_SHARE * span) < eta < 0:
             return 0.0
         return eta

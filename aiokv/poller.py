@@ -1,10 +1,9 @@
 """Wakes futures when their copies finish, from one task on the event loop.
 
 Completion is polled (an event query costs under a microsecond), adaptively. When the
-observed transfer rate (plus how far after such predictions jobs have been ending)
-predicts that the oldest job needs longer, the poller naps at once, until a lead
-(``spin_seconds`` plus how late its naps have been ending) before the predicted end, then
-spins through it, so a job that ends on time is noticed within tens
+observed transfer rate predicts that the oldest job needs longer, the poller naps at once,
+until a lead (``spin_seconds`` plus how late its naps have been ending) before the
+predicted end, then spins through it, so a job that ends on time is noticed within tens
 of microseconds at little CPU cost. Without a prediction it only yields to the loop for
 ``spin_seconds`` after a submit or a completion, then naps.
 

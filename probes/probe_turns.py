@@ -190,8 +190,7 @@ async def _row(setup: b._Setup, iters: int, backend: str, bell: bool) -> None:
     spans = [(a[0], c[0], c[1] - a[1], c[2] - a[2]) for (_, a), (c, _) in itertools.pairwise(marks)][10:]
     print(f"  bench figures: wake-up p50 {out['wake50'] * 1e6:.0f} / p99 {out['wake99'] * 1e6:.0f} us, "
           f"window p50 {out['window50'] * 1e6:.0f} us, CPU {100 * out['cpu_wait']:.1f}%, "
-          f"device {out['device'] * 1e6:.0f} us, polls/job {out['polls']:.0f}, "
-          f"learned end bias {getattr(stores, '_bias', 0.0) * 1e6:.0f} us")
+          f"device {out['device'] * 1e6:.0f} us, polls/job {out['polls']:.0f}")
     _analyse(spans, stores)
 
 
