@@ -43,41 +43,54 @@ def _sleep(naps: int) -> None:
     _row("time.sleep", late, cpu)
 
 
+class _Naps:
+    """Times naps on one bell's alarm: CPU from ``begin`` to ``end``, lateness past it."""
+
+    def __init__(self, bell: Doorbell) -> None:
+        self.bell = bell
+        self.late: list[float] = []
+        self.cpu: list[float] = []
+
+    def begin(self) -> None:
+        self._c0 = time.thread_time()
+        self._target = time.perf_counter() + NAP
+        self.bell.set_alarm(NAP)
+
+    def end(self) -> None:
+        self.late.append(time.perf_counter() - self._target)
+        self.cpu.append(time.thread_time() - self._c0)
+
+    def report(self, name: str) -> None:
+        self.bell.close()
+        _row(name, self.late, self.cpu)
+
+
 def _epoll(naps: int) -> None:
-    bell, ep = Doorbell(), select.epoll()
-    ep.register(bell.fileno(), select.EPOLLIN)
-    late, cpu = [], []
+    timing, ep = _Naps(Doorbell()), select.epoll()
+    ep.register(timing.bell.fileno(), select.EPOLLIN)
     for _ in range(naps):
-        bell.drain()
-        c0 = time.thread_time()
-        target = time.perf_counter() + NAP
-        bell.set_alarm(NAP)
+        timing.bell.drain()
+        timing.begin()
         ep.poll(0.01)
-        late.append(time.perf_counter() - target)
-        cpu.append(time.thread_time() - c0)
+        timing.end()
     ep.close()
-    bell.close()
-    _row("epoll", late, cpu)
+    timing.report("epoll")
 
 
 async def _anyio(naps: int, label: str) -> None:
-    bell = Doorbell()
-    late, cpu = [], []
+    timing = _Naps(Doorbell())
     for _ in range(naps):
-        bell.drain()
-        c0 = time.thread_time()
-        target = time.perf_counter() + NAP
-        bell.set_alarm(NAP)
+        timing.bell.drain()
+        timing.begin()
         with anyio.move_on_after(0.01):
-            await anyio.wait_readable(bell.fileno())
-        late.append(time.perf_counter() - target)
-        cpu.append(time.thread_time() - c0)
-    bell.close()
-    _row(f"anyio, {label}", late, cpu)
+            await anyio.wait_readable(timing.bell.fileno())
+        timing.end()
+    timing.report(f"anyio, {label}")
 
 
 async def _reader(naps: int, label: str) -> None:
-    bell, loop = Doorbell(), asyncio.get_running_loop()
+    timing, loop = _Naps(Doorbell()), asyncio.get_running_loop()
+    bell = timing.bell
     waiter: list[asyncio.Future[None] | None] = [None]
 
     def rung() -> None:
@@ -87,20 +100,15 @@ async def _reader(naps: int, label: str) -> None:
             fut.set_result(None)
 
     loop.add_reader(bell.fileno(), rung)
-    late, cpu = [], []
     for _ in range(naps):
-        c0 = time.thread_time()
-        target = time.perf_counter() + NAP
-        bell.set_alarm(NAP)
+        timing.begin()
         fut = waiter[0] = loop.create_future()
         backstop = loop.call_later(0.01, lambda f=fut: f.done() or f.set_result(None))
         await fut
         backstop.cancel()
-        late.append(time.perf_counter() - target)
-        cpu.append(time.thread_time() - c0)
+        timing.end()
     loop.remove_reader(bell.fileno())
-    bell.close()
-    _row(f"reader, {label}", late, cpu)
+    timing.report(f"reader, {label}")
 
 
 def main() -> None:
