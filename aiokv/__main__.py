@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling")
     b.add_argument("--trace", metavar="PATH", action="append",
-                   help="cache: Mooncake-format trace (repeatable; default: the traces in ../shared/data)")
+                   help="cache: Mooncake-format trace (repeatable; default: $AIOKV_TRACE_DIR, "
+                        "else shared/data/mooncake beside or inside the checkout)")
     b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
                    help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
     b.add_argument("--policy", default=None, help="cache: policy name (default: the recommended one)")
@@ -47,6 +48,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import bench_meta, format_table, progress_printer, run_bench, write_json
 
     say = progress_printer()
+    if args.plot and args.what == "cache":
+        print("aiokv bench cache: --plot draws the transfer benchmark only", file=sys.stderr)
+        return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -77,7 +81,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, rows, meta)
         say(f"wrote {os.path.abspath(args.json)}")
-    if args.plot and args.what == "transfer":
+    if args.plot:
         from .bench.plot import plot_rows
 
         plot_rows(rows, args.plot, title=f"aiokv bench ({meta['backend']})")

@@ -44,7 +44,8 @@ class CanonicalKVCaches:
     """Every page tensor, and which of them (and how much) each KV-cache group moves."""
 
     tensors: list[CanonicalKVCacheTensor]
-    # group_data_refs[g] lists the pages that one block of group g owns, in host order.
+    # group_data_refs[g] lists the pages that one block of group g owns (the host chunk
+    # holds them in device address order; see aiokv.plan).
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
 
     @classmethod

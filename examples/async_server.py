@@ -5,21 +5,24 @@ long prefixes (system prompts). Each prompt is cut into blocks of 16 tokens; eac
 K/V lives in a paged KV cache on the device. When a request finishes, its new full blocks
 are offloaded to host memory with ``await worker.submit_store(...)`` and indexed by a hash
 of the prefix they end. A later request that starts with the same prefix ``await``s a
-load of those blocks instead of recomputing them, while other requests keep computing
-(the forward runs in a worker thread; the event loop only submits and awaits).
+load of those blocks instead of recomputing them. The forward runs in a worker thread,
+one at a time; the event loop meanwhile accepts requests and submits and awaits other
+requests' transfers.
 
 The bookkeeping is deliberately small: a dict from prefix hash to host chunk (in LRU
 order), a free list of chunks, and a free list of device blocks. A failed load degrades
 to a miss (the blocks are recomputed), never to wrong KV.
 
-Run the simulation (no network)::
+Both ways need ``pip install 'aiokv[examples]'`` (fastapi, httpx, uvicorn). Run the
+simulation (no network)::
 
     python examples/async_server.py --requests 64
 
-or serve it (needs ``pip install 'aiokv[examples]'``)::
+or serve it::
 
     python examples/async_server.py --serve --port 8000
-    curl -s localhost:8000/generate -d '{"prompt": "You are a helpful assistant. Hi!"}'
+    curl -s localhost:8000/generate -H 'content-type: application/json' \
+         -d '{"prompt": "You are a helpful assistant. Hi!"}'
     curl -s localhost:8000/stats
 """
 

@@ -38,6 +38,13 @@ def test_bad_arguments_exit_with_a_message(capsys) -> None:
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_plot_with_the_cache_bench_is_refused_before_running(tmp_path, capsys) -> None:
+    missing = tmp_path / "no_such_trace.jsonl"  # would fail later: the refusal must come first
+    assert main(["bench", "cache", "--plot", str(tmp_path / "x.png"), "--trace", str(missing)]) == 2
+    assert "--plot draws the transfer benchmark only" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_table_groups_sections_and_shows_ratios() -> None:
     rows = [
         BenchRow("a", "x", 5.0, "GB/s", 10.0),

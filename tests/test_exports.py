@@ -24,3 +24,11 @@ def test_errors_derive_from_the_builtins_callers_catch() -> None:
     assert issubclass(aiokv.WorkerBroken, RuntimeError)
     for cls in (aiokv.InvalidSpec, aiokv.WorkerClosed, aiokv.WorkerBroken, aiokv.TransferFailed):
         assert issubclass(cls, aiokv.AiokvError)
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    missing = [name for name in aiokv.__all__ if f"::: aiokv.{name}\n" not in api]
+    assert not missing, f"docs/api.md lacks {missing}"

@@ -1,4 +1,4 @@
-"""Backend selection. ``cuda.py`` (the only module importing cuda-python) loads lazily,
+"""Backend selection. ``cuda.py`` (the only module that calls cuda-python) loads lazily,
 so ``import aiokv`` works on machines without CUDA."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """CUDA backend: dedicated streams per direction, pooled events, errors translated once.
 
-The only module that imports cuda-python. Everything else (copy strategies, host pool)
+The only module that calls cuda-python (``cuda_usable`` only checks that it imports).
+Everything else (copy strategies, host pool)
 talks to the device through the small ``Driver`` facade defined here, so that every
 return code is checked in one place and translated into ``aiokv.specs`` errors.
 
