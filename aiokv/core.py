@@ -6,6 +6,7 @@ It changes state and returns what happened; it never awaits and never blocks exc
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,8 @@ from .plan import HostLayout, map_blocks, plan_copies
 from .specs import Direction, DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed
 
 __all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
+
+_log = logging.getLogger("aiokv")
 
 
 @dataclass(frozen=True)
@@ -180,9 +183,19 @@ class OffloadCore:
                     done.extend(handler.pop_finished())
             for job in done:
                 del self._jobs[job.job_id]
-                if isinstance(job.error, WorkerBroken) and self.broken is None:
-                    self.broken = job.error
+                if job.error is not None:
+                    self._note_failure(job)
         return done
+
+    def _note_failure(self, job: Job) -> None:
+        """Log why a job failed (a ``TransferResult`` cannot say; the sync face has nothing
+        else), once for a device that died under every pending job."""
+        if isinstance(job.error, WorkerBroken):
+            if self.broken is None:
+                self.broken = job.error
+                _log.error("the device failed under this worker; every pending job fails: %s", job.error)
+            return
+        _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
 
     def wait_for(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until the given in-flight jobs are done (unknown ids are ignored).

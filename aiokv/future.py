@@ -27,12 +27,12 @@ class TransferFuture:
     ``await fut`` returns the ``TransferResult`` or raises ``TransferFailed``.
     """
 
-    __slots__ = ("_callbacks", "_error", "_result", "_waiters", "job_id")
+    __slots__ = ("_callbacks", "_cause", "_result", "_waiters", "job_id")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
         self._result: TransferResult | None = None
-        self._error: TransferFailed | None = None
+        self._cause: BaseException | None = None
         self._waiters: list[anyio.Event] = []
         self._callbacks: list[Callable[[TransferFuture], Any]] = []
 
@@ -41,12 +41,17 @@ class TransferFuture:
         return self._result is not None
 
     def result(self) -> TransferResult:
-        """The result of a done future; raises ``TransferFailed`` if the copy failed."""
-        if self._result is None:
+        """The result of a done future; raises ``TransferFailed`` if the copy failed, with
+        what failed it as ``__cause__``."""
+        result = self._result
+        if result is None:
             raise RuntimeError(f"job {self.job_id} is still in flight; await the future instead")
-        if self._error is not None:
-            raise self._error
-        return self._result
+        if not result.success:
+            # A new exception per call: one object raised again by every await would grow
+            # its traceback each time and be shared by concurrent awaiters.
+            cause = self._cause
+            raise TransferFailed(result, repr(cause) if cause is not None else "") from cause
+        return result
 
     def add_done_callback(self, fn: Callable[[TransferFuture], Any]) -> None:
         """Call ``fn(future)`` on the event loop once done (at once if already done)."""
@@ -72,13 +77,10 @@ class TransferFuture:
             await anyio.lowlevel.checkpoint()
         return self.result()
 
-    def _resolve(self, result: TransferResult, reason: str = "") -> None:
-        """Called by the poller on the loop thread."""
-        if result.success:
-            self._result = result
-        else:
-            self._error = TransferFailed(result, reason)
-            self._result = result
+    def _resolve(self, result: TransferResult, cause: BaseException | None = None) -> None:
+        """Called by the poller on the loop thread; ``cause`` is why a failed job failed."""
+        self._cause = cause
+        self._result = result
         for event in self._waiters:
             event.set()
         self._waiters.clear()
@@ -90,5 +92,6 @@ class TransferFuture:
                 _log.exception("done callback of job %s raised", self.job_id)
 
     def __repr__(self) -> str:
-        state = "pending" if self._result is None else ("failed" if self._error else "done")
+        result = self._result
+        state = "pending" if result is None else ("done" if result.success else "failed")
         return f"<TransferFuture job={self.job_id} {state}>"

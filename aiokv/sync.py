@@ -64,6 +64,8 @@ class SyncOffloadingWorker(OffloadingWorker):
         self._unreported: list[TransferResult] = []
         self._unreported_ids: set[int] = set()
         self._lock = threading.Lock()
+        self._closing = False  # shutdown() has begun: submits are refused from then on
+        self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
         self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
@@ -78,7 +80,7 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
         with self._lock:
-            if self._core.closed:
+            if self._closing:
                 raise WorkerClosed("this worker was shut down; create a new one to transfer more")
             if job_id in self._unreported_ids:
                 raise DuplicateJob(f"job {job_id} finished but was not reported by get_finished() yet")
@@ -95,17 +97,25 @@ class SyncOffloadingWorker(OffloadingWorker):
         self._core.wait_for(job_ids)
 
     def shutdown(self) -> None:
-        """Drain, then free host memory. Results of drained jobs stay for get_finished()."""
-        with self._lock:
-            if self._core.closed:
-                return
+        """Drain, then free host memory. Results of drained jobs stay for get_finished().
+
+        The drain does not hold the adapter's lock, so ``get_finished()`` on another thread
+        does not block meanwhile; a second ``shutdown()`` waits for the first.
+        """
+        with self._shutdown_lock:
+            with self._lock:
+                self._closing = True
+                if self._core.closed:
+                    return
             self._core.wait_all()
-            for job in self._core.poll():
-                if job.result is not None:
-                    self._unreported.append(job.result)
-                    self._unreported_ids.add(job.job_id)
-            self._core.close()
-            self._worker._state = _State.CLOSED
+            with self._lock:
+                for job in self._core.poll():
+                    if job.result is not None:
+                        self._unreported.append(job.result)
+                        self._unreported_ids.add(job.job_id)
+                self._core.close()
+                self._worker._state = _State.CLOSED
+                self._worker._closed.set()  # what the async face's aclose() waits for
 
     def statistics(self) -> WorkerStatistics:
         return self._core.statistics()

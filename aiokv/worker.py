@@ -15,7 +15,7 @@ from .doorbell import Doorbell
 from .future import TransferFuture
 from .layout import CanonicalKVCaches
 from .poller import Poller
-from .specs import Direction, InvalidSpec, WorkerClosed
+from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed
 
 __all__ = ["AsyncOffloadingWorker"]
 
@@ -70,6 +70,10 @@ class AsyncOffloadingWorker:
         self._futures: dict[int, TransferFuture] = {}
         self._poller: Poller | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        # The poller runs in its own scope, so any task can stop it without cancelling the
+        # opener's body (which runs inside the task group's scope).
+        self._poller_scope: anyio.CancelScope | None = None
+        self._opener: int | None = None  # the task that entered the task group
         self._bell: Doorbell | None = None
         self._loop_thread: int | None = None
         self._closed = threading.Event()
@@ -126,6 +130,8 @@ class AsyncOffloadingWorker:
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
         self.check_submittable()
+        if job_id in self._futures:  # finished in this poll, its future not resolved yet
+            raise DuplicateJob(f"job {job_id} is still being reported; reuse its id once its future is done")
         job = self._core.submit(direction, job_id, src, dst, after)
         future = TransferFuture(job.job_id)
         self._futures[job.job_id] = future
@@ -150,10 +156,18 @@ class AsyncOffloadingWorker:
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
-        for job in done:  # every popped job is resolved: _resolve never raises
+        # Every popped job is resolved, even if a done callback raises a BaseException
+        # (Exceptions are logged by the future): the core has forgotten them already.
+        escaped: BaseException | None = None
+        for job in done:
             assert job.result is not None
             future = self._futures.pop(job.job_id)
-            future._resolve(job.result, repr(job.error) if job.error else "")
+            try:
+                future._resolve(job.result, job.error)
+            except BaseException as exc:
+                escaped = escaped or exc
+        if escaped is not None:
+            raise escaped
         return len(done)
 
     def _arm_heads(self) -> bool:
@@ -191,10 +205,18 @@ class AsyncOffloadingWorker:
         except BaseException:
             self._close_bell()
             raise
-        self._task_group.start_soon(self._poller.run)
+        self._poller_scope = anyio.CancelScope()
+        self._task_group.start_soon(self._run_poller, self._poller, self._poller_scope)
+        self._opener = anyio.get_current_task().id
         self._loop_thread = threading.get_ident()
         self._state = _State.OPEN
         return self
+
+    @staticmethod
+    async def _run_poller(poller: Poller, scope: anyio.CancelScope) -> None:
+        with scope:
+            if not scope.cancel_called:  # closed before it ever ran: the bell is gone
+                await poller.run()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
@@ -202,37 +224,52 @@ class AsyncOffloadingWorker:
     async def aclose(self) -> None:
         """Wait for every job in flight, stop the poller and free host memory. Idempotent.
 
-        The drain is shielded: cancelling the closing task does not abandon copies that
-        still write host memory. Call it from the task that opened the worker.
+        Any task may call it; the drain is shielded, so cancelling the closing task does
+        not abandon copies that still write host memory. The task that opened the worker
+        also leaves its task group here (``async with`` exit does so), so that task must
+        call it outside any cancel scope it entered after opening.
         """
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             self._core.close()
             self._closed.set()
             return
+        if self._state is _State.OPEN and self._task_group is None:
+            raise RuntimeError("a SyncOffloadingWorker owns this worker: call its shutdown() instead")
         if self._state is _State.CLOSED:
             with anyio.CancelScope(shield=True):  # another task is closing: wait for it
                 while not self._closed.is_set():
                     await anyio.sleep(self._core.options.poll_interval)
-            return
-        assert self._task_group is not None
-        self._state = _State.CLOSED  # no new submits while draining
+        else:
+            self._state = _State.CLOSED  # no new submits while draining
+            await self._drain_and_free()
+        await self._leave_task_group()
+
+    async def _drain_and_free(self) -> None:
         try:
             with anyio.CancelScope(shield=True):
                 while self._futures:
                     if not self._complete_finished():
                         await anyio.sleep(self._core.options.poll_interval)
-            # Leave the shield before the task group: scopes exit in LIFO order.
-            self._task_group.cancel_scope.cancel()
-            await self._task_group.__aexit__(None, None, None)
         finally:
             try:
-                self._core.close()  # lanes let pending rings run before they go
-                if self._poller is not None:  # still running if the drain was interrupted
+                if self._poller_scope is not None:
+                    self._poller_scope.cancel()  # it stops at its next await
+                if self._poller is not None:  # it must not watch the bell once closed
                     self._poller.release_bell()
+                self._core.close()  # lanes let pending rings run before they go
                 self._close_bell()  # not if that failed: a lane may still ring it
             finally:
                 self._closed.set()
+
+    async def _leave_task_group(self) -> None:
+        """Only the opening task can leave the group (anyio scopes are per task); another
+        closer leaves it to the opener's ``async with`` exit."""
+        group = self._task_group
+        if group is None or self._opener != anyio.get_current_task().id:
+            return
+        self._task_group = None
+        await group.__aexit__(None, None, None)
 
     def _close_bell(self) -> None:
         if self._bell is not None:

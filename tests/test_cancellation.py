@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, WorkerClosed
 from tests.conftest import make_layers
 
 pytestmark = pytest.mark.anyio
@@ -102,3 +102,40 @@ async def test_cancelling_the_closing_task_still_drains() -> None:
     assert scope.cancelled_caught
     assert fut.done() and fut.result().success
     await worker.aclose()  # idempotent
+
+
+async def test_another_task_may_close_the_worker_without_cancelling_the_opener() -> None:
+    # A shutdown handler closing the worker: its aclose drains and returns; the opener's
+    # body runs on (its submits are refused) and its `async with` exit completes.
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    events: list[str] = []
+    opened = anyio.Event()
+    futures = []
+
+    async def opener() -> None:
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+            holder.append(worker)
+            futures.append(worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch))
+            opened.set()
+            await closed.wait()
+            events.append("opener body ran on")
+            with pytest.raises(WorkerClosed):
+                worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+        events.append("opener exited")
+
+    async def closer() -> None:
+        await opened.wait()
+        release_later(latch, 0.05)
+        await holder[0].aclose()
+        events.append(f"closer: drained={futures[0].done()}")
+        closed.set()
+
+    holder: list[AsyncOffloadingWorker] = []
+    closed = anyio.Event()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(opener)
+            tg.start_soon(closer)
+    assert events == ["closer: drained=True", "opener body ran on", "opener exited"]
+    assert futures[0].result().success

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import traceback
 
 import anyio
 import numpy as np
@@ -139,7 +140,7 @@ async def test_after_of_the_wrong_kind_is_rejected() -> None:
         assert worker.statistics().in_flight["store"] == 0
 
 
-async def test_a_failed_copy_fails_its_future_and_not_the_next(monkeypatch) -> None:
+async def test_a_failed_copy_fails_its_future_and_not_the_next(monkeypatch, caplog) -> None:
     kv = make_layers(num_blocks=8)
     real = CpuLane._copy
     calls = {"n": 0}
@@ -157,8 +158,18 @@ async def test_a_failed_copy_fails_its_future_and_not_the_next(monkeypatch) -> N
         with pytest.raises(TransferFailed, match="simulated device fault") as info:
             await bad
         assert info.value.result.job_id == 1 and info.value.result.success is False
+        assert isinstance(info.value.__cause__, OSError)  # what failed it, not only its text
+        with pytest.raises(TransferFailed) as again:
+            await bad
+        # Each await raises its own exception: one object raised again would grow its
+        # traceback with every await.
+        assert again.value is not info.value and again.value.__cause__ is info.value.__cause__
+        assert len(traceback.extract_tb(again.value.__traceback__)) == len(
+            traceback.extract_tb(info.value.__traceback__)
+        )
         assert (await good).success
         assert worker.statistics().failed["store"] == 1
+    assert "store job 1 failed: OSError('simulated device fault')" in caplog.text
 
 
 def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
@@ -236,6 +247,58 @@ async def test_a_raising_done_callback_costs_no_other_job_its_result(caplog) -> 
             latch.set()  # both finish in one poll
             assert (await second).success and (await first).success
     assert "done callback of job 1 raised" in caplog.text
+
+
+async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet() -> None:
+    # Jobs 1 and 2 end in one poll; job 1's callback runs before job 2's future resolves.
+    # Reusing id 2 then must be refused, not mixed up with the finished job 2.
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    refused: list[BaseException] = []
+
+    def reuse(_f: object) -> None:
+        try:
+            worker.submit_load(2, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))
+        except DuplicateJob as exc:
+            refused.append(exc)
+
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+            second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+            first.add_done_callback(reuse)
+            latch.set()
+            assert (await first).success and (await second).success
+            assert len(refused) == 1 and "still being reported" in str(refused[0])
+            assert worker.statistics().in_flight["load"] == 0
+            # Once its future is done, the id is free again.
+            assert (await worker.submit_load(2, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))).success
+
+
+class _Escape(BaseException):
+    """Not an Exception: a done callback raising it is not swallowed."""
+
+
+async def test_a_callback_raising_a_base_exception_leaves_no_future_unresolved() -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    with anyio.fail_after(10):
+        with pytest.raises(BaseException) as info:
+            async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+                first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+                second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+
+                def escape(_f: object) -> None:
+                    raise _Escape()
+
+                first.add_done_callback(escape)
+                latch.set()
+                await anyio.sleep(5)  # the poller's failure cancels this
+    escaped = info.value
+    while getattr(escaped, "exceptions", None):  # unwrap (Base)ExceptionGroups (3.10: a backport)
+        escaped = escaped.exceptions[0]  # type: ignore[attr-defined]
+    assert isinstance(escaped, _Escape)
+    assert first.done() and second.done() and second.result().success
 
 
 def test_bool_sizes_are_rejected() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -190,3 +191,58 @@ def test_an_open_async_worker_cannot_be_wrapped() -> None:
         SyncOffloadingWorker(w)
     with pytest.raises(TypeError):
         SyncOffloadingWorker("worker")  # type: ignore[arg-type]
+
+
+def test_the_async_face_of_an_adapted_worker_defers_to_the_adapter() -> None:
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+
+    async def close_it() -> None:
+        await worker._worker.aclose()
+
+    with pytest.raises(RuntimeError, match="call its shutdown"):
+        anyio.run(close_it)
+    worker.shutdown()
+
+    async def close_after_shutdown() -> None:
+        with anyio.fail_after(5):  # returns at once: shutdown already freed everything
+            await worker._worker.aclose()
+
+    anyio.run(close_after_shutdown)
+
+
+def test_a_failed_copy_is_reported_and_its_cause_logged(monkeypatch, caplog) -> None:
+    from aiokv.backends.cpu import CpuLane
+
+    def fail(self, plan):
+        raise MemoryError("simulated copy failure")
+
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.wait({1})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+    worker.shutdown()
+    assert "store job 1 failed: MemoryError('simulated copy failure')" in caplog.text
+
+
+def test_get_finished_does_not_block_while_shutdown_drains() -> None:
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([2]))
+    worker.wait({1})
+    worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
+    closer = threading.Thread(target=worker.shutdown)
+    closer.start()
+    while not worker._closing:  # the drain has begun (job 2 waits on the latch)
+        closer.join(0.001)
+    with pytest.raises(WorkerClosed):
+        worker.submit_store(3, GPULoadStoreSpec([3]), CPULoadStoreSpec([4]))
+    reaper_got: list[list[int]] = []
+    reaper = threading.Thread(target=lambda: reaper_got.append([r.job_id for r in worker.get_finished()]))
+    reaper.start()
+    reaper.join(10)
+    assert not reaper.is_alive(), "get_finished() blocked behind shutdown's drain"
+    assert reaper_got == [[1]] and closer.is_alive()
+    latch.set()
+    closer.join(10)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]

@@ -705,14 +705,16 @@ class CudaLane(Lane):
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
         drv = self._driver
-        drv.ensure_context()
-        drv.check_usable()
-        events = drv.take_job_events()
         dep: _Dependency | None = dependency
+        events = None
         try:
+            drv.ensure_context()
+            drv.check_usable()
+            events = drv.take_job_events()
             prepared = self._strategy.prepare(plan)
         except BaseException:
-            drv.give_job_events(events)
+            if events is not None:
+                drv.give_job_events(events)
             if dep is not None and dep.owned:
                 drv.give_sync_event(dep.event)
             raise
