@@ -4,11 +4,14 @@ For each tree (``PYTHONPATH``), a subprocess runs the bench's one-job-at-a-time 
 (``_tiny_wakeups`` and ``_long_wakeups`` for the 2 MiB-page and the pitched 32 KiB-page job)
 and prints wake-up p50/p99, median poll window, CPU while awaiting, submit and round trip
 (us). Rounds alternate the order, because the lent host's speed drifts between minutes.
-With ``busy``, a pure-Python thread spins beside (and a quarter of the jobs run).
+With ``busy``, a pure-Python thread spins beside (and a quarter of the jobs run). With
+``perpage``, the rows are the per-layer 32 KiB-page job (one copy per page, issued by the
+submit threads) instead.
 
 Run on the GPU machine from the repo root, with the old tree unpacked somewhere, e.g.
 ``mkdir -p /tmp/old && git archive 5b658fe aiokv | tar -x -C /tmp/old``, then
-``python3 probes/probe_ab.py /tmp/old [rounds, default 2] [busy]`` (device runs 35-38).
+``python3 probes/probe_ab.py /tmp/old [rounds, default 2] [busy] [perpage]`` (device runs
+35-38; ``perpage``: run 53).
 """
 
 import json
@@ -32,11 +35,16 @@ if os.environ.get("AB_BUSY"):
         while True:
             n += 1
     threading.Thread(target=busy, daemon=True).start()
-out = {
-    "4KiB": asyncio.run(b._tiny_wakeups(300 // share)),
-    "2MiB": asyncio.run(b._long_wakeups(big, 100 // share)),
-    "pitched": asyncio.run(b._long_wakeups(one, 100 // share)),
-}
+if os.environ.get("AB_PERPAGE"):
+    per_layer = b._Setup("32 KiB pages", [torch.randn(2, b.BLOCKS, 16, 8, 128, dtype=bf16, device=dev)
+                                          for _ in range(b.LAYERS)], block_dim=1, chunks=b.CHUNKS, seed=1)
+    out = {"per-page": asyncio.run(b._long_wakeups(per_layer, 100 // share))}
+else:
+    out = {
+        "4KiB": asyncio.run(b._tiny_wakeups(300 // share)),
+        "2MiB": asyncio.run(b._long_wakeups(big, 100 // share)),
+        "pitched": asyncio.run(b._long_wakeups(one, 100 // share)),
+    }
 print("JSON" + json.dumps(out))
 """
 
@@ -52,6 +60,8 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
             if busy:
                 env["AB_BUSY"] = "1"
+            if "perpage" in sys.argv[3:]:
+                env["AB_PERPAGE"] = "1"
             proc = subprocess.run([sys.executable, "-c", SNIPPET], env=env, capture_output=True,
                                   text=True, cwd="/tmp")
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")]
