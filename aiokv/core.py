@@ -176,6 +176,7 @@ class OffloadCore:
 
     def poll(self) -> list[Job]:
         """Pop every finished job, per direction in submission order; never blocks."""
+        failed: list[Job] = []
         with self._lock:
             done: list[Job] = []
             for handler in self.handlers.values():
@@ -184,18 +185,22 @@ class OffloadCore:
             for job in done:
                 del self._jobs[job.job_id]
                 if job.error is not None:
-                    self._note_failure(job)
+                    failed.append(job)
+            broke = self.broken is None and any(isinstance(job.error, WorkerBroken) for job in failed)
+            if broke:
+                self.broken = next(j.error for j in failed if isinstance(j.error, WorkerBroken))
+        # Logged outside the lock: a slow handler must not stall submits on other threads.
+        # The sync face has no other way to say why (a TransferResult cannot).
+        if broke:
+            _log.error("the device failed under this worker; every pending job fails: %s", self.broken)
+        for job in failed:
+            if not isinstance(job.error, WorkerBroken):
+                _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
         return done
 
-    def _note_failure(self, job: Job) -> None:
-        """Log why a job failed (a ``TransferResult`` cannot say; the sync face has nothing
-        else), once for a device that died under every pending job."""
-        if isinstance(job.error, WorkerBroken):
-            if self.broken is None:
-                self.broken = job.error
-                _log.error("the device failed under this worker; every pending job fails: %s", job.error)
-            return
-        _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
+    def holds(self, job_id: int) -> bool:
+        """Whether ``job_id`` is in flight (submitted, not yet popped by ``poll``)."""
+        return job_id in self._jobs
 
     def wait_for(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until the given in-flight jobs are done (unknown ids are ignored).

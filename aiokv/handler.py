@@ -53,7 +53,9 @@ class Job:
         if err is None:
             self.result = TransferResult(self.job_id, True, self.nbytes, self.completion.elapsed)
         else:
-            self.error = err
+            # Without its traceback: the frames are the lane's (a thread holding the host
+            # pool), and a caller may keep the error, through its future, long after close.
+            self.error = err.with_traceback(None)
             self.result = TransferResult(self.job_id, False)
         self.plan = None
         return self.result

@@ -130,8 +130,11 @@ class AsyncOffloadingWorker:
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
         self.check_submittable()
-        if job_id in self._futures:  # finished in this poll, its future not resolved yet
-            raise DuplicateJob(f"job {job_id} is still being reported; reuse its id once its future is done")
+        if job_id in self._futures:
+            if self._core.holds(job_id):
+                raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
+            # Finished in this poll (a done callback of another job runs first).
+            raise DuplicateJob(f"job {job_id} finished but its future is not resolved yet; reuse it after")
         job = self._core.submit(direction, job_id, src, dst, after)
         future = TransferFuture(job.job_id)
         self._futures[job.job_id] = future
@@ -246,11 +249,18 @@ class AsyncOffloadingWorker:
         await self._leave_task_group()
 
     async def _drain_and_free(self) -> None:
+        escaped: BaseException | None = None
         try:
             with anyio.CancelScope(shield=True):
                 while self._futures:
-                    if not self._complete_finished():
+                    try:
+                        finished = self._complete_finished()
+                    except BaseException as exc:  # a done callback's: drain the rest first
+                        escaped, finished = escaped or exc, 1
+                    if not finished:
                         await anyio.sleep(self._core.options.poll_interval)
+            if escaped is not None:
+                raise escaped
         finally:
             try:
                 if self._poller_scope is not None:

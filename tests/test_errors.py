@@ -22,6 +22,7 @@ from aiokv import (
     WorkerClosed,
 )
 from aiokv.backends.cpu import CpuLane
+from aiokv.specs import Direction
 from tests.conftest import make_layers, same_bytes
 
 pytestmark = pytest.mark.anyio
@@ -269,7 +270,7 @@ async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet()
             first.add_done_callback(reuse)
             latch.set()
             assert (await first).success and (await second).success
-            assert len(refused) == 1 and "still being reported" in str(refused[0])
+            assert len(refused) == 1 and "not resolved yet" in str(refused[0])
             assert worker.statistics().in_flight["load"] == 0
             # Once its future is done, the id is free again.
             assert (await worker.submit_load(2, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))).success
@@ -299,6 +300,67 @@ async def test_a_callback_raising_a_base_exception_leaves_no_future_unresolved()
         escaped = escaped.exceptions[0]  # type: ignore[attr-defined]
     assert isinstance(escaped, _Escape)
     assert first.done() and second.done() and second.result().success
+
+
+async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_finish() -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    with anyio.fail_after(10):
+        worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+        async with worker:
+            first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]), after=latch)
+
+            def escape(_f: object) -> None:
+                raise _Escape()
+
+            first.add_done_callback(escape)
+            first_ended = threading.Event()
+            threading.Thread(target=lambda: (worker._core.wait_for([1]), first_ended.set())).start()
+            first_ended.wait(5)  # job 1 is over; the poller has not looked (no await since)
+            release = threading.Timer(0.05, latch.set)
+            release.start()
+            with pytest.raises(_Escape):
+                await worker.aclose()  # its drain pops job 1 first
+    assert first.done() and second.done() and second.result().success
+
+
+async def test_a_kept_failed_future_does_not_keep_the_closed_workers_pool(monkeypatch) -> None:
+    import gc
+    import weakref
+
+    def fail(self, plan):
+        raise OSError("simulated device fault")
+
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+
+    async def failed_future() -> tuple[object, weakref.ref]:
+        async with AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4) as worker:
+            # The lane holds a view of the pool; its thread's frames were the error's traceback.
+            lane = weakref.ref(worker._core.handlers[Direction.STORE].lane)
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            with pytest.raises(TransferFailed):
+                await fut
+        return fut, lane
+
+    fut, lane = await failed_future()
+    gc.collect()
+    assert lane() is None, "the failed future's cause keeps the lane's frames, and the pool"
+    with pytest.raises(TransferFailed, match="simulated device fault"):
+        fut.result()  # type: ignore[attr-defined]
+
+
+async def test_an_in_flight_duplicate_says_so() -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+        try:
+            with pytest.raises(DuplicateJob, match="still in flight; use a new id"):
+                worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+        finally:
+            latch.set()
+        assert (await fut).success
 
 
 def test_bool_sizes_are_rejected() -> None:
