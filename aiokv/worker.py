@@ -142,8 +142,9 @@ class AsyncOffloadingWorker:
         self._poller.wake()
         return future
 
-    def check_submittable(self) -> None:
-        """Raise what ``submit_*`` would raise for this worker's state or calling thread."""
+    def check_submittable(self, after: Any = None) -> None:
+        """Raise what ``submit_*`` would raise for this worker's state, the calling thread,
+        or ``after`` (checked without recording anything)."""
         if self._state is not _State.OPEN:
             raise WorkerClosed(
                 "the worker is closed; create a new one"
@@ -156,6 +157,8 @@ class AsyncOffloadingWorker:
                 "engine threads use SyncOffloadingWorker"
             )
         self._core.check_healthy()
+        if after is not None:
+            self._core.backend.check_after(after)
 
     def _complete_finished(self) -> int:
         done = self._core.poll()

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -336,7 +337,9 @@ async def test_many_cancelled_tasks_on_overlapping_keys_leak_nothing() -> None:
 
 
 async def test_job_ids_the_caller_uses_on_the_same_worker_are_skipped(monkeypatch) -> None:
-    async with open_cache() as (_, worker, cache):
+    async with open_cache() as (_, worker, _whole):
+        del _whole  # this test's cache leaves chunk 7 to the caller
+        cache = OffloadCache(worker, policy="lru", chunks=range(7))
         gate = Gate(monkeypatch, Direction.STORE)
         mine = worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([7]))  # the cache's first id
         async with anyio.create_task_group() as tg:
@@ -403,3 +406,94 @@ async def test_bad_block_ids_evict_nothing_before_raising() -> None:
         assert cache.lookup(["a", "b", "c", "d"]) == 4
         assert cache.stats().evictions == 0 and cache.stats().manager.pinned_keys == 0
         assert_settled(cache)
+
+
+# -- sharing a worker, bad input, and what drain waits for ----------------------------------
+
+
+async def test_caches_sharing_a_worker_own_disjoint_chunks() -> None:
+    kv = make_layers(num_layers=2, num_blocks=32)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        first = OffloadCache(worker, policy="lru", chunks=range(0, 4))
+        with pytest.raises(InvalidSpec, match="already belong to another OffloadCache"):
+            OffloadCache(worker, policy="lru")  # the whole pool overlaps the first
+        with pytest.raises(InvalidSpec, match="range"):
+            OffloadCache(worker, policy="lru", chunks=range(6, 9))
+        second = OffloadCache(worker, policy="lru", chunks=range(4, 8))
+        fill(kv, 1, 11)
+        fill(kv, 2, 22)
+        await first.offload(["a"], [1])
+        await second.offload(["x"], [2])  # its first chunk is the worker's chunk 4, not 0
+        assert await first.restore(["a"], [9]) and await second.restore(["x"], [10])
+        assert holds(kv, 9, 11) and holds(kv, 10, 22)
+        assert_settled(first)
+        assert_settled(second)
+
+
+async def test_bad_input_evicts_nothing() -> None:
+    async with open_cache(num_chunks=4) as (_, _, cache):
+        await cache.offload(["a", "b", "c", "d"], [1, 2, 3, 4])  # full: the next store evicts
+        with pytest.raises(InvalidSpec, match="after"):
+            await cache.offload(["x"], [5], after="not-an-event")
+        with pytest.raises(InvalidSpec, match="integers"):
+            await cache.offload(["x"], [5.5])
+        with pytest.raises(InvalidSpec, match="integers"):
+            await cache.restore(["a"], np.array([5.0]))
+        assert cache.lookup(["a", "b", "c", "d"]) == 4
+        st = cache.stats()
+        assert st.evictions == 0 and st.failed_stores == 0 and st.manager.failed_stores == 0
+        assert_settled(cache)
+
+
+async def test_restore_takes_an_array_of_keys() -> None:
+    async with open_cache() as (kv, _, cache):
+        assert not await cache.restore(np.array([0]), [5])  # never stored: a miss, not a hit
+        fill(kv, 1, 1)
+        fill(kv, 2, 2)
+        await cache.offload(np.array([10, 20]), [1, 2])
+        assert cache.lookup(np.array([10, 20])) == 2
+        assert await cache.restore(np.array([10, 20]), [6, 7])
+        assert holds(kv, 6, 1) and holds(kv, 7, 2)
+        assert_settled(cache)
+
+
+async def test_drain_waits_only_for_copies_started_before_it() -> None:
+    # A busy server keeps offloading; drain() must not wait for those later copies.
+    async with open_cache() as (_, _, cache):
+        early, late = threading.Event(), threading.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: cache.offload(["early"], [1], after=early))
+                await anyio.sleep(0)
+                drained = anyio.Event()
+
+                async def drain_then_note() -> None:
+                    await drain(cache)
+                    drained.set()
+
+                tg.start_soon(drain_then_note)
+                await anyio.sleep(0)
+                tg.start_soon(lambda: cache.offload(["late"], [2], after=late))
+                await anyio.sleep(0.01)
+                assert not drained.is_set()
+                early.set()
+                with anyio.fail_after(5):
+                    await drained.wait()
+                assert cache.lookup(["early", "late"]) == 1  # "late" is still pending
+                late.set()
+        finally:
+            early.set()
+            late.set()
+        assert cache.lookup(["early", "late"]) == 2
+        assert_settled(cache)
+
+
+def test_a_policy_object_must_be_fresh() -> None:
+    from aiokv.cache.policies import make_policy
+
+    used = make_policy("lru", 4)
+    used.on_insert(["a"])  # say, the policy of a cache rebuilt after its worker closed
+    with pytest.raises(ValueError, match="must be fresh"):
+        make_policy(used, 4)
+    fresh = make_policy("lru", 4)
+    assert make_policy(fresh, 4) is fresh

@@ -103,6 +103,10 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def check_after(self, after: Any) -> None:
+        """Raise what ``capture`` would raise for ``after``, touching nothing."""
+
+    @abc.abstractmethod
     def open_lane(
         self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
     ) -> Lane:

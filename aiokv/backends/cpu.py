@@ -140,11 +140,14 @@ class CpuBackend(Backend):
         """CPU writes are synchronous, so by default nothing is awaited. ``after`` may be a
         ``threading.Event``: the copy starts once it is set (a latch for tests and for
         producers that fill tensors from other threads)."""
-        if after is None or isinstance(after, threading.Event):
-            return after
-        raise InvalidSpec(
-            f"the CPU backend takes after=None or a threading.Event, got {type(after).__name__}"
-        )
+        self.check_after(after)
+        return after
+
+    def check_after(self, after: Any) -> None:
+        if after is not None and not isinstance(after, threading.Event):
+            raise InvalidSpec(
+                f"the CPU backend takes after=None or a threading.Event, got {type(after).__name__}"
+            )
 
     def open_lane(
         self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool

@@ -794,15 +794,29 @@ class CudaBackend(Backend):
         drv = self.driver
         drv.ensure_context()
         drv.check_usable()
+        what = self._waitable(after)
+        if what is None:
+            return None
+        kind, handle = what
+        if kind == "event":
+            return _Dependency(cu.CUevent(handle), owned=False)
+        return self._record_on(handle)
+
+    def check_after(self, after: Any) -> None:
+        if after is not None:
+            self._waitable(after)
+
+    def _waitable(self, after: Any) -> tuple[str, int] | None:
+        """What ``after`` asks a copy to wait for, without touching the device: a stream to
+        record on, an event to wait on (``("stream" | "event", handle)``), or None."""
         if after is None:
-            return self._record_on(_current_stream(self.torch_device.index))
+            return "stream", _current_stream(self.torch_device.index)
         if isinstance(after, torch.cuda.Event):
             handle = int(after.cuda_event) if getattr(after, "cuda_event", 0) else 0
-            if handle == 0:
-                return None  # never recorded: nothing to wait for (torch does the same)
-            return _Dependency(cu.CUevent(handle), owned=False)
+            # Never recorded: nothing to wait for (torch does the same).
+            return ("event", handle) if handle else None
         if isinstance(after, torch.cuda.Stream):
-            return self._record_on(after.cuda_stream)
+            return "stream", int(after.cuda_stream)
         proto = getattr(after, "__cuda_stream__", None)
         if proto is not None:
             value = proto() if callable(proto) else proto
@@ -810,11 +824,11 @@ class CudaBackend(Backend):
                 handle = int(value[1]) if isinstance(value, tuple) else int(value)
             except (TypeError, ValueError, IndexError) as exc:
                 raise InvalidSpec(f"after.__cuda_stream__ returned {value!r}, not (version, handle)") from exc
-            return self._record_on(handle)
+            return "stream", handle
         if isinstance(after, int) and not isinstance(after, bool):
             if after < 0:
                 raise InvalidSpec(f"after= stream handle must be >= 0, got {after}")
-            return self._record_on(after)
+            return "stream", after
         raise InvalidSpec(
             f"after= must be None, a torch.cuda.Event, a torch.cuda.Stream, an object with "
             f"__cuda_stream__ or a raw stream handle (int); got {type(after).__name__}"

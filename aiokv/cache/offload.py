@@ -13,6 +13,9 @@ keep KV correct:
   awaiting task cancels the wait, never the copy, and can never leak a pinned or pending
   chunk.
 
+- A cache owns its chunks of the pool (all of them unless ``chunks=`` says which); caches
+  sharing a worker must own disjoint ranges, and nothing else may write them.
+
 Everything runs on the event-loop thread of the worker; no locks are needed because the
 only checkpoint in ``offload`` and ``restore`` is the final ``await``.
 """
@@ -20,6 +23,7 @@ only checkpoint in ``offload`` and ``restore`` is the final ``await``.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +42,9 @@ from ..specs import (
 from .admission import AdmissionPolicy
 from .manager import CacheStats, ChunkManager, KeyNotLoadable
 from .policies import EvictionPolicy
+
+# Which caches own which chunks of each worker's pool (entries go with their caches).
+_OWNERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[OffloadCache]] = weakref.WeakKeyDictionary()
 
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult"]
 
@@ -113,6 +120,8 @@ class OffloadCache:
         admission: admission name or instance; None takes the policy's own pairing.
         keep_events: keep the manager's stored/removed events for ``take_events`` (a
             router's prefix index). Off by default, so an unread event list cannot grow.
+        chunks: the host chunks this cache owns, a ``range`` (default: the whole pool).
+            Caches sharing one worker must own disjoint ranges; nothing else may write them.
     """
 
     def __init__(
@@ -122,16 +131,33 @@ class OffloadCache:
         policy: str | EvictionPolicy | None = None,
         admission: str | AdmissionPolicy | None = None,
         keep_events: bool = False,
+        chunks: range | None = None,
     ) -> None:
         if worker.blocks_per_chunk != 1:
             raise InvalidSpec(
                 f"OffloadCache keeps one key per chunk and needs a worker with blocks_per_chunk=1, "
                 f"got {worker.blocks_per_chunk}"
             )
-        self._worker = worker
+        chunks = range(worker.num_cpu_chunks) if chunks is None else chunks
+        if not isinstance(chunks, range) or chunks.step != 1 or not 0 <= chunks.start < chunks.stop <= (
+            worker.num_cpu_chunks
+        ):
+            raise InvalidSpec(f"chunks must be a non-empty range(start, stop) within "
+                              f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
         self._mgr = ChunkManager(
-            worker.num_cpu_chunks, policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+            len(chunks), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
         )
+        owners = _OWNERS.setdefault(worker, weakref.WeakSet())
+        for other in owners:
+            shared = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
+            if shared:
+                raise InvalidSpec(
+                    f"chunks {shared.start}..{shared.stop - 1} of this worker already belong to another "
+                    f"OffloadCache ({other.chunks!r}); give each cache its own chunks=range(...)"
+                )
+        self._worker = worker
+        self.chunks: range = chunks
+        owners.add(self)
         self._keep_events = keep_events
         self._job_ids = itertools.count(1)
         self._in_flight: dict[int, TransferFuture] = {}
@@ -162,11 +188,13 @@ class OffloadCache:
 
     # -- the three calls a server makes -------------------------------------------------
 
-    def _checked_blocks(self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray
-                        ) -> list[int]:
+    def _checked_blocks(self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray,
+                        after: Any) -> list[int]:
         """Reject bad input before the manager evicts or pins anything."""
-        self._worker.check_submittable()
+        self._worker.check_submittable(after)
         blocks = _as_block_list(gpu_block_ids)
+        if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in blocks):
+            raise InvalidSpec(f"GPU block ids must be integers; got {[type(b).__name__ for b in blocks][:5]}")
         if len(blocks) != len(keys):
             raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
         limit = self._worker.num_gpu_blocks
@@ -192,7 +220,7 @@ class OffloadCache:
         if the awaiting task is cancelled, the copy still runs to completion (see
         ``drain``) and the keys become loadable (or are freed) when it does.
         """
-        blocks = self._checked_blocks(keys, gpu_block_ids)
+        blocks = self._checked_blocks(keys, gpu_block_ids, after)
         block_of: dict[Hashable, int] = {}
         for key, block in zip(keys, blocks):
             block_of.setdefault(key, block)
@@ -210,7 +238,7 @@ class OffloadCache:
         if not stored:
             return OffloadResult(0, skipped, rest, len(plan.evicted))
         src = GPULoadStoreSpec([block_of[k] for k in stored])
-        dst = CPULoadStoreSpec(plan.chunk_ids)
+        dst = CPULoadStoreSpec([self.chunks.start + c for c in plan.chunk_ids])
         try:
             future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
@@ -251,9 +279,9 @@ class OffloadCache:
         undefined and must be recomputed). Chunks stay pinned until the copy is over, even
         if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
         """
-        blocks = self._checked_blocks(keys, gpu_block_ids)
+        blocks = self._checked_blocks(keys, gpu_block_ids, after)
         self._restores += 1
-        if not keys:
+        if len(keys) == 0:  # not `not keys`: an array of keys has no truth value
             return True
         try:
             chunks = self._mgr.prepare_load(keys)
@@ -261,7 +289,7 @@ class OffloadCache:
             self._restore_misses += 1
             return False
         pinned = list(keys)
-        src = CPULoadStoreSpec(chunks)
+        src = CPULoadStoreSpec([self.chunks.start + c for c in chunks])
         dst = GPULoadStoreSpec(blocks)
         try:
             future = self._submit(
@@ -290,10 +318,10 @@ class OffloadCache:
         return True
 
     async def drain(self) -> None:
-        """Wait until every copy this cache started is over (also those whose awaiting task
-        was cancelled), e.g. before reusing GPU blocks of a cancelled request."""
-        while self._in_flight:
-            future = next(iter(self._in_flight.values()))
+        """Wait until every copy this cache had started when called is over (also those whose
+        awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request.
+        Copies started meanwhile are not waited for, so a busy server does not hold it."""
+        for future in list(self._in_flight.values()):
             try:
                 await future
             except TransferFailed:

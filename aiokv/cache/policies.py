@@ -237,5 +237,7 @@ def available_policies() -> list[str]:
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """A policy instance from a registered name (or the instance itself)."""
     if isinstance(policy, EvictionPolicy):
+        if len(policy):  # its keys would be evicted from a manager that never held them
+            raise ValueError(f"a policy object must be fresh (it tracks {len(policy)} keys); pass a new one")
         return policy
     return _REGISTRY.build(policy, capacity)
