@@ -53,12 +53,23 @@ class Job:
         if err is None:
             self.result = TransferResult(self.job_id, True, self.nbytes, self.completion.elapsed)
         else:
-            # Without its traceback: the frames are the lane's (a thread holding the host
-            # pool), and a caller may keep the error, through its future, long after close.
-            self.error = err.with_traceback(None)
+            self.error = _without_frames(err)
             self.result = TransferResult(self.job_id, False)
         self.plan = None
         return self.result
+
+
+def _without_frames(err: BaseException) -> BaseException:
+    """The error with its tracebacks dropped, its causes' too: the frames are the lane's (a
+    thread holding the host pool), and a caller may keep the error, through its future,
+    long after the worker closed."""
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return err
 
 
 class Handler:

@@ -13,6 +13,7 @@ import anyio.abc
 from .core import OffloadCore, WorkerOptions, WorkerStatistics
 from .doorbell import Doorbell
 from .future import TransferFuture
+from .handler import Job
 from .layout import CanonicalKVCaches
 from .poller import Poller
 from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed
@@ -162,8 +163,15 @@ class AsyncOffloadingWorker:
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
-        # Every popped job is resolved, even if a done callback raises a BaseException
-        # (Exceptions are logged by the future): the core has forgotten them already.
+        escaped = self._resolve(done)
+        if escaped is not None:
+            raise escaped
+        return len(done)
+
+    def _resolve(self, done: list[Job]) -> BaseException | None:
+        """Resolve every popped job's future (the core has forgotten them already), even if
+        a done callback raises a BaseException (Exceptions are logged by the future); the
+        first such exception is returned."""
         escaped: BaseException | None = None
         for job in done:
             assert job.result is not None
@@ -172,9 +180,7 @@ class AsyncOffloadingWorker:
                 future._resolve(job.result, job.error)
             except BaseException as exc:
                 escaped = escaped or exc
-        if escaped is not None:
-            raise escaped
-        return len(done)
+        return escaped
 
     def _arm_heads(self) -> bool:
         """Have each direction's oldest job ring the doorbell as it ends; False if one cannot."""
@@ -256,11 +262,10 @@ class AsyncOffloadingWorker:
         try:
             with anyio.CancelScope(shield=True):
                 while self._futures:
-                    try:
-                        finished = self._complete_finished()
-                    except BaseException as exc:  # a done callback's: drain the rest first
-                        escaped, finished = escaped or exc, 1
-                    if not finished:
+                    done = self._core.poll()  # if this raises, the drain ends here
+                    # A done callback's exception waits until every job is resolved.
+                    escaped = escaped or self._resolve(done)
+                    if not done:
                         await anyio.sleep(self._core.options.poll_interval)
             if escaped is not None:
                 raise escaped

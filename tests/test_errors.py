@@ -325,12 +325,33 @@ async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_fini
     assert first.done() and second.done() and second.result().success
 
 
+async def test_a_failing_poll_ends_the_closing_drain_instead_of_hanging_it(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            worker._core.wait_for([1])
+            real = worker._core.poll
+
+            def poll_then_fail() -> list:
+                real()  # job 1 is popped from the core, then the poll fails
+                raise _Escape()
+
+            monkeypatch.setattr(worker._core, "poll", poll_then_fail)
+            with pytest.raises(_Escape):
+                await worker.aclose()  # shielded: a hang here could not even be cancelled
+    assert not fut.done()  # lost to the failing poll, but nothing waits forever on aclose
+
+
 async def test_a_kept_failed_future_does_not_keep_the_closed_workers_pool(monkeypatch) -> None:
     import gc
     import weakref
 
     def fail(self, plan):
-        raise OSError("simulated device fault")
+        try:
+            raise ValueError("what the driver said")
+        except ValueError as exc:  # a chained cause keeps frames of its own
+            raise OSError("simulated device fault") from exc
 
     monkeypatch.setattr(CpuLane, "_copy", fail)
 

@@ -488,12 +488,54 @@ async def test_drain_waits_only_for_copies_started_before_it() -> None:
         assert_settled(cache)
 
 
-def test_a_policy_object_must_be_fresh() -> None:
+def test_a_policy_object_serves_one_cache_from_fresh() -> None:
+    from aiokv.cache.admission import make_admission
     from aiokv.cache.policies import make_policy
 
     used = make_policy("lru", 4)
     used.on_insert(["a"])  # say, the policy of a cache rebuilt after its worker closed
-    with pytest.raises(ValueError, match="must be fresh"):
+    with pytest.raises(ValueError, match="tracks keys"):
         make_policy(used, 4)
     fresh = make_policy("lru", 4)
     assert make_policy(fresh, 4) is fresh
+    with pytest.raises(ValueError, match="already serves a cache"):  # it would evict the other's keys
+        make_policy(fresh, 4)
+    admission = make_admission("adaptive", 4)
+    assert make_admission(admission, 4) is admission
+    with pytest.raises(ValueError, match="already serves a cache"):
+        make_admission(admission, 4)
+
+
+async def test_caches_sharing_a_worker_share_its_job_ids() -> None:
+    kv = make_layers(num_layers=2, num_blocks=32)
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=16) as worker:
+        first = OffloadCache(worker, policy="lru", chunks=range(0, 8))
+        second = OffloadCache(worker, policy="lru", chunks=range(8, 16))
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(4):  # in flight: the first cache holds ids 1-4
+                    tg.start_soon(lambda i=i: first.offload([f"a{i}"], [i], after=latch))
+                await anyio.sleep(0.01)
+                fill(kv, 20, 7)
+                tg.start_soon(second.offload, ["x"], [20])
+                await anyio.sleep(0.01)
+                # The next id of the worker's one counter: none of the first cache's skipped.
+                assert sorted(first._in_flight) == [1, 2, 3, 4] and list(second._in_flight) == [5]
+                latch.set()
+        finally:
+            latch.set()
+        assert await second.restore(["x"], [21]) and holds(kv, 21, 7)
+        assert first.lookup([f"a{i}" for i in range(4)]) == 4
+
+
+async def test_block_ids_as_a_torch_tensor_are_accepted() -> None:
+    async with open_cache() as (kv, _, cache):
+        fill(kv, 1, 1)
+        fill(kv, 2, 2)
+        await cache.offload(["a", "b"], torch.tensor([1, 2]))
+        assert await cache.restore(["a", "b"], torch.tensor([5, 6], dtype=torch.int32))
+        assert holds(kv, 5, 1) and holds(kv, 6, 2)
+        with pytest.raises(InvalidSpec, match="integers"):
+            await cache.offload(["c"], torch.tensor([3.0]))
+        assert_settled(cache)

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
-from .registry import Registry
+from .registry import Registry, adopt
 
 __all__ = [
     "AdaptiveAdmission",
@@ -316,5 +316,5 @@ def make_admission(admission: str | AdmissionPolicy | None, capacity: int) -> Ad
     if admission is None:
         return AdmitAll()
     if isinstance(admission, AdmissionPolicy):
-        return admission
+        return adopt(admission, "admission policy")
     return _REGISTRY.build(admission, capacity)

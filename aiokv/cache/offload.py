@@ -23,6 +23,7 @@ only checkpoint in ``offload`` and ``restore`` is the final ``await``.
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -43,8 +44,17 @@ from .admission import AdmissionPolicy
 from .manager import CacheStats, ChunkManager, KeyNotLoadable
 from .policies import EvictionPolicy
 
-# Which caches own which chunks of each worker's pool (entries go with their caches).
-_OWNERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[OffloadCache]] = weakref.WeakKeyDictionary()
+
+class _Shared:
+    """What the caches on one worker share: who owns which chunks (entries go with their
+    caches), and one job id counter, so they never collide on ids."""
+
+    def __init__(self) -> None:
+        self.caches: weakref.WeakSet[OffloadCache] = weakref.WeakSet()
+        self.job_ids = itertools.count(1)
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
 
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult"]
 
@@ -147,19 +157,19 @@ class OffloadCache:
         self._mgr = ChunkManager(
             len(chunks), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
         )
-        owners = _OWNERS.setdefault(worker, weakref.WeakSet())
-        for other in owners:
-            shared = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
-            if shared:
+        shared = _SHARED.setdefault(worker, _Shared())
+        for other in shared.caches:
+            both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
+            if both:
                 raise InvalidSpec(
-                    f"chunks {shared.start}..{shared.stop - 1} of this worker already belong to another "
+                    f"chunks {both.start}..{both.stop - 1} of this worker already belong to another "
                     f"OffloadCache ({other.chunks!r}); give each cache its own chunks=range(...)"
                 )
         self._worker = worker
         self.chunks: range = chunks
-        owners.add(self)
+        shared.caches.add(self)
+        self._job_ids = shared.job_ids
         self._keep_events = keep_events
-        self._job_ids = itertools.count(1)
         self._in_flight: dict[int, TransferFuture] = {}
         self._hits = self._misses = 0
         self._offered = self._stored = self._skipped = self._failed_stores = 0
@@ -193,7 +203,7 @@ class OffloadCache:
         """Reject bad input before the manager evicts or pins anything."""
         self._worker.check_submittable(after)
         blocks = _as_block_list(gpu_block_ids)
-        if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in blocks):
+        if not all(map(_is_id, blocks)):
             raise InvalidSpec(f"GPU block ids must be integers; got {[type(b).__name__ for b in blocks][:5]}")
         if len(blocks) != len(keys):
             raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
@@ -375,8 +385,19 @@ class OffloadCache:
 
 
 def _as_block_list(ids: Sequence[int] | np.ndarray) -> list[Any]:
-    """Plain Python ids (the worker validates them; a numpy array's become ints)."""
-    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+    """Plain Python ids (numpy arrays' and torch tensors' become ints)."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+def _is_id(value: Any) -> bool:
+    """An integer (numpy and 0-d torch ones included), not a bool or a float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _result_or_none(fut: TransferFuture) -> TransferResult | None:

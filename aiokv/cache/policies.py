@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
-from .registry import Registry
+from .registry import Registry, adopt
 
 __all__ = [
     "ARCPolicy",
@@ -237,7 +237,6 @@ def available_policies() -> list[str]:
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """A policy instance from a registered name (or the instance itself)."""
     if isinstance(policy, EvictionPolicy):
-        if len(policy):  # its keys would be evicted from a manager that never held them
-            raise ValueError(f"a policy object must be fresh (it tracks {len(policy)} keys); pass a new one")
-        return policy
+        # Shared, or with keys, it would evict keys its manager never held.
+        return adopt(policy, "eviction policy", used=len(policy) > 0)
     return _REGISTRY.build(policy, capacity)

@@ -7,7 +7,21 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "adopt"]
+
+_TAKEN = "_aiokv_taken"
+
+
+def adopt(instance: T, kind: str, *, used: bool = False) -> T:
+    """Give a caller's policy object to one cache: its bookkeeping must mirror one manager's
+    keys, so an object already given to another (or ``used``: with history) is refused."""
+    if used or getattr(instance, _TAKEN, False):
+        raise ValueError(f"this {kind} object already serves a cache (or tracks keys); pass a new one")
+    try:
+        setattr(instance, _TAKEN, True)
+    except AttributeError:  # __slots__: only the length check applies
+        pass
+    return instance
 
 
 class Registry(Generic[T]):
