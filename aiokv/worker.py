@@ -248,14 +248,16 @@ class AsyncOffloadingWorker:
             return
         if self._state is _State.OPEN and self._task_group is None:
             raise RuntimeError("a SyncOffloadingWorker owns this worker: call its shutdown() instead")
-        if self._state is _State.CLOSED:
-            with anyio.CancelScope(shield=True):  # another task is closing: wait for it
-                while not self._closed.is_set():
-                    await anyio.sleep(self._core.options.poll_interval)
-        else:
-            self._state = _State.CLOSED  # no new submits while draining
-            await self._drain_and_free()
-        await self._leave_task_group()
+        try:
+            if self._state is _State.CLOSED:
+                with anyio.CancelScope(shield=True):  # another task is closing: wait for it
+                    while not self._closed.is_set():
+                        await anyio.sleep(self._core.options.poll_interval)
+            else:
+                self._state = _State.CLOSED  # no new submits while draining
+                await self._drain_and_free()
+        finally:
+            await self._leave_task_group()  # also when the drain raised
 
     async def _drain_and_free(self) -> None:
         escaped: BaseException | None = None

@@ -325,6 +325,25 @@ async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_fini
     assert first.done() and second.done() and second.result().success
 
 
+async def test_a_callback_raising_in_the_exit_drain_still_leaves_the_task_group() -> None:
+    kv = make_layers(num_blocks=8)
+    with anyio.fail_after(10):
+        worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+        with pytest.raises(_Escape):
+            async with worker:
+                first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+
+                def escape(_f: object) -> None:
+                    raise _Escape()
+
+                first.add_done_callback(escape)
+                worker._core.wait_for([1])  # over, and no await since: the exit's drain pops it
+        assert worker._task_group is None and first.done()
+        with anyio.move_on_after(0.01) as scope:  # this task's cancel scopes still work
+            await anyio.sleep(5)
+        assert scope.cancelled_caught
+
+
 async def test_a_failing_poll_ends_the_closing_drain_instead_of_hanging_it(monkeypatch) -> None:
     kv = make_layers(num_blocks=8)
     with anyio.fail_after(10):
