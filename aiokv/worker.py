@@ -266,7 +266,8 @@ class AsyncOffloadingWorker:
                 while self._futures:
                     done = self._core.poll()  # if this raises, the drain ends here
                     # A done callback's exception waits until every job is resolved.
-                    escaped = escaped or self._resolve(done)
+                    raised = self._resolve(done)
+                    escaped = escaped or raised
                     if not done:
                         await anyio.sleep(self._core.options.poll_interval)
             if escaped is not None:

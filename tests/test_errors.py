@@ -269,6 +269,7 @@ async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet()
             second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
             first.add_done_callback(reuse)
             latch.set()
+            worker._core.wait_for([1, 2])  # both over before the poller looks: one poll pops both
             assert (await first).success and (await second).success
             assert len(refused) == 1 and "not resolved yet" in str(refused[0])
             assert worker.statistics().in_flight["load"] == 0
@@ -315,6 +316,8 @@ async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_fini
                 raise _Escape()
 
             first.add_done_callback(escape)
+            # Only the drain pops jobs: job 1 in its first poll, job 2 in a later one.
+            worker._poller._poll = lambda: 0  # type: ignore[union-attr]
             first_ended = threading.Event()
             threading.Thread(target=lambda: (worker._core.wait_for([1]), first_ended.set())).start()
             first_ended.wait(5)  # job 1 is over; the poller has not looked (no await since)
