@@ -95,6 +95,12 @@ class AsyncOffloadingWorker:
         return min(self._core.layout.num_gpu_blocks)
 
     @property
+    def num_groups(self) -> int:
+        """KV-cache groups in the layout (hybrid models have several; specs then need
+        ``group_sizes``)."""
+        return self._core.layout.num_groups
+
+    @property
     def chunk_bytes(self) -> int:
         return self._core.layout.chunk_bytes
 

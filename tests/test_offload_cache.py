@@ -25,7 +25,7 @@ from aiokv import (
 from aiokv.backends.cpu import CpuLane
 from aiokv.cache.trace import simulate
 from aiokv.specs import Direction
-from tests.conftest import KV, make_layers, same_bytes
+from tests.conftest import KV, make_layers, make_two_groups, same_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -137,6 +137,39 @@ async def test_default_policy_is_the_recommended_one_and_bad_workers_are_refused
     async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, blocks_per_chunk=2) as worker:
         with pytest.raises(InvalidSpec, match="blocks_per_chunk=1"):
             OffloadCache(worker)
+    async with AsyncOffloadingWorker(make_two_groups().kv, num_cpu_chunks=8) as worker:
+        assert worker.num_groups == 2
+        with pytest.raises(InvalidSpec, match="has 2 groups"):
+            OffloadCache(worker)
+
+
+async def test_calls_the_worker_refuses_count_nowhere(monkeypatch) -> None:
+    async with open_cache() as (kv, worker, cache):
+        await cache.offload(["a"], [1])
+        before = cache.stats()
+
+        def refuse(*_a, **_k):
+            raise WorkerClosed("closed under the cache")
+
+        monkeypatch.setattr(worker, "submit_store", refuse)
+        monkeypatch.setattr(worker, "submit_load", refuse)
+        with pytest.raises(WorkerClosed):
+            await cache.offload(["b", "c", "a"], [2, 3, 1])
+        with pytest.raises(WorkerClosed):
+            await cache.restore(["a"], [4])
+        after = cache.stats()
+        assert (after.offered_keys, after.skipped_keys, after.restores) == (
+            before.offered_keys, before.skipped_keys, before.restores,
+        )
+        assert "b" not in cache.manager and cache.lookup(["a"]) == 1
+        assert_settled(cache)
+        monkeypatch.undo()
+        res = await cache.offload(["b", "a"], [2, 1])
+        assert (res.stored, res.skipped) == (1, 1)
+        assert await cache.restore(["a", "b"], [4, 5])
+        st = cache.stats()
+        assert (st.offered_keys, st.skipped_keys, st.restores) == (3, 1, 1)
+        assert same_bytes(kv.layers[0][:, 2], kv.layers[0][:, 5])
 
 
 async def test_lookup_counts_leading_hits_and_offload_skips_held_keys() -> None:

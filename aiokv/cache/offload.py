@@ -84,7 +84,8 @@ class OffloadResult:
 @dataclass(frozen=True)
 class OffloadCacheStats:
     """Counters since construction. Hits and misses are keys, counted by ``lookup``
-    (leading hits and the rest); GB/s are bytes over summed device copy time."""
+    (leading hits and the rest); GB/s are bytes over summed device copy time. A call that
+    raised (bad input, or a submit the worker refused) counts nowhere."""
 
     hits: int
     misses: int
@@ -147,6 +148,12 @@ class OffloadCache:
             raise InvalidSpec(
                 f"OffloadCache keeps one key per chunk and needs a worker with blocks_per_chunk=1, "
                 f"got {worker.blocks_per_chunk}"
+            )
+        if worker.num_groups != 1:
+            raise InvalidSpec(
+                f"OffloadCache keys one block per chunk of a single KV-cache group; this worker's "
+                f"layout has {worker.num_groups} groups. Use the worker's submit_store/submit_load "
+                f"with group_sizes for hybrid layouts"
             )
         chunks = range(worker.num_cpu_chunks) if chunks is None else chunks
         if not isinstance(chunks, range) or chunks.step != 1 or not 0 <= chunks.start < chunks.stop <= (
@@ -234,18 +241,17 @@ class OffloadCache:
         block_of: dict[Hashable, int] = {}
         for key, block in zip(keys, blocks):
             block_of.setdefault(key, block)
-        self._offered += len(block_of)
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
         if plan is None:
             held = sum(1 for k in block_of if k in self._mgr)
-            self._skipped += held
+            self._count_offer(len(block_of), held)
             return OffloadResult(0, held, len(block_of) - held, 0)
         stored = plan.keys_to_store
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
-        self._skipped += skipped
         rest = len(block_of) - skipped - len(stored)
         if not stored:
+            self._count_offer(len(block_of), skipped)
             return OffloadResult(0, skipped, rest, len(plan.evicted))
         src = GPULoadStoreSpec([block_of[k] for k in stored])
         dst = CPULoadStoreSpec([self.chunks.start + c for c in plan.chunk_ids])
@@ -253,7 +259,8 @@ class OffloadCache:
             future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
             self._mgr.complete_store(stored, success=False)
-            raise
+            raise  # refused: not counted as an offer
+        self._count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
             self._in_flight.pop(fut.job_id, None)
@@ -290,12 +297,13 @@ class OffloadCache:
         if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
         """
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
-        self._restores += 1
         if len(keys) == 0:  # not `not keys`: an array of keys has no truth value
+            self._restores += 1
             return True
         try:
             chunks = self._mgr.prepare_load(keys)
         except KeyNotLoadable:
+            self._restores += 1
             self._restore_misses += 1
             return False
         pinned = list(keys)
@@ -307,7 +315,8 @@ class OffloadCache:
             )
         except BaseException:
             self._mgr.complete_load(pinned)
-            raise
+            raise  # refused: not counted as a restore
+        self._restores += 1
 
         def finish(fut: TransferFuture) -> None:
             self._in_flight.pop(fut.job_id, None)
@@ -378,6 +387,10 @@ class OffloadCache:
             self._in_flight[job_id] = future
             return future
         raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
+
+    def _count_offer(self, offered: int, skipped: int) -> None:
+        self._offered += offered
+        self._skipped += skipped
 
     def _drop_events(self) -> None:
         if not self._keep_events:
