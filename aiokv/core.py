@@ -175,9 +175,13 @@ class OffloadCore:
     # -- completing ---------------------------------------------------------------------
 
     def poll(self) -> list[Job]:
-        """Pop every finished job, per direction in submission order; never blocks."""
+        """Pop every finished job, per direction in submission order; never blocks.
+
+        Jobs popped by the poll before are settled first, if ``settle`` has not run."""
         failed: list[Job] = []
         with self._lock:
+            for handler in self.handlers.values():
+                handler.settle()
             done: list[Job] = []
             for handler in self.handlers.values():
                 if handler.in_flight:
@@ -197,6 +201,13 @@ class OffloadCore:
             if not isinstance(job.error, WorkerBroken):
                 _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
         return done
+
+    def settle(self) -> None:
+        """Read the device time of jobs popped so far and pool their events: call it after
+        their waiters were woken, so a wake-up does not wait for that bookkeeping."""
+        with self._lock:
+            for handler in self.handlers.values():
+                handler.settle()
 
     def holds(self, job_id: int) -> bool:
         """Whether ``job_id`` is in flight (submitted, not yet popped by ``poll``)."""
@@ -243,6 +254,7 @@ class OffloadCore:
             return
         self.closed = True
         self.wait_all()
+        self.settle()  # read what results still lack before the events are destroyed
         self._release()
 
     def _release(self) -> None:

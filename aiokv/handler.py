@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,9 @@ class Job:
     launched_at: float = field(default_factory=time.perf_counter, repr=False)
     # Whether the job will ring the async face's doorbell when it ends (None: it cannot).
     bell_armed: bool | None = field(default=False, repr=False)
+    # Host-clock span from when it could start to when it was seen done (a rate estimate
+    # for when the device time is unknown).
+    host_span: float = field(default=0.0, repr=False)
 
     @property
     def started_at(self) -> float:
@@ -51,12 +55,18 @@ class Job:
         """Turn the completion into a result and drop what the copy no longer needs."""
         err = self.completion.error
         if err is None:
-            self.result = TransferResult(self.job_id, True, self.nbytes, self.completion.elapsed)
+            # The device time is read when first asked for, or by ``Handler.settle``.
+            timer = _elapsed_of(self.completion)
+            self.result = TransferResult.timed_later(self.job_id, self.nbytes, timer)
         else:
             self.error = _without_frames(err)
             self.result = TransferResult(self.job_id, False)
         self.plan = None
         return self.result
+
+
+def _elapsed_of(completion: Completion) -> Callable[[], float | None]:
+    return lambda: completion.elapsed
 
 
 def _without_frames(err: BaseException) -> BaseException:
@@ -91,6 +101,8 @@ class Handler:
         # was noticed (the benchmark reports it as the wake-up latency).
         self._last_miss = 0.0
         self.detect_windows: deque[float] = deque(maxlen=4096)
+        # Finished jobs whose completions are not settled yet (see ``settle``).
+        self._unsettled: list[Job] = []
 
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
@@ -119,17 +131,26 @@ class Handler:
             if result.success:
                 self.completed += 1
                 self.bytes_moved += job.nbytes
-                self._learn_rate(job)
+                job.host_span = seen - max(job.started_at, self._last_done)
+                self._unsettled.append(job)
             else:
                 self.failed += 1
             self._last_done = time.perf_counter()
             done.append(job)
         return done
 
+    def settle(self) -> None:
+        """Settle the completions of jobs popped earlier and learn the rate from them. Run
+        after their waiters were woken, so the device-time reads are off the wake-up path."""
+        jobs, self._unsettled = self._unsettled, []
+        for job in jobs:
+            job.completion.settle()
+            self._learn_rate(job)
+
     def _learn_rate(self, job: Job) -> None:
         elapsed = job.completion.elapsed
         if elapsed is None:
-            elapsed = time.perf_counter() - max(job.started_at, self._last_done)
+            elapsed = job.host_span
         if job.nbytes >= 1 << 20 and elapsed > 0:
             rate = job.nbytes / elapsed
             self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate

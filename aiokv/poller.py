@@ -126,7 +126,8 @@ class _ReaderNaps:
 
 
 class Poller:
-    """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0."""
+    """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0, and
+    ``settle()`` after a poll that finished jobs, once the tasks it woke have run."""
 
     def __init__(
         self,
@@ -134,6 +135,7 @@ class Poller:
         pending: Callable[[], int],
         *,
         expected_wait: Callable[[], float | None] = lambda: None,
+        settle: Callable[[], None] = lambda: None,
         bell: Doorbell | None = None,
         arm: Callable[[], bool] | None = None,
         spin_seconds: float,
@@ -143,6 +145,7 @@ class Poller:
         self._poll = poll
         self._pending = pending
         self._expected_wait = expected_wait
+        self._settle = settle
         self._spin = spin_seconds
         self._interval = poll_interval
         self._bell = bell
@@ -252,7 +255,8 @@ class Poller:
             self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
-                await checkpoint()
+                await checkpoint()  # the woken tasks run first...
+                self._settle()  # ...then the finished jobs' bookkeeping
                 continue
             eta = self._expected_wait()
             lead = self._lead()

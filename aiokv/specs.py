@@ -13,8 +13,7 @@ Error tree (every class also derives from the builtin a caller would catch)::
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -104,18 +103,78 @@ class BlockSpec(Protocol):
     block_ids: Any
 
 
-@dataclass(frozen=True)
 class TransferResult:
-    """What one finished job reports.
+    """What one finished job reports (immutable; compares and hashes by value).
 
     ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
     device (not time spent queued). Both are None when the job failed.
+
+    The worker reads the device time after the awaiting task was woken, not before (on the
+    CUDA backend that read and the events' return to their pool cost 7-10 us per job, see
+    docs/performance.md), so ``transfer_time`` may be computed on first access.
     """
+
+    __slots__ = ("_timer", "_transfer_time", "job_id", "success", "transfer_size")
 
     job_id: int
     success: bool
-    transfer_size: int | None = None
-    transfer_time: float | None = None
+    transfer_size: int | None
+    _transfer_time: float | None
+    _timer: Callable[[], float | None] | None
+
+    def __init__(
+        self, job_id: int, success: bool, transfer_size: int | None = None, transfer_time: float | None = None
+    ) -> None:
+        _set = object.__setattr__
+        _set(self, "job_id", job_id)
+        _set(self, "success", success)
+        _set(self, "transfer_size", transfer_size)
+        _set(self, "_transfer_time", transfer_time)
+        _set(self, "_timer", None)
+
+    @classmethod
+    def timed_later(
+        cls, job_id: int, transfer_size: int, timer: Callable[[], float | None]
+    ) -> TransferResult:
+        """A successful result whose ``transfer_time`` is ``timer()``, read on first access
+        (``timer`` must return the same value if two threads race to call it)."""
+        result = cls(job_id, True, transfer_size)
+        object.__setattr__(result, "_timer", timer)
+        return result
+
+    @property
+    def transfer_time(self) -> float | None:
+        timer = self._timer
+        if timer is not None:
+            object.__setattr__(self, "_transfer_time", timer())
+            object.__setattr__(self, "_timer", None)
+        return self._transfer_time
+
+    def _key(self) -> tuple[int, bool, int | None, float | None]:
+        return (self.job_id, self.success, self.transfer_size, self.transfer_time)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferResult):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self) -> tuple[type[TransferResult], tuple[int, bool, int | None, float | None]]:
+        return (TransferResult, self._key())  # copy and pickle the settled value
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TransferResult is immutable (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"TransferResult is immutable (cannot delete {name!r})")
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferResult(job_id={self.job_id!r}, success={self.success!r}, "
+            f"transfer_size={self.transfer_size!r}, transfer_time={self.transfer_time!r})"
+        )
 
 
 class AiokvError(Exception):

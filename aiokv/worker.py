@@ -212,6 +212,7 @@ class AsyncOffloadingWorker:
             self._complete_finished,
             lambda: len(self._futures),
             expected_wait=self._core.expected_wait,
+            settle=self._core.settle,
             bell=self._bell,
             arm=self._arm_heads if self._bell is not None else None,
             spin_seconds=opts.spin_seconds,

@@ -281,3 +281,31 @@ def test_round_trip_through_cuda_python_records_and_waits() -> None:
             assert torch.equal(t[:, dst], e)
     finally:
         w.shutdown()
+
+
+def test_device_times_are_read_after_the_wake_and_events_are_reused() -> None:
+    """The timing pair of a finished job is read and pooled once its waiter ran: a steady
+    stream of jobs creates no new events, and a result read on a thread with no CUDA
+    context current still carries its device time."""
+    import threading
+
+    tensors, how = layouts("cuda", seed=4)["kv_split"]
+    kv = describe(tensors, how)
+
+    async def main() -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=40, backend="cuda", strategy="dma") as w:
+            drv = w._core.backend.driver
+            results = []
+            for i in range(60):
+                blocks = [(7 * i + k) % 40 for k in range(8)]
+                results.append(await w.submit_store(i, GPULoadStoreSpec(blocks), CPULoadStoreSpec(blocks)))
+                if i == 19:
+                    created = len(drv._all_events)
+            assert len(drv._all_events) == created  # 40 more jobs, no new events
+            times: list = []
+            reader = threading.Thread(target=lambda: times.extend(r.transfer_time for r in results))
+            reader.start()
+            reader.join()
+            assert len(times) == 60 and all(t is not None and 0 < t < 1 for t in times)
+
+    anyio.run(main)

@@ -50,8 +50,14 @@ class Completion(abc.ABC):
 
     @property
     def elapsed(self) -> float | None:
-        """Seconds the copies took on the device, when measured."""
+        """Seconds the copies took on the device, when measured (settles first)."""
+        self.settle()
         return self._elapsed
+
+    def settle(self) -> None:
+        """Finish what telling the waiter did not need (CUDA: read the device time, pool the
+        events). Called once the waiter was woken, or on first use of ``elapsed``; cheap
+        and idempotent. Nothing to do where the time is known at the end."""
 
 
 class HostPool(abc.ABC):

@@ -556,7 +556,7 @@ class CudaCompletion(Completion):
 
     __slots__ = (
         "_bell_stream", "_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan",
-        "_started", "_waiting",
+        "_started", "_unsettled", "_waiting",
     )
 
     def __init__(
@@ -570,6 +570,9 @@ class CudaCompletion(Completion):
         self._done = False
         self._error = error
         self._elapsed: float | None = None
+        # A finished job's timing pair, until ``settle`` reads it and pools it (off the
+        # wake-up path: the read and the return cost 7-10 us per job, probes/probe_turns.py).
+        self._unsettled: _Events | None = None
         self._lock = threading.Lock()
         # Threads inside cuEventSynchronize on our events: those go back to the pool only
         # once the last one is out, or a new job could re-record an event being waited on.
@@ -653,9 +656,29 @@ class CudaCompletion(Completion):
             events, self._events = self._events, None
             if self._error is None:
                 self._error = error
-            if events is not None and self._error is None:
-                self._elapsed = self._driver.elapsed(events.start, events.stop)
             self._done = True
+            if self._error is None:
+                self._unsettled = events  # timed and pooled by ``settle``
+                return
+        self._pool(events)
+
+    def settle(self) -> None:
+        with self._lock:
+            events, self._unsettled = self._unsettled, None
+            if events is None:
+                return
+            drv = self._driver
+            if drv.broken is None:
+                try:
+                    drv.ensure_context()  # any thread may read a result's transfer_time
+                    self._elapsed = drv.elapsed(events.start, events.stop)
+                except Exception:
+                    self._elapsed = None  # the time is lost, never the result
+        self._pool(events)
+
+    def _pool(self, events: _Events | None) -> None:
+        """Give the job's events back, or to the last thread still waiting on them."""
+        with self._lock:
             if events is not None and self._waiting:
                 self._orphan, events = events, None  # the last waiter gives them back
         if events is not None and self._driver.broken is None:

@@ -183,6 +183,10 @@ class OffloadCache:
         self._restores = self._restored = self._restore_misses = self._failed_loads = 0
         self._store_bytes = self._load_bytes = 0
         self._store_seconds = self._load_seconds = 0.0
+        # Results whose device time is not summed yet: reading it in the done callback
+        # would put the CUDA timing read back before the awaiting task wakes.
+        self._untimed_stores: list[TransferResult] = []
+        self._untimed_loads: list[TransferResult] = []
 
     @property
     def manager(self) -> ChunkManager:
@@ -270,7 +274,9 @@ class OffloadCache:
             if res is not None:
                 self._stored += len(stored)
                 self._store_bytes += res.transfer_size or 0
-                self._store_seconds += res.transfer_time or 0.0
+                self._untimed_stores.append(res)
+                if len(self._untimed_stores) >= _FOLD_AT:
+                    self._store_seconds += _device_seconds(self._untimed_stores)
             else:
                 self._failed_stores += len(stored)
 
@@ -325,7 +331,9 @@ class OffloadCache:
             if res is not None:
                 self._restored += len(pinned)
                 self._load_bytes += res.transfer_size or 0
-                self._load_seconds += res.transfer_time or 0.0
+                self._untimed_loads.append(res)
+                if len(self._untimed_loads) >= _FOLD_AT:
+                    self._load_seconds += _device_seconds(self._untimed_loads)
             else:
                 self._failed_loads += 1
 
@@ -353,6 +361,8 @@ class OffloadCache:
         return self._mgr.take_events()
 
     def stats(self) -> OffloadCacheStats:
+        self._store_seconds += _device_seconds(self._untimed_stores)
+        self._load_seconds += _device_seconds(self._untimed_loads)
         mgr = self._mgr.stats()
         return OffloadCacheStats(
             hits=self._hits,
@@ -411,6 +421,17 @@ def _is_id(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+# Results kept before their device times are summed (bounds the lists between stats()).
+_FOLD_AT = 256
+
+
+def _device_seconds(results: list[TransferResult]) -> float:
+    """Sum and forget the results' device times."""
+    total = sum(r.transfer_time or 0.0 for r in results)
+    results.clear()
+    return total
 
 
 def _result_or_none(fut: TransferFuture) -> TransferResult | None:
