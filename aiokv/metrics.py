@@ -179,7 +179,11 @@ class OffloadMetrics:
             self.transfer_size.labels(**values).observe(result.transfer_size)
 
     def track(self, future: TransferFuture, direction: Direction | str) -> TransferFuture:
-        """Observe ``future``'s result once it is done; returns the future, to await as usual."""
+        """Observe ``future``'s result once it is done; returns the future, to await as usual.
+
+        Done callbacks run before the awaiting task wakes, and this one reads the device
+        time (about 6-9 us on CUDA); ``observe(result, ...)`` after the await does not delay
+        the wake-up."""
         label = _direction(direction)
 
         def _done(fut: TransferFuture) -> None:
