@@ -146,6 +146,7 @@ class Poller:
         self._pending = pending
         self._expected_wait = expected_wait
         self._settle = settle
+        self._yield: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint  # run() picks the loop's
         self._spin = spin_seconds
         self._interval = poll_interval
         self._bell = bell
@@ -202,6 +203,7 @@ class Poller:
             self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
+                await self._settle_after_yield()
                 return None
         armed = arm()
         alarm = until is not None and bell.set_alarm(until)
@@ -223,7 +225,7 @@ class Poller:
 
     async def run(self) -> None:
         """Poll until cancelled."""
-        checkpoint = _loop_yield()
+        checkpoint = self._yield = _loop_yield()
         if self._bell is not None and self._arm is not None:
             self._naps = _BellNaps(self._bell)
             if _loop_library() == "asyncio":
@@ -245,6 +247,11 @@ class Poller:
             self._naps.stop()
             self._naps = None
 
+    async def _settle_after_yield(self) -> None:
+        """After a poll that finished jobs: let the tasks it woke run, then settle them."""
+        await self._yield()
+        self._settle()
+
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:
             if self._wake.is_set():
@@ -255,8 +262,7 @@ class Poller:
             self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
-                await checkpoint()  # the woken tasks run first...
-                self._settle()  # ...then the finished jobs' bookkeeping
+                await self._settle_after_yield()
                 continue
             eta = self._expected_wait()
             lead = self._lead()

@@ -151,3 +151,51 @@ def test_outside_any_loop_falls_back_to_anyio(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setitem(sys.modules, "sniffio", None)
     assert _loop_yield() is anyio.lowlevel.checkpoint
+
+
+@pytest.mark.anyio
+async def test_jobs_found_by_the_poll_before_a_nap_settle_after_the_woken_task(
+    anyio_backend_name: str,
+) -> None:
+    """A ring pending when the poller is about to nap makes it poll once more; jobs that poll
+    finds are settled too, once the task their future woke has run (on asyncio and uvloop)."""
+    from aiokv.doorbell import Doorbell
+
+    if not Doorbell.supported():
+        pytest.skip("no doorbell on this platform")
+    bell = Doorbell()
+    log: list[str] = []
+    found = anyio.Event()
+    state = {"polls": 0, "pending": 1}
+
+    def poll() -> int:
+        state["polls"] += 1
+        if state["polls"] == 2:  # the poll after draining the ring
+            state["pending"] = 0
+            found.set()
+            log.append("found")
+            return 1
+        return 0
+
+    async def waiter() -> None:
+        await found.wait()
+        log.append("woke")
+
+    p = Poller(poll, lambda: state["pending"], expected_wait=lambda: 0.05,
+               settle=lambda: log.append("settle"), bell=bell, arm=lambda: True,
+               spin_seconds=200e-6, poll_interval=1e-3)
+    bell.ring()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.01)  # the waiter is parked on the event
+            tg.start_soon(p.run)
+            with anyio.fail_after(5):
+                while "settle" not in log:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+    finally:
+        bell.close()
+    assert state["polls"] == 2 and log.count("settle") == 1
+    if anyio_backend_name != "trio":  # trio may run the two in either order
+        assert log == ["found", "woke", "settle"]
