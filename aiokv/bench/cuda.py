@@ -345,6 +345,7 @@ async def _wakeups(
         "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
         "window50": _p(windows, 50), "polls": polls / max(1, len(trips)),
         "cpu_wait": cpu / wall if wall else float("nan"),
+        "cpu_job": cpu / max(1, len(trips)), "await": wall / max(1, len(trips)),
     }
 
 
@@ -523,7 +524,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
         ]
         if not label.endswith(beside):  # there, the process CPU is mostly the busy thread's
-            note = f"process CPU between submit return and await return; {w['polls']:.0f} polls per job"
+            note = (f"process CPU between submit return and await return: {w['cpu_job'] * 1e6:.0f} us "
+                    f"per job over a {w['await'] * 1e6:.0f} us await; {w['polls']:.0f} polls per job")
             cpu = 100 * w["cpu_wait"]
             rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
     say("baselines")
