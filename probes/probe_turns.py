@@ -14,7 +14,8 @@ done) and every nap (start, end, the end it aimed at). Per job it then reports
 - CPU per job, from a submit's return to the next submit's start: the whole process, the
   loop's thread, and the loop thread's share spent inside polls and inside naps;
 - each call on the completion path (GPU only): the event query (done / not done), the
-  health check, the elapsed-time read, the events' return to the pool; and on the nap's:
+  health check, the elapsed-time read and the events' return to the pool (these two run
+  after the woken task, in the settle, since device run 58); and on the nap's:
   arming the head job's ring, draining the bell, the alarm, the wait itself (wall and
   loop-thread CPU, calls per job).
 
