@@ -127,7 +127,8 @@ class _ReaderNaps:
 
 class Poller:
     """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0, and
-    ``settle()`` after a poll that finished jobs, once the tasks it woke have run."""
+    ``settle()`` after a poll that finished jobs, past one yield to the loop (asyncio and
+    uvloop run the tasks it woke first; trio may run them either side)."""
 
     def __init__(
         self,

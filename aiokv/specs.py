@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -103,8 +104,39 @@ class BlockSpec(Protocol):
     block_ids: Any
 
 
+class _Later:
+    """A device time not read yet: ``read()`` returns it (the same value if two threads race)."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, read: Callable[[], float | None]) -> None:
+        self.read = read
+
+
+class _DeviceTime:
+    """The ``transfer_time`` field: a value, or a ``_Later`` replaced by its value on first
+    access. Kept in the instance ``__dict__`` under the field's own name, as a plain frozen
+    dataclass keeps it, so pickles of either kind load into the other."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> float | None:
+        if obj is None:
+            return None  # the field's default, as dataclasses ask for it
+        value = obj.__dict__.get(self._name)
+        if isinstance(value, _Later):
+            value = value.read()
+            obj.__dict__[self._name] = value
+        return value
+
+    def __set__(self, obj: object, value: float | _Later | None) -> None:
+        obj.__dict__[self._name] = value
+
+
+@dataclass(frozen=True)
 class TransferResult:
-    """What one finished job reports (immutable; compares and hashes by value).
+    """What one finished job reports.
 
     ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
     device (not time spent queued). Both are None when the job failed.
@@ -114,23 +146,10 @@ class TransferResult:
     docs/performance.md), so ``transfer_time`` may be computed on first access.
     """
 
-    __slots__ = ("_timer", "_transfer_time", "job_id", "success", "transfer_size")
-
     job_id: int
     success: bool
-    transfer_size: int | None
-    _transfer_time: float | None
-    _timer: Callable[[], float | None] | None
-
-    def __init__(
-        self, job_id: int, success: bool, transfer_size: int | None = None, transfer_time: float | None = None
-    ) -> None:
-        _set = object.__setattr__
-        _set(self, "job_id", job_id)
-        _set(self, "success", success)
-        _set(self, "transfer_size", transfer_size)
-        _set(self, "_transfer_time", transfer_time)
-        _set(self, "_timer", None)
+    transfer_size: int | None = None
+    transfer_time: float | None = _DeviceTime()  # type: ignore[assignment]
 
     @classmethod
     def timed_later(
@@ -138,43 +157,12 @@ class TransferResult:
     ) -> TransferResult:
         """A successful result whose ``transfer_time`` is ``timer()``, read on first access
         (``timer`` must return the same value if two threads race to call it)."""
-        result = cls(job_id, True, transfer_size)
-        object.__setattr__(result, "_timer", timer)
-        return result
+        return cls(job_id, True, transfer_size, _Later(timer))  # type: ignore[arg-type]
 
-    @property
-    def transfer_time(self) -> float | None:
-        timer = self._timer
-        if timer is not None:
-            object.__setattr__(self, "_transfer_time", timer())
-            object.__setattr__(self, "_timer", None)
-        return self._transfer_time
-
-    def _key(self) -> tuple[int, bool, int | None, float | None]:
-        return (self.job_id, self.success, self.transfer_size, self.transfer_time)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TransferResult):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __reduce__(self) -> tuple[type[TransferResult], tuple[int, bool, int | None, float | None]]:
-        return (TransferResult, self._key())  # copy and pickle the settled value
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"TransferResult is immutable (cannot set {name!r})")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"TransferResult is immutable (cannot delete {name!r})")
-
-    def __repr__(self) -> str:
-        return (
-            f"TransferResult(job_id={self.job_id!r}, success={self.success!r}, "
-            f"transfer_size={self.transfer_size!r}, transfer_time={self.transfer_time!r})"
-        )
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["transfer_time"] = self.transfer_time  # pickle and copy the value, not the timer
+        return state
 
 
 class AiokvError(Exception):

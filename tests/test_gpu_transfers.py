@@ -283,10 +283,9 @@ def test_round_trip_through_cuda_python_records_and_waits() -> None:
         w.shutdown()
 
 
-def test_device_times_are_read_after_the_wake_and_events_are_reused() -> None:
-    """The timing pair of a finished job is read and pooled once its waiter ran: a steady
-    stream of jobs creates no new events, and a result read on a thread with no CUDA
-    context current still carries its device time."""
+def test_a_steady_stream_of_jobs_reuses_its_events() -> None:
+    """Finished jobs' timing pairs go back to the pool once settled: after a warm-up, a
+    steady stream of awaited jobs creates no new events, and every result has a time."""
     import threading
 
     tensors, how = layouts("cuda", seed=4)["kv_split"]
@@ -309,3 +308,28 @@ def test_device_times_are_read_after_the_wake_and_events_are_reused() -> None:
             assert len(times) == 60 and all(t is not None and 0 < t < 1 for t in times)
 
     anyio.run(main)
+
+
+def test_unsettled_results_read_on_another_thread_carry_device_times() -> None:
+    """Results of the sync face are settled at the next get_finished(); read before that on
+    a thread where no CUDA context is current, they still carry their device times."""
+    import threading
+
+    from aiokv.specs import _Later
+
+    tensors, how = layouts("cuda", seed=6)["kv_split"]
+    w = _sync_worker(describe(tensors, how), "dma")
+    try:
+        for i in range(6):
+            blocks = [5 * i + k for k in range(5)]
+            w.submit_store(i, GPULoadStoreSpec(blocks), CPULoadStoreSpec(blocks))
+        results = drain(w, set(range(6)))
+        assert len(results) == 6
+        assert all(isinstance(vars(r)["transfer_time"], _Later) for r in results)  # not read yet
+        times: list = []
+        reader = threading.Thread(target=lambda: times.extend(r.transfer_time for r in results))
+        reader.start()
+        reader.join()
+        assert len(times) == 6 and all(t is not None and 0 < t < 1 for t in times)
+    finally:
+        w.shutdown()

@@ -668,12 +668,11 @@ class CudaCompletion(Completion):
             if events is None:
                 return
             drv = self._driver
-            if drv.broken is None:
-                try:
-                    drv.ensure_context()  # any thread may read a result's transfer_time
-                    self._elapsed = drv.elapsed(events.start, events.stop)
-                except Exception:
-                    self._elapsed = None  # the time is lost, never the result
+            try:
+                drv.ensure_context()  # any thread may read a result's transfer_time
+                self._elapsed = drv.elapsed(events.start, events.stop)
+            except Exception:
+                self._elapsed = None  # the time is lost (a broken device), never the result
         self._pool(events)
 
     def _pool(self, events: _Events | None) -> None:

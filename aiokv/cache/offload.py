@@ -56,6 +56,9 @@ class _Shared:
 
 _SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
 
+# Results kept before their device times are summed (bounds the lists between stats()).
+_FOLD_AT = 256
+
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult"]
 
 DEFAULT_POLICY = "adaptive"
@@ -85,7 +88,8 @@ class OffloadResult:
 class OffloadCacheStats:
     """Counters since construction. Hits and misses are keys, counted by ``lookup``
     (leading hits and the rest); GB/s are bytes over summed device copy time. A call that
-    raised (bad input, or a submit the worker refused) counts nowhere."""
+    raised (bad input, or a submit the worker refused) counts in no offer, restore or hit
+    figure; evictions it made before the worker refused stay counted."""
 
     hits: int
     misses: int
@@ -184,7 +188,7 @@ class OffloadCache:
         self._store_bytes = self._load_bytes = 0
         self._store_seconds = self._load_seconds = 0.0
         # Results whose device time is not summed yet: reading it in the done callback
-        # would put the CUDA timing read back before the awaiting task wakes.
+        # would put the CUDA timing read back before the awaiting task wakes (_fold_times).
         self._untimed_stores: list[TransferResult] = []
         self._untimed_loads: list[TransferResult] = []
 
@@ -242,6 +246,7 @@ class OffloadCache:
         ``drain``) and the keys become loadable (or are freed) when it does.
         """
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
+        self._fold_times()
         block_of: dict[Hashable, int] = {}
         for key, block in zip(keys, blocks):
             block_of.setdefault(key, block)
@@ -275,8 +280,6 @@ class OffloadCache:
                 self._stored += len(stored)
                 self._store_bytes += res.transfer_size or 0
                 self._untimed_stores.append(res)
-                if len(self._untimed_stores) >= _FOLD_AT:
-                    self._store_seconds += _device_seconds(self._untimed_stores)
             else:
                 self._failed_stores += len(stored)
 
@@ -303,6 +306,7 @@ class OffloadCache:
         if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
         """
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
+        self._fold_times()
         if len(keys) == 0:  # not `not keys`: an array of keys has no truth value
             self._restores += 1
             return True
@@ -332,8 +336,6 @@ class OffloadCache:
                 self._restored += len(pinned)
                 self._load_bytes += res.transfer_size or 0
                 self._untimed_loads.append(res)
-                if len(self._untimed_loads) >= _FOLD_AT:
-                    self._load_seconds += _device_seconds(self._untimed_loads)
             else:
                 self._failed_loads += 1
 
@@ -361,8 +363,7 @@ class OffloadCache:
         return self._mgr.take_events()
 
     def stats(self) -> OffloadCacheStats:
-        self._store_seconds += _device_seconds(self._untimed_stores)
-        self._load_seconds += _device_seconds(self._untimed_loads)
+        self._fold_times(0)
         mgr = self._mgr.stats()
         return OffloadCacheStats(
             hits=self._hits,
@@ -398,6 +399,14 @@ class OffloadCache:
             return future
         raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
 
+    def _fold_times(self, at_least: int = _FOLD_AT) -> None:
+        """Sum the device times of finished copies once ``at_least`` wait (a new call's
+        entry, or ``stats()``: never a done callback, which runs before the wake-up)."""
+        if len(self._untimed_stores) >= at_least:
+            self._store_seconds += _device_seconds(self._untimed_stores)
+        if len(self._untimed_loads) >= at_least:
+            self._load_seconds += _device_seconds(self._untimed_loads)
+
     def _count_offer(self, offered: int, skipped: int) -> None:
         self._offered += offered
         self._skipped += skipped
@@ -421,10 +430,6 @@ def _is_id(value: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-# Results kept before their device times are summed (bounds the lists between stats()).
-_FOLD_AT = 256
 
 
 def _device_seconds(results: list[TransferResult]) -> float:
