@@ -177,11 +177,10 @@ class OffloadCore:
     def poll(self) -> list[Job]:
         """Pop every finished job, per direction in submission order; never blocks.
 
-        Jobs popped by the poll before are settled first, if ``settle`` has not run."""
+        Callers ``settle`` the popped jobs later, off the path of waking their waiters; a
+        handler settles a long backlog here itself, so events cannot pile up."""
         failed: list[Job] = []
         with self._lock:
-            for handler in self.handlers.values():
-                handler.settle()
             done: list[Job] = []
             for handler in self.handlers.values():
                 if handler.in_flight:

@@ -199,3 +199,59 @@ async def test_jobs_found_by_the_poll_before_a_nap_settle_after_the_woken_task(
     assert state["polls"] == 2 and log.count("settle") == 1
     if anyio_backend_name != "trio":  # trio may run the two in either order
         assert log == ["found", "woke", "settle"]
+
+
+@pytest.mark.anyio
+async def test_settling_waits_for_a_poll_that_finds_the_head_still_running() -> None:
+    """Settling comes at the first poll that finds nothing done, never straight after the
+    poll that finished jobs: a job submitted meanwhile gets its first poll before that
+    bookkeeping runs, and when nothing is pending the poller settles before it waits."""
+    calls: list[str] = []
+    results = [1, 1, 0, 0, 1]
+    state = {"pending": 1}
+
+    def poll() -> int:
+        found = results[sum(c.startswith("poll") for c in calls)]
+        calls.append(f"poll{found}")
+        if len(calls) >= 6:  # the fifth poll: its job was the last one
+            state["pending"] = 0
+        return found
+
+    p = Poller(poll, lambda: state["pending"], settle=lambda: calls.append("settle"),
+               spin_seconds=1.0, poll_interval=1e-3)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(p.run)
+        with anyio.fail_after(5):
+            while state["pending"] or calls[-1] != "settle":
+                await anyio.sleep(0.001)
+        await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert calls == ["poll1", "poll1", "poll0", "settle", "poll0", "poll1", "settle"]
+
+
+def test_a_handler_settles_a_long_backlog_itself() -> None:
+    """Jobs popped but never settled (a caller that only polls) are settled by a later
+    poll once 64 wait, so their events cannot pile up."""
+    from aiokv.backends.cpu import CpuCompletion
+    from aiokv.handler import Handler, Job
+    from aiokv.specs import Direction
+
+    settled: list[int] = []
+
+    class Done(CpuCompletion):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.n = n
+            self._finish(None, 0.001)
+
+        def settle(self) -> None:
+            if self.n not in settled:  # reading the time settles too: count the first
+                settled.append(self.n)
+
+    h = Handler(Direction.STORE, lane=None)  # type: ignore[arg-type]
+    for n in range(70):
+        h._fifo.append(Job(n, Direction.STORE, 1 << 20, Done(n)))
+        h.pop_finished()
+    assert settled == list(range(64))  # the 65th pop settled the 64 before it
+    h.settle()
+    assert settled == list(range(70))
