@@ -177,10 +177,11 @@ class OffloadCore:
     def poll(self) -> list[Job]:
         """Pop every finished job, per direction in submission order; never blocks.
 
-        Callers ``settle`` the popped jobs later, off the path of waking their waiters; a
-        handler settles a long backlog here itself, so events cannot pile up."""
+        Jobs popped by the poll before are settled first, if ``settle`` has not run."""
         failed: list[Job] = []
         with self._lock:
+            for handler in self.handlers.values():
+                handler.settle()
             done: list[Job] = []
             for handler in self.handlers.values():
                 if handler.in_flight:

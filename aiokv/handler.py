@@ -21,8 +21,6 @@ __all__ = ["Handler", "Job"]
 # How late a job may run past its predicted end and still be spun for (see expected_wait).
 _SLACK_SHARE = 0.25
 _MAX_SLACK = 2e-3
-# Finished jobs left unsettled before a poll settles them itself (see Handler.settle).
-_SETTLE_BACKLOG = 64
 
 
 @dataclass(eq=False)
@@ -120,8 +118,6 @@ class Handler:
 
     def pop_finished(self) -> list[Job]:
         """Pop finished jobs from the head, in submission order."""
-        if len(self._unsettled) >= _SETTLE_BACKLOG:
-            self.settle()  # nobody settled for a while: bound the events held out of the pool
         done: list[Job] = []
         fifo = self._fifo
         while fifo:

@@ -127,9 +127,8 @@ class _ReaderNaps:
 
 class Poller:
     """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0, and
-    ``settle()`` for the jobs a poll finished once there is slack: at the next poll that
-    finds nothing done, or when nothing is pending. A yield to the loop comes first, so on
-    asyncio and uvloop the tasks those jobs woke have run (trio may order them either way)."""
+    ``settle()`` after a poll that finished jobs, past one yield to the loop (asyncio and
+    uvloop run the tasks it woke first; trio may run them either side)."""
 
     def __init__(
         self,
@@ -148,7 +147,6 @@ class Poller:
         self._pending = pending
         self._expected_wait = expected_wait
         self._settle = settle
-        self._unsettled = False  # a poll finished jobs that ``settle`` has not seen yet
         self._yield: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint  # run() picks the loop's
         self._spin = spin_seconds
         self._interval = poll_interval
@@ -206,8 +204,7 @@ class Poller:
             self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
-                self._unsettled = True
-                await self._yield()  # the woken tasks run before the next poll
+                await self._settle_after_yield()
                 return None
         armed = arm()
         alarm = until is not None and bell.set_alarm(until)
@@ -251,29 +248,23 @@ class Poller:
             self._naps.stop()
             self._naps = None
 
-    def _settle_now(self) -> None:
-        """Settle jobs finished earlier, at a point with slack: a poll found the head still
-        running, or nothing is pending. Never between a job's launch and its first poll,
-        where a short job may end while the bookkeeping runs."""
-        if self._unsettled:
-            self._unsettled = False
-            self._settle()
+    async def _settle_after_yield(self) -> None:
+        """After a poll that finished jobs: let the tasks it woke run, then settle them."""
+        await self._yield()
+        self._settle()
 
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:
             if self._wake.is_set():
                 self._wake = anyio.Event()
             if not self._pending():
-                self._settle_now()
                 await self._wake.wait()
                 continue
             self.polls += 1
             if self._poll():
                 self._active_since = time.perf_counter()
-                self._unsettled = True
-                await checkpoint()  # the woken tasks run first; their jobs settle later
+                await self._settle_after_yield()
                 continue
-            self._settle_now()
             eta = self._expected_wait()
             lead = self._lead()
             if eta is not None and eta > lead + self._shortest_nap:

@@ -88,7 +88,6 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
-            self._core.settle()  # the jobs reported by the previous call
             done = self._unreported
             done.extend(job.result for job in self._core.poll() if job.result is not None)
             self._unreported, self._unreported_ids = [], set()
