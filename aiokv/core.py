@@ -180,12 +180,13 @@ class OffloadCore:
         Jobs popped by the poll before are settled first, if ``settle`` has not run."""
         failed: list[Job] = []
         with self._lock:
-            for handler in self.handlers.values():
-                handler.settle()
             done: list[Job] = []
             for handler in self.handlers.values():
+                handler.settle()
                 if handler.in_flight:
                     done.extend(handler.pop_finished())
+            if not done:
+                return done  # most polls, while the poller spins on a job in flight
             for job in done:
                 del self._jobs[job.job_id]
                 if job.error is not None:
@@ -236,8 +237,12 @@ class OffloadCore:
     def expected_wait(self) -> float | None:
         """Seconds until the soonest head job should finish (None when unknown)."""
         now = time.perf_counter()
-        waits = [w for h in self.handlers.values() if (w := h.expected_wait(now)) is not None]
-        return min(waits) if waits else None
+        soonest: float | None = None
+        for handler in self.handlers.values():
+            wait = handler.expected_wait(now)
+            if wait is not None and (soonest is None or wait < soonest):
+                soonest = wait
+        return soonest
 
     @property
     def in_flight(self) -> int:

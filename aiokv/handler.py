@@ -142,6 +142,8 @@ class Handler:
     def settle(self) -> None:
         """Settle the completions of jobs popped earlier and learn the rate from them. Run
         after their waiters were woken, so the device-time reads are off the wake-up path."""
+        if not self._unsettled:
+            return
         jobs, self._unsettled = self._unsettled, []
         for job in jobs:
             job.completion.settle()

@@ -169,6 +169,8 @@ class AsyncOffloadingWorker:
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
+        if not done:
+            return 0
         escaped = self._resolve(done)
         if escaped is not None:
             raise escaped

@@ -4,8 +4,9 @@ Medians over many calls (us) of each way to make the calls a poll makes:
 
 - ``cuEventQuery`` on a finished event and on one still waiting: cuda-python, ctypes
   ``CFUNCTYPE`` (drops and re-takes the GIL) and ctypes ``PYFUNCTYPE`` (keeps it);
-- the health check before a job is reported done: recording an event on an idle stream
-  (the check aiokv makes) against ``cuStreamQuery`` of that stream (an alternative);
+- a health check before a job is reported done: recording an event on an idle stream
+  (the check aiokv made until device run 65, see probes/probe_health.py) against
+  ``cuStreamQuery`` of that stream;
 - ``cuEventElapsedTime``: cuda-python against ``PYFUNCTYPE``;
 - one zero-length yield to the event loop: ``anyio.lowlevel.checkpoint`` against the
   loop's own (``asyncio.sleep(0)``), on asyncio and uvloop;
@@ -83,7 +84,6 @@ def driver_calls() -> None:
         "health: record, CFUNCTYPE (old)": lambda: rec_c(int(probe_ev), int(idle)),
         "health: record, PYFUNCTYPE": lambda: rec_py(int(probe_ev), int(idle)),
         "health: cuStreamQuery, PYFUNCTYPE": lambda: sq_py(int(idle)),
-        "Driver.confirm_healthy": drv.confirm_healthy,
         "elapsed, cuda-python": lambda: cu.cuEventElapsedTime(start, stop),
         "elapsed, PYFUNCTYPE (12.0 entry)": lambda: el_py(ctypes.byref(out), int(start), int(stop)),
         "elapsed, PYFUNCTYPE (13.0 entry)": lambda: el_py13(ctypes.byref(out), int(start), int(stop)),

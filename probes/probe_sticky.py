@@ -46,7 +46,7 @@ comp = job.completion
 done = comp._events.done
 lane_stream = core.handlers[Direction.STORE].lane.stream if hasattr(core, "handlers") else None
 probe_ev = drv.create_event()
-probe_st = drv._probe_stream
+probe_st = drv.create_stream()
 last = None
 end = time.perf_counter() + 3.0
 while time.perf_counter() < end:

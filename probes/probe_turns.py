@@ -14,8 +14,9 @@ done) and every nap (start, end, the end it aimed at). Per job it then reports
 - CPU per job, from a submit's return to the next submit's start: the whole process, the
   loop's thread, and the loop thread's share spent inside polls and inside naps;
 - each call on the completion path (GPU only): the event query (done / not done), the
-  health check, the elapsed-time read and the events' return to the pool (these two run
-  after the woken task, in the settle, since device run 58); and on the nap's:
+  elapsed-time read and the events' return to the pool (these two run after the woken
+  task, in the settle, since device run 58; a health check, a record on an idle stream,
+  ran after the query until run 65); and on the nap's:
   arming the head job's ring, draining the bell, the alarm, the wait itself (wall and
   loop-thread CPU, calls per job).
 
@@ -86,7 +87,6 @@ def _time_calls() -> None:
     from aiokv.doorbell import Doorbell
 
     _timed(Driver, "query", lambda done: "query, done" if done else "query, not done")
-    _timed(Driver, "confirm_healthy", lambda _: "health check (record)")
     _timed(Driver, "elapsed", lambda _: "elapsed time read")
     _timed(Driver, "give_job_events", lambda _: "events back to the pool")
     _timed(AsyncOffloadingWorker, "_arm_heads", lambda _: "nap: arm the head job's ring")

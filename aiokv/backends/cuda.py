@@ -188,8 +188,6 @@ class Driver:
             "cuDeviceGetAttribute",
         ))
         self._attrs: dict[tuple[bool, bool | None], Any] = {}
-        self._probe_stream = self.create_stream()
-        self._probe_event = self.create_event()
 
     # -- checking -------------------------------------------------------------------------
 
@@ -285,7 +283,14 @@ class Driver:
             raise self.fail(int(code), "cuStreamWaitEvent")
 
     def query(self, event: Any) -> bool:
-        """True when done, False when NOT_READY; anything else raises (translated)."""
+        """True when done, False when NOT_READY; anything else raises (translated).
+
+        A dead context reports itself here: no separate health check is needed before a
+        job is called done (probes/probe_health.py, run 65: after a device-side assert on
+        another stream, the query of a copy's done event went from NOT_READY to the
+        sticky code in the same poll as a record on an idle stream did, and never to done,
+        also for a 1 GiB copy running when the context died, whose bytes had all landed).
+        """
         if self._query_fn is not None:
             code = self._query_fn(int(event))
         else:
@@ -295,12 +300,6 @@ class Driver:
         if code == _NOT_READY:
             return False
         raise self.fail(int(code), "cuEventQuery")
-
-    def confirm_healthy(self) -> None:
-        """Raise if the context died, before a job is reported done: enqueueing anything
-        reports a sticky error once the driver has seen one (a record cost 1.1 us in run 35,
-        less than querying an idle stream, 2.2 us)."""
-        self.record(self._probe_event, self._probe_stream)
 
     def synchronize(self, event: Any) -> None:
         """Block (GIL released, no spin for blocking-sync events) until the event lands."""
@@ -547,7 +546,6 @@ class Driver:
             self._event_pool, self._sync_pool = [], []
         for ev in events:
             cu.cuEventDestroy(ev)
-        cu.cuStreamDestroy(self._probe_stream)
         cu.cuDevicePrimaryCtxRelease(self.device)
 
 
@@ -593,7 +591,6 @@ class CudaCompletion(Completion):
             drv.ensure_context()
             if not drv.query(events.done):
                 return False
-            drv.confirm_healthy()
         except Exception as exc:
             self._finish(exc)
             return True
@@ -612,7 +609,6 @@ class CudaCompletion(Completion):
             error: Exception | None = None
             try:
                 self._driver.synchronize(events.done)
-                self._driver.confirm_healthy()
             except Exception as exc:
                 error = exc
             finally:
