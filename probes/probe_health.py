@@ -1,8 +1,9 @@
 """Which cheap driver call reports a dead context, how soon, and what it costs right after
-a job's done event is seen (where the health check sits on the wake-up path).
+a job's done event is seen (where a health check would sit on the wake-up path).
 
 Candidates, each through ctypes ``PYFUNCTYPE`` on raw handles, as the backend binds them:
-``record`` (an event on an idle stream: the check aiokv makes), ``ctx_flags``
+``record`` (an event on an idle stream: the check aiokv made before every job was called
+done, until this probe's run 65 showed the done query needs no help), ``ctx_flags``
 (``cuCtxGetFlags``), ``ctx_device`` (``cuCtxGetDevice``), ``stream_query``
 (``cuStreamQuery`` of the idle stream) and ``stream_prio`` (``cuStreamGetPriority``).
 
