@@ -199,3 +199,57 @@ async def test_jobs_found_by_the_poll_before_a_nap_settle_after_the_woken_task(
     assert state["polls"] == 2 and log.count("settle") == 1
     if anyio_backend_name != "trio":  # trio may run the two in either order
         assert log == ["found", "woke", "settle"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("next_done_at_once", [False, True])
+async def test_a_job_submitted_by_the_woken_task_is_polled_before_the_settle(
+    anyio_backend_name: str, next_done_at_once: bool
+) -> None:
+    """The woken task submits again at once (as a request loop does): the new job's first
+    poll comes before the settle of the job that woke it; if that poll finds it done, its
+    task runs too before one settle covers both."""
+    log: list[str] = []
+    first, second = anyio.Event(), anyio.Event()
+    state = {"polls": 0, "pending": 1}
+
+    def poll() -> int:
+        state["polls"] += 1
+        if state["polls"] == 1:
+            state["pending"] = 0
+            first.set()
+            log.append("found A")
+            return 1
+        if state["polls"] == 2:
+            log.append("polled B")
+            if next_done_at_once:
+                state["pending"] = 0
+                second.set()
+                return 1
+        return 0
+
+    async def requests() -> None:
+        await first.wait()
+        log.append("woke A")
+        state["pending"] = 1  # submits B
+        if next_done_at_once:
+            await second.wait()
+            log.append("woke B")
+
+    p = Poller(poll, lambda: state["pending"], expected_wait=lambda: None,
+               settle=lambda: log.append("settle"), spin_seconds=1.0, poll_interval=1e-3)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(requests)
+        await anyio.sleep(0.01)  # the request task is parked on its future
+        tg.start_soon(p.run)
+        with anyio.fail_after(5):
+            while "settle" not in log:
+                await anyio.sleep(0.001)
+        tg.cancel_scope.cancel()
+    assert log.count("settle") == 1
+    if anyio_backend_name != "trio":  # trio may run the woken task after the poller
+        expect = ["found A", "woke A", "polled B"]
+        expect += ["woke B", "settle"] if next_done_at_once else ["settle"]
+        assert log == expect
+    else:
+        assert log.index("settle") > log.index("found A")
