@@ -128,7 +128,8 @@ def sticky(mode: str) -> None:
     with torch.cuda.stream(bad):
         torch._assert_async(poison_flag)
     enqueued = (time.perf_counter() - t0) * 1e6
-    print(f"sticky {mode}: copy {nbytes >> 20} MiB; poison enqueued in {enqueued:.0f} us", flush=True)
+    what = "nothing in flight" if mode == "idle" else f"copy {nbytes >> 20} MiB"
+    print(f"sticky {mode}: {what}; poison enqueued in {enqueued:.0f} us", flush=True)
     last: tuple[int, ...] | None = None
     log: list[tuple[float, tuple[int, ...]]] = []
     saw_done_ok = None
@@ -152,6 +153,8 @@ def sticky(mode: str) -> None:
     for t, codes in log:
         cells = " ".join(f"{c:>10}" if i == 0 else f"{c:>12}" for i, c in enumerate(codes))
         print(f"  {t * 1e6:9.0f} {cells}")
+    if mode == "idle":
+        return
     landed = bool(torch.equal(dst, expect))
     print(f"  done query said done: {'never' if saw_done_ok is None else f'at {saw_done_ok * 1e6:.0f} us'};"
           f" data landed byte-exact: {landed}", flush=True)
