@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 import threading
 
+import anyio
 import pytest
 
 from aiokv import (
@@ -82,6 +83,11 @@ async def test_jobs_settle_after_the_awaiting_task_ran(
         last = worker.submit_load(99, CPULoadStoreSpec([1]), GPULoadStoreSpec([2]))
         completions.append(worker._core._jobs[99].completion)
         results.append(await last)
+        await anyio.sleep(0.01)
+        settled_open = {key for kind, key in log if kind == "settle"}
+    # The poller settled the jobs while the worker was open (the async face's polls leave
+    # it to the poller), not only the close.
+    assert all(id(c) in settled_open for c in completions), (len(settled_open), len(completions))
     # Closing settled the last job, even if the poller never turned after its wake-up.
     for c in completions:
         assert ("settle", id(c)) in log

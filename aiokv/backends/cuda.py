@@ -285,11 +285,12 @@ class Driver:
     def query(self, event: Any) -> bool:
         """True when done, False when NOT_READY; anything else raises (translated).
 
-        A dead context reports itself here: no separate health check is needed before a
-        job is called done (probes/probe_health.py, run 65: after a device-side assert on
-        another stream, the query of a copy's done event went from NOT_READY to the
-        sticky code in the same poll as a record on an idle stream did, and never to done,
-        also for a 1 GiB copy running when the context died, whose bytes had all landed).
+        A dead context reports itself here, so no separate health check runs before a job
+        is called done. In probes/probe_health.py (run 65: a device-side assert on another
+        stream) the query of a copy's done event went from NOT_READY to the sticky code in
+        the same poll as a record on an idle stream (the old check), and never to done,
+        also for a 1 GiB copy running when the context died, whose bytes had all landed.
+        Until the driver sees the error (~14 ms there) neither call can know of it.
         """
         if self._query_fn is not None:
             code = self._query_fn(int(event))
