@@ -174,18 +174,15 @@ class OffloadCore:
 
     # -- completing ---------------------------------------------------------------------
 
-    def poll(self, settle_first: bool = True) -> list[Job]:
+    def poll(self) -> list[Job]:
         """Pop every finished job, per direction in submission order; never blocks.
 
-        Jobs popped by earlier polls are settled first, if ``settle`` has not run; a caller
-        that settles after every poll that finished jobs (the async face's poller) passes
-        ``settle_first=False``, so the first poll of a job just submitted comes first."""
+        Jobs popped by the poll before are settled first, if ``settle`` has not run."""
         failed: list[Job] = []
         with self._lock:
             done: list[Job] = []
             for handler in self.handlers.values():
-                if settle_first:
-                    handler.settle()
+                handler.settle()
                 if handler.in_flight:
                     done.extend(handler.pop_finished())
             if not done:

@@ -127,9 +127,8 @@ class _ReaderNaps:
 
 class Poller:
     """Calls ``poll()`` (which returns how many jobs finished) while ``pending()`` > 0, and
-    ``settle()`` after each poll that finished jobs, past one yield to the loop (asyncio and
-    uvloop run the tasks it woke first; trio may run them either side) and, if those tasks
-    submitted more, one more poll."""
+    ``settle()`` after a poll that finished jobs, past one yield to the loop (asyncio and
+    uvloop run the tasks it woke first; trio may run them either side)."""
 
     def __init__(
         self,
@@ -250,17 +249,8 @@ class Poller:
             self._naps = None
 
     async def _settle_after_yield(self) -> None:
-        """After a poll that finished jobs: let the tasks it woke run, then settle them.
-
-        Those tasks often submit again at once: a short job then gets its first poll
-        before the settle (and if that poll finds jobs done, their tasks run first too).
-        """
+        """After a poll that finished jobs: let the tasks it woke run, then settle them."""
         await self._yield()
-        if self._pending():
-            self.polls += 1
-            if self._poll():
-                self._active_since = time.perf_counter()
-                await self._yield()
         self._settle()
 
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:

@@ -168,7 +168,7 @@ class AsyncOffloadingWorker:
             self._core.backend.check_after(after)
 
     def _complete_finished(self) -> int:
-        done = self._core.poll(settle_first=False)  # the poller settles after each find
+        done = self._core.poll()
         if not done:
             return 0
         escaped = self._resolve(done)
