@@ -85,8 +85,8 @@ async def test_jobs_settle_after_the_awaiting_task_ran(
         results.append(await last)
         await anyio.sleep(0.01)
         settled_open = {key for kind, key in log if kind == "settle"}
-    # The poller settled the jobs while the worker was open (the async face's polls leave
-    # it to the poller), not only the close.
+    # The poller settled the jobs while the worker was open, the last one included (no
+    # poll followed it), not only the close.
     assert all(id(c) in settled_open for c in completions), (len(settled_open), len(completions))
     # Closing settled the last job, even if the poller never turned after its wake-up.
     for c in completions:
