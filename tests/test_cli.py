@@ -67,3 +67,47 @@ def test_plot_draws_a_png(tmp_path) -> None:
     path = tmp_path / "plot.png"
     plot_rows(rows, str(path), title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_bench_runs_a_worker_on_each_event_loop_it_names(loop: str) -> None:
+    """The CUDA bench's wake-up rows run on uvloop and trio through ``run_on_loop``: each
+    must really be that loop, and a worker must move bytes on it."""
+    import sniffio
+    import torch
+
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
+    from aiokv.bench.cuda import loop_available, run_on_loop
+
+    if not loop_available(loop):
+        pytest.skip(f"{loop} is not installed")
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randint(-(2**31), 2**31 - 1, (8, 256), dtype=torch.int32, generator=gen)
+    before = kv.clone()
+
+    async def round_trip() -> tuple[str, str]:
+        async with AsyncOffloadingWorker(CanonicalKVCaches.from_tensors([kv]), num_cpu_chunks=4,
+                                         backend="cpu") as worker:
+            await worker.submit_store(1, GPULoadStoreSpec([5, 2]), CPULoadStoreSpec([0, 3]))
+            kv[5].zero_()
+            kv[2].fill_(-1)
+            await worker.submit_load(2, CPULoadStoreSpec([0, 3]), GPULoadStoreSpec([5, 2]))
+        import asyncio
+
+        name = type(asyncio.get_running_loop()).__module__ if loop != "trio" else "trio"
+        return sniffio.current_async_library(), name
+
+    library, module = run_on_loop(loop, round_trip)
+    assert library == ("trio" if loop == "trio" else "asyncio")
+    assert module.startswith({"asyncio": "asyncio", "uvloop": "uvloop", "trio": "trio"}[loop])
+    assert torch.equal(kv, before)
+
+
+def test_bench_refuses_an_unknown_event_loop() -> None:
+    from aiokv.bench.cuda import run_on_loop
+
+    async def nothing() -> None:
+        return None
+
+    with pytest.raises(ValueError, match="unknown event loop"):
+        run_on_loop("gevent", nothing)
