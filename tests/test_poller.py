@@ -199,3 +199,30 @@ async def test_jobs_found_by_the_poll_before_a_nap_settle_after_the_woken_task(
     assert state["polls"] == 2 and log.count("settle") == 1
     if anyio_backend_name != "trio":  # trio may run the two in either order
         assert log == ["found", "woke", "settle"]
+
+
+@pytest.mark.anyio
+async def test_loop_event_is_the_running_loops_own_and_wakes_a_waiter(anyio_backend_name: str) -> None:
+    """Futures and the poller wait on ``loop_event()``: asyncio's own event on asyncio and
+    uvloop (anyio's looks the loop up on every creation), anyio's on trio."""
+    import asyncio
+
+    from aiokv.future import loop_event
+
+    event = loop_event()
+    if anyio_backend_name == "trio":
+        assert not isinstance(event, asyncio.Event)
+    else:
+        assert isinstance(event, asyncio.Event)
+    woke: list[bool] = []
+
+    async def waiter() -> None:
+        await event.wait()
+        woke.append(event.is_set())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.lowlevel.checkpoint()
+        assert not woke
+        event.set()
+    assert woke == [True]
