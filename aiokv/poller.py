@@ -29,7 +29,7 @@ import anyio
 import anyio.lowlevel
 
 from .doorbell import Doorbell
-from .future import loop_event
+from .loops import loop_event, loop_library, loop_yield
 
 __all__ = ["Poller"]
 
@@ -39,34 +39,6 @@ _MIN_ALARM_NAP = 100e-6
 # How late a nap is assumed to end before any was measured; a later one is a stalled loop.
 _INITIAL_LATENESS = 100e-6
 _MAX_LATENESS = 2e-3
-
-
-def _loop_library() -> str | None:
-    """"asyncio" (uvloop included), "trio", or None outside a loop we can name."""
-    try:
-        import sniffio
-
-        return sniffio.current_async_library()
-    except Exception:  # sniffio absent, or a loop it cannot name
-        try:
-            asyncio.get_running_loop()
-            return "asyncio"
-        except RuntimeError:
-            return None
-
-
-def _loop_yield() -> Callable[[], Awaitable[None]]:
-    """The running loop's own zero-length yield. ``anyio.lowlevel.checkpoint`` looks the
-    loop up on every call: on asyncio it took 6.0-9.8 us against 2.2-3.7 us for
-    ``asyncio.sleep(0)`` on the H200's host (probes/probe_completion.py, runs 35-36)."""
-    library = _loop_library()
-    if library == "asyncio":
-        return lambda: asyncio.sleep(0)
-    if library == "trio":
-        import trio.lowlevel
-
-        return trio.lowlevel.checkpoint
-    return anyio.lowlevel.checkpoint
 
 
 class _BellNaps:
@@ -227,10 +199,10 @@ class Poller:
 
     async def run(self) -> None:
         """Poll until cancelled."""
-        checkpoint = self._yield = _loop_yield()
+        checkpoint = self._yield = loop_yield()
         if self._bell is not None and self._arm is not None:
             self._naps = _BellNaps(self._bell)
-            if _loop_library() == "asyncio":
+            if loop_library() == "asyncio":
                 reader = _ReaderNaps(self._bell, asyncio.get_running_loop())
                 try:
                     reader.start()

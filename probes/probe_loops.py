@@ -1,4 +1,4 @@
-"""Wake-up of the bench's one-job rows on asyncio, uvloop and trio, in alternating rounds.
+"""Wake-up of the bench's one-job rows on asyncio, uvloop and trio, in rounds.
 
 The bench prints one wake-up row per loop (``aiokv bench``); this repeats the 4 KiB, the
 2 MiB-page and the pitched 32 KiB-page job on each loop for several rounds, the order of

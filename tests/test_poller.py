@@ -116,7 +116,7 @@ def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
 
 @pytest.mark.anyio
 async def test_spin_turns_yield_through_the_running_loops_own_primitive(anyio_backend_name: str) -> None:
-    from aiokv.poller import _loop_yield
+    from aiokv.loops import loop_yield as _loop_yield
 
     yield_now = _loop_yield()
     await yield_now()  # it is awaitable on this loop
@@ -134,23 +134,24 @@ async def test_spin_turns_yield_through_the_running_loops_own_primitive(anyio_ba
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})], indirect=True)
 @pytest.mark.anyio
 async def test_without_sniffio_asyncio_is_still_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
+    import asyncio
 
-    from aiokv.poller import _loop_yield
+    from aiokv import loops
 
-    monkeypatch.setitem(sys.modules, "sniffio", None)  # "import sniffio" now raises
-    yield_now = _loop_yield()
+    monkeypatch.setattr(loops, "_sniffio", None)  # as if sniffio were not installed
+    yield_now = loops.loop_yield()
     assert yield_now is not anyio.lowlevel.checkpoint
     await yield_now()
+    assert isinstance(loops.loop_event(), asyncio.Event)
 
 
 def test_outside_any_loop_falls_back_to_anyio(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
+    from aiokv import loops
 
-    from aiokv.poller import _loop_yield
-
-    monkeypatch.setitem(sys.modules, "sniffio", None)
-    assert _loop_yield() is anyio.lowlevel.checkpoint
+    assert loops.loop_library() is None
+    monkeypatch.setattr(loops, "_sniffio", None)
+    assert loops.loop_library() is None
+    assert loops.loop_yield() is anyio.lowlevel.checkpoint
 
 
 @pytest.mark.anyio
@@ -207,7 +208,7 @@ async def test_loop_event_is_the_running_loops_own_and_wakes_a_waiter(anyio_back
     uvloop (anyio's looks the loop up on every creation), anyio's on trio."""
     import asyncio
 
-    from aiokv.future import loop_event
+    from aiokv.loops import loop_event
 
     event = loop_event()
     if anyio_backend_name == "trio":
@@ -226,3 +227,43 @@ async def test_loop_event_is_the_running_loops_own_and_wakes_a_waiter(anyio_back
         assert not woke
         event.set()
     assert woke == [True]
+
+
+def test_trio_as_a_guest_of_an_asyncio_loop_waits_on_trio_events() -> None:
+    """Under trio's guest mode an asyncio loop is running in the thread, but the awaiting
+    task is trio's: its events must be trio's (an asyncio future handed to trio fails)."""
+    import asyncio
+
+    import torch
+    import trio
+
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
+    from aiokv.loops import loop_event, loop_library
+
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randint(-(2**31), 2**31 - 1, (8, 256), dtype=torch.int32, generator=gen)
+    before = kv.clone()
+    seen: dict[str, object] = {}
+
+    async def trio_main() -> None:
+        seen["library"] = loop_library()
+        seen["asyncio_event"] = isinstance(loop_event(), asyncio.Event)
+        async with AsyncOffloadingWorker(CanonicalKVCaches.from_tensors([kv]), num_cpu_chunks=4,
+                                         backend="cpu") as worker:
+            await worker.submit_store(1, GPULoadStoreSpec([6, 1]), CPULoadStoreSpec([2, 0]))
+            kv[6].zero_()
+            await worker.submit_load(2, CPULoadStoreSpec([2, 0]), GPULoadStoreSpec([6, 1]))
+
+    async def host() -> object:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[object] = loop.create_future()
+        trio.lowlevel.start_guest_run(
+            trio_main, run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+            done_callback=done.set_result,
+        )
+        return await done
+
+    outcome = asyncio.run(host())
+    outcome.unwrap()  # re-raises what the trio side raised
+    assert seen == {"library": "trio", "asyncio_event": False}
+    assert torch.equal(kv, before)
