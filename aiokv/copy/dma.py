@@ -27,8 +27,9 @@ MIN_SLICE_BYTES = 2 << 20
 # tens of microseconds of host time, and a few large copies keep an engine busy anyway. On
 # the H200, 128 copies of 2 MiB moved at the same rate on 1, 2, 4 or 16 streams. Both
 # directions at once: 0.86 on one stream in run 23 (0.98 in run 31), 0.90-0.99 on two or
-# more in both; host submit 358 / 406 / 507 us on 1 / 2 / 4 streams (run 31).
-MIN_SLICE_DESCRIPTORS = 64
+# more in both; host submit 358 / 406 / 507 us on 1 / 2 / 4 streams (run 31). Beside a busy
+# Python thread each batch call (it drops the GIL) costs a switch interval (5 ms).
+MIN_SLICE_DESCRIPTORS = 128
 # Below this many descriptors a thread handoff costs more than the driver call it spreads.
 MIN_THREADED_DESCRIPTORS = 1024
 # Pitched jobs are few, large ops: one engine already ran them at 0.92 of the ceiling.
