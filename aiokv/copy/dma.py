@@ -34,8 +34,10 @@ MIN_SLICE_BYTES = 2 << 20
 MIN_SLICE_DESCRIPTORS = 128
 # Below this many descriptors a thread handoff costs more than the driver call it spreads.
 MIN_THREADED_DESCRIPTORS = 1024
-# Pitched jobs are few, large ops: one engine already ran them at 0.92 of the ceiling.
-PITCHED_STREAMS = 4
+# Pitched jobs are few, large ops: one engine already ran them at 0.92 of the ceiling
+# (probe_pitch, run 1), and each extra stream is another batch call (beside a busy Python
+# thread, another switch interval) and a fork and a join.
+PITCHED_STREAMS = 1
 
 
 @dataclass
