@@ -183,6 +183,11 @@ class Driver:
             b"cuStreamWaitEvent", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
         )
         self._query_fn = self._load_proc(b"cuEventQuery", ctypes.PYFUNCTYPE(ctypes.c_int, vp))
+        ui = ctypes.c_uint
+        self._launch_fn = self._load_proc(
+            b"cuLaunchKernel", ctypes.PYFUNCTYPE(ctypes.c_int, vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp)
+        )
+        self._modules: list[Any] = []
         self.max_pitch = int(self._check(
             cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
             "cuDeviceGetAttribute",
@@ -535,6 +540,26 @@ class Driver:
         if code != _OK:
             raise self.fail(int(code), "cuMemcpyBatchAsync")
 
+    def load_function(self, image: bytes, name: bytes) -> Any:
+        """Load a module image (PTX is compiled by the driver here) and return one kernel."""
+        module = self._check(cu.cuModuleLoadData(image), "cuModuleLoadData")
+        self._modules.append(module)
+        return self._check(cu.cuModuleGetFunction(module, name), "cuModuleGetFunction")
+
+    def launch(
+        self, function: Any, grid: tuple[int, int], block: int, stream: Any, args: tuple[Any, ...]
+    ) -> None:
+        """Enqueue ``function`` on ``stream``; ``args`` are ctypes values in parameter order."""
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        if self._launch_fn is not None:
+            code = self._launch_fn(int(function), grid[0], grid[1], 1, block, 1, 1, 0, int(stream),
+                                   ctypes.addressof(params), None)
+        else:
+            code = cu.cuLaunchKernel(function, grid[0], grid[1], 1, block, 1, 1, 0, stream,
+                                     ctypes.addressof(params), 0)[0]
+        if code != _OK:
+            raise self.fail(int(code), "cuLaunchKernel")
+
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         ret = cu.cuMemcpyAsync(dst, src, nbytes, stream)
         if ret[0] != _OK:
@@ -547,6 +572,9 @@ class Driver:
             self._event_pool, self._sync_pool = [], []
         for ev in events:
             cu.cuEventDestroy(ev)
+        modules, self._modules = self._modules, []
+        for module in modules:
+            cu.cuModuleUnload(module)
         cu.cuDevicePrimaryCtxRelease(self.device)
 
 
