@@ -37,6 +37,10 @@ class WorkerOptions:
     # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
     # the ceiling on the H200 (docs/performance.md). Only jobs of >= 1024 descriptors use them.
     submit_threads: int = 4
+    # Device memory per direction that the staged strategy (and ``auto``) gathers small
+    # pages through, in two slots; allocated on the first job that uses it. 0 turns staging
+    # off (``auto`` is then ``dma``).
+    staging_bytes: int = 64 << 20
     # After a completion or a submit (unless the oldest job is predicted to need longer),
     # and before a predicted end, the poller yields to the loop for this long.
     spin_seconds: float = 200e-6
@@ -54,7 +58,7 @@ class WorkerOptions:
 
         if self.strategy not in STRATEGIES:
             raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("streams_per_direction", "submit_threads"):
+        for name in ("streams_per_direction", "submit_threads", "staging_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")

@@ -104,11 +104,12 @@ def dma_copies(worker: SyncOffloadingWorker) -> list[Any]:
 
 
 def sync_pair(
-    kv: CanonicalKVCaches, tensors: list[torch.Tensor], chunks: int, bpc: int, strategy: str, seed: int = 7
+    kv: CanonicalKVCaches, tensors: list[torch.Tensor], chunks: int, bpc: int, strategy: str, seed: int = 7,
+    options: dict[str, Any] | None = None,
 ) -> tuple[SyncOffloadingWorker, SyncOffloadingWorker, list[torch.Tensor]]:
-    """A CUDA worker and its CPU oracle with identical random host pools."""
+    """A CUDA worker (with ``options``) and its CPU oracle with identical random host pools."""
     cuda_w = SyncOffloadingWorker(AsyncOffloadingWorker(
-        kv, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cuda", strategy=strategy))
+        kv, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cuda", strategy=strategy, options=options))
     kv_cpu, cpu_tensors = clone_kv(kv, tensors)
     oracle = SyncOffloadingWorker(AsyncOffloadingWorker(
         kv_cpu, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cpu"))

@@ -92,7 +92,7 @@ STICKY_SCRIPT = textwrap.dedent(
                        SyncOffloadingWorker, TransferFailed, WorkerBroken)
     t = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")]
     kv = CanonicalKVCaches.from_tensors(t, block_dim=1)
-    mode = sys.argv[1]
+    mode, strategy = sys.argv[1], sys.argv[2]
     # Nothing here touches the legacy default stream or syncs the host: an earlier version
     # poisoned with index_select on the default stream, whose launch waited ~1 s for the
     # side stream, so the copy had finished (correctly reported as a success) first.
@@ -130,7 +130,8 @@ STICKY_SCRIPT = textwrap.dedent(
         return out
 
     if mode == "sync":
-        w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda"))
+        w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda",
+                                                       strategy=strategy))
         enqueue(lambda: w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=side))
         deadline = time.time() + 60
         got = []
@@ -147,7 +148,7 @@ STICKY_SCRIPT = textwrap.dedent(
         print("SHUTDOWN ok")
     else:
         async def main():
-            async with AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda") as w:
+            async with AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cuda", strategy=strategy) as w:
                 fut = enqueue(lambda: w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]),
                                                      after=side))
                 try:
@@ -161,10 +162,11 @@ STICKY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("strategy", ["auto", "staged"])  # staged: through the ring
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sticky_error_fails_pending_jobs_instead_of_hanging(mode: str) -> None:
+def test_sticky_error_fails_pending_jobs_instead_of_hanging(mode: str, strategy: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", STICKY_SCRIPT, mode], capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", STICKY_SCRIPT, mode, strategy], capture_output=True, text=True, timeout=180
     )
     out = proc.stdout
     # The scenario only means something if the poison was enqueued while the copy waited.

@@ -905,6 +905,7 @@ class CudaBackend(Backend):
             device=self.torch_device,
             streams=self.options.streams_per_direction,
             submit_threads=self.options.submit_threads,
+            staging_bytes=self.options.staging_bytes,
         )
         lane = CudaLane(self, direction, make_strategy(self.options.strategy, ctx))
         self._lanes.append(lane)

@@ -3,9 +3,11 @@
 - ``dma``: batched memcpy on the copy engines, one job spread over several streams that
   fork from and join back into the lane's main stream (no SMs; holds up under compute).
 - ``kernel``: SM gather/scatter over a UVA (zero-copy) CUDA view of the pinned pool.
-- ``staged``: a device-side gather into a staging buffer laid out like the host chunks,
-  then a few large DMAs (and the reverse for loads).
-- ``auto``: picked from measurements on the H200 (see docs/performance.md).
+- ``staged``: one kernel launch gathers a slice of the job into a staging slot laid out
+  like the host chunks, then a few large DMAs move it (the reverse for loads).
+- ``auto``: ``staged`` (jobs of large pieces go straight to DMA there), or ``dma`` where
+  the kernel cannot load or ``staging_bytes`` is 0; from measurements on the H200
+  (docs/performance.md).
 
 Strategies never import cuda-python: they drive the device through
 ``aiokv.backends.cuda.Driver`` and torch ops on external streams.
@@ -13,6 +15,7 @@ Strategies never import cuda-python: they drive the device through
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,13 +25,15 @@ import torch
 
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout, PitchedPlan, PitchedRun, pitched_runs
-from ..specs import Direction
+from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
 
 if TYPE_CHECKING:
     from ..backends.base import HostPool
     from ..backends.cuda import Driver
 
 __all__ = ["STRATEGIES", "CopyContext", "CopyStrategy", "make_strategy"]
+
+_log = logging.getLogger("aiokv")
 
 STRATEGIES = ("auto", "dma", "kernel", "staged")
 # Streams one direction's DMA is spread over when the user leaves it to us. The device has
@@ -52,6 +57,8 @@ class CopyContext:
     device: torch.device
     streams: int = 0
     submit_threads: int = 0
+    # Device memory a ``staged`` lane gathers through (two slots); 0 = no staging.
+    staging_bytes: int = 0
     # Base address of row 0 of each page tensor (device pointers), as uint64.
     device_base: np.ndarray = field(init=False)
     host_base: int = field(init=False)
@@ -155,6 +162,18 @@ def expand_rows(offsets: np.ndarray, counts: np.ndarray, unit: int) -> np.ndarra
 def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
     """Build the named strategy for one lane (``auto`` resolves here)."""
     if name == "auto":
+        # Staged where the piece kernel loads and staging is allowed: it held 0.84-0.97 of
+        # the ceiling under the GEMMs where one DMA per 32 KiB page held 0.65-0.80
+        # (probes/probe_pieces.py); jobs of large pieces still go straight to DMA there.
+        if ctx.staging_bytes > 0:
+            from .staged import StagedCopy
+
+            try:
+                return StagedCopy(ctx, only_where_it_gains=True)
+            except AiokvError as exc:  # e.g. the driver cannot compile the kernel for this GPU
+                if isinstance(exc, WorkerBroken):
+                    raise
+                _log.warning("staged copies unavailable (%s); using dma", exc)
         name = "dma"
     if name == "dma":
         from .dma import DmaCopy
@@ -166,6 +185,9 @@ def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
         return KernelCopy(ctx)
     if name == "staged":
         from .staged import StagedCopy
+
+        if ctx.staging_bytes <= 0:
+            raise InvalidSpec("strategy='staged' needs staging_bytes > 0")
 
         return StagedCopy(ctx)
     raise ValueError(f"unknown strategy {name!r}")

@@ -1,0 +1,173 @@
+"""The staged strategy's ring: jobs through small slots that wrap many times, odd tile
+tails, several jobs in flight sharing the ring, shutdown mid-ring, and what ``auto`` picks."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, InvalidSpec, SyncOffloadingWorker
+
+from .gpu_support import describe, drain, gpu, layouts, random_like, sync_pair
+
+pytestmark = gpu
+
+
+def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, int]:
+    """Jobs each lane sent through its ring, by direction."""
+    inner = worker._worker if isinstance(worker, SyncOffloadingWorker) else worker
+    return {lane.direction.value: lane._strategy.staged_jobs for lane in inner._core.backend._lanes}
+
+
+def _same(cuda_w, oracle, tensors, cpu_tensors) -> None:
+    torch.cuda.synchronize()
+    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
+    for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
+        assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
+
+
+def _submit_all(workers, jobs) -> None:
+    """Every job in flight at once on each worker, then all drained and checked."""
+    for w in workers:
+        for kind, jid, gspec, cspec in jobs:
+            if kind == "store":
+                assert w.submit_store(jid, gspec, cspec)
+            else:
+                assert w.submit_load(jid, cspec, gspec)
+        assert all(r.success for r in drain(w, {j[1] for j in jobs}))
+
+
+@pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: int) -> None:
+    """Slots of 7 KiB (pages of 1-6 KiB): each job is many slices, the two slots wrap many
+    times within a job and across the jobs in flight."""
+    tensors, how = layouts("cuda", seed=20 + bpc)[layout]
+    kv = describe(tensors, how)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, bpc, "staged",
+                                            options={"staging_bytes": 14 << 10})
+    rng = np.random.default_rng(bpc)
+    try:
+        chunks, blocks, targets = rng.permutation(30), rng.permutation(40), rng.permutation(40)
+        per = 2 * bpc  # blocks per job: two chunks
+
+        def jobs(kind: str, first_id: int, gpu_blocks: np.ndarray) -> list:
+            return [(kind, first_id + j, GPULoadStoreSpec(gpu_blocks[per * j : per * (j + 1)]),
+                     CPULoadStoreSpec(chunks[2 * j : 2 * j + 2])) for j in range(4)]
+
+        _submit_all([cuda_w, oracle], jobs("store", 0, blocks))
+        _same(cuda_w, oracle, tensors, cpu_tensors)
+        loads = jobs("load", 10, targets)
+        _submit_all([cuda_w, oracle], loads)
+        _same(cuda_w, oracle, tensors, cpu_tensors)
+        assert _staged(cuda_w) == {"store": 4, "load": 4}
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["staged", "auto"])
+def test_pages_with_a_partial_tile_round_trip(strategy: str) -> None:
+    """20 KiB + 48-byte pages: one whole 16 KiB tile and a tail per page (80 pieces a job,
+    so ``auto`` stages them too)."""
+    page = 20 * 1024 + 48
+    g = torch.Generator().manual_seed(3)
+    tensors = [random_like((40, page), torch.uint8, "cuda", g) for _ in range(2)]
+    kv = describe(tensors, 0)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 40, 1, strategy)
+    rng = np.random.default_rng(8)
+    try:
+        src, cids = rng.choice(40, 40, replace=False), rng.choice(40, 40, replace=False)
+        _submit_all([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
+        _same(cuda_w, oracle, tensors, cpu_tensors)
+        dst = rng.permutation(40)
+        _submit_all([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
+        _same(cuda_w, oracle, tensors, cpu_tensors)
+        assert _staged(cuda_w) == {"store": 1, "load": 1}
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
+def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:
+    g = torch.Generator().manual_seed(4)
+    small = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(4)]  # 32 KiB
+    large = [random_like((16, 32, 2, 16, 8, 128), torch.bfloat16, "cuda", g)]  # 2 MiB pages
+
+    async def run(tensors, how, blocks: int) -> dict[str, int]:
+        want = [t.clone() for t in tensors]
+        async with AsyncOffloadingWorker(describe(tensors, how), num_cpu_chunks=blocks, backend="cuda") as w:
+            ids = list(range(blocks))
+            assert (await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))).success
+            for t in tensors:
+                t.fill_(0.5)
+            assert (await w.submit_load(2, CPULoadStoreSpec(ids), GPULoadStoreSpec(ids))).success
+            staged = _staged(w)
+        torch.cuda.synchronize()
+        for t, e in zip(tensors, want):
+            assert torch.equal(t.view(torch.uint8), e.view(torch.uint8))
+        return staged
+
+    assert anyio.run(run, small, 1, 64) == {"store": 1, "load": 1}  # 512 pieces of 32 KiB
+    assert anyio.run(run, large, 0, 16) == {"store": 0, "load": 0}  # 16 pieces of 2 MiB
+
+
+def test_shutdown_drains_staged_jobs_in_flight() -> None:
+    g = torch.Generator().manual_seed(6)
+    tensors = [random_like((2, 64, 4, 2, 64), torch.bfloat16, "cuda", g) for _ in range(3)]
+    kv = describe(tensors, 1)
+    cuda_w, oracle, _ = sync_pair(kv, tensors, 64, 1, "staged", options={"staging_bytes": 16 << 10})
+    jobs = [("store", j, GPULoadStoreSpec(range(j * 8, j * 8 + 8)), CPULoadStoreSpec(range(j * 8, j * 8 + 8)))
+            for j in range(6)]
+    try:
+        _submit_all([oracle], jobs)
+        torch.cuda._sleep(300_000_000)  # every job below waits behind this
+        for _, j, gspec, cspec in jobs:
+            cuda_w.submit_store(j, gspec, cspec)
+        pool = cuda_w._worker.host_pool
+        staged = _staged(cuda_w)
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+    results = cuda_w.get_finished()
+    assert staged["store"] == 6
+    assert sorted(r.job_id for r in results) == list(range(6)) and all(r.success for r in results)
+    assert torch.equal(pool, oracle._worker.host_pool)
+
+
+def test_staged_needs_staging_memory() -> None:
+    tensors, how = layouts("cuda")["kv_split"]
+    with pytest.raises(InvalidSpec, match="staging_bytes"):
+        AsyncOffloadingWorker(describe(tensors, how), num_cpu_chunks=4, backend="cuda",
+                              strategy="staged", options={"staging_bytes": 0})
+
+
+def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog) -> None:
+    import aiokv.copy.staged as staged
+    from aiokv.backends.cuda import CudaCallFailed
+
+    def refuse(self, driver) -> None:
+        raise CudaCallFailed("CUDA call failed: CUDA_ERROR_NO_BINARY_FOR_GPU (cuModuleLoadData)", 209)
+
+    monkeypatch.setattr(staged.PieceKernel, "__init__", refuse)
+    g = torch.Generator().manual_seed(9)
+    tensors = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(2)]
+    want = [t.clone() for t in tensors]
+
+    async def main() -> None:
+        async with AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda") as w:
+            assert w._core.backend.describe()["strategy"] == {"store": "dma", "load": "dma"}
+            ids = list(range(64))
+            assert (await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))).success
+            for t in tensors:
+                t.fill_(0.25)
+            assert (await w.submit_load(2, CPULoadStoreSpec(ids), GPULoadStoreSpec(ids))).success
+
+    anyio.run(main)
+    torch.cuda.synchronize()
+    assert all(torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip(tensors, want))
+    assert "staged copies unavailable" in caplog.text
+    with pytest.raises(CudaCallFailed):
+        AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=4, backend="cuda", strategy="staged")
