@@ -22,9 +22,9 @@ from aiokv.bench.cuda import _Gemm
 from aiokv.copy.pieces import PieceKernel, piece_table
 
 drv = Driver(0)
-kern = PieceKernel(drv)
 L, N, PAGE, JOB = 32, 1024, 32768, 128
 dev = torch.device("cuda")
+kern = PieceKernel(drv, dev)
 layers = [torch.randn(2, N, 16, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(L)]
 nbytes = JOB * L * 2 * PAGE
 host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

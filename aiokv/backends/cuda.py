@@ -188,6 +188,10 @@ class Driver:
             b"cuLaunchKernel", ctypes.PYFUNCTYPE(ctypes.c_int, vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp)
         )
         self._modules: list[Any] = []
+        u64 = ctypes.c_uint64
+        self._memcpy_fn = self._load_proc(
+            b"cuMemcpyAsync", ctypes.PYFUNCTYPE(ctypes.c_int, u64, u64, ctypes.c_size_t, vp)
+        )
         self.max_pitch = int(self._check(
             cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, self.device),
             "cuDeviceGetAttribute",
@@ -561,9 +565,13 @@ class Driver:
             raise self.fail(int(code), "cuLaunchKernel")
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        ret = cu.cuMemcpyAsync(dst, src, nbytes, stream)
-        if ret[0] != _OK:
-            raise self.fail(int(ret[0]), "cuMemcpyAsync")
+        """One async copy; keeps the GIL (it returns at once), like a record."""
+        if self._memcpy_fn is not None:
+            code = self._memcpy_fn(dst, src, nbytes, int(stream))
+        else:
+            code = cu.cuMemcpyAsync(dst, src, nbytes, stream)[0]
+        if code != _OK:
+            raise self.fail(int(code), "cuMemcpyAsync")
 
     def close(self) -> None:
         """Destroy pooled events and release the primary context reference."""

@@ -13,9 +13,11 @@ destinations must be 16-byte aligned and sizes multiples of 16 (``fits``).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 if TYPE_CHECKING:
     from ..backends.cuda import Driver
@@ -26,6 +28,7 @@ THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
 MAX_GRID_Y = 65535
 ALIGN = 16
+MIN_TABLE_BYTES = 64 << 10
 
 PTX = r"""
 .version 7.0
@@ -106,12 +109,46 @@ def piece_table(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndar
     return table
 
 
-class PieceKernel:
-    """The loaded kernel; ``launch`` enqueues one job's table on a stream."""
+@dataclass
+class _TableSlot:
+    host: torch.Tensor  # pinned
+    device: torch.Tensor
+    copied: Any  # event recorded once the device copy of ``host`` is done
 
-    def __init__(self, driver: Driver) -> None:
+
+class PieceKernel:
+    """The loaded kernel and the tables it reads.
+
+    ``upload`` puts a job's table on the device through a pinned buffer that is reused
+    once the device has copied it (an event per buffer; a new buffer when all are busy),
+    with driver calls that keep the GIL: torch's ``pin_memory().to()`` would drop it twice
+    per job, and beside a busy Python thread each drop costs a switch interval.
+    """
+
+    def __init__(self, driver: Driver, device: torch.device) -> None:
         self.driver = driver
+        self.device = device
         self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_pieces")
+        self._tables: list[_TableSlot] = []
+
+    def upload(self, table: np.ndarray, stream: Any) -> int:
+        """Copy ``table`` to the device on ``stream``; returns its device address there.
+
+        Kernels reading it must run on ``stream`` too: device buffers are reused in its order.
+        """
+        raw = table.view(np.uint8).reshape(-1)
+        nbytes = raw.shape[0]
+        drv = self.driver
+        slot = next((t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
+        if slot is None:
+            size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
+            slot = _TableSlot(torch.empty(size, dtype=torch.uint8, pin_memory=True),
+                              torch.empty(size, dtype=torch.uint8, device=self.device), drv.create_event())
+            self._tables.append(slot)
+        slot.host.numpy()[:nbytes] = raw
+        drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
+        drv.record(slot.copied, stream)
+        return slot.device.data_ptr()
 
     def launch(self, table_ptr: int, pieces: int, longest: int, stream: Any, first: int = 0) -> None:
         """Copy pieces ``first .. first + pieces`` of the device-resident table at ``table_ptr``."""
@@ -122,3 +159,7 @@ class PieceKernel:
             args = (ctypes.c_uint64(table_ptr), ctypes.c_uint32(first + done))
             self.driver.launch(self.function, (tiles, count), THREADS, stream, args)
             done += count
+
+    def close(self) -> None:
+        """Drop the table buffers (the caller guarantees no kernel still reads them)."""
+        self._tables = []

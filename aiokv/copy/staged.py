@@ -28,7 +28,6 @@ import torch
 from ..plan import CopyPlan
 from . import DEFAULT_DMA_STREAMS, CopyContext, CopyStrategy
 from .dma import MIN_SLICE_DESCRIPTORS, DmaBatch, MultiStreamDma
-from .kernel import upload
 from .pieces import PieceKernel, fits, piece_table
 
 __all__ = ["StagedCopy"]
@@ -108,7 +107,7 @@ class StagedCopy(CopyStrategy):
         self.only_where_it_gains = only_where_it_gains
         self.slot_bytes = ctx.staging_bytes // SLOTS
         drv = ctx.driver
-        self.kernel = PieceKernel(drv)
+        self.kernel = PieceKernel(drv, ctx.device)
         self.staged_jobs = 0  # jobs that went through the ring (tests and the bench read it)
         self.full = [drv.create_event() for _ in range(SLOTS)]  # events go with the driver
         self.free = [drv.create_event() for _ in range(SLOTS)]
@@ -120,7 +119,6 @@ class StagedCopy(CopyStrategy):
             drv.destroy_stream(self.kernel_stream)
             raise
         self.main_stream = self.dma_stream if ctx.to_host else self.kernel_stream
-        self.torch_kernel_stream = torch.cuda.ExternalStream(int(self.kernel_stream), device=ctx.device)
         try:
             self.dma = MultiStreamDma(ctx, self.main_stream, ctx.streams or DEFAULT_DMA_STREAMS)
         except BaseException:
@@ -173,8 +171,7 @@ class StagedCopy(CopyStrategy):
         k, d = self.kernel_stream, self.dma_stream
         drv.record(start, d)
         src, dst = (job.device, staged) if self.ctx.to_host else (staged, job.device)
-        with torch.cuda.stream(self.torch_kernel_stream):
-            table = upload(piece_table(src, dst, job.nbytes).view(np.int64), self.ctx.device)
+        table = self.kernel.upload(piece_table(src, dst, job.nbytes), k)
         if self.ctx.to_host and dependency is not None:
             drv.stream_wait(k, dependency)  # the source's pending writers
         try:
@@ -186,7 +183,7 @@ class StagedCopy(CopyStrategy):
                 runs_host, sizes = job.run_host[rlo:rhi], job.run_bytes[rlo:rhi]
                 if self.ctx.to_host:
                     drv.stream_wait(k, self.free[slot])
-                    self.kernel.launch(table.data_ptr(), hi - lo, job.longest, k, first=lo)
+                    self.kernel.launch(table, hi - lo, job.longest, k, first=lo)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
                     drv.memcpy_batch(runs_host, runs_slot, sizes, d, to_host=True)
@@ -198,7 +195,7 @@ class StagedCopy(CopyStrategy):
                     drv.stream_wait(k, self.full[slot])
                     if s == 0 and dependency is not None:
                         drv.stream_wait(k, dependency)  # the destination's pending readers
-                    self.kernel.launch(table.data_ptr(), hi - lo, job.longest, k, first=lo)
+                    self.kernel.launch(table, hi - lo, job.longest, k, first=lo)
                     drv.record(self.free[slot], k)
         except BaseException:
             # The main stream's next event must cover what the other stream holds.
@@ -211,4 +208,5 @@ class StagedCopy(CopyStrategy):
         self.dma.close()
         self.ctx.driver.destroy_stream(self.kernel_stream)
         self.ctx.driver.destroy_stream(self.dma_stream)
+        self.kernel.close()
         self.staging = None
