@@ -19,7 +19,7 @@ import torch
 
 from aiokv.backends.cuda import Driver
 from aiokv.bench.cuda import _Gemm
-from aiokv.copy.pieces import PieceKernel, piece_table
+from aiokv.copy.pieces import PieceKernel
 
 drv = Driver(0)
 L, N, PAGE, JOB = 32, 1024, 32768, 128
@@ -39,8 +39,13 @@ dev_addr = (bases[l_] + kv * N * PAGE + blocks[j] * PAGE).ravel()
 offset = (((j * L + l_) * 2 + kv) * PAGE).ravel()
 sizes = np.full(dev_addr.size, PAGE, dtype=np.int64)
 u64 = lambda a: np.ascontiguousarray(a, dtype=np.int64).view(np.uint64)  # noqa: E731
-gather = torch.from_numpy(piece_table(u64(dev_addr), u64(sbase + offset), u64(sizes)).view(np.int64)).to(dev)
-scatter = torch.from_numpy(piece_table(u64(sbase + offset), u64(dev_addr), u64(sizes)).view(np.int64)).to(dev)
+# Piece-by-piece tables: a page row per piece (address, stride 0, bytes, staging offset),
+# one block row (row 0, staging base).
+pages = np.zeros((dev_addr.size, 4), dtype=np.uint64)
+pages[:, 0], pages[:, 2], pages[:, 3] = u64(dev_addr), u64(sizes), u64(offset)
+flat = np.concatenate([pages.ravel(), np.array([0, sbase], dtype=np.uint64)])
+tables = torch.from_numpy(flat.view(np.int64)).to(dev)
+table_ptrs = (tables.data_ptr(), tables.data_ptr() + pages.nbytes)
 
 home = drv.create_stream()
 hi_prio, lo_prio, dma_s = drv.create_stream(high_priority=True), drv.create_stream(), drv.create_stream()
@@ -70,14 +75,13 @@ def per_page(store):
 
 def staged(store, slices, kstream):
     per = offset.size // slices
-    table = gather if store else scatter
     drv.record(fork, home)
     drv.stream_wait(kstream, fork)
     drv.stream_wait(dma_s, fork)
     for i in range(slices):
         first, off, size = i * per, i * per * PAGE, per * PAGE
         if store:
-            kern.launch(table.data_ptr(), per, PAGE, kstream, first=first)
+            kern.launch(table_ptrs, (first, first + per), (0, 1), PAGE, False, kstream)
             drv.record(slice_ev[i], kstream)
             drv.stream_wait(dma_s, slice_ev[i])
             drv.memcpy(hbase + off, sbase + off, size, dma_s)
@@ -85,14 +89,14 @@ def staged(store, slices, kstream):
             drv.memcpy(sbase + off, hbase + off, size, dma_s)
             drv.record(slice_ev[i], dma_s)
             drv.stream_wait(kstream, slice_ev[i])
-            kern.launch(table.data_ptr(), per, PAGE, kstream, first=first)
+            kern.launch(table_ptrs, (first, first + per), (0, 1), PAGE, True, kstream)
     join([kstream, dma_s])
 
 
 def kernel_only(kstream):
     drv.record(fork, home)
     drv.stream_wait(kstream, fork)
-    kern.launch(gather.data_ptr(), offset.size, PAGE, kstream)
+    kern.launch(table_ptrs, (0, offset.size), (0, 1), PAGE, False, kstream)
     join([kstream])
 
 
@@ -124,14 +128,14 @@ alone = {"big": big.alone(0.6), "medium": medium.alone(0.6)}
 c_store, c_load = ceiling()
 t, _ = timed(lambda: kernel_only(hi_prio))
 print(f"ceilings: store {c_store:.2f} GB/s, load {c_load:.2f}; GEMM alone {alone['big']:.0f} / "
-      f"{alone['medium']:.0f} TFLOP/s; gather kernel alone {t * 1e3:.0f} us "
+      f"{alone['medium']:.0f} TFLOP/s; gather kernel alone {t * 1e6:.0f} us "
       f"({nbytes / t / 1e9:.0f} GB/s of pages)", flush=True)
 for name, g in (("big", big), ("medium", medium)):
     with g:
         t, _ = timed(lambda: kernel_only(hi_prio))
         t2, _ = timed(lambda: kernel_only(lo_prio))
-    print(f"gather kernel alone under {name} GEMM: high priority {t * 1e3:.0f} us, "
-          f"normal {t2 * 1e3:.0f} us; GEMM {100 * (1 - g.rate / alone[name]):+.1f}%", flush=True)
+    print(f"gather kernel alone under {name} GEMM: high priority {t * 1e6:.0f} us, "
+          f"normal {t2 * 1e6:.0f} us; GEMM {100 * (1 - g.rate / alone[name]):+.1f}%", flush=True)
 
 cases = [("dma per-page x4", per_page)]
 for slices in (1, 2, 4, 8, 16):
@@ -165,13 +169,12 @@ drv.stream_synchronize(home)
 print("staged load byte-exact:", all(torch.equal(a, b) for a, b in zip(layers, snap)), flush=True)
 # A tail: pieces of 20 KiB + 48 bytes (not a multiple of the 16 KiB tile).
 odd = 20 * 1024 + 48
-src_t = torch.randint(0, 255, (64, odd), dtype=torch.uint8, device=dev)
+src_t = torch.randint(1, 255, (64, odd), dtype=torch.uint8, device=dev)
 dst_t = torch.zeros(64, odd + 16, dtype=torch.uint8, device=dev)
 rows = np.arange(64, dtype=np.int64)
-tab = piece_table(u64(src_t.data_ptr() + rows * odd), u64(dst_t.data_ptr() + rows * (odd + 16)),
-                  u64(np.full(64, odd)))
-tab_d = torch.from_numpy(tab.view(np.int64)).to(dev)
-kern.launch(tab_d.data_ptr(), 64, odd, home)
+odd_pages = np.array([[src_t.data_ptr(), odd, odd, 0]], dtype=np.uint64)
+odd_blocks = np.stack([rows, dst_t.data_ptr() + rows * (odd + 16)], axis=1).astype(np.uint64)
+kern.launch(kern.upload(odd_pages, odd_blocks, home), (0, 1), (0, 64), odd, False, home)
 drv.stream_synchronize(home)
-print("odd-size pieces exact, bytes past each piece untouched:",
+print("odd-size pages exact, bytes past each page untouched:",
       torch.equal(dst_t[:, :odd], src_t) and not dst_t[:, odd:].any().item(), flush=True)

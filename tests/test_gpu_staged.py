@@ -16,7 +16,7 @@ pytestmark = gpu
 
 
 def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, int]:
-    """Jobs each lane sent through its ring, by direction."""
+    """Jobs each lane sent through its ring, by lane (store, load, expedited_load)."""
     inner = worker._worker if isinstance(worker, SyncOffloadingWorker) else worker
     return {lane.direction.value: lane._strategy.staged_jobs for lane in inner._core.backend._lanes}
 
@@ -42,12 +42,13 @@ def _submit_all(workers, jobs) -> None:
 @pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
 @pytest.mark.parametrize("bpc", [1, 3])
 def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: int) -> None:
-    """Slots of 7 KiB (pages of 1-6 KiB): each job is many slices, the two slots wrap many
-    times within a job and across the jobs in flight."""
+    """Slots of 7 KiB (one block of 4-6 KiB each; planned by block) or, with 3 blocks a
+    chunk, 32 KiB (planned piece by piece): each job is several slices, and the two slots
+    wrap many times within a job and across the jobs in flight."""
     tensors, how = layouts("cuda", seed=20 + bpc)[layout]
     kv = describe(tensors, how)
-    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, bpc, "staged",
-                                            options={"staging_bytes": 14 << 10})
+    options = {"staging_bytes": 14 << 10 if bpc == 1 else 64 << 10}
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, bpc, "staged", options=options)
     rng = np.random.default_rng(bpc)
     try:
         chunks, blocks, targets = rng.permutation(30), rng.permutation(40), rng.permutation(40)
@@ -62,7 +63,7 @@ def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: 
         loads = jobs("load", 10, targets)
         _submit_all([cuda_w, oracle], loads)
         _same(cuda_w, oracle, tensors, cpu_tensors)
-        assert _staged(cuda_w) == {"store": 4, "load": 4}
+        assert _staged(cuda_w) == {"store": 4, "load": 4, "expedited_load": 0}
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
@@ -85,7 +86,7 @@ def test_pages_with_a_partial_tile_round_trip(strategy: str) -> None:
         dst = rng.permutation(40)
         _submit_all([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
         _same(cuda_w, oracle, tensors, cpu_tensors)
-        assert _staged(cuda_w) == {"store": 1, "load": 1}
+        assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
@@ -110,8 +111,8 @@ def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:
             assert torch.equal(t.view(torch.uint8), e.view(torch.uint8))
         return staged
 
-    assert anyio.run(run, small, 1, 64) == {"store": 1, "load": 1}  # 512 pieces of 32 KiB
-    assert anyio.run(run, large, 0, 16) == {"store": 0, "load": 0}  # 16 pieces of 2 MiB
+    assert anyio.run(run, small, 1, 64) == {"store": 1, "load": 1, "expedited_load": 0}  # 512 x 32 KiB
+    assert anyio.run(run, large, 0, 16) == {"store": 0, "load": 0, "expedited_load": 0}  # 16 x 2 MiB
 
 
 def test_shutdown_drains_staged_jobs_in_flight() -> None:
@@ -126,7 +127,7 @@ def test_shutdown_drains_staged_jobs_in_flight() -> None:
         torch.cuda._sleep(300_000_000)  # every job below waits behind this
         for _, j, gspec, cspec in jobs:
             cuda_w.submit_store(j, gspec, cspec)
-        pool = cuda_w._worker.host_pool
+        pool, want = cuda_w._worker.host_pool, oracle._worker.host_pool.clone()
         staged = _staged(cuda_w)
     finally:
         cuda_w.shutdown()
@@ -134,7 +135,7 @@ def test_shutdown_drains_staged_jobs_in_flight() -> None:
     results = cuda_w.get_finished()
     assert staged["store"] == 6
     assert sorted(r.job_id for r in results) == list(range(6)) and all(r.success for r in results)
-    assert torch.equal(pool, oracle._worker.host_pool)
+    assert torch.equal(pool, want)
 
 
 def test_staged_needs_staging_memory() -> None:
@@ -148,7 +149,7 @@ def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog
     import aiokv.copy.staged as staged
     from aiokv.backends.cuda import CudaCallFailed
 
-    def refuse(self, driver) -> None:
+    def refuse(self, driver, device) -> None:
         raise CudaCallFailed("CUDA call failed: CUDA_ERROR_NO_BINARY_FOR_GPU (cuModuleLoadData)", 209)
 
     monkeypatch.setattr(staged.PieceKernel, "__init__", refuse)

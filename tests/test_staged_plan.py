@@ -1,106 +1,170 @@
-"""The staged strategy's host-side plan (slices, slot offsets, DMA runs) and the piece
-kernel's table, checked by replaying them on numpy byte arrays against a direct copy."""
+"""The staged strategy's host-side plans (the piece kernel's two tables, slices, DMA runs),
+replayed on one numpy byte array that stands for device, host and staging memory: each
+slice's kernel is run as the PTX reads its tables, each run as one copy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from aiokv.copy.pieces import fits, piece_table
-from aiokv.copy.staged import staged_job
+from aiokv.copy.pieces import fits
+from aiokv.copy.staged import StagedJob, block_job, piece_job
+
+SLOTS_AT = 1 << 22  # staging slots live here in the replayed address space
 
 
-def _pieces(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random pieces: sizes in 16-byte units, device spots anywhere, host spots packed in a
+def _replay(job: StagedJob, space: np.ndarray, slot_bytes: int, to_device: bool) -> None:
+    """Run the job as the lane would: slice by slice through two alternating slots."""
+    bases = SLOTS_AT + (np.arange(job.slices) % 2) * slot_bytes
+    blocks = job.blocks.astype(np.int64)
+    blocks[:, 1] += bases[job.block_slice]
+    pages = job.pages.astype(np.int64)
+
+    def kernel(s: int) -> None:
+        (p0, p1), (b0, b1) = job.span(s)
+        for row, image in blocks[b0:b1]:
+            for base, stride, n, off in pages[p0:p1]:
+                dev, stg = base + row * stride, image + off
+                src, dst = (stg, dev) if to_device else (dev, stg)
+                space[dst : dst + n] = space[src : src + n]
+
+    def dma(s: int) -> None:
+        for r in range(job.run_bounds[s], job.run_bounds[s + 1]):
+            h, o, n = int(job.run_host[r]), int(bases[s] + job.run_slot[r]), int(job.run_bytes[r])
+            src, dst = (h, o) if to_device else (o, h)
+            space[dst : dst + n] = space[src : src + n]
+
+    for s in range(job.slices):
+        space[bases[s] : bases[s] + slot_bytes] = 0xA5  # whatever the last slice left there
+        first, second = (dma, kernel) if to_device else (kernel, dma)
+        first(s)
+        second(s)
+
+
+def _space(rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(1, 256, SLOTS_AT + (4 << 20), dtype=np.uint8)
+
+
+def _random_pieces(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces in 16-byte units; device spots below 1 MiB, host spots from 2 MiB, packed in a
     random order with gaps, so some neighbours are host-adjacent and some are not."""
-    sizes = rng.integers(1, 300, count).astype(np.int64) * 16
+    sizes = rng.integers(1, 100, count).astype(np.int64) * 16
     dev_order = rng.permutation(count)
     dev = np.empty(count, dtype=np.int64)
     dev[dev_order] = np.cumsum(sizes[dev_order] + 32) - sizes[dev_order]
     host_order = rng.permutation(count)
     gaps = np.where(rng.random(count) < 0.3, 48, 0)
     host = np.empty(count, dtype=np.int64)
-    host[host_order] = np.cumsum(sizes[host_order] + gaps) - sizes[host_order]
+    host[host_order] = (2 << 20) + np.cumsum(sizes[host_order] + gaps) - sizes[host_order]
     return dev.astype(np.uint64), host.astype(np.uint64), sizes.astype(np.uint64)
 
 
-def _replay_store(job, device_bytes: np.ndarray, host_bytes: np.ndarray, slot_bytes: int) -> None:
-    """Gather each slice into a slot, then move the slot's runs to the host."""
-    for s in range(job.slices):
-        slot = np.full(slot_bytes, 0xA5, dtype=np.uint8)
-        for i in range(job.bounds[s], job.bounds[s + 1]):
-            d, o, n = int(job.device[i]), int(job.in_slot[i]), int(job.nbytes[i])
-            slot[o : o + n] = device_bytes[d : d + n]
-        for r in range(job.run_bounds[s], job.run_bounds[s + 1]):
-            h, o, n = int(job.run_host[r]), int(job.run_slot[r]), int(job.run_bytes[r])
-            host_bytes[h : h + n] = slot[o : o + n]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_replayed_staged_store_matches_direct_copies(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(5))
+def test_piece_job_store_then_load_moves_every_piece(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    dev, host, sizes = _pieces(rng, int(rng.integers(1, 400)))
+    dev, host, sizes = _random_pieces(rng, int(rng.integers(1, 300)))
     slot_bytes = int(sizes.max()) * int(rng.integers(1, 12))
-    job = staged_job(dev, host, sizes, slot_bytes)
-    device_bytes = rng.integers(1, 256, int((dev + sizes).max()), dtype=np.uint8)
-    span = int((host + sizes).max()) + 64
-    want = np.full(span, 0x3C, dtype=np.uint8)
+    job = piece_job(dev, host, sizes, slot_bytes)
+    space = _space(rng)
+    want = space.copy()
     for d, h, n in zip(dev.tolist(), host.tolist(), sizes.tolist()):
-        want[h : h + n] = device_bytes[d : d + n]
-    got = np.full(span, 0x3C, dtype=np.uint8)
-    _replay_store(job, device_bytes, got, slot_bytes)
-    assert np.array_equal(got, want)  # every piece landed, gaps untouched
+        want[h : h + n] = want[d : d + n]
+    _replay(job, space, slot_bytes, to_device=False)
+    assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])  # pieces landed, nothing else moved
+    for d, n in zip(dev.tolist(), sizes.tolist()):  # wipe the device side, load it back
+        space[d : d + n] = 0
+    _replay(job, space, slot_bytes, to_device=True)
+    assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_slices_fill_slots_greedily_and_runs_are_maximal(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(3))
+def test_piece_job_slices_fill_slots_greedily_and_runs_are_maximal(seed: int) -> None:
     rng = np.random.default_rng(100 + seed)
-    dev, host, sizes = _pieces(rng, 300)
+    dev, host, sizes = _random_pieces(rng, 300)
     slot_bytes = int(sizes.max()) * 3
-    job = staged_job(dev, host, sizes, slot_bytes)
-    assert sorted(job.device.tolist()) == sorted(dev.tolist())
+    job = piece_job(dev, host, sizes, slot_bytes)
+    assert sorted(job.pages[:, 0].tolist()) == sorted(dev.tolist()) and not job.by_block
     assert np.all(np.diff(job.run_host.astype(np.int64)) > 0)  # host order
     for s in range(job.slices):
         lo, hi = job.bounds[s], job.bounds[s + 1]
-        n = job.nbytes[lo:hi].astype(np.int64)
+        n = job.pages[lo:hi, 2].astype(np.int64)
         assert hi > lo and int(n.sum()) <= slot_bytes
-        assert np.array_equal(job.in_slot[lo:hi].astype(np.int64), np.cumsum(n) - n)  # packed from 0
-        if hi < len(job.nbytes):  # the next piece did not fit
-            assert int(n.sum()) + int(job.nbytes[hi]) > slot_bytes
+        assert np.array_equal(job.pages[lo:hi, 3].astype(np.int64), np.cumsum(n) - n)  # packed from 0
+        if hi < job.pages.shape[0]:  # the next piece did not fit
+            assert int(n.sum()) + int(job.pages[hi, 2]) > slot_bytes
         runs = slice(job.run_bounds[s], job.run_bounds[s + 1])
         assert int(job.run_bytes[runs].astype(np.int64).sum()) == int(n.sum())
         ends = (job.run_host[runs] + job.run_bytes[runs])[:-1]
         assert not np.any(ends == job.run_host[runs][1:])  # adjacent runs would have merged
 
 
-def test_one_slice_when_the_job_fits_a_slot() -> None:
-    dev = np.arange(8, dtype=np.uint64) * 4096
-    host = (np.arange(8, dtype=np.uint64)[::-1] * 1024).copy()  # adjacent once sorted
-    job = staged_job(dev, host, np.full(8, 1024, dtype=np.uint64), 1 << 20)
-    assert job.slices == 1 and job.bounds == [0, 8]
-    assert job.run_bytes.tolist() == [8192] and job.run_host.tolist() == [0]
-    assert job.device.tolist() == dev[::-1].tolist() and job.longest == 1024
+def test_a_slice_takes_every_piece_that_fits_exactly() -> None:
+    dev = np.arange(10, dtype=np.uint64) * 8192
+    host = np.arange(10, dtype=np.uint64) * 2048  # gaps: no runs merge
+    job = piece_job(dev, host, np.full(10, 1024, dtype=np.uint64), 4096)
+    assert job.bounds == [0, 4, 8, 10]
+    assert job.pages[:, 3].tolist() == [0, 1024, 2048, 3072] * 2 + [0, 1024]
+    assert job.run_bounds == [0, 4, 8, 10]
 
 
-def test_piece_table_rows_are_source_destination_bytes() -> None:
-    src = np.array([16, 32], dtype=np.uint64)
-    dst = np.array([4096, 8192], dtype=np.uint64)
-    table = piece_table(src, dst, np.array([48, 64], dtype=np.uint64))
-    assert table.dtype == np.uint64 and table.flags.c_contiguous
-    assert table.tolist() == [[16, 4096, 48], [32, 8192, 64]]
+def _block_layout(rng: np.random.Generator, pages: int) -> tuple[np.ndarray, int]:
+    """Page rows (device base, row stride, bytes, offset in the block) of ``pages`` page
+    tensors of 32 rows each, sizes in 16-byte units, tiling the block in host order."""
+    sizes = rng.integers(1, 40, pages).astype(np.int64) * 16
+    strides = sizes + 16 * rng.integers(0, 3, pages)
+    bases = np.cumsum(32 * strides + 64) - 32 * strides
+    rows = np.empty((pages, 4), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = bases, strides, sizes
+    rows[:, 3] = np.cumsum(sizes) - sizes
+    return rows, int(sizes.sum())
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("padding", [0, 48])
+def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> None:
+    """Blocks to chunks; chunks are back to back (``padding`` 0, so runs merge) or padded."""
+    rng = np.random.default_rng(seed)
+    page_rows, block_bytes = _block_layout(rng, int(rng.integers(1, 9)))
+    chunk_bytes = block_bytes + padding
+    n = int(rng.integers(1, 32))
+    rows = rng.choice(32, n, replace=False)
+    chunks = rng.choice(40, n, replace=False)
+    if seed % 2:
+        chunks = np.sort(chunks)  # more neighbours on the host
+    host = ((2 << 20) + chunks * chunk_bytes).astype(np.uint64)
+    slot_bytes = block_bytes * int(rng.integers(1, 6)) + 16 * int(rng.integers(0, 4))
+    job = block_job(rows, host, page_rows, block_bytes, slot_bytes)
+    assert job.by_block and int(job.blocks[:, 1].max()) + block_bytes <= slot_bytes
+    space = _space(rng)
+    want = space.copy()
+    for row, h in zip(rows.tolist(), host.tolist()):
+        for base, stride, size, off in page_rows.astype(np.int64).tolist():
+            d = base + row * stride
+            want[h + off : h + off + size] = want[d : d + size]
+    _replay(job, space, slot_bytes, to_device=False)
+    assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])
+    for row in rows.tolist():  # wipe the blocks' pages, load them back
+        for base, stride, size, _ in page_rows.astype(np.int64).tolist():
+            space[base + row * stride : base + row * stride + size] = 0
+    _replay(job, space, slot_bytes, to_device=True)
+    assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])
+    if padding:
+        assert job.run_bytes.tolist() == [block_bytes] * n  # padded chunks never merge
+
+
+def test_block_job_merges_neighbouring_chunks_within_a_slice() -> None:
+    page_rows = np.array([[0, 64, 32, 0], [4096, 64, 32, 32]], dtype=np.uint64)
+    host = np.array([640, 704, 768, 64], dtype=np.uint64)  # chunks 10, 11, 12, then 1
+    job = block_job(np.arange(4), host, page_rows, 64, 128)
+    assert job.bounds == [0, 2, 4]
+    assert job.run_host.tolist() == [640, 768, 64] and job.run_bytes.tolist() == [128, 64, 64]
+    assert job.run_bounds == [0, 1, 3]
+    assert job.blocks[:, 1].tolist() == [0, 64, 0, 64]
 
 
 def test_fits_needs_16_byte_addresses_and_sizes() -> None:
     ok = np.array([0, 16, 4096], dtype=np.uint64)
-    assert fits(ok, ok * 2, ok + 32)
+    assert fits(ok, ok * 2, ok + 32, 512)
     assert not fits(ok, ok + 8, ok)
     assert not fits(ok, ok, np.array([16, 24, 32], dtype=np.uint64))
-
-
-def test_a_slice_takes_every_piece_that_fits_exactly() -> None:
-    dev = np.arange(10, dtype=np.uint64) * 8192
-    host = np.arange(10, dtype=np.uint64) * 2048  # gaps: no runs merge
-    job = staged_job(dev, host, np.full(10, 1024, dtype=np.uint64), 4096)
-    assert job.bounds == [0, 4, 8, 10]
-    assert job.in_slot.tolist() == [0, 1024, 2048, 3072] * 2 + [0, 1024]
-    assert job.run_bounds == [0, 4, 8, 10]
+    assert not fits(ok, 520)

@@ -551,15 +551,16 @@ class Driver:
         return self._check(cu.cuModuleGetFunction(module, name), "cuModuleGetFunction")
 
     def launch(
-        self, function: Any, grid: tuple[int, int], block: int, stream: Any, args: tuple[Any, ...]
+        self, function: Any, grid: tuple[int, int, int], block: int, stream: Any, args: tuple[Any, ...]
     ) -> None:
         """Enqueue ``function`` on ``stream``; ``args`` are ctypes values in parameter order."""
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        gx, gy, gz = grid
         if self._launch_fn is not None:
-            code = self._launch_fn(int(function), grid[0], grid[1], 1, block, 1, 1, 0, int(stream),
+            code = self._launch_fn(int(function), gx, gy, gz, block, 1, 1, 0, int(stream),
                                    ctypes.addressof(params), None)
         else:
-            code = cu.cuLaunchKernel(function, grid[0], grid[1], 1, block, 1, 1, 0, stream,
+            code = cu.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, 0, stream,
                                      ctypes.addressof(params), 0)[0]
         if code != _OK:
             raise self.fail(int(code), "cuLaunchKernel")

@@ -1,13 +1,20 @@
-"""One kernel launch that copies a whole table of pieces (source, destination, bytes).
+"""One kernel launch that copies a job's pages between their device rows and staging.
 
 Why: gathering a job's pages with torch index ops costs one or two launches per page
 tensor (64 or more for a per-layer job), and beside a GEMM each launch waits for SMs. This
-kernel moves every piece of a job in one launch. It is PTX written here and compiled by the
-driver when the module loads, so nothing beyond the driver is needed at run time.
+kernel moves a whole slice of a job in one launch. It is PTX written here and compiled by
+the driver when the module loads, so nothing beyond the driver is needed at run time.
 
-Each CTA of 256 threads copies one 16 KiB tile of one piece (4 x 16 bytes per thread);
-``grid.y`` walks the pieces, ``grid.x`` the tiles of the longest one. Sources and
-destinations must be 16-byte aligned and sizes multiples of 16 (``fits``).
+The job is two small tables rather than one row per page: ``pages`` (per page of a block:
+device base, row stride, bytes, offset in the block's staging image) and ``blocks`` (per
+block: device row, staging address of its image). Page ``y`` of block ``z`` lives at
+``base + row * stride`` on the device and at ``image + offset`` in staging, so a job of
+128 blocks x 64 pages is planned on arrays of 128 and 64 rows. A job that does not fit
+that shape is one block per slice whose "pages" are its pieces (stride 0, base = address).
+
+Each CTA of 256 threads copies one 16 KiB tile of one page (4 x 16 bytes per thread);
+``grid = (tiles of the longest page, pages, blocks)``. Addresses and sizes must be
+multiples of 16 bytes (``fits``).
 """
 
 from __future__ import annotations
@@ -22,47 +29,68 @@ import torch
 if TYPE_CHECKING:
     from ..backends.cuda import Driver
 
-__all__ = ["PieceKernel", "fits", "piece_table"]
+__all__ = ["PAGE_COLUMNS", "PieceKernel", "fits"]
 
 THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
-MAX_GRID_Y = 65535
+MAX_GRID_YZ = 65535
 ALIGN = 16
 MIN_TABLE_BYTES = 64 << 10
+PAGE_COLUMNS = 4  # device base, row stride, bytes, offset in the block image
+BLOCK_COLUMNS = 2  # device row, staging address of the image
 
 PTX = r"""
 .version 7.0
 .target sm_75
 .address_size 64
 
-// table: pieces of 3 x u64 (source, destination, bytes); piece = first + ctaid.y.
-.visible .entry aiokv_copy_pieces(.param .u64 table, .param .u32 first)
+// CTA (x, y, z) copies tile x of page y of block z, between the block's device row and
+// its image in staging. pages: rows of 4 x u64 (device base, row stride, bytes, offset in
+// the block image); blocks: rows of 2 x u64 (device row, staging address of the image).
+.visible .entry aiokv_copy_blocks(.param .u64 pages, .param .u64 blocks, .param .u32 first_page,
+                                  .param .u32 first_block, .param .u32 to_device)
 {
     .reg .pred %p<4>;
-    .reg .b32 %r<4>;
-    .reg .b64 %rd<12>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<14>;
     .reg .b32 %v<16>;
 
-    ld.param.u64 %rd1, [table];
-    ld.param.u32 %r3, [first];
+    ld.param.u64 %rd1, [pages];
+    ld.param.u64 %rd2, [blocks];
+    ld.param.u32 %r1, [first_page];
+    ld.param.u32 %r2, [first_block];
+    ld.param.u32 %r3, [to_device];
     cvta.to.global.u64 %rd1, %rd1;
-    mov.u32 %r1, %ctaid.y;
-    add.u32 %r1, %r1, %r3;
-    mul.wide.u32 %rd2, %r1, 24;
-    add.s64 %rd2, %rd1, %rd2;
-    ld.global.nc.u64 %rd3, [%rd2];
-    ld.global.nc.u64 %rd4, [%rd2+8];
-    ld.global.nc.u64 %rd5, [%rd2+16];
-    // This CTA's tile starts TILE bytes per ctaid.x into the piece; past its end, nothing.
-    mov.u32 %r2, %ctaid.x;
-    mul.wide.u32 %rd6, %r2, 16384;
+    cvta.to.global.u64 %rd2, %rd2;
+    mov.u32 %r4, %ctaid.y;
+    add.u32 %r4, %r4, %r1;
+    mul.wide.u32 %rd3, %r4, 32;
+    add.s64 %rd1, %rd1, %rd3;
+    mov.u32 %r5, %ctaid.z;
+    add.u32 %r5, %r5, %r2;
+    mul.wide.u32 %rd3, %r5, 16;
+    add.s64 %rd2, %rd2, %rd3;
+    ld.global.nc.u64 %rd3, [%rd1];
+    ld.global.nc.u64 %rd4, [%rd1+8];
+    ld.global.nc.u64 %rd5, [%rd1+16];
+    ld.global.nc.u64 %rd6, [%rd1+24];
+    ld.global.nc.u64 %rd7, [%rd2];
+    ld.global.nc.u64 %rd8, [%rd2+8];
+    mad.lo.u64 %rd9, %rd7, %rd4, %rd3;
+    add.s64 %rd10, %rd8, %rd6;
+    setp.ne.u32 %p3, %r3, 0;
+    selp.b64 %rd3, %rd10, %rd9, %p3;
+    selp.b64 %rd4, %rd9, %rd10, %p3;
+    // This CTA's tile starts 16 KiB per ctaid.x into the page; past its end, nothing.
+    mov.u32 %r6, %ctaid.x;
+    mul.wide.u32 %rd6, %r6, 16384;
     setp.ge.u64 %p1, %rd6, %rd5;
     @%p1 bra DONE;
     cvta.to.global.u64 %rd3, %rd3;
     cvta.to.global.u64 %rd4, %rd4;
     sub.u64 %rd7, %rd5, %rd6;
-    mov.u32 %r2, %tid.x;
-    mul.wide.u32 %rd8, %r2, 16;
+    mov.u32 %r7, %tid.x;
+    mul.wide.u32 %rd8, %r7, 16;
     add.s64 %rd9, %rd3, %rd6;
     add.s64 %rd9, %rd9, %rd8;
     add.s64 %rd10, %rd4, %rd6;
@@ -80,9 +108,9 @@ PTX = r"""
     st.global.v4.u32 [%rd10+12288], {%v12, %v13, %v14, %v15};
     bra.uni DONE;
 TAIL:
-    // The last, partial tile of a piece: one vector per thread per 4 KiB step.
-    setp.ge.u64 %p3, %rd8, %rd7;
-    @%p3 bra DONE;
+    // The last, partial tile of a page: one vector per thread per 4 KiB step.
+    setp.ge.u64 %p2, %rd8, %rd7;
+    @%p2 bra DONE;
     ld.global.nc.v4.u32 {%v0, %v1, %v2, %v3}, [%rd9];
     st.global.v4.u32 [%rd10], {%v0, %v1, %v2, %v3};
     add.s64 %rd8, %rd8, 4096;
@@ -95,18 +123,9 @@ DONE:
 """
 
 
-def fits(*arrays: np.ndarray) -> bool:
+def fits(*arrays: np.ndarray | int) -> bool:
     """True when every address and size is a multiple of 16 bytes (the kernel's vectors)."""
     return all(not (np.asarray(a, dtype=np.uint64) % ALIGN).any() for a in arrays)
-
-
-def piece_table(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """The kernel's table: one row of (source, destination, bytes) per piece, as uint64."""
-    table = np.empty((src.shape[0], 3), dtype=np.uint64)
-    table[:, 0] = src
-    table[:, 1] = dst
-    table[:, 2] = nbytes
-    return table
 
 
 @dataclass
@@ -119,7 +138,7 @@ class _TableSlot:
 class PieceKernel:
     """The loaded kernel and the tables it reads.
 
-    ``upload`` puts a job's table on the device through a pinned buffer that is reused
+    ``upload`` puts a job's tables on the device through a pinned buffer that is reused
     once the device has copied it (an event per buffer; a new buffer when all are busy),
     with driver calls that keep the GIL: torch's ``pin_memory().to()`` would drop it twice
     per job, and beside a busy Python thread each drop costs a switch interval.
@@ -128,16 +147,16 @@ class PieceKernel:
     def __init__(self, driver: Driver, device: torch.device) -> None:
         self.driver = driver
         self.device = device
-        self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_pieces")
+        self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_blocks")
         self._tables: list[_TableSlot] = []
 
-    def upload(self, table: np.ndarray, stream: Any) -> int:
-        """Copy ``table`` to the device on ``stream``; returns its device address there.
+    def upload(self, pages: np.ndarray, blocks: np.ndarray, stream: Any) -> tuple[int, int]:
+        """Copy both tables (uint64) to the device on ``stream``; their device addresses.
 
-        Kernels reading it must run on ``stream`` too: device buffers are reused in its order.
+        Kernels reading them must run on ``stream`` too: device buffers are reused in its order.
         """
-        raw = table.view(np.uint8).reshape(-1)
-        nbytes = raw.shape[0]
+        head = pages.size * 8
+        nbytes = head + blocks.size * 8
         drv = self.driver
         slot = next((t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
         if slot is None:
@@ -145,20 +164,25 @@ class PieceKernel:
             slot = _TableSlot(torch.empty(size, dtype=torch.uint8, pin_memory=True),
                               torch.empty(size, dtype=torch.uint8, device=self.device), drv.create_event())
             self._tables.append(slot)
-        slot.host.numpy()[:nbytes] = raw
+        host = slot.host.numpy()
+        host[:head] = pages.view(np.uint8).reshape(-1)
+        host[head:nbytes] = blocks.view(np.uint8).reshape(-1)
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
         drv.record(slot.copied, stream)
-        return slot.device.data_ptr()
+        base = slot.device.data_ptr()
+        return base, base + head
 
-    def launch(self, table_ptr: int, pieces: int, longest: int, stream: Any, first: int = 0) -> None:
-        """Copy pieces ``first .. first + pieces`` of the device-resident table at ``table_ptr``."""
+    def launch(self, tables: tuple[int, int], pages: tuple[int, int], blocks: tuple[int, int],
+               longest: int, to_device: bool, stream: Any) -> None:
+        """Copy pages ``[pages[0], pages[1])`` of blocks ``[blocks[0], blocks[1])``."""
         tiles = max(1, -(-longest // TILE_BYTES))
-        done = 0
-        while done < pieces:
-            count = min(MAX_GRID_Y, pieces - done)
-            args = (ctypes.c_uint64(table_ptr), ctypes.c_uint32(first + done))
-            self.driver.launch(self.function, (tiles, count), THREADS, stream, args)
-            done += count
+        for p in range(pages[0], pages[1], MAX_GRID_YZ):
+            np_ = min(MAX_GRID_YZ, pages[1] - p)
+            for b in range(blocks[0], blocks[1], MAX_GRID_YZ):
+                nb = min(MAX_GRID_YZ, blocks[1] - b)
+                args = (ctypes.c_uint64(tables[0]), ctypes.c_uint64(tables[1]), ctypes.c_uint32(p),
+                        ctypes.c_uint32(b), ctypes.c_uint32(int(to_device)))
+                self.driver.launch(self.function, (tiles, np_, nb), THREADS, stream, args)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""

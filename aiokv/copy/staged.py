@@ -28,7 +28,7 @@ import torch
 from ..plan import CopyPlan
 from . import DEFAULT_DMA_STREAMS, CopyContext, CopyStrategy
 from .dma import MIN_SLICE_DESCRIPTORS, DmaBatch, MultiStreamDma
-from .pieces import PieceKernel, fits, piece_table
+from .pieces import PieceKernel, fits
 
 __all__ = ["StagedCopy"]
 
@@ -44,15 +44,19 @@ MIN_STAGED_PIECES = 64
 
 @dataclass
 class StagedJob:
-    """One job in host order, cut into slices that each fit a staging slot."""
+    """One job as the piece kernel's two tables, cut into slices that each fit a slot.
 
-    device: np.ndarray  # device address of each piece (uint64)
-    in_slot: np.ndarray  # offset of each piece in its slice's slot (uint64)
-    slice_of: np.ndarray  # slice index of each piece
-    nbytes: np.ndarray  # uint64
-    bounds: list[int]  # pieces [bounds[s], bounds[s + 1]) form slice s
+    Slices cut the blocks (``by_block``: every page of each block) or, for jobs planned
+    piece by piece, the pages of a single block row per slice.
+    """
+
+    pages: np.ndarray  # (P, 4) uint64: device base, row stride, bytes, offset in the image
+    blocks: np.ndarray  # (B, 2) uint64: device row, offset of the image in its slot
+    block_slice: np.ndarray  # slice of each block row
+    by_block: bool
+    bounds: list[int]  # slice s is rows [bounds[s], bounds[s + 1]) of blocks or pages
     longest: int
-    run_host: np.ndarray  # host address of each run of host-adjacent pieces (uint64)
+    run_host: np.ndarray  # host address of each DMA run (uint64)
     run_slot: np.ndarray  # its offset in the slot (uint64)
     run_bytes: np.ndarray  # uint64
     run_bounds: list[int]  # runs [run_bounds[s], run_bounds[s + 1]) belong to slice s
@@ -61,9 +65,50 @@ class StagedJob:
     def slices(self) -> int:
         return len(self.bounds) - 1
 
+    def span(self, s: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(page rows, block rows) slice ``s`` launches."""
+        lo, hi = self.bounds[s], self.bounds[s + 1]
+        if self.by_block:
+            return (0, int(self.pages.shape[0])), (lo, hi)
+        return (lo, hi), (s, s + 1)
 
-def staged_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_bytes: int) -> StagedJob:
-    """Sort pieces by host address, cut slices of at most ``slot_bytes``, merge runs (numpy)."""
+
+def _runs(host: np.ndarray, in_slot: np.ndarray, nbytes: np.ndarray, bounds: list[int]) -> dict[str, Any]:
+    """Merge rows that are adjacent on the host (and so in the slot) into DMA runs; a run
+    never crosses a slice."""
+    cut = np.ones(host.size, dtype=bool)
+    cut[1:] = host[1:] != host[:-1] + nbytes[:-1]
+    cut[bounds[:-1]] = True
+    starts = np.flatnonzero(cut)
+    return {
+        "run_host": host[starts].astype(np.uint64),
+        "run_slot": in_slot[starts].astype(np.uint64),
+        "run_bytes": np.add.reduceat(nbytes, starts).astype(np.uint64),
+        "run_bounds": np.searchsorted(starts, bounds).tolist(),
+    }
+
+
+def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_bytes: int,
+              slot_bytes: int) -> StagedJob:
+    """Plan a job whose blocks each move every page of one group, one block per chunk:
+    a block's image in staging is its host chunk's first ``block_bytes``. Arrays have one
+    row per block, so this costs the same for 8 pages a block as for 80."""
+    n = rows.shape[0]
+    per = slot_bytes // block_bytes
+    block_slice = np.arange(n) // per
+    in_slot = ((np.arange(n) - block_slice * per) * block_bytes).astype(np.uint64)
+    blocks = np.empty((n, 2), dtype=np.uint64)
+    blocks[:, 0] = rows
+    blocks[:, 1] = in_slot
+    bounds = [*range(0, n, per), n]
+    runs = _runs(host, in_slot, np.full(n, block_bytes, dtype=np.uint64), bounds)
+    longest = int(page_rows[:, 2].max())
+    return StagedJob(page_rows, blocks, block_slice, True, bounds, longest, **runs)
+
+
+def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_bytes: int) -> StagedJob:
+    """Plan any job piece by piece: sort by host address, cut slices of at most
+    ``slot_bytes``, one block row per slice whose pages are the slice's pieces."""
     order = np.argsort(host, kind="stable")
     h, n, d = host[order], nbytes[order], device[order]
     end = np.cumsum(n)
@@ -73,26 +118,14 @@ def staged_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_by
         lo = bounds[-1]
         bounds.append(int(np.searchsorted(end, start[lo] + slot_bytes, side="right")))
     counts = np.diff(bounds)
-    slice_of = np.repeat(np.arange(len(counts)), counts)
     in_slot = start - np.repeat(start[bounds[:-1]], counts)
-    # A run ends where the host bytes stop being adjacent or a slice ends.
-    cut = np.zeros(n.size, dtype=bool)
-    cut[0] = True
-    cut[1:] = h[1:] != h[:-1] + n[:-1]
-    cut[bounds[:-1]] = True
-    starts = np.flatnonzero(cut)
-    return StagedJob(
-        device=d.astype(np.uint64),
-        in_slot=in_slot.astype(np.uint64),
-        slice_of=slice_of,
-        nbytes=n.astype(np.uint64),
-        bounds=bounds,
-        longest=int(n.max()),
-        run_host=h[starts].astype(np.uint64),
-        run_slot=in_slot[starts].astype(np.uint64),
-        run_bytes=np.add.reduceat(n, starts).astype(np.uint64),
-        run_bounds=np.searchsorted(starts, bounds).tolist(),
-    )
+    pages = np.zeros((n.size, 4), dtype=np.uint64)
+    pages[:, 0] = d
+    pages[:, 2] = n
+    pages[:, 3] = in_slot
+    blocks = np.zeros((len(counts), 2), dtype=np.uint64)
+    runs = _runs(h, in_slot, n, bounds)
+    return StagedJob(pages, blocks, np.arange(len(counts)), False, bounds, int(n.max()), **runs)
 
 
 class StagedCopy(CopyStrategy):
@@ -105,7 +138,7 @@ class StagedCopy(CopyStrategy):
         # ``auto``: jobs of few or large pieces go straight to DMA. ``staged``: every job
         # that fits the ring goes through it.
         self.only_where_it_gains = only_where_it_gains
-        self.slot_bytes = ctx.staging_bytes // SLOTS
+        self.slot_bytes = ctx.staging_bytes // SLOTS // 512 * 512  # slots stay 512-byte aligned
         drv = ctx.driver
         self.kernel = PieceKernel(drv, ctx.device)
         self.staged_jobs = 0  # jobs that went through the ring (tests and the bench read it)
@@ -127,19 +160,41 @@ class StagedCopy(CopyStrategy):
             raise
         self.staging: torch.Tensor | None = None
         self.next_slot = 0
+        self.shape = self._block_shape()
+
+    def _block_shape(self) -> tuple[np.ndarray, int] | None:
+        """The page table of a layout whose jobs plan by block (one group, one block per
+        chunk, 16-byte aligned): rows in host order within the chunk. None otherwise."""
+        ctx, layout = self.ctx, self.ctx.layout
+        if layout.num_groups != 1 or layout.blocks_per_chunk != 1:
+            return None
+        order = np.argsort(layout.page_offsets[0], kind="stable")
+        tensors = np.asarray(layout.tensor_idx[0], dtype=np.int64)[order]
+        pages = np.empty((order.size, 4), dtype=np.uint64)
+        pages[:, 0] = ctx.device_base[tensors]
+        pages[:, 1] = np.asarray(layout.row_strides, dtype=np.int64)[tensors]
+        pages[:, 2] = np.asarray(layout.page_sizes[0], dtype=np.int64)[order]
+        pages[:, 3] = np.asarray(layout.page_offsets[0], dtype=np.int64)[order]
+        if not fits(pages, layout.chunk_bytes, ctx.host_base):
+            return None
+        return pages, layout.block_bytes[0]
 
     def prepare(self, plan: CopyPlan) -> StagedJob | DmaBatch:
         ctx = self.ctx
-        dst, src, sizes = ctx.pointers(plan)
-        pieces = int(sizes.shape[0])
-        gains = pieces >= MIN_STAGED_PIECES and int(sizes.sum()) < DIRECT_PIECE_BYTES * pieces
-        if (pieces == 0 or (self.only_where_it_gains and not gains)
-                or int(sizes.max()) > self.slot_bytes or not fits(dst, src, sizes)):
-            return self.dma.split(dst, src, sizes, min_descriptors=MIN_SLICE_DESCRIPTORS)
-        if self.staging is None and not self._allocate_staging():
-            return self.dma.split(dst, src, sizes, min_descriptors=MIN_SLICE_DESCRIPTORS)
-        device, host = (src, dst) if ctx.to_host else (dst, src)
-        return staged_job(device, host, sizes, self.slot_bytes)
+        pieces = plan.num_pages
+        gains = pieces >= MIN_STAGED_PIECES and plan.total_bytes < DIRECT_PIECE_BYTES * pieces
+        if pieces and (gains or not self.only_where_it_gains):
+            if self.shape is not None and plan.mapping is not None and self.shape[1] <= self.slot_bytes:
+                if self.staging is not None or self._allocate_staging():
+                    rows, chunks = plan.mapping.gpu_blocks[0], plan.mapping.host_slots[0]
+                    host = (chunks * ctx.layout.chunk_bytes + ctx.host_base).astype(np.uint64)
+                    return block_job(rows, host, self.shape[0], self.shape[1], self.slot_bytes)
+            dst, src, sizes = ctx.pointers(plan)
+            if (int(sizes.max()) <= self.slot_bytes and fits(dst, src, sizes)
+                    and (self.staging is not None or self._allocate_staging())):
+                device, host = (src, dst) if ctx.to_host else (dst, src)
+                return piece_job(device, host, sizes, self.slot_bytes)
+        return self.dma.split(*ctx.pointers(plan), min_descriptors=MIN_SLICE_DESCRIPTORS)
 
     def _allocate_staging(self) -> bool:
         """Take the ring on first use, so a lane that never stages holds none. Without the
@@ -167,23 +222,24 @@ class StagedCopy(CopyStrategy):
         slots = (self.next_slot + np.arange(job.slices)) % SLOTS
         self.next_slot = (self.next_slot + job.slices) % SLOTS
         slot_base = np.uint64(self.staging.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
-        staged = slot_base[job.slice_of] + job.in_slot
+        blocks = job.blocks.copy()
+        blocks[:, 1] += slot_base[job.block_slice]
         k, d = self.kernel_stream, self.dma_stream
+        to_host = self.ctx.to_host
         drv.record(start, d)
-        src, dst = (job.device, staged) if self.ctx.to_host else (staged, job.device)
-        table = self.kernel.upload(piece_table(src, dst, job.nbytes), k)
-        if self.ctx.to_host and dependency is not None:
+        tables = self.kernel.upload(job.pages, blocks, k)
+        if to_host and dependency is not None:
             drv.stream_wait(k, dependency)  # the source's pending writers
         try:
             for s in range(job.slices):
                 slot = int(slots[s])
-                lo, hi = job.bounds[s], job.bounds[s + 1]
+                pages, rows = job.span(s)
                 rlo, rhi = job.run_bounds[s], job.run_bounds[s + 1]
                 runs_slot = slot_base[s] + job.run_slot[rlo:rhi]
                 runs_host, sizes = job.run_host[rlo:rhi], job.run_bytes[rlo:rhi]
-                if self.ctx.to_host:
+                if to_host:
                     drv.stream_wait(k, self.free[slot])
-                    self.kernel.launch(table, hi - lo, job.longest, k, first=lo)
+                    self.kernel.launch(tables, pages, rows, job.longest, False, k)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
                     drv.memcpy_batch(runs_host, runs_slot, sizes, d, to_host=True)
@@ -195,11 +251,11 @@ class StagedCopy(CopyStrategy):
                     drv.stream_wait(k, self.full[slot])
                     if s == 0 and dependency is not None:
                         drv.stream_wait(k, dependency)  # the destination's pending readers
-                    self.kernel.launch(table, hi - lo, job.longest, k, first=lo)
+                    self.kernel.launch(tables, pages, rows, job.longest, True, k)
                     drv.record(self.free[slot], k)
         except BaseException:
             # The main stream's next event must cover what the other stream holds.
-            drv.record(self.joined, k if self.ctx.to_host else d)
+            drv.record(self.joined, k if to_host else d)
             drv.stream_wait(main, self.joined)
             raise
         drv.record(stop, main)
