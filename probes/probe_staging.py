@@ -7,17 +7,13 @@ Run on the GPU machine from the repo root: python3 probes/probe_staging.py
 
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
+from _setups import per_layer
 
-import torch  # noqa: E402
-from _setups import per_layer  # noqa: E402
-
-from aiokv import AsyncOffloadingWorker  # noqa: E402
-from aiokv.bench import cuda as b  # noqa: E402
+from aiokv import AsyncOffloadingWorker
+from aiokv.bench import cuda as b
 
 dev = torch.device("cuda")
 setup = per_layer(dev)
