@@ -37,10 +37,13 @@ class WorkerOptions:
     # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
     # the ceiling on the H200 (docs/performance.md). Only jobs of >= 1024 descriptors use them.
     submit_threads: int = 4
-    # Device memory per direction that the staged strategy (and ``auto``) gathers small
-    # pages through, in two slots; allocated on the first job that uses it. 0 turns staging
-    # off (``auto`` is then ``dma``).
-    staging_bytes: int = 64 << 20
+    # Device memory per lane (store, load, expedited load) that the staged strategy (and
+    # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
+    # job that uses it. A slot's DMA should outlast the longest compute kernel beside it:
+    # under an 8192^3 GEMM (1.6 ms a kernel) 32 KiB pages moved at 0.95-0.96 of the ceiling
+    # with 128 MiB, 0.74-0.77 with 64 MiB (probes/probe_staging.py). 0 turns staging off
+    # (``auto`` is then ``dma``).
+    staging_bytes: int = 128 << 20
     # After a completion or a submit (unless the oldest job is predicted to need longer),
     # and before a predicted end, the poller yields to the loop for this long.
     spin_seconds: float = 200e-6
