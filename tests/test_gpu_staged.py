@@ -173,3 +173,26 @@ def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog
     assert "staged copies unavailable" in caplog.text
     with pytest.raises(CudaCallFailed):
         AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=4, backend="cuda", strategy="staged")
+
+
+def test_a_ring_that_cannot_be_allocated_falls_back_to_dma(caplog) -> None:
+    """4 TiB of staging cannot be had: the first job goes as plain DMA, with a warning."""
+    g = torch.Generator().manual_seed(10)
+    tensors = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(2)]
+    want = [t.clone() for t in tensors]
+
+    async def main() -> dict[str, int]:
+        options = {"staging_bytes": 1 << 42}
+        async with AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda",
+                                         options=options) as w:
+            ids = list(range(64))
+            assert (await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))).success
+            for t in tensors:
+                t.fill_(0.75)
+            assert (await w.submit_load(2, CPULoadStoreSpec(ids), GPULoadStoreSpec(ids))).success
+            return _staged(w)
+
+    assert anyio.run(main) == {"store": 0, "load": 0, "expedited_load": 0}
+    torch.cuda.synchronize()
+    assert all(torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip(tensors, want))
+    assert "no device memory" in caplog.text
