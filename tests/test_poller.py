@@ -57,7 +57,9 @@ async def test_long_job_naps_until_just_before_its_predicted_end() -> None:
 async def test_long_overdue_job_is_polled_at_the_interval_not_spun() -> None:
     p = _poller(-0.01)  # 10 ms overdue: the prediction is stale
     await _run_for(p, 0.03)
-    assert p.sleeps >= 3
+    # ~25 naps of 1 ms when the machine is quiet; a busy one may stall the loop for most of
+    # the window, so count polls per nap rather than naps: spinning polls hundreds of times.
+    assert p.sleeps >= 1 and p.polls <= 2 * p.sleeps + 10
 
 
 class _Pending:
