@@ -57,9 +57,10 @@ async def test_long_job_naps_until_just_before_its_predicted_end() -> None:
 async def test_long_overdue_job_is_polled_at_the_interval_not_spun() -> None:
     p = _poller(-0.01)  # 10 ms overdue: the prediction is stale
     await _run_for(p, 0.03)
-    # ~25 naps of 1 ms when the machine is quiet; a busy one may stall the loop for most of
-    # the window, so count polls per nap rather than naps: spinning polls hundreds of times.
-    assert p.sleeps >= 1 and p.polls <= 2 * p.sleeps + 10
+    # ~25 naps of 1 ms and 1-3 polls per nap when the machine is quiet; a busy one may stall
+    # the loop for most of the window, so count polls per nap rather than naps: spinning
+    # polls thousands of times in 30 ms without a nap.
+    assert p.sleeps >= 1 and p.polls <= 10 * (p.sleeps + 5)
 
 
 class _Pending:
