@@ -196,3 +196,32 @@ def test_a_ring_that_cannot_be_allocated_falls_back_to_dma(caplog) -> None:
     torch.cuda.synchronize()
     assert all(torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip(tensors, want))
     assert "no device memory" in caplog.text
+
+
+def test_staging_never_takes_memory_the_submitting_stream_still_uses() -> None:
+    """The ring is allocated on the lane's first staged job. A block just freed on the
+    submitting thread's stream, with a write to it still queued there, must not become the
+    ring: the load's DMA would land first and that write would clobber the staged bytes."""
+    g = torch.Generator().manual_seed(12)
+    tensors = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(2)]
+    want = [t.clone() for t in tensors]
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda",
+                                                   options={"staging_bytes": 64 << 20}))
+    try:
+        ids = list(range(64))
+        w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))
+        assert drain(w, {1})[0].success
+        for t in tensors:
+            t.fill_(0.5)
+        busy = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the load ring's size
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s
+        busy.fill_(7)  # queued behind the sleep
+        del busy  # its block goes back to this stream's pool, the write still pending
+        w.submit_load(2, CPULoadStoreSpec(ids), GPULoadStoreSpec(ids))
+        assert drain(w, {2})[0].success
+        assert _staged(w)["load"] == 1
+        torch.cuda.synchronize()
+        assert all(torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip(tensors, want))
+    finally:
+        w.shutdown()

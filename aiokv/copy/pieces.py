@@ -149,6 +149,7 @@ class PieceKernel:
         self.device = device
         self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_blocks")
         self._tables: list[_TableSlot] = []
+        self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
     def upload(self, pages: np.ndarray, blocks: np.ndarray, stream: Any) -> tuple[int, int]:
         """Copy both tables (uint64) to the device on ``stream``; their device addresses.
@@ -159,18 +160,30 @@ class PieceKernel:
         nbytes = head + blocks.size * 8
         drv = self.driver
         slot = next((t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
-        if slot is None:
+        if slot is None:  # one per job in flight at most, kept until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
-            slot = _TableSlot(torch.empty(size, dtype=torch.uint8, pin_memory=True),
-                              torch.empty(size, dtype=torch.uint8, device=self.device), drv.create_event())
+            # On ``stream``, where it is used: from another stream the caching allocator
+            # could hand back a block that stream's queued kernels still use.
+            with torch.cuda.stream(self.torch_stream(stream)):
+                device = torch.empty(size, dtype=torch.uint8, device=self.device)
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            slot = _TableSlot(host, device, drv.create_event())
             self._tables.append(slot)
-        host = slot.host.numpy()
-        host[:head] = pages.view(np.uint8).reshape(-1)
-        host[head:nbytes] = blocks.view(np.uint8).reshape(-1)
+        staged = slot.host.numpy()
+        staged[:head] = pages.view(np.uint8).reshape(-1)
+        staged[head:nbytes] = blocks.view(np.uint8).reshape(-1)
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
         drv.record(slot.copied, stream)
         base = slot.device.data_ptr()
         return base, base + head
+
+    def torch_stream(self, stream: Any) -> torch.cuda.ExternalStream:
+        """``stream`` as torch sees it (cached), to allocate device memory on it."""
+        key = int(stream)
+        wrapped = self._streams.get(key)
+        if wrapped is None:
+            wrapped = self._streams[key] = torch.cuda.ExternalStream(key, device=self.device)
+        return wrapped
 
     def launch(self, tables: tuple[int, int], pages: tuple[int, int], blocks: tuple[int, int],
                longest: int, to_device: bool, stream: Any) -> None:
@@ -187,3 +200,4 @@ class PieceKernel:
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""
         self._tables = []
+        self._streams = {}

@@ -204,7 +204,13 @@ class StagedCopy(CopyStrategy):
         """Take the ring on first use, so a lane that never stages holds none. Without the
         memory, every job goes as plain DMA from then on."""
         try:
-            self.staging = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.ctx.device)
+            # Allocated on the kernel stream: from the submitting thread's current stream,
+            # the caching allocator could hand back a block its queued kernels still use.
+            # The DMA stream writes it too, so it starts behind the kernel stream once.
+            with torch.cuda.stream(self.kernel.torch_stream(self.kernel_stream)):
+                self.staging = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.ctx.device)
+            self.ctx.driver.record(self.joined, self.kernel_stream)
+            self.ctx.driver.stream_wait(self.dma_stream, self.joined)
         except torch.OutOfMemoryError:
             _log.warning("no device memory for %d bytes of staging; copying with DMA only",
                          SLOTS * self.slot_bytes)
@@ -230,6 +236,10 @@ class StagedCopy(CopyStrategy):
         blocks[:, 1] += slot_base[job.block_slice]
         k, d = self.kernel_stream, self.dma_stream
         to_host = self.ctx.to_host
+        if to_host and dependency is not None:
+            # The DMA waits for the gather anyway; waiting here too keeps the source's
+            # writer out of the job's measured time, as on the DMA path.
+            drv.stream_wait(d, dependency)
         drv.record(start, d)
         tables = self.kernel.upload(job.pages, blocks, k)
         if to_host and dependency is not None:
