@@ -40,10 +40,11 @@ SLOTS = 2
 DIRECT_PIECE_BYTES = 1 << 20
 # Below this many pieces a job is a few descriptors: one batched call beats a launch.
 MIN_STAGED_PIECES = 64
-# A slot's runs go as one batched call that keeps the GIL up to this many descriptors
-# (~1 us each: tens of microseconds). Dropping it costs the submitter a switch interval
-# (5 ms) per call beside a busy Python thread: 26.7 ms per 4-slice job in run 74.
-GIL_HELD_RUNS = 64
+# A slot's runs go as one batched call that drops the GIL above 16 descriptors, as every
+# batched call does. Keeping it up to 64 took the submit beside a busy Python thread from
+# 26.7 ms (run 74) to 6.0-6.3 ms (runs 75-76), but a GEMM loop launched from another Python
+# thread slowed by +3.3 to +5.8% beside staged jobs there against +2.0 to +2.4% in run 74:
+# the thread launching model kernels comes first.
 
 
 @dataclass
@@ -251,17 +252,16 @@ class StagedCopy(CopyStrategy):
                 rlo, rhi = job.run_bounds[s], job.run_bounds[s + 1]
                 runs_slot = slot_base[s] + job.run_slot[rlo:rhi]
                 runs_host, sizes = job.run_host[rlo:rhi], job.run_bytes[rlo:rhi]
-                hold = rhi - rlo <= GIL_HELD_RUNS
                 if to_host:
                     drv.stream_wait(k, self.free[slot])
                     self.kernel.launch(tables, pages, rows, job.longest, False, k)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
-                    drv.memcpy_batch(runs_host, runs_slot, sizes, d, to_host=True, hold_gil=hold)
+                    drv.memcpy_batch(runs_host, runs_slot, sizes, d, to_host=True)
                     drv.record(self.free[slot], d)
                 else:
                     drv.stream_wait(d, self.free[slot])
-                    drv.memcpy_batch(runs_slot, runs_host, sizes, d, to_host=False, hold_gil=hold)
+                    drv.memcpy_batch(runs_slot, runs_host, sizes, d, to_host=False)
                     drv.record(self.full[slot], d)
                     drv.stream_wait(k, self.full[slot])
                     if s == 0 and dependency is not None:
