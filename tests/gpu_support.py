@@ -126,3 +126,24 @@ def drain(worker: SyncOffloadingWorker, ids: set[int]) -> list[Any]:
     while len(out) < len(ids):
         out += worker.get_finished()
     return out
+
+
+def check_same(cuda_w, oracle, tensors: list[torch.Tensor], cpu_tensors: list[torch.Tensor]) -> None:
+    """The CUDA worker's host pool and device tensors equal the oracle's, byte for byte."""
+    torch.cuda.synchronize()
+    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
+    for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
+        assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
+
+
+def run_jobs(workers, jobs) -> None:
+    """jobs: (kind, job_id, gpu_spec, cpu_spec), kind store, load or expedited. All go in
+    flight at once on each worker, then are drained; every result must be a success."""
+    for w in workers:
+        for kind, jid, gspec, cspec in jobs:
+            if kind == "store":
+                assert w.submit_store(jid, gspec, cspec)
+            else:
+                assert w.submit_load(jid, cspec, gspec, expedited=kind == "expedited")
+        results = drain(w, {j[1] for j in jobs})
+        assert all(r.success for r in results), results

@@ -10,7 +10,7 @@ import torch
 
 from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, InvalidSpec, SyncOffloadingWorker
 
-from .gpu_support import describe, drain, gpu, layouts, random_like, sync_pair
+from .gpu_support import check_same, describe, drain, gpu, layouts, random_like, run_jobs, sync_pair
 
 pytestmark = gpu
 
@@ -19,24 +19,6 @@ def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, i
     """Jobs each lane sent through its ring, by lane (store, load, expedited_load)."""
     inner = worker._worker if isinstance(worker, SyncOffloadingWorker) else worker
     return {lane.direction.value: lane._strategy.staged_jobs for lane in inner._core.backend._lanes}
-
-
-def _same(cuda_w, oracle, tensors, cpu_tensors) -> None:
-    torch.cuda.synchronize()
-    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
-    for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
-        assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
-
-
-def _submit_all(workers, jobs) -> None:
-    """Every job in flight at once on each worker, then all drained and checked."""
-    for w in workers:
-        for kind, jid, gspec, cspec in jobs:
-            if kind == "store":
-                assert w.submit_store(jid, gspec, cspec)
-            else:
-                assert w.submit_load(jid, cspec, gspec)
-        assert all(r.success for r in drain(w, {j[1] for j in jobs}))
 
 
 @pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
@@ -58,11 +40,11 @@ def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: 
             return [(kind, first_id + j, GPULoadStoreSpec(gpu_blocks[per * j : per * (j + 1)]),
                      CPULoadStoreSpec(chunks[2 * j : 2 * j + 2])) for j in range(4)]
 
-        _submit_all([cuda_w, oracle], jobs("store", 0, blocks))
-        _same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], jobs("store", 0, blocks))
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         loads = jobs("load", 10, targets)
-        _submit_all([cuda_w, oracle], loads)
-        _same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], loads)
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         assert _staged(cuda_w) == {"store": 4, "load": 4, "expedited_load": 0}
     finally:
         cuda_w.shutdown()
@@ -81,11 +63,11 @@ def test_pages_with_a_partial_tile_round_trip(strategy: str) -> None:
     rng = np.random.default_rng(8)
     try:
         src, cids = rng.choice(40, 40, replace=False), rng.choice(40, 40, replace=False)
-        _submit_all([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
-        _same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         dst = rng.permutation(40)
-        _submit_all([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
-        _same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
     finally:
         cuda_w.shutdown()
@@ -123,7 +105,7 @@ def test_shutdown_drains_staged_jobs_in_flight() -> None:
     jobs = [("store", j, GPULoadStoreSpec(range(j * 8, j * 8 + 8)), CPULoadStoreSpec(range(j * 8, j * 8 + 8)))
             for j in range(6)]
     try:
-        _submit_all([oracle], jobs)
+        run_jobs([oracle], jobs)
         torch.cuda._sleep(300_000_000)  # every job below waits behind this
         for _, j, gspec, cspec in jobs:
             cuda_w.submit_store(j, gspec, cspec)

@@ -11,36 +11,19 @@ from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
 
 from .gpu_support import (
     STRATEGIES,
+    check_same,
     describe,
     dma_copies,
     drain,
     gpu,
     layouts,
     random_like,
+    run_jobs,
     sync_pair,
     two_groups,
 )
 
 pytestmark = gpu
-
-
-def _check_same(cuda_w, oracle, tensors, cpu_tensors) -> None:
-    torch.cuda.synchronize()
-    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
-    for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
-        assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
-
-
-def _run_jobs(workers, jobs) -> None:
-    """jobs: (kind, job_id, gpu_spec, cpu_spec). Run on every worker and check each result."""
-    for w in workers:
-        for kind, jid, gspec, cspec in jobs:
-            if kind == "store":
-                assert w.submit_store(jid, gspec, cspec)
-            else:
-                assert w.submit_load(jid, cspec, gspec, expedited=kind == "expedited")
-        results = drain(w, {j[1] for j in jobs})
-        assert all(r.success for r in results), results
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -63,15 +46,15 @@ def test_round_trip_matches_oracle(strategy: str, layout: str, bpc: int) -> None
         blocks2 = rng.choice(40, 9, replace=False)
         chunk_ids2 = rng.choice(chunks, -(-9 // bpc), replace=False)
         other = ("store", 2, GPULoadStoreSpec(blocks2), CPULoadStoreSpec(chunk_ids2))
-        _run_jobs([cuda_w, oracle], [store, other])
-        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [store, other])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         dst = rng.choice(40, 7, replace=False)
         load = ("load", 3, GPULoadStoreSpec(dst, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
         dst2 = rng.choice(40, 9, replace=False)
         exp = ("expedited", 4, GPULoadStoreSpec(dst2), CPULoadStoreSpec(chunk_ids2))
-        _run_jobs([cuda_w, oracle], [load])
-        _run_jobs([cuda_w, oracle], [exp])
-        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [load])
+        run_jobs([cuda_w, oracle], [exp])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
@@ -85,11 +68,11 @@ def test_several_groups(strategy: str) -> None:
     try:
         gspec = GPULoadStoreSpec([3, 9, 4, 11, 12, 30], group_sizes=[2, 4], block_indices=[1, 0])
         cspec = CPULoadStoreSpec([5, 0, 7, 2])  # group 0: ceil(3/2)=2 chunks; group 1: 2
-        _run_jobs([cuda_w, oracle], [("store", 1, gspec, cspec)])
-        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [("store", 1, gspec, cspec)])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
         gload = GPULoadStoreSpec([1, 2, 5, 6, 7, 8], group_sizes=[2, 4], block_indices=[1, 0])
-        _run_jobs([cuda_w, oracle], [("load", 2, gload, cspec)])
-        _check_same(cuda_w, oracle, tensors, cpu_tensors)
+        run_jobs([cuda_w, oracle], [("load", 2, gload, cspec)])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
@@ -180,12 +163,12 @@ def test_pitched_dma_round_trip_matches_oracle(descending: bool, bpc: int) -> No
         blocks = rng.choice(40, 11, replace=False)
         chunk_ids = rng.choice(30, -(-(11 + skip) // bpc), replace=False)
         store = ("store", 1, GPULoadStoreSpec(blocks, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
-        _run_jobs([cuda_w, oracle], [store])
-        _check_same(cuda_w, oracle, [base], cpu_tensors)
+        run_jobs([cuda_w, oracle], [store])
+        check_same(cuda_w, oracle, [base], cpu_tensors)
         dst = rng.choice(40, 11, replace=False)
         load = ("expedited", 2, GPULoadStoreSpec(dst, block_indices=[skip]), CPULoadStoreSpec(chunk_ids))
-        _run_jobs([cuda_w, oracle], [load])
-        _check_same(cuda_w, oracle, [base], cpu_tensors)
+        run_jobs([cuda_w, oracle], [load])
+        check_same(cuda_w, oracle, [base], cpu_tensors)
         assert sum(d.pitched_jobs for d in dma_copies(cuda_w)) == 2
     finally:
         cuda_w.shutdown()
