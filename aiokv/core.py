@@ -40,8 +40,8 @@ class WorkerOptions:
     # Device memory per lane (store, load, expedited load) that the staged strategy (and
     # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
     # job that uses it. A slot's DMA should outlast the longest compute kernel beside it:
-    # under an 8192^3 GEMM (1.6 ms a kernel) 32 KiB pages moved at 0.95-0.96 of the ceiling
-    # with 128 MiB, 0.74-0.77 with 64 MiB (probes/probe_staging.py). 0 turns staging off
+    # under an 8192^3 GEMM (1.6 ms a kernel) 32 KiB pages moved at 0.92-0.97 of the ceiling
+    # with 128 MiB, 0.73-0.77 with 64 MiB (probes/probe_staging.py, runs 73-74). 0 turns staging off
     # (``auto`` is then ``dma``).
     staging_bytes: int = 128 << 20
     # After a completion or a submit (unless the oldest job is predicted to need longer),

@@ -162,9 +162,9 @@ def expand_rows(offsets: np.ndarray, counts: np.ndarray, unit: int) -> np.ndarra
 def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
     """Build the named strategy for one lane (``auto`` resolves here)."""
     if name == "auto":
-        # Staged where the piece kernel loads and staging is allowed: it held 0.84-0.97 of
-        # the ceiling under the GEMMs where one DMA per 32 KiB page held 0.65-0.80
-        # (probes/probe_pieces.py); jobs of large pieces still go straight to DMA there.
+        # Staged where the piece kernel loads and staging is allowed: 32 KiB pages moved at
+        # 0.85-1.02 of the ceiling under the GEMM loads where one DMA per page moved
+        # 0.61-0.70 (bench, runs 74-76); jobs of large pieces still go straight to DMA there.
         if ctx.staging_bytes > 0:
             from .staged import StagedCopy
 
