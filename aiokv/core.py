@@ -23,6 +23,8 @@ __all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
 
 _log = logging.getLogger("aiokv")
 
+MIN_STAGING_BYTES = 1024
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -65,6 +67,11 @@ class WorkerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
+        if 0 < self.staging_bytes < MIN_STAGING_BYTES:  # two slots of 512-byte multiples
+            raise InvalidSpec(
+                f"staging_bytes must be 0 (no staging) or at least {MIN_STAGING_BYTES}, "
+                f"got {self.staging_bytes}"
+            )
         if not isinstance(self.doorbell, bool):
             raise InvalidSpec(f"doorbell must be a bool, got {self.doorbell!r}")
         for name in ("spin_seconds", "poll_interval"):

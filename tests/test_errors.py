@@ -193,6 +193,9 @@ def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, strategy="fastest")
     with pytest.raises(InvalidSpec, match="submit_threads"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"submit_threads": -1})
+    for bad in (-1, 1.5, True, 100):
+        with pytest.raises(InvalidSpec, match="staging_bytes"):
+            AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"staging_bytes": bad})
     with pytest.raises(InvalidSpec, match="poll_interval"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": "1ms"})
     with pytest.raises(InvalidSpec, match="doorbell must be a bool"):
