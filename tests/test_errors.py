@@ -200,6 +200,8 @@ def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": "1ms"})
     with pytest.raises(InvalidSpec, match="doorbell must be a bool"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"doorbell": "yes"})
+    with pytest.raises(InvalidSpec, match="issue_thread must be a bool"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"issue_thread": 1})
     with pytest.raises(InvalidSpec, match="unknown worker options"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"nope": 1})
     with pytest.raises(InvalidSpec, match="unknown worker options"):  # removed in 0.1.0's lifetime

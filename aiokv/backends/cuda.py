@@ -13,6 +13,7 @@ device's primary context (the one torch uses) current in each such thread once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from ..doorbell import Doorbell
+from ..issuer import Issuer
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
@@ -71,6 +73,10 @@ _BAD_INPUT = frozenset(
 # drop it: held through the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM
 # loop in another Python thread by 0.6-5.7% instead of -0.7-1.7% (runs 36-37).
 GIL_HELD_DESCRIPTORS = 16
+# Jobs of at least this many bytes (~0.15 ms on PCIe 5) are enqueued by the lane's issuer
+# thread, so ``submit`` returns after planning; smaller ones, whose issue is short and whose
+# latency a thread hand-off would add to, are enqueued by the caller when the lane is idle.
+ISSUE_THREAD_BYTES = 8 << 20
 GIL_HELD_PITCHED_OPS = 4
 
 
@@ -591,8 +597,8 @@ class CudaCompletion(Completion):
     """The completion event of one job; its events go back to the pool once observed."""
 
     __slots__ = (
-        "_bell_stream", "_done", "_driver", "_elapsed", "_error", "_events", "_lock", "_orphan",
-        "_started", "_unsettled", "_waiting",
+        "_bell_stream", "_bells", "_done", "_driver", "_elapsed", "_error", "_events", "_issued",
+        "_lock", "_orphan", "_started", "_unsettled", "_waiting",
     )
 
     def __init__(
@@ -614,6 +620,27 @@ class CudaCompletion(Completion):
         # once the last one is out, or a new job could re-record an event being waited on.
         self._waiting = 0
         self._orphan: _Events | None = None
+        # Unset while the lane's issuer has yet to enqueue the job (None: enqueued at launch);
+        # doorbells asked for meanwhile are armed once it has.
+        self._issued: threading.Event | None = None
+        self._bells: list[Doorbell] = []
+
+    def _mark_issued(self, started: float, error: BaseException | None) -> None:
+        """Called by the issuer once every copy is enqueued (or the enqueue failed)."""
+        with self._lock:
+            self._started = started
+            if error is not None and self._error is None:
+                self._error = error  # reported once the enqueued part is over
+            bells, self._bells = self._bells, []
+            assert self._issued is not None
+            self._issued.set()
+        for bell in bells:
+            if not self.ring_when_done(bell):
+                bell.ring()  # cannot arm it: wake the waiter now, it falls back to polling
+
+    def _pending_issue(self) -> bool:
+        issued = self._issued
+        return issued is not None and not issued.is_set()
 
     def query(self) -> bool:
         if self._done:
@@ -622,6 +649,8 @@ class CudaCompletion(Completion):
         if drv.broken is not None:
             self._finish(drv.broken)
             return True
+        if self._pending_issue():
+            return False
         events = self._events
         if events is None:
             return self._done
@@ -638,6 +667,9 @@ class CudaCompletion(Completion):
     def wait(self, timeout: float | None = None) -> bool:
         if self.query():
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._issued is not None and not self._issued.wait(timeout):
+            return self.query()
         if timeout is None:
             with self._lock:
                 events = self._events
@@ -661,7 +693,6 @@ class CudaCompletion(Completion):
                 self._finish(error)
                 return True
             return self.query()
-        deadline = None if timeout is None else time.monotonic() + timeout
         pause = 20e-6
         while not self.query():
             if deadline is not None and time.monotonic() >= deadline:
@@ -676,6 +707,9 @@ class CudaCompletion(Completion):
             if events is not None and not self._done:
                 if self._bell_stream is None:
                     return False
+                if self._pending_issue():
+                    self._bells.append(bell)
+                    return True
                 try:
                     return self._driver.ring_after(self._bell_stream, events.done, bell)
                 except Exception:
@@ -743,7 +777,12 @@ class _Dependency:
 
 
 class CudaLane(Lane):
-    """One direction: a main stream whose job end events mark completion, in order."""
+    """One direction: a main stream whose job end events mark completion, in order.
+
+    Jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one) are enqueued by the
+    lane's issuer thread: ``launch`` returns once the job is planned and its dependency
+    captured.
+    """
 
     def __init__(self, backend: CudaBackend, direction: Direction, strategy: Any) -> None:
         self.direction = direction
@@ -752,6 +791,11 @@ class CudaLane(Lane):
         self._strategy = strategy
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
+        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if backend.options.issue_thread else None
+        self._side_stream: Any = None  # where a user's event is snapshotted (see _snapshot)
+        # Jobs the issuer thread enqueued, and the host seconds it spent on them (the bench).
+        self.issued_later = 0
+        self.issue_seconds = 0.0
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -763,42 +807,80 @@ class CudaLane(Lane):
         drv = self._driver
         dep: _Dependency | None = dependency
         events = None
+        issuer = self._issuer
+        defer = issuer is not None and plan.total_bytes >= ISSUE_THREAD_BYTES
         try:
             drv.ensure_context()
             drv.check_usable()
             events = drv.take_job_events()
             prepared = self._strategy.prepare(plan)
+            if dep is not None and not dep.owned and issuer is not None and (defer or not issuer.idle):
+                dep = self._snapshot(dep)
         except BaseException:
             if events is not None:
                 drv.give_job_events(events)
             if dep is not None and dep.owned:
                 drv.give_sync_event(dep.event)
             raise
+        completion = CudaCompletion(drv, events, None, self.bell_stream)
+        completion._issued = threading.Event()
+        work = functools.partial(self._issue, prepared, dep, completion, events)
+        if issuer is None:
+            work()
+        if issuer is None or issuer.run(work, defer):  # enqueued here: a sticky error raises
+            if completion._error is not None and drv.broken is not None:
+                raise drv.broken from completion._error
+        return completion
+
+    def _issue(self, prepared: Any, dep: _Dependency | None, completion: CudaCompletion,
+               events: _Events) -> None:
+        """Enqueue one prepared job; a failure is the job's, reported once what was
+        enqueued is over (a sticky one fails every job)."""
+        drv = self._driver
         error: BaseException | None = None
         started = time.perf_counter()  # the start event is recorded after this
         try:
-            dep_event = dep.event if dep is not None else None
+            drv.ensure_context()
+            drv.check_usable()
             # The strategy records ``stop`` behind every copy: that is the job's end.
+            dep_event = dep.event if dep is not None else None
             self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
         except Exception as exc:
-            if drv.broken is not None:
-                raise drv.broken from exc
-            error = exc  # partly enqueued: the job fails, but only once its copies are over
-            drv.record(events.done, self.stream)
+            error = exc
+            if drv.broken is None:
+                try:
+                    drv.record(events.done, self.stream)  # ends after the part enqueued
+                except Exception:
+                    pass  # the event's previous record stands: the job ends failed at once
         finally:
             if dep is not None and dep.owned:
                 drv.give_sync_event(dep.event)
-        return CudaCompletion(drv, events, error, self.bell_stream, started)
+            completion._mark_issued(started, error)
+            if self._issuer is not None and self._issuer.on_own_thread():
+                self.issued_later += 1
+                self.issue_seconds += time.perf_counter() - started
+
+    def _snapshot(self, dep: _Dependency) -> _Dependency:
+        """A caller's event may be recorded again before the issuer thread waits on it:
+        wait on its current record now, from a side stream, and hand on our own event."""
+        if self._side_stream is None:
+            self._side_stream = self._driver.create_stream()
+        self._driver.stream_wait(self._side_stream, dep.event)
+        return self._backend._record_on(self._side_stream)
 
     def close(self) -> None:
         # Pending rings run before the stream goes (the doorbell is closed after this). A
         # dead context runs no host functions: their FILEs and descriptors are leaked.
+        if self._issuer is not None:
+            self._issuer.close()
         try:
             try:
                 self._driver.stream_synchronize(self.bell_stream)
             except Exception:
                 pass
             self._driver.destroy_stream(self.bell_stream)
+            if self._side_stream is not None:
+                self._driver.destroy_stream(self._side_stream)
         finally:
             self._strategy.close()
 

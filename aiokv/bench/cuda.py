@@ -82,6 +82,14 @@ def _staged_share(worker: AsyncOffloadingWorker) -> tuple[int, str]:
     return jobs, f"lanes: {paths}"
 
 
+def _issued(worker: AsyncOffloadingWorker, store: bool) -> tuple[int, float]:
+    """Jobs the lanes' issuer threads enqueued in one direction, and their host seconds."""
+    lanes = [lane for lane in worker._core.backend._lanes  # type: ignore[attr-defined]
+             if lane.direction.to_host == store]
+    return (sum(getattr(lane, "issued_later", 0) for lane in lanes),
+            sum(getattr(lane, "issue_seconds", 0.0) for lane in lanes))
+
+
 class _JobIds:
     def __init__(self) -> None:
         self.n = 0
@@ -500,12 +508,18 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                     add(f"{what}, one job (device time)", rate, "GB/s", top)
                     if not full:
                         continue
+                    jobs0, secs0 = _issued(worker, store)
                     s = await _stream(worker, setup, window, ids, store=store)
+                    jobs1, secs1 = _issued(worker, store)
                     add(f"{what}, streamed idle (wall)", s["gbps"], "GB/s", top,
                         f"cpu {100 * s['cpu']:.1f}% of a core")
-                    add(f"{what}, host submit per job", s["submit_p50"] * 1e6, "us",
-                        setup.job_bytes / rate / GB * 1e6,
+                    transfer_us = setup.job_bytes / rate / GB * 1e6
+                    add(f"{what}, host submit per job", s["submit_p50"] * 1e6, "us", transfer_us,
                         f"ratio = share of transfer time; max {s['submit_max'] * 1e6:.0f} us")
+                    if jobs1 > jobs0:
+                        add(f"{what}, issue on the lane's thread per job",
+                            (secs1 - secs0) / (jobs1 - jobs0) * 1e6, "us", transfer_us,
+                            f"mean over {jobs1 - jobs0} jobs, after submit returned")
                     for gname, gemm, alone in (("GEMM 8192^3", big_gemm, big_alone),
                                                ("medium GEMMs (thread)", med_gemm, med_alone)):
                         with gemm:

@@ -207,11 +207,8 @@ class StagedCopy(CopyStrategy):
         try:
             # Allocated on the kernel stream: from the submitting thread's current stream,
             # the caching allocator could hand back a block its queued kernels still use.
-            # The DMA stream writes it too, so it starts behind the kernel stream once.
             with torch.cuda.stream(self.kernel.torch_stream(self.kernel_stream)):
                 self.staging = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.ctx.device)
-            self.ctx.driver.record(self.joined, self.kernel_stream)
-            self.ctx.driver.stream_wait(self.dma_stream, self.joined)
         except torch.OutOfMemoryError:
             _log.warning("no device memory for %d bytes of staging; copying with DMA only",
                          SLOTS * self.slot_bytes)
@@ -229,6 +226,11 @@ class StagedCopy(CopyStrategy):
             drv.record(stop, main)
             return
         assert self.staging is not None
+        if not self.staged_jobs:
+            # The DMA stream writes the ring too: it starts behind its allocation once.
+            # (Here, not in ``prepare``: this runs in order with the streams' other work.)
+            drv.record(self.joined, self.kernel_stream)
+            drv.stream_wait(self.dma_stream, self.joined)
         self.staged_jobs += 1
         slots = (self.next_slot + np.arange(job.slices)) % SLOTS
         self.next_slot = (self.next_slot + job.slices) % SLOTS

@@ -1,0 +1,196 @@
+"""Jobs enqueued by a lane's issuer thread after ``submit`` returned: byte-exact, ordered
+against compute as at submit time (even when the caller's event is recorded again), and
+waited for correctly by both faces and by shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import aiokv.backends.cuda as cuda_backend
+from aiokv import (
+    AsyncOffloadingWorker,
+    CanonicalKVCaches,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    SyncOffloadingWorker,
+)
+
+from .gpu_support import STRATEGIES, check_same, describe, drain, gpu, layouts, run_jobs, sync_pair
+
+pytestmark = gpu
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than submitting takes
+
+
+@pytest.fixture
+def issue_everything_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job, however small, goes through the lane's issuer thread."""
+    monkeypatch.setattr(cuda_backend, "ISSUE_THREAD_BYTES", 0)
+
+
+def _lanes(worker: AsyncOffloadingWorker, to_host: bool) -> list[cuda_backend.CudaLane]:
+    return [lane for lane in worker._core.backend._lanes if lane.direction.to_host == to_host]
+
+
+def hold_issuer(worker: AsyncOffloadingWorker, to_host: bool = True) -> threading.Event:
+    """Keep the direction's issuer thread busy until the returned gate is set."""
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(30)
+
+    for lane in _lanes(worker, to_host)[:1]:
+        assert lane._issuer is not None
+        lane._issuer.run(hold, defer=True)
+    assert held.wait(10)
+    return gate
+
+
+@pytest.mark.usefixtures("issue_everything_later")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer", "odd_pages"])
+def test_round_trip_issued_later_matches_oracle(strategy: str, layout: str) -> None:
+    tensors, how = layouts("cuda", seed=11)[layout]
+    kv = describe(tensors, how)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, 3, strategy)
+    rng = np.random.default_rng(5)
+    try:
+        stores = [("store", j, GPULoadStoreSpec(rng.choice(40, 6, replace=False)),
+                   CPULoadStoreSpec(rng.choice(30, 2, replace=False) if j == 0 else [10 + 2 * j, 11 + 2 * j]))
+                  for j in range(4)]
+        run_jobs([cuda_w, oracle], stores)
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        loads = [("load" if j % 2 else "expedited", 10 + j,
+                  GPULoadStoreSpec(rng.choice(40, 6, replace=False)),
+                  CPULoadStoreSpec([10 + 2 * j, 11 + 2 * j])) for j in range(1, 4)]
+        for job in loads:
+            run_jobs([cuda_w, oracle], [job])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        later = sum(lane.issued_later for lane in cuda_w._worker._core.backend._lanes)
+        assert later == len(stores) + len(loads), "jobs were not issued from the lanes' threads"
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
+def _kv(nb: int = 16) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    tensors = [torch.full((2, nb, 8, 256), 1.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
+
+
+def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
+    return w.host_pool[chunk * w.chunk_bytes :][: 4 * 8 * 256 * 2].view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("strategy", ["dma", "staged"])
+def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) -> None:
+    """``after=`` an event: the copy waits for the record current at submit, not a later one."""
+    tensors, kv = _kv()
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy)
+    w = SyncOffloadingWorker(worker)
+    side, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    try:
+        torch.cuda.synchronize()
+        gate = hold_issuer(worker)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for t in tensors:
+                t[:, 1].fill_(3.0)
+        ev = torch.cuda.Event()
+        ev.record(side)
+        w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), after=ev)
+        ev.record(idle)  # the engine reuses its event before the issuer got to the job
+        gate.set()
+        (res,) = drain(w, {1})
+        assert res.success
+        assert torch.all(_stored(worker, 4) == 3.0), "the store waited on the event's later record"
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.usefixtures("issue_everything_later")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_store_issued_later_waits_for_the_writer_on_the_current_stream(strategy: str) -> None:
+    tensors, kv = _kv()
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy)
+    w = SyncOffloadingWorker(worker)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t in tensors:
+            t[:, 3].fill_(7.0)
+        w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
+        (res,) = drain(w, {1})
+        assert res.success
+        assert torch.all(_stored(worker, 0) == 7.0)
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.usefixtures("issue_everything_later")
+def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
+    tensors, kv = _kv()
+    for b in range(16):
+        for t in tensors:
+            t[:, b].fill_(float(b + 1))
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="auto")
+    w = SyncOffloadingWorker(worker)
+    try:
+        gate = hold_issuer(worker)
+        for j in range(5):
+            w.submit_store(j, GPULoadStoreSpec([j + 2]), CPULoadStoreSpec([j]))
+        assert w.get_finished() == [], "a job reported done before its copies were enqueued"
+        assert not worker._core.wait_for({0}, timeout=0.05)
+        threading.Timer(0.05, gate.set).start()
+        results = drain(w, set(range(5)))
+        assert [r.job_id for r in results] == list(range(5)) and all(r.success for r in results)
+        for j in range(5):
+            assert torch.all(_stored(worker, j) == float(j + 3))
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.usefixtures("issue_everything_later")
+def test_shutdown_waits_for_jobs_still_queued_for_the_issuer() -> None:
+    tensors, kv = _kv()
+    for t in tensors:
+        t.copy_(torch.randn_like(t))
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="staged")
+    w = SyncOffloadingWorker(worker)
+    gate = hold_issuer(worker)
+    for j in range(6):
+        w.submit_store(j, GPULoadStoreSpec([j, j + 6]), CPULoadStoreSpec([2 * j, 2 * j + 1]))
+    threading.Timer(0.1, gate.set).start()
+    w.shutdown()
+    results = w.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(6)) and all(r.success for r in results)
+
+
+@pytest.mark.usefixtures("issue_everything_later")
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_awaited_job_wakes_when_issued_late(backend: str) -> None:
+    """The poller naps on the doorbell while the job waits for the issuer: the bell asked
+    for before the enqueue must still ring."""
+    tensors, kv = _kv()
+    for t in tensors:
+        t[:, 5].fill_(4.0)
+
+    async def main() -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda") as w:
+            gate = hold_issuer(w)
+            fut = w.submit_store(1, GPULoadStoreSpec([5]), CPULoadStoreSpec([6]))
+            await anyio.sleep(0.05)  # long enough for the poller to nap on the doorbell
+            assert not fut.done()
+            gate.set()
+            with anyio.fail_after(10):
+                res = await fut
+            assert res.success
+            assert torch.all(_stored(w, 6) == 4.0)
+
+    anyio.run(main, backend=backend)
