@@ -55,10 +55,12 @@ class _Setup:
         self.job_bytes = JOB_BLOCKS * sum(r.page_size_bytes for r in self.kv.group_data_refs[0])
 
     def worker(
-        self, strategy: str, streams: int = 0, threads: int | None = None, doorbell: bool = True
+        self, strategy: str, streams: int = 0, threads: int | None = None, doorbell: bool = True,
+        issue_thread: bool = True,
     ) -> AsyncOffloadingWorker:
         options: dict[str, Any] = {
             "strategy": strategy, "streams_per_direction": streams, "doorbell": doorbell,
+            "issue_thread": issue_thread,
         }
         if threads is not None:
             options["submit_threads"] = threads
@@ -476,22 +478,27 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         list(torch.randn(LAYERS, 2, BLOCKS, 16, 8, 128, dtype=torch.bfloat16, device=dev).unbind(0)),
         block_dim=1, chunks=CHUNKS, seed=1,
     )
-    # (setup, strategy, streams, submit threads); None = the default.
+    # (setup, strategy, streams, submit threads, issuer threads); None = the default.
     # "auto" is what a worker gets by default: staged for the 32 KiB pages, plain DMA for
     # the 2 MiB ones; "dma" beside it is one copy per page (or a pitched copy per block).
-    runs: list[tuple[_Setup, str, int, int | None]] = [
-        (per_layer, "auto", 0, None), (per_layer, "dma", 0, None), (per_layer, "kernel", 0, None),
-        (one_alloc, "auto", 0, None), (one_alloc, "dma", 0, None),
-        (big, "auto", 0, None), (big, "staged", 0, None), (big, "kernel", 0, None),
+    # "no issuer thread" is the default worker issuing every job from the caller.
+    runs: list[tuple[_Setup, str, int, int | None, bool]] = [
+        (per_layer, "auto", 0, None, True), (per_layer, "auto", 0, None, False),
+        (per_layer, "dma", 0, None, True), (per_layer, "kernel", 0, None, True),
+        (one_alloc, "auto", 0, None, True), (one_alloc, "dma", 0, None, True),
+        (big, "auto", 0, None, True), (big, "auto", 0, None, False), (big, "staged", 0, None, True),
+        (big, "kernel", 0, None, True),
     ]
     if not quick:
-        runs += [(per_layer, "dma", 0, 0)] + [(per_layer, "dma", n, None) for n in (1, 4, 32)]
-    for setup, name, streams, threads in runs:
+        runs += [(per_layer, "dma", 0, 0, True)] + [(per_layer, "dma", n, None, True) for n in (1, 4, 32)]
+    for setup, name, streams, threads, issuer in runs:
         label = f"{name} x{streams} streams" if streams else name
         if name == "dma" and threads is not None:
             label += f", {threads} submit threads" if threads else ", no submit threads"
+        if not issuer:
+            label += ", no issuer thread"
         say(f"{setup.name}: {label}")
-        worker = setup.worker(name, streams, threads)
+        worker = setup.worker(name, streams, threads, issue_thread=issuer)
         sec = f"{setup.name}, {label}"
 
         async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,
