@@ -813,52 +813,67 @@ class CudaLane(Lane):
             drv.ensure_context()
             drv.check_usable()
             events = drv.take_job_events()
-            prepared = self._strategy.prepare(plan)
             if dep is not None and not dep.owned and issuer is not None and (defer or not issuer.idle):
                 dep = self._snapshot(dep)
         except BaseException:
-            if events is not None:
-                drv.give_job_events(events)
-            if dep is not None and dep.owned:
-                drv.give_sync_event(dep.event)
+            self._give_back(events, dep)
             raise
         completion = CudaCompletion(drv, events, None, self.bell_stream)
         completion._issued = threading.Event()
-        work = functools.partial(self._issue, prepared, dep, completion, events)
+        work = functools.partial(self._issue, plan, dep, completion, events)
         if issuer is None:
             work()
-        if issuer is None or issuer.run(work, defer):  # enqueued here: a sticky error raises
-            if completion._error is not None and drv.broken is not None:
-                raise drv.broken from completion._error
+        else:
+            issuer.run(work, defer)
         return completion
 
-    def _issue(self, prepared: Any, dep: _Dependency | None, completion: CudaCompletion,
+    def _issue(self, plan: CopyPlan, dep: _Dependency | None, completion: CudaCompletion,
                events: _Events) -> None:
-        """Enqueue one prepared job; a failure is the job's, reported once what was
-        enqueued is over (a sticky one fails every job)."""
+        """Prepare and enqueue one job, on the caller's thread or the issuer's, never both
+        at once (the strategies' state is theirs alone). On the caller's thread a failure
+        before anything was enqueued, or a sticky one, raises; otherwise it is the job's,
+        reported once what was enqueued is over."""
         drv = self._driver
+        later = self._issuer is not None and self._issuer.on_own_thread()
         error: BaseException | None = None
-        started = time.perf_counter()  # the start event is recorded after this
+        began = started = time.perf_counter()
+        enqueuing = False
         try:
             drv.ensure_context()
             drv.check_usable()
+            prepared = self._strategy.prepare(plan)
+            enqueuing = True
+            started = time.perf_counter()  # the start event is recorded after this
             # The strategy records ``stop`` behind every copy: that is the job's end.
             dep_event = dep.event if dep is not None else None
             self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
-        except Exception as exc:
+        except BaseException as exc:
+            if not later and (not enqueuing or drv.broken is not None):
+                self._give_back(events if drv.broken is None else None, dep)
+                if drv.broken is not None and drv.broken is not exc:
+                    raise drv.broken from exc
+                raise
+            if not later and not isinstance(exc, Exception):
+                raise
             error = exc
             if drv.broken is None:
                 try:
                     drv.record(events.done, self.stream)  # ends after the part enqueued
                 except Exception:
                     pass  # the event's previous record stands: the job ends failed at once
-        finally:
-            if dep is not None and dep.owned:
-                drv.give_sync_event(dep.event)
-            completion._mark_issued(started, error)
-            if self._issuer is not None and self._issuer.on_own_thread():
-                self.issued_later += 1
-                self.issue_seconds += time.perf_counter() - started
+        if dep is not None and dep.owned:
+            drv.give_sync_event(dep.event)
+        completion._mark_issued(started, error)
+        if later:
+            self.issued_later += 1
+            self.issue_seconds += time.perf_counter() - began
+
+    def _give_back(self, events: _Events | None, dep: _Dependency | None) -> None:
+        """Return a job's pooled events when nothing of it was enqueued."""
+        if events is not None:
+            self._driver.give_job_events(events)
+        if dep is not None and dep.owned:
+            self._driver.give_sync_event(dep.event)
 
     def _snapshot(self, dep: _Dependency) -> _Dependency:
         """A caller's event may be recorded again before the issuer thread waits on it:
