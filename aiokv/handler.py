@@ -35,8 +35,9 @@ class Job:
     error: BaseException | None = None
     # Keeps the plan alive until the copy is over (a lane may read it asynchronously).
     plan: CopyPlan | None = field(default=None, repr=False)
-    # When the launch began (the device may start then) and when it returned (every copy
-    # enqueued: the job cannot have finished before this).
+    # When the launch began (the device may start then) and when it returned (the job
+    # cannot have been seen finished before this; a CUDA lane's issuer thread may still be
+    # enqueueing it, and the job is not done before that either).
     submitted_at: float = field(default_factory=time.perf_counter, repr=False)
     launched_at: float = field(default_factory=time.perf_counter, repr=False)
     # Whether the job will ring the async face's doorbell when it ends (None: it cannot).

@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from .specs import WorkerClosed
+
 __all__ = ["Issuer"]
 
 _log = logging.getLogger("aiokv")
@@ -39,13 +41,14 @@ class Issuer:
         """
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{self.name} is closed")
+                raise WorkerClosed(f"{self.name} is closed; create a new worker to transfer more")
             if defer or self._busy or self._work:
-                self._work.append(work)
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                    self._thread.start()
-                self._cond.notify()
+                    thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                    thread.start()  # may raise: then nothing was queued
+                    self._thread = thread
+                self._work.append(work)
+                self._cond.notify_all()
                 return False
             self._busy = True
         try:

@@ -158,18 +158,23 @@ def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
 
 @pytest.mark.usefixtures("issue_everything_later")
 def test_shutdown_waits_for_jobs_still_queued_for_the_issuer() -> None:
-    tensors, kv = _kv()
-    for t in tensors:
-        t.copy_(torch.randn_like(t))
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="staged")
-    w = SyncOffloadingWorker(worker)
-    gate = hold_issuer(worker)
-    for j in range(6):
-        w.submit_store(j, GPULoadStoreSpec([j, j + 6]), CPULoadStoreSpec([2 * j, 2 * j + 1]))
-    threading.Timer(0.1, gate.set).start()
-    w.shutdown()
-    results = w.get_finished()
+    tensors, how = layouts("cuda", seed=13)["kv_split"]
+    cuda_w, oracle, _ = sync_pair(describe(tensors, how), tensors, 30, 1, "staged")
+    jobs = [("store", j, GPULoadStoreSpec(range(j * 5, j * 5 + 5)), CPULoadStoreSpec(range(j * 5, j * 5 + 5)))
+            for j in range(6)]
+    try:
+        run_jobs([oracle], jobs)
+        gate = hold_issuer(cuda_w._worker)
+        for _, j, gspec, cspec in jobs:
+            cuda_w.submit_store(j, gspec, cspec)
+        pool, want = cuda_w._worker.host_pool, oracle._worker.host_pool.clone()
+        threading.Timer(0.1, gate.set).start()
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+    results = cuda_w.get_finished()
     assert sorted(r.job_id for r in results) == list(range(6)) and all(r.success for r in results)
+    assert torch.equal(pool, want)
 
 
 @pytest.mark.usefixtures("issue_everything_later")
@@ -183,6 +188,15 @@ def test_awaited_job_wakes_when_issued_late(backend: str) -> None:
 
     async def main() -> None:
         async with AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda") as w:
+            driver = w._core.backend.driver
+            rings: list[object] = []
+            ring_after = driver.ring_after
+
+            def counted(stream: object, event: object, bell: object) -> bool:
+                rings.append(event)
+                return ring_after(stream, event, bell)
+
+            driver.ring_after = counted
             gate = hold_issuer(w)
             fut = w.submit_store(1, GPULoadStoreSpec([5]), CPULoadStoreSpec([6]))
             await anyio.sleep(0.05)  # long enough for the poller to nap on the doorbell
@@ -191,6 +205,7 @@ def test_awaited_job_wakes_when_issued_late(backend: str) -> None:
             with anyio.fail_after(10):
                 res = await fut
             assert res.success
+            assert rings, "the doorbell asked for before the enqueue was never armed"
             assert torch.all(_stored(w, 6) == 4.0)
 
     anyio.run(main, backend=backend)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
 from aiokv.issuer import Issuer
+from aiokv.specs import WorkerClosed
 
 
 class Recorder:
@@ -22,12 +24,13 @@ class Recorder:
         self.lock = threading.Lock()
         self.started = threading.Event()  # some work began
 
-    def work(self, n: int, gate: threading.Event | None = None):
+    def work(self, n: int, gate: threading.Event | None = None, nap: float = 0.0):
         def run() -> None:
             with self.lock:
                 self.running += 1
                 self.most = max(self.most, self.running)
             self.started.set()
+            time.sleep(nap)  # gives an overlapping run the time to show
             if gate is not None:
                 assert gate.wait(10)
             with self.lock:
@@ -75,7 +78,7 @@ def test_callers_on_many_threads_never_overlap() -> None:
 
     def submit(base: int) -> None:
         for i in range(per_thread):
-            issuer.run(rec.work(base + i), defer=i % 2 == 0)
+            issuer.run(rec.work(base + i, nap=1e-4), defer=i % 2 == 0)
 
     threads = [threading.Thread(target=submit, args=(k * per_thread,)) for k in range(4)]
     for t in threads:
@@ -121,7 +124,7 @@ def test_close_runs_what_is_queued_then_refuses_work() -> None:
     threading.Timer(0.05, gate.set).start()
     issuer.close()
     assert rec.order == [0, 1, 2, 3, 4]
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(WorkerClosed, match="closed"):
         issuer.run(rec.work(9), defer=False)
 
 
@@ -135,3 +138,21 @@ def test_drain_times_out_while_work_is_held() -> None:
         assert issuer.drain(10) is True
     finally:
         issuer.close()
+
+
+def test_a_thread_that_cannot_start_queues_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec, issuer = Recorder(), Issuer("test-issuer")
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start"):
+            issuer.run(rec.work(1), defer=True)
+    assert issuer.idle, "the refused work stayed queued"
+    assert issuer.run(rec.work(2), defer=False) is True
+    assert issuer.run(rec.work(3), defer=True) is False  # the thread starts now
+    assert issuer.drain(10)
+    issuer.close()
+    assert rec.order == [2, 3]

@@ -27,7 +27,7 @@ from ..doorbell import Doorbell
 from ..issuer import Issuer
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
-from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
+from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken, WorkerClosed
 from .base import Backend, Completion, HostPool, Lane
 
 __all__ = ["CudaBackend", "CudaCallFailed", "Driver"]
@@ -331,13 +331,17 @@ class Driver:
         ret = cu.cuEventElapsedTime(start, stop)
         return float(ret[1]) / 1e3 if ret[0] == _OK else None
 
+    def can_ring(self) -> bool:
+        """Whether ``ring_after`` has what it needs (host functions, a ring callback)."""
+        return self._host_func is not None and bool(Doorbell.host_function())
+
     def ring_after(self, stream: Any, event: Any, bell: Doorbell) -> bool:
         """Ring ``bell`` from the driver's callback thread once ``event``'s latest record
         lands, via a host function enqueued on ``stream`` (a side stream, so the copies
         never wait for the callback). False where host functions cannot be used."""
-        fn = Doorbell.host_function()
-        if self._host_func is None or not fn:
+        if not self.can_ring():
             return False
+        fn = Doorbell.host_function()
         try:
             handle = bell.deferred_ring()
         except OSError:
@@ -632,8 +636,8 @@ class CudaCompletion(Completion):
             if error is not None and self._error is None:
                 self._error = error  # reported once the enqueued part is over
             bells, self._bells = self._bells, []
-            assert self._issued is not None
-            self._issued.set()
+            if self._issued is not None:
+                self._issued.set()
         for bell in bells:
             if not self.ring_when_done(bell):
                 bell.ring()  # cannot arm it: wake the waiter now, it falls back to polling
@@ -708,7 +712,9 @@ class CudaCompletion(Completion):
                 if self._bell_stream is None:
                     return False
                 if self._pending_issue():
-                    self._bells.append(bell)
+                    if not self._driver.can_ring():
+                        return False
+                    self._bells.append(bell)  # armed by ``_mark_issued``
                     return True
                 try:
                     return self._driver.ring_after(self._bell_stream, events.done, bell)
@@ -767,13 +773,12 @@ def _current_stream(index: int) -> int:
 
 
 class _Dependency:
-    """What a copy waits for: an event recorded (or given) at submit time."""
+    """What a copy waits for: a pooled event recorded at submit time, ours to give back."""
 
-    __slots__ = ("event", "owned")
+    __slots__ = ("event",)
 
-    def __init__(self, event: Any, owned: bool) -> None:
+    def __init__(self, event: Any) -> None:
         self.event = event
-        self.owned = owned
 
 
 class CudaLane(Lane):
@@ -792,7 +797,6 @@ class CudaLane(Lane):
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
         self._issuer = Issuer(f"aiokv-issue-{direction.value}") if backend.options.issue_thread else None
-        self._side_stream: Any = None  # where a user's event is snapshotted (see _snapshot)
         # Jobs the issuer thread enqueued, and the host seconds it spent on them (the bench).
         self.issued_later = 0
         self.issue_seconds = 0.0
@@ -813,18 +817,20 @@ class CudaLane(Lane):
             drv.ensure_context()
             drv.check_usable()
             events = drv.take_job_events()
-            if dep is not None and not dep.owned and issuer is not None and (defer or not issuer.idle):
-                dep = self._snapshot(dep)
         except BaseException:
             self._give_back(events, dep)
             raise
         completion = CudaCompletion(drv, events, None, self.bell_stream)
-        completion._issued = threading.Event()
         work = functools.partial(self._issue, plan, dep, completion, events)
         if issuer is None:
             work()
-        else:
+            return completion
+        completion._issued = threading.Event()
+        try:
             issuer.run(work, defer)
+        except WorkerClosed:  # closed between the core's check and here: nothing enqueued
+            self._give_back(events, dep)
+            raise
         return completion
 
     def _issue(self, plan: CopyPlan, dep: _Dependency | None, completion: CudaCompletion,
@@ -860,8 +866,13 @@ class CudaLane(Lane):
                 try:
                     drv.record(events.done, self.stream)  # ends after the part enqueued
                 except Exception:
-                    pass  # the event's previous record stands: the job ends failed at once
-        if dep is not None and dep.owned:
+                    # The event's last record is not this job's: wait out what was
+                    # enqueued here, so the failure is not reported while copies still run.
+                    try:
+                        drv.stream_synchronize(self.stream)
+                    except Exception:
+                        pass  # a broken context fails every job anyway
+        if dep is not None:
             drv.give_sync_event(dep.event)
         completion._mark_issued(started, error)
         if later:
@@ -872,16 +883,8 @@ class CudaLane(Lane):
         """Return a job's pooled events when nothing of it was enqueued."""
         if events is not None:
             self._driver.give_job_events(events)
-        if dep is not None and dep.owned:
+        if dep is not None:
             self._driver.give_sync_event(dep.event)
-
-    def _snapshot(self, dep: _Dependency) -> _Dependency:
-        """A caller's event may be recorded again before the issuer thread waits on it:
-        wait on its current record now, from a side stream, and hand on our own event."""
-        if self._side_stream is None:
-            self._side_stream = self._driver.create_stream()
-        self._driver.stream_wait(self._side_stream, dep.event)
-        return self._backend._record_on(self._side_stream)
 
     def close(self) -> None:
         # Pending rings run before the stream goes (the doorbell is closed after this). A
@@ -894,8 +897,6 @@ class CudaLane(Lane):
             except Exception:
                 pass
             self._driver.destroy_stream(self.bell_stream)
-            if self._side_stream is not None:
-                self._driver.destroy_stream(self._side_stream)
         finally:
             self._strategy.close()
 
@@ -931,6 +932,7 @@ class CudaBackend(Backend):
         except AiokvError:
             raise
         self._lanes: list[CudaLane] = []
+        self._capture_stream: Any = None  # where a caller's event is waited on (see capture)
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
         for i, t in enumerate(kv.tensors):
@@ -952,7 +954,13 @@ class CudaBackend(Backend):
             return None
         kind, handle = what
         if kind == "event":
-            return _Dependency(cu.CUevent(handle), owned=False)
+            # The caller may record its event again before the copy's stream waits on it
+            # (long jobs are enqueued later, by the lane's issuer thread): wait on its
+            # current record now, from a side stream, and hand the copy an event of ours.
+            if self._capture_stream is None:
+                self._capture_stream = drv.create_stream()
+            drv.stream_wait(self._capture_stream, cu.CUevent(handle))
+            return self._record_on(self._capture_stream)
         return self._record_on(handle)
 
     def check_after(self, after: Any) -> None:
@@ -994,7 +1002,7 @@ class CudaBackend(Backend):
         except BaseException:
             self.driver.give_sync_event(event)
             raise
-        return _Dependency(event, owned=True)
+        return _Dependency(event)
 
     def open_lane(
         self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
@@ -1027,6 +1035,8 @@ class CudaBackend(Backend):
         }
 
     def close(self) -> None:
+        if self._capture_stream is not None:
+            self.driver.destroy_stream(self._capture_stream)
         self.driver.close()
 
 
