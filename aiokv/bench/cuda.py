@@ -402,10 +402,10 @@ async def _tiny_wakeups(iters: int) -> dict[str, float]:
 
 
 async def _long_wakeups(
-    setup: _Setup, iters: int, doorbell: bool = True, busy: bool = False
+    setup: _Setup, iters: int, doorbell: bool = True, busy: bool = False, issue_thread: bool = True
 ) -> dict[str, float]:
     ids = _JobIds()
-    async with setup.worker("auto", doorbell=doorbell) as w:
+    async with setup.worker("auto", doorbell=doorbell, issue_thread=issue_thread) as w:
         with _BusyThread() if busy else contextlib.nullcontext():
             return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids), iters)
 
@@ -566,6 +566,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         ("2 MiB-page job, no doorbell", lambda: _long_wakeups(big, long_iters, doorbell=False)),
         ("2 MiB-page job" + beside, lambda: _long_wakeups(big, long_iters // 2, busy=True)),
         ("32 KiB-page job" + beside, lambda: _long_wakeups(per_layer, long_iters // 2, busy=True)),
+        ("32 KiB-page job, no issuer thread" + beside,
+         lambda: _long_wakeups(per_layer, long_iters // 2, busy=True, issue_thread=False)),
     ]
     for loop in OTHER_LOOPS:
         wake_runs += [
