@@ -55,7 +55,6 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
     pending_stores: dict[int, int] = {}  # block -> job id of a store still reading it
     pending_loads: dict[int, tuple[int, list[torch.Tensor], int]] = {}  # block -> (job, bytes, chunk)
     storing: dict[int, tuple[int, list[torch.Tensor]]] = {}  # store job -> (chunk, bytes)
-    reading: set[int] = set()  # chunks a pending load reads: no store may overwrite them
     for _step in range(60):
         # 1. flush: submit the previous step's stores
         for block, chunk in deferred:
@@ -80,7 +79,6 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
         loadable = sorted(c for c in expected_host if c not in being_stored)
         if loadable:
             chunk = rng.choice(loadable)
-            reading.add(chunk)
             block = rng.choice([b for b in range(64) if b not in pending_stores and b not in busy])
             job = next_job
             next_job += 1
@@ -91,10 +89,11 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
             if expedited:  # waited on within the step, before the forward
                 worker.wait({job})
                 assert all(same_bytes(p[block], want) for p, want in zip(pages, expected_host[chunk]))
-                reading.discard(chunk)
             else:  # checked when reported
                 pending_loads[block] = (job, expected_host[chunk], chunk)
         # 3. this step's stores are queued for the next one (not from blocks being loaded)
+        # chunks a pending load reads (several loads may read one): no store may overwrite them
+        reading = {c for _, _, c in pending_loads.values()}
         free_chunks = [c for c in range(64) if c not in reading]
         deferred = [(rng.choice([b for b in range(64) if b not in pending_loads]), rng.choice(free_chunks))
                     for _ in range(rng.randint(0, 3))]
@@ -107,11 +106,10 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
         for b, j in list(pending_stores.items()):
             if j in done:
                 del pending_stores[b]
-        for b, (j, want, chunk) in list(pending_loads.items()):
+        for b, (j, want, _chunk) in list(pending_loads.items()):
             if j in done:
                 assert all(same_bytes(p[b], w) for p, w in zip(pages, want))
                 del pending_loads[b]
-                reading.discard(chunk)
         for j in sorted(done & set(storing)):  # two stores to one chunk: the later one wins
             chunk, content = storing.pop(j)
             expected_host[chunk] = content
