@@ -797,9 +797,11 @@ class CudaLane(Lane):
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
         self._issuer = Issuer(f"aiokv-issue-{direction.value}") if backend.options.issue_thread else None
-        # Jobs the issuer thread enqueued, and the host seconds it spent on them (the bench).
+        # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
+        # seconds doing so (the bench reports them beside the caller's submit time).
         self.issued_later = 0
         self.issue_seconds = 0.0
+        self.issue_cpu_seconds = 0.0
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -842,6 +844,7 @@ class CudaLane(Lane):
         drv = self._driver
         later = self._issuer is not None and self._issuer.on_own_thread()
         error: BaseException | None = None
+        cpu = time.thread_time() if later else 0.0
         began = started = time.perf_counter()
         enqueuing = False
         try:
@@ -878,6 +881,7 @@ class CudaLane(Lane):
         if later:
             self.issued_later += 1
             self.issue_seconds += time.perf_counter() - began
+            self.issue_cpu_seconds += time.thread_time() - cpu
 
     def _give_back(self, events: _Events | None, dep: _Dependency | None) -> None:
         """Return a job's pooled events when nothing of it was enqueued."""

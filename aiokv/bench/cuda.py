@@ -84,12 +84,14 @@ def _staged_share(worker: AsyncOffloadingWorker) -> tuple[int, str]:
     return jobs, f"lanes: {paths}"
 
 
-def _issued(worker: AsyncOffloadingWorker, store: bool) -> tuple[int, float]:
-    """Jobs the lanes' issuer threads enqueued in one direction, and their host seconds."""
+def _issued(worker: AsyncOffloadingWorker, store: bool | None = None) -> tuple[int, float, float]:
+    """Jobs the lanes' issuer threads enqueued (in one direction, or both), their host
+    seconds, and the CPU seconds those threads spent on them."""
     lanes = [lane for lane in worker._core.backend._lanes  # type: ignore[attr-defined]
-             if lane.direction.to_host == store]
+             if store is None or lane.direction.to_host == store]
     return (sum(getattr(lane, "issued_later", 0) for lane in lanes),
-            sum(getattr(lane, "issue_seconds", 0.0) for lane in lanes))
+            sum(getattr(lane, "issue_seconds", 0.0) for lane in lanes),
+            sum(getattr(lane, "issue_cpu_seconds", 0.0) for lane in lanes))
 
 
 class _JobIds:
@@ -148,7 +150,7 @@ async def _stream(
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
     return {
-        "gbps": moved / wall / GB, "cpu": cpu / wall,
+        "gbps": moved / wall / GB, "cpu": cpu / wall, "wall": wall,
         "submit_p50": statistics.median(submits), "submit_max": max(submits),
     }
 
@@ -358,6 +360,7 @@ async def _wakeups(
     poller = worker._poller
     assert poller is not None  # the worker is open
     polls = 0
+    issuing = 0.0  # CPU the lanes' issuer threads spent enqueueing (submit work, moved)
     for i in range(iters + 10):
         resolved.clear()
         t0 = time.perf_counter()
@@ -366,10 +369,12 @@ async def _wakeups(
         job = stores.pending()[-1]
         fut.add_done_callback(lambda _f: resolved.append(time.perf_counter()))
         c1 = time.process_time()
+        i1 = _issued(worker)[2]
         p1 = poller.polls
         res = await fut
         t2 = time.perf_counter()
         c2 = time.process_time()
+        i2 = _issued(worker)[2]
         if i < 10:
             continue
         window = stores.detect_windows[-1]
@@ -381,7 +386,8 @@ async def _wakeups(
         windows.append(window)
         polls += poller.polls - p1
         dev.append(res.transfer_time or 0.0)
-        cpu += c2 - c1
+        cpu += c2 - c1 - (i2 - i1)
+        issuing += i2 - i1
         wall += t2 - t1
     return {
         "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
@@ -389,6 +395,7 @@ async def _wakeups(
         "window50": _p(windows, 50), "polls": polls / max(1, len(trips)),
         "cpu_wait": cpu / wall if wall else float("nan"),
         "cpu_job": cpu / max(1, len(trips)), "await": wall / max(1, len(trips)),
+        "issue_job": issuing / max(1, len(trips)),
     }
 
 
@@ -515,9 +522,9 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                     add(f"{what}, one job (device time)", rate, "GB/s", top)
                     if not full:
                         continue
-                    jobs0, secs0 = _issued(worker, store)
+                    jobs0, secs0, _ = _issued(worker, store)
                     s = await _stream(worker, setup, window, ids, store=store)
-                    jobs1, secs1 = _issued(worker, store)
+                    jobs1, secs1, _ = _issued(worker, store)
                     add(f"{what}, streamed idle (wall)", s["gbps"], "GB/s", top,
                         f"cpu {100 * s['cpu']:.1f}% of a core")
                     transfer_us = setup.job_bytes / rate / GB * 1e6
@@ -536,9 +543,12 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                 if full:
                     s = await _stream(worker, setup, window, ids, both=True, depth=4)
                     add("both directions at once (sum, wall)", s["gbps"], "GB/s", ceil["both"])
+                    c0 = _issued(worker)[2]
                     s = await _stream(worker, setup, window, ids, store=True, depth=1)
+                    issuing = (_issued(worker)[2] - c0) / s["wall"]
                     add("CPU while awaiting long transfers", 100 * s["cpu"], "% core", None,
-                        "one job in flight at a time")
+                        "one job in flight at a time, submits included"
+                        + (f"; {100 * issuing:.1f}% of it the issuer thread's" if issuing else ""))
                 if name == "dma":
                     jobs, how = _pitched_share(worker)
                     add("jobs sent as pitched (2D) copies", jobs, "jobs", None, how)
@@ -595,7 +605,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
         ]
         if not label.endswith(beside):  # there, the process CPU is mostly the busy thread's
-            note = (f"process CPU between submit return and await return: {w['cpu_job'] * 1e6:.0f} us "
+            note = (f"process CPU between submit return and await return, less the issuer thread's "
+                    f"{w['issue_job'] * 1e6:.0f} us: {w['cpu_job'] * 1e6:.0f} us "
                     f"per job over a {w['await'] * 1e6:.0f} us await; {w['polls']:.0f} polls per job")
             cpu = 100 * w["cpu_wait"]
             rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
