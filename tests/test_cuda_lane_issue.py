@@ -1,0 +1,241 @@
+"""The CUDA lane's issue logic on a fake driver (no GPU): a job the issuer thread has not
+enqueued is never reported done, doorbells asked for meanwhile are armed once it is, and
+every failure path either raises at submit with the job's pooled events given back or
+fails the job, never both and never neither."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aiokv.backends.cuda import CudaCompletion, CudaLane, _Dependency, _Events
+from aiokv.specs import Direction, WorkerBroken, WorkerClosed
+
+
+class FakeDriver:
+    """Streams and events as plain objects. The fake device runs every copy the moment it
+    is enqueued, and, as in CUDA, an event never recorded reads as done: only the lane can
+    keep a job that is not enqueued yet from looking finished."""
+
+    def __init__(self, rings: bool = True) -> None:
+        self.broken: WorkerBroken | None = None
+        self.recorded: set[int] = set()
+        self.given_jobs: list[_Events] = []
+        self.given_sync: list[Any] = []
+        self.armed: list[Any] = []
+        self.rings = rings
+        self.next = 0
+
+    def _handle(self) -> int:
+        self.next += 1
+        return self.next
+
+    def ensure_context(self) -> None:
+        pass
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    def create_stream(self, high_priority: bool = False) -> int:
+        return self._handle()
+
+    def destroy_stream(self, stream: Any) -> None:
+        pass
+
+    def stream_synchronize(self, stream: Any) -> None:
+        pass
+
+    def take_job_events(self) -> _Events:
+        return _Events(self._handle(), self._handle())
+
+    def give_job_events(self, events: _Events) -> None:
+        self.given_jobs.append(events)
+
+    def give_sync_event(self, event: Any) -> None:
+        self.given_sync.append(event)
+
+    def record(self, event: Any, stream: Any) -> None:
+        self.recorded.add(event)
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        return 1e-3
+
+    def can_ring(self) -> bool:
+        return self.rings
+
+    def ring_after(self, stream: Any, event: Any, bell: Any) -> bool:
+        self.armed.append(event)
+        bell.ring()
+        return True
+
+
+class FakeStrategy:
+    name = "fake"
+    main_stream = 0
+
+    def __init__(self, driver: FakeDriver) -> None:
+        self.driver = driver
+        self.fail_prepare: BaseException | None = None
+        self.fail_enqueue: BaseException | None = None
+
+    def prepare(self, plan: Any) -> Any:
+        if self.fail_prepare is not None:
+            raise self.fail_prepare
+        return plan
+
+    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any) -> None:
+        self.driver.record(start, self.main_stream)
+        if self.fail_enqueue is not None:
+            raise self.fail_enqueue
+        self.driver.record(stop, self.main_stream)
+
+    def close(self) -> None:
+        pass
+
+
+class Bell:
+    def __init__(self) -> None:
+        self.rung = 0
+
+    def ring(self) -> None:
+        self.rung += 1
+
+
+def make_lane(issue_thread: bool = True, rings: bool = True) -> tuple[CudaLane, FakeDriver, FakeStrategy]:
+    driver = FakeDriver(rings)
+    backend = SimpleNamespace(driver=driver, options=SimpleNamespace(issue_thread=issue_thread))
+    strategy = FakeStrategy(driver)
+    return CudaLane(backend, Direction.STORE, strategy), driver, strategy  # type: ignore[arg-type]
+
+
+def plan(nbytes: int) -> Any:
+    return SimpleNamespace(total_bytes=nbytes)
+
+
+LONG = 1 << 30  # far above ISSUE_THREAD_BYTES: always deferred
+
+
+def hold(lane: CudaLane) -> threading.Event:
+    gate, held = threading.Event(), threading.Event()
+
+    def work() -> None:
+        held.set()
+        gate.wait(10)
+
+    assert lane._issuer is not None
+    lane._issuer.run(work, defer=True)
+    assert held.wait(10)
+    return gate
+
+
+def test_a_job_not_yet_issued_is_not_done_and_its_bell_rings_once_it_is() -> None:
+    lane, driver, _ = make_lane()
+    gate = hold(lane)
+    try:
+        c = lane.launch(plan(1024), _Dependency("dep"))  # small, but queued behind the held work
+        assert isinstance(c, CudaCompletion)
+        assert not c.query() and not c.wait(0.02)
+        bell = Bell()
+        assert c.ring_when_done(bell) is True
+        assert bell.rung == 0 and driver.armed == []
+        gate.set()
+        assert c.wait(10) and c.error is None
+        assert bell.rung == 1 and driver.armed, "the bell asked for before the enqueue was not armed"
+        assert driver.given_sync == ["dep"]  # the dependency's event went back once enqueued
+    finally:
+        gate.set()
+        lane.close()
+
+
+def test_no_bell_is_promised_where_the_driver_cannot_ring() -> None:
+    lane, _, _ = make_lane(rings=False)
+    gate = hold(lane)
+    try:
+        c = lane.launch(plan(LONG), None)
+        assert c.ring_when_done(Bell()) is False  # the poller must keep polling on a timer
+    finally:
+        gate.set()
+        lane.close()
+
+
+def test_small_job_on_an_idle_lane_is_enqueued_by_the_caller() -> None:
+    lane, _, _ = make_lane()
+    c = lane.launch(plan(1024), None)
+    assert c.query() and lane.issued_later == 0
+    c2 = lane.launch(plan(LONG), None)
+    assert c2.wait(10) and lane.issued_later == 1
+    lane.close()
+
+
+@pytest.mark.parametrize("issue_thread", [True, False])
+def test_a_plan_that_fails_on_the_callers_thread_raises_and_gives_everything_back(issue_thread: bool) -> None:
+    lane, driver, strategy = make_lane(issue_thread)
+    strategy.fail_prepare = ValueError("no plan")
+    with pytest.raises(ValueError, match="no plan"):
+        lane.launch(plan(1024), _Dependency("dep"))
+    assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
+    lane.close()
+
+
+def test_a_plan_that_fails_on_the_issuer_thread_fails_the_job_in_order() -> None:
+    lane, driver, strategy = make_lane()
+    strategy.fail_prepare = ValueError("no plan")
+    c = lane.launch(plan(LONG), _Dependency("dep"))  # raises nothing: the caller has gone on
+    assert c.wait(10)
+    assert isinstance(c.error, ValueError)
+    assert driver.given_sync == ["dep"]
+    lane.close()
+
+
+def test_a_partial_enqueue_fails_the_job_only_after_its_end_is_recorded() -> None:
+    lane, driver, strategy = make_lane()
+    strategy.fail_enqueue = RuntimeError("driver said no")
+    c = lane.launch(plan(LONG), None)
+    events = c._events
+    assert events is not None
+    assert c.wait(10)
+    assert isinstance(c.error, RuntimeError)
+    assert events.stop in driver.recorded, "the job's end was not recorded behind what was enqueued"
+    lane.close()
+
+
+def test_a_sticky_error_on_the_callers_thread_raises_worker_broken() -> None:
+    lane, driver, strategy = make_lane()
+    broken = WorkerBroken("context lost")
+
+    def die(*_: Any) -> None:
+        driver.broken = broken
+        raise RuntimeError("sticky")
+
+    strategy.enqueue = die  # type: ignore[method-assign]
+    with pytest.raises(WorkerBroken):
+        lane.launch(plan(1024), None)
+    lane.close()
+
+
+def test_a_sticky_error_on_the_issuer_thread_fails_the_job() -> None:
+    lane, driver, _ = make_lane()
+    gate = hold(lane)
+    c = lane.launch(plan(LONG), None)
+    driver.broken = WorkerBroken("context lost")
+    assert c.query() and isinstance(c.error, WorkerBroken)  # every pending job fails at once
+    gate.set()
+    lane.close()
+
+
+def test_launch_on_a_closed_lane_raises_worker_closed_and_gives_events_back() -> None:
+    lane, driver, _ = make_lane()
+    lane.close()
+    with pytest.raises(WorkerClosed):
+        lane.launch(plan(1024), _Dependency("dep"))
+    assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
