@@ -3,6 +3,12 @@ flight at a time: the caller's submit, the hand-off (submit returned -> the issu
 starts on the job), the issuer's prepare and enqueue, and the round trip, with and without
 the issuer thread, idle and beside a busy Python thread (medians, us).
 
+Then the trade-offs for the per-layer job, in rounds alternating the variants (issued by
+the caller; by the issuer thread; by the issuer thread keeping the GIL through its batched
+copies; by one issuer thread for all lanes): both directions at once, a store stream
+under the medium GEMMs launched from a Python thread (rate and GEMM slowdown), and the
+round trip beside a busy Python thread.
+
 Run on the GPU machine from the repo root: python3 probes/probe_issue.py [jobs, default 60]
 """
 
@@ -15,6 +21,7 @@ import time
 import torch
 from _setups import per_layer, two_mib
 
+import aiokv.backends.cuda as cuda_backend
 from aiokv.bench import cuda as b
 
 
@@ -62,9 +69,41 @@ async def one(setup: b._Setup, issue_thread: bool, busy: bool, jobs: int) -> str
     return label + " " + " ".join(med(v) for v in cols.values())
 
 
+async def tradeoffs(setup: b._Setup, issue_thread: bool, ceil: dict, medium: b._Gemm, alone: float) -> str:
+    ids = b._JobIds()
+    async with setup.worker("auto", issue_thread=issue_thread) as w:
+        await b._stream(w, setup, 0.2, ids, both=True, depth=4)  # warm: rings, events
+        both = await b._stream(w, setup, 0.6, ids, both=True, depth=4)
+        with medium:
+            s = await b._stream(w, setup, 0.6, ids, store=True)
+        trips = []
+        with b._BusyThread():
+            for k in range(12):
+                t0 = time.perf_counter()
+                await b._submit(w, setup, True, k, ids)
+                trips.append(time.perf_counter() - t0)
+    return (f"both {both['gbps'] / ceil['both']:.2f}, under medium GEMMs {s['gbps'] / ceil['store']:.2f} "
+            f"(GEMM {100 * (1 - medium.rate / alone):+.1f}%), busy-thread trip p50 "
+            f"{statistics.median(trips[2:]) * 1e3:.1f} ms")
+
+
 def main() -> None:
     jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     dev = torch.device("cuda")
+    setup = per_layer(dev)
+    ceil = b._Contiguous(setup.job_bytes).rates(3)
+    medium = b._Gemm(4096, 4096, 14336)
+    alone = medium.alone(0.6)
+    print(f"ceilings {ceil}; medium GEMM alone {alone:.0f} TFLOP/s", flush=True)
+    variants = (("caller", False, False, False), ("issuer", True, False, False),
+                ("issuer, GIL kept", True, True, False), ("one issuer", True, False, True))
+    for rnd in range(2):
+        for label, thread, keep, shared in variants if rnd % 2 == 0 else variants[::-1]:
+            cuda_backend.ISSUE_THREAD_KEEPS_GIL = keep
+            cuda_backend.SHARED_ISSUER = shared
+            print(f"round {rnd} {label:17} " + asyncio.run(tradeoffs(setup, thread, ceil, medium, alone)),
+                  flush=True)
+    cuda_backend.ISSUE_THREAD_KEEPS_GIL = cuda_backend.SHARED_ISSUER = False
     print(f"{'job':14} {'issue':6} {'host':4} " + " ".join(f"{k:>7}" for k in
           ("submit", "hand-off", "prepare", "enqueue", "trip")), flush=True)
     for setup in (per_layer(dev), two_mib(dev)):

@@ -28,6 +28,7 @@ class FakeDriver:
         self.armed: list[Any] = []
         self.rings = rings
         self.next = 0
+        self._local = threading.local()
 
     def _handle(self) -> int:
         self.next += 1

@@ -77,6 +77,12 @@ GIL_HELD_DESCRIPTORS = 16
 # thread, so ``submit`` returns after planning; smaller ones, whose issue is short and whose
 # latency a thread hand-off would add to, are enqueued by the caller when the lane is idle.
 ISSUE_THREAD_BYTES = 8 << 20
+# Whether an issuer thread keeps the GIL through its batched copies (it then takes the GIL
+# once per job instead of once per call).
+ISSUE_THREAD_KEEPS_GIL = False
+# Whether the lanes of a worker share one issuer thread (fewer threads taking the GIL; a
+# job then also waits for other directions' queued issue work).
+SHARED_ISSUER = False
 GIL_HELD_PITCHED_OPS = 4
 
 
@@ -481,7 +487,8 @@ class Driver:
         if self._batch3d_fn is None:
             raise CudaCallFailed("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)",
                                  int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED))
-        fn = self._batch3d_fn_gil if n <= GIL_HELD_PITCHED_OPS else self._batch3d_fn
+        keep = n <= GIL_HELD_PITCHED_OPS or getattr(self._local, "keep_gil", False)
+        fn = self._batch3d_fn_gil if keep else self._batch3d_fn
         if self.batch_kind == "batch13":
             code = fn(n, ops.ctypes.data, 0, int(stream))
         else:
@@ -539,7 +546,7 @@ class Driver:
             args.append(ctypes.addressof(fail_idx))
         args.append(int(stream))
         if hold_gil is None:
-            hold_gil = n <= GIL_HELD_DESCRIPTORS
+            hold_gil = n <= GIL_HELD_DESCRIPTORS or getattr(self._local, "keep_gil", False)
         code = (self._batch_fn_gil if hold_gil else self._batch_fn)(*args)
         if code != 0:
             raise self.fail(int(code), "cuMemcpyBatchAsync")
@@ -796,7 +803,10 @@ class CudaLane(Lane):
         self._strategy = strategy
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
-        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if backend.options.issue_thread else None
+        self._issuer: Issuer | None = None
+        if backend.options.issue_thread:
+            own = Issuer(f"aiokv-issue-{direction.value}") if not SHARED_ISSUER else None
+            self._issuer = own or backend.shared_issuer()
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
         self.issued_later = 0
@@ -847,6 +857,8 @@ class CudaLane(Lane):
         cpu = time.thread_time() if later else 0.0
         began = started = time.perf_counter()
         enqueuing = False
+        if later:
+            drv._local.keep_gil = ISSUE_THREAD_KEEPS_GIL
         try:
             drv.ensure_context()
             drv.check_usable()
@@ -894,7 +906,10 @@ class CudaLane(Lane):
         # Pending rings run before the stream goes (the doorbell is closed after this). A
         # dead context runs no host functions: their FILEs and descriptors are leaked.
         if self._issuer is not None:
-            self._issuer.close()
+            if SHARED_ISSUER:
+                self._issuer.drain()  # the backend closes it after the last lane
+            else:
+                self._issuer.close()
         try:
             try:
                 self._driver.stream_synchronize(self.bell_stream)
@@ -937,6 +952,7 @@ class CudaBackend(Backend):
             raise
         self._lanes: list[CudaLane] = []
         self._capture_stream: Any = None  # where a caller's event is waited on (see capture)
+        self._issuer: Issuer | None = None  # one for all lanes, with SHARED_ISSUER
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
         for i, t in enumerate(kv.tensors):
@@ -1038,7 +1054,14 @@ class CudaBackend(Backend):
             "strategy": {lane.direction.value: lane.strategy_name for lane in self._lanes},
         }
 
+    def shared_issuer(self) -> Issuer:
+        if self._issuer is None:
+            self._issuer = Issuer("aiokv-issue")
+        return self._issuer
+
     def close(self) -> None:
+        if self._issuer is not None:
+            self._issuer.close()
         if self._capture_stream is not None:
             self.driver.destroy_stream(self._capture_stream)
         self.driver.close()
