@@ -4,8 +4,8 @@ starts on the job), the issuer's prepare and enqueue, and the round trip, with a
 the issuer thread, idle and beside a busy Python thread (medians, us).
 
 Then the trade-offs for the per-layer job, in rounds alternating the variants (issued by
-the caller; by the issuer thread; by the issuer thread keeping the GIL through its batched
-copies; by one issuer thread for all lanes): both directions at once, a store stream
+the caller; by the issuer thread dropping the GIL in its batched copies; by the issuer
+thread keeping it, the default): both directions at once, a store stream
 under the medium GEMMs launched from a Python thread (rate and GEMM slowdown), and the
 round trip beside a busy Python thread.
 
@@ -95,15 +95,14 @@ def main() -> None:
     medium = b._Gemm(4096, 4096, 14336)
     alone = medium.alone(0.6)
     print(f"ceilings {ceil}; medium GEMM alone {alone:.0f} TFLOP/s", flush=True)
-    variants = (("caller", False, False, False), ("issuer", True, False, False),
-                ("issuer, GIL kept", True, True, False), ("one issuer", True, False, True))
+    # Run 78 also had one issuer thread shared by the lanes (commit 49e11d9's SHARED_ISSUER).
+    variants = (("caller", False, True), ("issuer, GIL dropped", True, False), ("issuer", True, True))
     for rnd in range(2):
-        for label, thread, keep, shared in variants if rnd % 2 == 0 else variants[::-1]:
+        for label, thread, keep in variants if rnd % 2 == 0 else variants[::-1]:
             cuda_backend.ISSUE_THREAD_KEEPS_GIL = keep
-            cuda_backend.SHARED_ISSUER = shared
             print(f"round {rnd} {label:17} " + asyncio.run(tradeoffs(setup, thread, ceil, medium, alone)),
                   flush=True)
-    cuda_backend.ISSUE_THREAD_KEEPS_GIL = cuda_backend.SHARED_ISSUER = False
+    cuda_backend.ISSUE_THREAD_KEEPS_GIL = True
     print(f"{'job':14} {'issue':6} {'host':4} " + " ".join(f"{k:>7}" for k in
           ("submit", "hand-off", "prepare", "enqueue", "trip")), flush=True)
     for setup in (per_layer(dev), two_mib(dev)):

@@ -77,12 +77,15 @@ GIL_HELD_DESCRIPTORS = 16
 # thread, so ``submit`` returns after planning; smaller ones, whose issue is short and whose
 # latency a thread hand-off would add to, are enqueued by the caller when the lane is idle.
 ISSUE_THREAD_BYTES = 8 << 20
-# Whether an issuer thread keeps the GIL through its batched copies (it then takes the GIL
-# once per job instead of once per call).
-ISSUE_THREAD_KEEPS_GIL = False
-# Whether the lanes of a worker share one issuer thread (fewer threads taking the GIL; a
-# job then also waits for other directions' queued issue work).
-SHARED_ISSUER = False
+# An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
+# job, not once per call: each retake waits for the loop thread or the other lanes' issuers
+# to let go (beside a pure-Python thread, for a switch interval). probes/probe_issue.py, run
+# 78, per-layer 32 KiB-page job, against issuing on the caller: both directions at once
+# 0.89-0.91 (dropping it: 0.85-0.88; the caller: 0.91-0.92); round trip beside a busy
+# Python thread 19-25 ms (dropping it: 49-51 ms; the caller: 22-27 ms); medium GEMMs from
+# a Python thread slowed +2.8 to +4.7% (dropping it +3.5%, the caller +2.4 to +4.3%). One
+# issuer thread shared by the lanes did no better (both 0.88-0.89, busy 53-62 ms).
+ISSUE_THREAD_KEEPS_GIL = True
 GIL_HELD_PITCHED_OPS = 4
 
 
@@ -524,9 +527,9 @@ class Driver:
     ) -> None:
         """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64.
 
-        ``hold_gil``: keep the GIL through the call (default: for small batches only; threads
-        issuing slices side by side pass False). Falls back to one cuMemcpyAsync per entry
-        where the driver lacks batched copies.
+        ``hold_gil``: keep the GIL through the call (default: for small batches, and on a
+        lane's issuer thread; threads issuing slices side by side pass False). Falls back
+        to one cuMemcpyAsync per entry where the driver lacks batched copies.
         """
         n = int(dst.shape[0])
         if n == 0:
@@ -803,10 +806,7 @@ class CudaLane(Lane):
         self._strategy = strategy
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
-        self._issuer: Issuer | None = None
-        if backend.options.issue_thread:
-            own = Issuer(f"aiokv-issue-{direction.value}") if not SHARED_ISSUER else None
-            self._issuer = own or backend.shared_issuer()
+        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if backend.options.issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
         self.issued_later = 0
@@ -906,10 +906,7 @@ class CudaLane(Lane):
         # Pending rings run before the stream goes (the doorbell is closed after this). A
         # dead context runs no host functions: their FILEs and descriptors are leaked.
         if self._issuer is not None:
-            if SHARED_ISSUER:
-                self._issuer.drain()  # the backend closes it after the last lane
-            else:
-                self._issuer.close()
+            self._issuer.close()
         try:
             try:
                 self._driver.stream_synchronize(self.bell_stream)
@@ -952,7 +949,6 @@ class CudaBackend(Backend):
             raise
         self._lanes: list[CudaLane] = []
         self._capture_stream: Any = None  # where a caller's event is waited on (see capture)
-        self._issuer: Issuer | None = None  # one for all lanes, with SHARED_ISSUER
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
         for i, t in enumerate(kv.tensors):
@@ -1054,14 +1050,7 @@ class CudaBackend(Backend):
             "strategy": {lane.direction.value: lane.strategy_name for lane in self._lanes},
         }
 
-    def shared_issuer(self) -> Issuer:
-        if self._issuer is None:
-            self._issuer = Issuer("aiokv-issue")
-        return self._issuer
-
     def close(self) -> None:
-        if self._issuer is not None:
-            self._issuer.close()
         if self._capture_stream is not None:
             self.driver.destroy_stream(self._capture_stream)
         self.driver.close()
