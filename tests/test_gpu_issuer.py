@@ -25,6 +25,7 @@ from .gpu_support import STRATEGIES, check_same, describe, drain, gpu, layouts, 
 pytestmark = gpu
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than submitting takes
+ISSUER = {"issue_thread": True}  # off by default
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def hold_issuer(worker: AsyncOffloadingWorker, to_host: bool = True) -> threadin
 def test_round_trip_issued_later_matches_oracle(strategy: str, layout: str) -> None:
     tensors, how = layouts("cuda", seed=11)[layout]
     kv = describe(tensors, how)
-    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, 3, strategy)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 30, 3, strategy, options=ISSUER)
     rng = np.random.default_rng(5)
     try:
         stores = [("store", j, GPULoadStoreSpec(rng.choice(40, 6, replace=False)),
@@ -92,7 +93,7 @@ def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
 def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) -> None:
     """``after=`` an event: the copy waits for the record current at submit, not a later one."""
     tensors, kv = _kv()
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy)
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
     w = SyncOffloadingWorker(worker)
     side, idle = torch.cuda.Stream(), torch.cuda.Stream()
     try:
@@ -118,7 +119,7 @@ def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) ->
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_store_issued_later_waits_for_the_writer_on_the_current_stream(strategy: str) -> None:
     tensors, kv = _kv()
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy)
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
     w = SyncOffloadingWorker(worker)
     try:
         torch.cuda.synchronize()
@@ -139,7 +140,7 @@ def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
     for b in range(16):
         for t in tensors:
             t[:, b].fill_(float(b + 1))
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="auto")
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="auto", options=ISSUER)
     w = SyncOffloadingWorker(worker)
     try:
         gate = hold_issuer(worker)
@@ -159,7 +160,7 @@ def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
 @pytest.mark.usefixtures("issue_everything_later")
 def test_shutdown_waits_for_jobs_still_queued_for_the_issuer() -> None:
     tensors, how = layouts("cuda", seed=13)["kv_split"]
-    cuda_w, oracle, _ = sync_pair(describe(tensors, how), tensors, 30, 1, "staged")
+    cuda_w, oracle, _ = sync_pair(describe(tensors, how), tensors, 30, 1, "staged", options=ISSUER)
     jobs = [("store", j, GPULoadStoreSpec(range(j * 5, j * 5 + 5)), CPULoadStoreSpec(range(j * 5, j * 5 + 5)))
             for j in range(6)]
     try:
@@ -187,7 +188,7 @@ def test_awaited_job_wakes_when_issued_late(backend: str) -> None:
         t[:, 5].fill_(4.0)
 
     async def main() -> None:
-        async with AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda") as w:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", options=ISSUER) as w:
             driver = w._core.backend.driver
             rings: list[object] = []
             ring_after = driver.ring_after
