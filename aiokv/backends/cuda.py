@@ -73,9 +73,10 @@ _BAD_INPUT = frozenset(
 # drop it: held through the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM
 # loop in another Python thread by 0.6-5.7% instead of -0.7-1.7% (runs 36-37).
 GIL_HELD_DESCRIPTORS = 16
-# Jobs of at least this many bytes (~0.15 ms on PCIe 5) are enqueued by the lane's issuer
-# thread, so ``submit`` returns after planning; smaller ones, whose issue is short and whose
-# latency a thread hand-off would add to, are enqueued by the caller when the lane is idle.
+# With ``WorkerOptions.issue_thread``, jobs of at least this many bytes (~0.15 ms on PCIe 5)
+# are enqueued by the lane's issuer thread, so ``submit`` returns after planning; smaller
+# ones, whose issue is short and whose latency a thread hand-off would add to, are enqueued
+# by the caller when the lane is idle.
 ISSUE_THREAD_BYTES = 8 << 20
 # An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
 # job, not once per call: each retake waits for the loop thread or the other lanes' issuers
@@ -84,7 +85,8 @@ ISSUE_THREAD_BYTES = 8 << 20
 # 0.89-0.91 (dropping it: 0.85-0.88; the caller: 0.91-0.92); round trip beside a busy
 # Python thread 19-25 ms (dropping it: 49-51 ms; the caller: 22-27 ms); medium GEMMs from
 # a Python thread slowed +2.8 to +4.7% (dropping it +3.5%, the caller +2.4 to +4.3%). One
-# issuer thread shared by the lanes did no better (both 0.88-0.89, busy 53-62 ms).
+# issuer thread shared by the lanes did no better (both 0.88-0.89, busy 53-62 ms). Run 79
+# read both directions 0.86 either way (the caller 0.92-0.97): hence off by default.
 ISSUE_THREAD_KEEPS_GIL = True
 GIL_HELD_PITCHED_OPS = 4
 
@@ -794,9 +796,9 @@ class _Dependency:
 class CudaLane(Lane):
     """One direction: a main stream whose job end events mark completion, in order.
 
-    Jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one) are enqueued by the
-    lane's issuer thread: ``launch`` returns once the job is planned and its dependency
-    captured.
+    With ``issue_thread``, jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one)
+    are enqueued by the lane's issuer thread: ``launch`` returns once the job is planned
+    and its dependency captured.
     """
 
     def __init__(self, backend: CudaBackend, direction: Direction, strategy: Any) -> None:
