@@ -59,10 +59,10 @@ class WorkerOptions:
     doorbell: bool = True
     # CUDA: enqueue jobs of 8 MiB or more (and any job behind one) from each lane's own
     # thread, so ``submit`` returns once the job is planned and its dependency captured
-    # (0.1-0.16 ms instead of 0.5-0.7 ms for 256 MiB jobs). Off by default: the thread takes
-    # the GIL for the driver calls instead, so the loop still waits for them, and staged
-    # jobs moved both directions at once at 0.86-0.91 of the ceiling against 0.91-0.97
-    # (device runs 77-79, docs/performance.md).
+    # (0.1-0.18 ms instead of 0.3-0.8 ms for 256 MiB jobs). Off by default: the thread takes
+    # the GIL for the driver calls instead, so the loop still waits for them, a GEMM loop
+    # in another Python thread slowed more (+4.7 to +7.0% against +3.0 to +4.6%), and the
+    # round trip grows by the hand-off (device runs 77-80, docs/performance.md).
     issue_thread: bool = False
 
     def __post_init__(self) -> None:

@@ -85,8 +85,9 @@ ISSUE_THREAD_BYTES = 8 << 20
 # 0.89-0.91 (dropping it: 0.85-0.88; the caller: 0.91-0.92); round trip beside a busy
 # Python thread 19-25 ms (dropping it: 49-51 ms; the caller: 22-27 ms); medium GEMMs from
 # a Python thread slowed +2.8 to +4.7% (dropping it +3.5%, the caller +2.4 to +4.3%). One
-# issuer thread shared by the lanes did no better (both 0.88-0.89, busy 53-62 ms). Run 79
-# read both directions 0.86 either way (the caller 0.92-0.97): hence off by default.
+# issuer thread shared by the lanes did no better (both 0.88-0.89, busy 53-62 ms). Runs
+# 79-80: both directions 0.86-0.96 (the caller 0.92-0.97), medium GEMMs +4.7 to +7.0%
+# (the caller +3.0 to +4.6%): why ``issue_thread`` is off by default.
 ISSUE_THREAD_KEEPS_GIL = True
 GIL_HELD_PITCHED_OPS = 4
 
