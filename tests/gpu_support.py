@@ -29,6 +29,16 @@ gpu = [
 ]
 
 
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than submitting takes
+
+
+def ones_kv(nb: int = 16) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    """Two per-layer (K, V) tensors of 1.0, 8 KiB pages; tests write their own values into
+    the blocks they move, so a copy that ran too early shows as the old value."""
+    tensors = [torch.full((2, nb, 8, 256), 1.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
+
+
 def random_like(
     shape: tuple[int, ...], dtype: torch.dtype, device: str, gen: torch.Generator
 ) -> torch.Tensor:

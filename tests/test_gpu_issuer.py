@@ -14,17 +14,26 @@ import torch
 import aiokv.backends.cuda as cuda_backend
 from aiokv import (
     AsyncOffloadingWorker,
-    CanonicalKVCaches,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     SyncOffloadingWorker,
 )
 
-from .gpu_support import STRATEGIES, check_same, describe, drain, gpu, layouts, run_jobs, sync_pair
+from .gpu_support import (
+    SLEEP_CYCLES,
+    STRATEGIES,
+    check_same,
+    describe,
+    drain,
+    gpu,
+    layouts,
+    ones_kv,
+    run_jobs,
+    sync_pair,
+)
 
 pytestmark = gpu
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than submitting takes
 ISSUER = {"issue_thread": True}  # off by default
 
 
@@ -80,11 +89,6 @@ def test_round_trip_issued_later_matches_oracle(strategy: str, layout: str) -> N
         oracle.shutdown()
 
 
-def _kv(nb: int = 16) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
-    tensors = [torch.full((2, nb, 8, 256), 1.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
-
-
 def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
     return w.host_pool[chunk * w.chunk_bytes :][: 4 * 8 * 256 * 2].view(torch.bfloat16)
 
@@ -92,7 +96,7 @@ def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("strategy", ["dma", "staged"])
 def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) -> None:
     """``after=`` an event: the copy waits for the record current at submit, not a later one."""
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
     w = SyncOffloadingWorker(worker)
     side, idle = torch.cuda.Stream(), torch.cuda.Stream()
@@ -118,7 +122,7 @@ def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) ->
 @pytest.mark.usefixtures("issue_everything_later")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_store_issued_later_waits_for_the_writer_on_the_current_stream(strategy: str) -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
     w = SyncOffloadingWorker(worker)
     try:
@@ -136,7 +140,7 @@ def test_store_issued_later_waits_for_the_writer_on_the_current_stream(strategy:
 
 @pytest.mark.usefixtures("issue_everything_later")
 def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     for b in range(16):
         for t in tensors:
             t[:, b].fill_(float(b + 1))
@@ -183,7 +187,7 @@ def test_shutdown_waits_for_jobs_still_queued_for_the_issuer() -> None:
 def test_awaited_job_wakes_when_issued_late(backend: str) -> None:
     """The poller naps on the doorbell while the job waits for the issuer: the bell asked
     for before the enqueue must still ring."""
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     for t in tensors:
         t[:, 5].fill_(4.0)
 

@@ -16,16 +16,10 @@ from aiokv import (
 )
 from aiokv.specs import InvalidSpec
 
-from .gpu_support import STRATEGIES, drain, gpu
+from .gpu_support import SLEEP_CYCLES, STRATEGIES, drain, gpu, ones_kv
 
 pytestmark = gpu
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than submitting takes
-
-
-def _kv(nb: int = 16) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
-    tensors = [torch.full((2, nb, 8, 256), 1.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
 
 
 def _sync(kv: CanonicalKVCaches, strategy: str) -> SyncOffloadingWorker:
@@ -40,7 +34,7 @@ def _pool_block(w: SyncOffloadingWorker, chunk: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_store_waits_for_pending_write_on_current_stream(strategy: str) -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     w = _sync(kv, strategy)
     try:
         torch.cuda.synchronize()
@@ -58,7 +52,7 @@ def test_store_waits_for_pending_write_on_current_stream(strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_load_waits_for_pending_write_to_destination(strategy: str) -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     w = _sync(kv, strategy)
     try:
         for t in tensors:
@@ -91,7 +85,7 @@ def _after_variants(side: torch.cuda.Stream) -> dict[str, object]:
 @pytest.mark.parametrize("kind", ["event", "stream", "protocol", "raw"])
 @pytest.mark.parametrize("strategy", ["dma", "staged"])
 def test_after_overrides_current_stream(kind: str, strategy: str) -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     w = _sync(kv, strategy)
     side = torch.cuda.Stream()
     try:
@@ -110,7 +104,7 @@ def test_after_overrides_current_stream(kind: str, strategy: str) -> None:
 
 
 def test_bad_after_is_rejected_and_worker_stays_usable() -> None:
-    _, kv = _kv()
+    _, kv = ones_kv()
     w = _sync(kv, "dma")
     try:
         with pytest.raises(InvalidSpec):
@@ -125,7 +119,7 @@ def test_bad_after_is_rejected_and_worker_stays_usable() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_after_from_coroutine_on_loop_thread(strategy: str) -> None:
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
 
     async def main() -> None:
         side = torch.cuda.Stream()
@@ -147,7 +141,7 @@ def test_after_from_coroutine_on_loop_thread(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_jobs_of_one_direction_complete_in_order(strategy: str) -> None:
     """Many stores into one chunk: the last submitted wins, and results come out in order."""
-    tensors, kv = _kv()
+    tensors, kv = ones_kv()
     w = _sync(kv, strategy)
     try:
         for b in range(16):
