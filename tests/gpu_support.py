@@ -7,6 +7,7 @@ over the whole host pool and every device tensor (untouched bytes included).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -37,6 +38,20 @@ def ones_kv(nb: int = 16) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
     the blocks they move, so a copy that ran too early shows as the old value."""
     tensors = [torch.full((2, nb, 8, 256), 1.0, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     return tensors, CanonicalKVCaches.from_tensors(tensors, block_dim=1)
+
+
+def slow_fill(tensors: list[torch.Tensor], block: int, value: float,
+              stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """Write ``value`` into ``block`` of each (K, V) tensor behind ~0.1 s of device sleep on
+    ``stream`` (default: the current one), so a copy that does not wait for the write sees
+    the old bytes. Returns an event recorded after the write, on that stream."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t in tensors:
+            t[:, block].fill_(value)
+        done = torch.cuda.Event()
+        done.record()
+    return done
 
 
 def random_like(

@@ -20,7 +20,6 @@ from aiokv import (
 )
 
 from .gpu_support import (
-    SLEEP_CYCLES,
     STRATEGIES,
     check_same,
     describe,
@@ -29,6 +28,7 @@ from .gpu_support import (
     layouts,
     ones_kv,
     run_jobs,
+    slow_fill,
     sync_pair,
 )
 
@@ -103,37 +103,13 @@ def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) ->
     try:
         torch.cuda.synchronize()
         gate = hold_issuer(worker)
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            for t in tensors:
-                t[:, 1].fill_(3.0)
-        ev = torch.cuda.Event()
-        ev.record(side)
+        ev = slow_fill(tensors, 1, 3.0, side)
         w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), after=ev)
         ev.record(idle)  # the engine reuses its event before the issuer got to the job
         gate.set()
         (res,) = drain(w, {1})
         assert res.success
         assert torch.all(_stored(worker, 4) == 3.0), "the store waited on the event's later record"
-    finally:
-        w.shutdown()
-
-
-@pytest.mark.usefixtures("issue_everything_later")
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_store_issued_later_waits_for_the_writer_on_the_current_stream(strategy: str) -> None:
-    tensors, kv = ones_kv()
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
-    w = SyncOffloadingWorker(worker)
-    try:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in tensors:
-            t[:, 3].fill_(7.0)
-        w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
-        (res,) = drain(w, {1})
-        assert res.success
-        assert torch.all(_stored(worker, 0) == 7.0)
     finally:
         w.shutdown()
 

@@ -7,6 +7,7 @@ import anyio
 import pytest
 import torch
 
+import aiokv.backends.cuda as cuda_backend
 from aiokv import (
     AsyncOffloadingWorker,
     CanonicalKVCaches,
@@ -16,14 +17,13 @@ from aiokv import (
 )
 from aiokv.specs import InvalidSpec
 
-from .gpu_support import SLEEP_CYCLES, STRATEGIES, drain, gpu, ones_kv
+from .gpu_support import SLEEP_CYCLES, STRATEGIES, drain, gpu, ones_kv, slow_fill
 
 pytestmark = gpu
 
 
-
-def _sync(kv: CanonicalKVCaches, strategy: str) -> SyncOffloadingWorker:
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy)
+def _sync(kv: CanonicalKVCaches, strategy: str, options: dict | None = None) -> SyncOffloadingWorker:
+    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=options)
     return SyncOffloadingWorker(worker)
 
 
@@ -33,14 +33,18 @@ def _pool_block(w: SyncOffloadingWorker, chunk: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_store_waits_for_pending_write_on_current_stream(strategy: str) -> None:
+@pytest.mark.parametrize("issuer", [False, True])
+def test_store_waits_for_pending_write_on_current_stream(
+    strategy: str, issuer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with every job enqueued later, by the lane's issuer thread."""
+    if issuer:
+        monkeypatch.setattr(cuda_backend, "ISSUE_THREAD_BYTES", 0)
     tensors, kv = ones_kv()
-    w = _sync(kv, strategy)
+    w = _sync(kv, strategy, {"issue_thread": issuer})
     try:
         torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)  # the write below starts only after this
-        for t in tensors:
-            t[:, 3].fill_(7.0)
+        slow_fill(tensors, 3, 7.0)
         w.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))  # after=None: current stream
         (res,) = drain(w, {1})
         assert res.success
@@ -59,9 +63,7 @@ def test_load_waits_for_pending_write_to_destination(strategy: str) -> None:
             t[:, 5].fill_(9.0)
         w.submit_store(1, GPULoadStoreSpec([5]), CPULoadStoreSpec([2]))
         drain(w, {1})
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in tensors:
-            t[:, 6].fill_(-1.0)  # a pending write to the load's destination
+        slow_fill(tensors, 6, -1.0)  # a pending write to the load's destination
         w.submit_load(2, CPULoadStoreSpec([2]), GPULoadStoreSpec([6]))
         drain(w, {2})
         torch.cuda.synchronize()
@@ -90,10 +92,7 @@ def test_after_overrides_current_stream(kind: str, strategy: str) -> None:
     side = torch.cuda.Stream()
     try:
         torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            for t in tensors:
-                t[:, 1].fill_(3.0)
+        slow_fill(tensors, 1, 3.0, side)
         after = _after_variants(side)[kind]
         w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), after=after)
         drain(w, {1})
@@ -124,12 +123,7 @@ def test_after_from_coroutine_on_loop_thread(strategy: str) -> None:
     async def main() -> None:
         side = torch.cuda.Stream()
         async with AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy) as w:
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(SLEEP_CYCLES)
-                for t in tensors:
-                    t[:, 2].fill_(5.0)
-            done = torch.cuda.Event()
-            done.record(side)
+            done = slow_fill(tensors, 2, 5.0, side)
             res = await w.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=done)
             assert res.success
             got = w.host_pool[3 * w.chunk_bytes :][: 4 * 8 * 256 * 2].view(torch.bfloat16)
