@@ -154,12 +154,23 @@ def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> 
 
 def test_block_job_merges_neighbouring_chunks_within_a_slice() -> None:
     page_rows = np.array([[0, 64, 32, 0], [4096, 64, 32, 32]], dtype=np.uint64)
-    host = np.array([640, 704, 768, 64], dtype=np.uint64)  # chunks 10, 11, 12, then 1
+    host = np.array([704, 64, 768, 640], dtype=np.uint64)  # chunks 11, 1, 12, 10
     job = block_job(np.arange(4), host, page_rows, 64, 128)
     assert job.bounds == [0, 2, 4]
-    assert job.run_host.tolist() == [640, 768, 64] and job.run_bytes.tolist() == [128, 64, 64]
-    assert job.run_bounds == [0, 1, 3]
+    assert job.blocks[:, 0].tolist() == [1, 3, 0, 2]  # host order: chunks 1, 10 | 11, 12
     assert job.blocks[:, 1].tolist() == [0, 64, 0, 64]
+    assert job.run_host.tolist() == [64, 640, 704] and job.run_bytes.tolist() == [64, 64, 128]
+    assert job.run_bounds == [0, 2, 3]
+
+
+def test_block_job_takes_chunks_in_any_order_as_one_run_per_slice() -> None:
+    """A cache hands back evicted chunks newest first: descending ids still merge."""
+    page_rows = np.array([[0, 64, 32, 0], [4096, 64, 32, 32]], dtype=np.uint64)
+    chunks = np.arange(40, 8, -1)
+    job = block_job(np.arange(32), (chunks * 64).astype(np.uint64), page_rows, 64, 64 * 8)
+    assert job.slices == 4 and job.run_bounds == [0, 1, 2, 3, 4]
+    assert job.run_host.tolist() == [576, 1088, 1600, 2112] and set(job.run_bytes.tolist()) == {512}
+    assert job.blocks[:, 0].tolist() == list(range(31, -1, -1))
 
 
 def test_fits_needs_16_byte_addresses_and_sizes() -> None:

@@ -97,7 +97,14 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
               slot_bytes: int) -> StagedJob:
     """Plan a job whose blocks each move every page of one group, one block per chunk:
     a block's image in staging is its host chunk's first ``block_bytes``. Arrays have one
-    row per block, so this costs the same for 8 pages a block as for 80."""
+    row per block, so this costs the same for 8 pages a block as for 80.
+
+    Blocks go in host order, so chunks that are neighbours on the host merge into one DMA
+    run whatever order the job lists them in (a cache's free list hands chunks back in
+    eviction order, often descending).
+    """
+    order = np.argsort(host, kind="stable")
+    rows, host = rows[order], host[order]
     n = rows.shape[0]
     per = slot_bytes // block_bytes
     block_slice = np.arange(n) // per
