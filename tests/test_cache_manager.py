@@ -44,6 +44,20 @@ def test_store_lifecycle_and_lookup() -> None:
     mgr.check_invariants()
 
 
+def test_chunks_are_handed_out_lowest_id_first_so_stores_stay_contiguous() -> None:
+    """Freed chunks come back lowest first, whatever order they were freed in, so a store
+    after evictions fills the lowest holes and its copies merge into few DMA runs."""
+    mgr = ChunkManager(8)
+    assert store(mgr, list("abcdef")).chunk_ids == [0, 1, 2, 3, 4, 5]
+    failed = mgr.prepare_store(["x", "y"])
+    assert failed is not None and failed.chunk_ids == [6, 7]
+    mgr.complete_store(["y", "x"], success=False)  # frees 7, then 6
+    plan = mgr.prepare_store(list("ghijk"))  # 3 to evict: LRU takes a, b, c
+    assert plan is not None and plan.evicted == ["a", "b", "c"]
+    assert plan.chunk_ids == [0, 1, 2, 6, 7]
+    mgr.check_invariants()
+
+
 def test_key_not_loadable_is_value_error_and_pins_nothing() -> None:
     mgr = ChunkManager(4)
     store(mgr, [1])

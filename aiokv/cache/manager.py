@@ -9,11 +9,18 @@ Metadata only; the worker moves bytes. Every held key is in one of three states:
 
 Stores are all or nothing, and a failed store frees its chunks, so a key is never loadable
 unless its bytes landed and every chunk returns to the free pool.
+
+Free chunks are handed out lowest id first (a heap), so a store's chunks tend to be
+neighbours on the host and its copies merge into few DMA runs. Replaying the Mooncake
+traces at 2000-8000 chunks, stores averaged 3.8-10.6 blocks per run and loads 1.2-9.2,
+against 1.3-6.5 and 1.05-4.8 with a LIFO free list; at 32000 chunks both were alike, and
+hit rates did not change (``probes/chunk_runs.py``).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -122,7 +129,7 @@ class ChunkManager:
             admission = getattr(self._policy, "preferred_admission", None)
         self._admission = make_admission(admission, num_chunks)
         self._entries: dict[Hashable, _Entry] = {}
-        self._free: list[int] = list(range(num_chunks - 1, -1, -1))
+        self._free: list[int] = list(range(num_chunks))  # a heap: lowest id first
         self._events: list[CacheEvent] = []
         self._pending = 0
         self._pinned = 0
@@ -210,7 +217,7 @@ class ChunkManager:
                 self._drop(key, evicted=True)
             self._evictions += len(victims)
             self._events.append(KeysRemoved(tuple(victims)))
-        chunks = [self._free.pop() for _ in to_store]
+        chunks = self._take_chunks(len(to_store))
         for key, chunk in zip(to_store, chunks):
             entries[key] = _Entry(chunk)
         self._pending += len(to_store)
@@ -289,9 +296,15 @@ class ChunkManager:
             store_plans_refused=self._refused,
         )
 
+    def _take_chunks(self, n: int) -> list[int]:
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def _give_chunk(self, chunk: int) -> None:
+        heapq.heappush(self._free, chunk)
+
     def _drop(self, key: Hashable, *, evicted: bool) -> None:
         entry = self._entries.pop(key)
-        self._free.append(entry.chunk)
+        self._give_chunk(entry.chunk)
         self._policy.on_remove(key, evicted=evicted)
         if evicted:
             self._admission.on_evict(key)
