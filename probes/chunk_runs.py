@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 
 from aiokv.cache.manager import ChunkManager
+from aiokv.cache.offload import DEFAULT_POLICY
 from aiokv.cache.trace import load_trace
 
 
 class LifoChunkManager(ChunkManager):
     """The same manager with a LIFO free list."""
 
-    def __init__(self, num_chunks: int) -> None:
-        super().__init__(num_chunks)
+    def __init__(self, num_chunks: int, policy: str) -> None:
+        super().__init__(num_chunks, policy=policy)
         self._free.reverse()
 
     def _take_chunks(self, n: int) -> list[int]:
@@ -60,10 +61,12 @@ def main() -> None:
     default = Path(__file__).resolve().parents[2] / "shared/data/mooncake"
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     for path in sorted(folder.glob("*.jsonl")):
-        for capacity in (2000, 8000, 32000):
-            for label, cls in (("lowest first", ChunkManager), ("LIFO", LifoChunkManager)):
-                line = replay(cls(capacity), path)
-                print(f"{path.stem:20} {capacity:6} chunks {label:12} {line}", flush=True)
+        for policy in ("lru", DEFAULT_POLICY):
+            for capacity in (2000, 8000, 32000):
+                for label, mgr in (("lowest first", ChunkManager(capacity, policy=policy)),
+                                   ("LIFO", LifoChunkManager(capacity, policy))):
+                    line = replay(mgr, path)
+                    print(f"{path.stem:18} {policy:8} {capacity:6} chunks {label:12} {line}", flush=True)
 
 
 if __name__ == "__main__":
