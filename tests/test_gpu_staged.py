@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, InvalidSpec, SyncOffloadingWorker
+from aiokv.copy import pieces
 
 from .gpu_support import check_same, describe, drain, gpu, layouts, random_like, run_jobs, sync_pair
 
@@ -23,10 +24,15 @@ def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, i
 
 @pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
 @pytest.mark.parametrize("bpc", [1, 3])
-def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: int) -> None:
+@pytest.mark.parametrize("ctas", [None, 5])
+def test_jobs_in_flight_through_a_small_ring_match_the_oracle(
+    layout: str, bpc: int, ctas: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Slots of 7 KiB (one block of 4-6 KiB each; planned by block) or, with 3 blocks a
     chunk, 32 KiB (planned piece by piece): each job is several slices, and the two slots
-    wrap many times within a job and across the jobs in flight."""
+    wrap many times within a job and across the jobs in flight. ``ctas``: launches of one
+    CTA per tile, or of 5 CTAs that each loop over many tiles."""
+    monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
     tensors, how = layouts("cuda", seed=20 + bpc)[layout]
     kv = describe(tensors, how)
     options = {"staging_bytes": 14 << 10 if bpc == 1 else 64 << 10}
@@ -52,9 +58,13 @@ def test_jobs_in_flight_through_a_small_ring_match_the_oracle(layout: str, bpc: 
 
 
 @pytest.mark.parametrize("strategy", ["staged", "auto"])
-def test_pages_with_a_partial_tile_round_trip(strategy: str) -> None:
+@pytest.mark.parametrize("ctas", [None, 3])
+def test_pages_with_a_partial_tile_round_trip(
+    strategy: str, ctas: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """20 KiB + 48-byte pages: one whole 16 KiB tile and a tail per page (80 pieces a job,
-    so ``auto`` stages them too)."""
+    so ``auto`` stages them too), with one CTA per tile or 3 CTAs looping over them."""
+    monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
     page = 20 * 1024 + 48
     g = torch.Generator().manual_seed(3)
     tensors = [random_like((40, page), torch.uint8, "cuda", g) for _ in range(2)]

@@ -12,9 +12,10 @@ block: device row, staging address of its image). Page ``y`` of block ``z`` live
 128 blocks x 64 pages is planned on arrays of 128 and 64 rows. A job that does not fit
 that shape is one block per slice whose "pages" are its pieces (stride 0, base = address).
 
-Each CTA of 256 threads copies one 16 KiB tile of one page (4 x 16 bytes per thread);
-``grid = (tiles of the longest page, pages, blocks)``. Addresses and sizes must be
-multiples of 16 bytes (``fits``).
+A launch covers (tiles of the longest page) x pages x blocks tiles of 16 KiB; each CTA of
+256 threads copies one tile at a time (4 x 16 bytes per thread), tiles i, i + CTAs, ...,
+so the grid can be smaller than the job. Addresses and sizes must be multiples of 16
+bytes (``fits``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ __all__ = ["PAGE_COLUMNS", "PieceKernel", "fits"]
 
 THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
-MAX_GRID_YZ = 65535
+MAX_TILES = (1 << 31) - 1
+# CTAs per launch; None launches one per tile. Fewer CTAs, each looping over tiles, take
+# fewer SM slots from a GEMM running beside the copy (A/B in probes/probe_ctas.py).
+MAX_CTAS: int | None = None
 ALIGN = 16
 MIN_TABLE_BYTES = 64 << 10
 PAGE_COLUMNS = 4  # device base, row stride, bytes, offset in the block image
@@ -44,32 +48,52 @@ PTX = r"""
 .target sm_75
 .address_size 64
 
-// CTA (x, y, z) copies tile x of page y of block z, between the block's device row and
-// its image in staging. pages: rows of 4 x u64 (device base, row stride, bytes, offset in
-// the block image); blocks: rows of 2 x u64 (device row, staging address of the image).
+// Tiles are numbered x fastest (16 KiB tiles of a page), then pages, then blocks; CTA i
+// copies tiles i, i + gridDim.x, ... below total, so a launch may use fewer CTAs than
+// tiles. Tile (x, y, z): tile x of page first_page + y of block first_block + z, between
+// the block's device row and its image in staging. pages: rows of 4 x u64 (device base,
+// row stride, bytes, offset in the block image); blocks: rows of 2 x u64 (device row,
+// staging address of the image).
 .visible .entry aiokv_copy_blocks(.param .u64 pages, .param .u64 blocks, .param .u32 first_page,
-                                  .param .u32 first_block, .param .u32 to_device)
+                                  .param .u32 first_block, .param .u32 to_device,
+                                  .param .u32 tiles, .param .u32 npages, .param .u32 total)
 {
-    .reg .pred %p<4>;
-    .reg .b32 %r<8>;
-    .reg .b64 %rd<14>;
+    .reg .pred %p<5>;
+    .reg .b32 %r<16>;
+    .reg .b64 %rd<16>;
     .reg .b32 %v<16>;
 
-    ld.param.u64 %rd1, [pages];
-    ld.param.u64 %rd2, [blocks];
+    ld.param.u64 %rd11, [pages];
+    ld.param.u64 %rd12, [blocks];
     ld.param.u32 %r1, [first_page];
     ld.param.u32 %r2, [first_block];
     ld.param.u32 %r3, [to_device];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r4, %ctaid.y;
+    ld.param.u32 %r8, [tiles];
+    ld.param.u32 %r9, [npages];
+    ld.param.u32 %r10, [total];
+    cvta.to.global.u64 %rd11, %rd11;
+    cvta.to.global.u64 %rd12, %rd12;
+    setp.ne.u32 %p3, %r3, 0;
+    mov.u32 %r11, %ctaid.x;
+    mov.u32 %r12, %nctaid.x;
+    mov.u32 %r7, %tid.x;
+    mul.wide.u32 %rd13, %r7, 16;
+TILE:
+    setp.ge.u32 %p0, %r11, %r10;
+    @%p0 bra DONE;
+    // x = i % tiles, y = (i / tiles) % npages, z = i / tiles / npages
+    div.u32 %r13, %r11, %r8;
+    mul.lo.u32 %r14, %r13, %r8;
+    sub.u32 %r6, %r11, %r14;
+    div.u32 %r5, %r13, %r9;
+    mul.lo.u32 %r14, %r5, %r9;
+    sub.u32 %r4, %r13, %r14;
     add.u32 %r4, %r4, %r1;
-    mul.wide.u32 %rd3, %r4, 32;
-    add.s64 %rd1, %rd1, %rd3;
-    mov.u32 %r5, %ctaid.z;
     add.u32 %r5, %r5, %r2;
+    mul.wide.u32 %rd3, %r4, 32;
+    add.s64 %rd1, %rd11, %rd3;
     mul.wide.u32 %rd3, %r5, 16;
-    add.s64 %rd2, %rd2, %rd3;
+    add.s64 %rd2, %rd12, %rd3;
     ld.global.nc.u64 %rd3, [%rd1];
     ld.global.nc.u64 %rd4, [%rd1+8];
     ld.global.nc.u64 %rd5, [%rd1+16];
@@ -78,23 +102,19 @@ PTX = r"""
     ld.global.nc.u64 %rd8, [%rd2+8];
     mad.lo.u64 %rd9, %rd7, %rd4, %rd3;
     add.s64 %rd10, %rd8, %rd6;
-    setp.ne.u32 %p3, %r3, 0;
     selp.b64 %rd3, %rd10, %rd9, %p3;
     selp.b64 %rd4, %rd9, %rd10, %p3;
-    // This CTA's tile starts 16 KiB per ctaid.x into the page; past its end, nothing.
-    mov.u32 %r6, %ctaid.x;
+    // The tile starts 16 KiB per x into the page; past the page's end, nothing.
     mul.wide.u32 %rd6, %r6, 16384;
     setp.ge.u64 %p1, %rd6, %rd5;
-    @%p1 bra DONE;
+    @%p1 bra NEXT;
     cvta.to.global.u64 %rd3, %rd3;
     cvta.to.global.u64 %rd4, %rd4;
     sub.u64 %rd7, %rd5, %rd6;
-    mov.u32 %r7, %tid.x;
-    mul.wide.u32 %rd8, %r7, 16;
     add.s64 %rd9, %rd3, %rd6;
-    add.s64 %rd9, %rd9, %rd8;
+    add.s64 %rd9, %rd9, %rd13;
     add.s64 %rd10, %rd4, %rd6;
-    add.s64 %rd10, %rd10, %rd8;
+    add.s64 %rd10, %rd10, %rd13;
     setp.lt.u64 %p2, %rd7, 16384;
     @%p2 bra TAIL;
     // A whole tile: four loads in flight per thread, then four stores.
@@ -106,17 +126,22 @@ PTX = r"""
     st.global.v4.u32 [%rd10+4096], {%v4, %v5, %v6, %v7};
     st.global.v4.u32 [%rd10+8192], {%v8, %v9, %v10, %v11};
     st.global.v4.u32 [%rd10+12288], {%v12, %v13, %v14, %v15};
-    bra.uni DONE;
+    bra.uni NEXT;
 TAIL:
     // The last, partial tile of a page: one vector per thread per 4 KiB step.
-    setp.ge.u64 %p2, %rd8, %rd7;
-    @%p2 bra DONE;
+    mov.u64 %rd14, %rd13;
+TAIL_STEP:
+    setp.ge.u64 %p4, %rd14, %rd7;
+    @%p4 bra NEXT;
     ld.global.nc.v4.u32 {%v0, %v1, %v2, %v3}, [%rd9];
     st.global.v4.u32 [%rd10], {%v0, %v1, %v2, %v3};
-    add.s64 %rd8, %rd8, 4096;
+    add.s64 %rd14, %rd14, 4096;
     add.s64 %rd9, %rd9, 4096;
     add.s64 %rd10, %rd10, 4096;
-    bra.uni TAIL;
+    bra TAIL_STEP;
+NEXT:
+    add.u32 %r11, %r11, %r12;
+    bra TILE;
 DONE:
     ret;
 }
@@ -187,15 +212,21 @@ class PieceKernel:
 
     def launch(self, tables: tuple[int, int], pages: tuple[int, int], blocks: tuple[int, int],
                longest: int, to_device: bool, stream: Any) -> None:
-        """Copy pages ``[pages[0], pages[1])`` of blocks ``[blocks[0], blocks[1])``."""
+        """Copy pages ``[pages[0], pages[1])`` of blocks ``[blocks[0], blocks[1])``, on at
+        most ``MAX_CTAS`` CTAs (None: one CTA per tile)."""
         tiles = max(1, -(-longest // TILE_BYTES))
-        for p in range(pages[0], pages[1], MAX_GRID_YZ):
-            np_ = min(MAX_GRID_YZ, pages[1] - p)
-            for b in range(blocks[0], blocks[1], MAX_GRID_YZ):
-                nb = min(MAX_GRID_YZ, blocks[1] - b)
-                args = (ctypes.c_uint64(tables[0]), ctypes.c_uint64(tables[1]), ctypes.c_uint32(p),
-                        ctypes.c_uint32(b), ctypes.c_uint32(int(to_device)))
-                self.driver.launch(self.function, (tiles, np_, nb), THREADS, stream, args)
+        nb = blocks[1] - blocks[0]
+        if nb <= 0 or pages[1] <= pages[0]:
+            return
+        step = max(1, MAX_TILES // (tiles * nb))  # pages per launch: tile numbers fit 31 bits
+        for p in range(pages[0], pages[1], step):
+            np_ = min(step, pages[1] - p)
+            total = tiles * np_ * nb
+            ctas = total if MAX_CTAS is None else min(total, MAX_CTAS)
+            args = (ctypes.c_uint64(tables[0]), ctypes.c_uint64(tables[1]), ctypes.c_uint32(p),
+                    ctypes.c_uint32(blocks[0]), ctypes.c_uint32(int(to_device)), ctypes.c_uint32(tiles),
+                    ctypes.c_uint32(np_), ctypes.c_uint32(total))
+            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, args)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""
