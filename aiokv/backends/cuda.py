@@ -573,11 +573,11 @@ class Driver:
         self._modules.append(module)
         return self._check(cu.cuModuleGetFunction(module, name), "cuModuleGetFunction")
 
-    def launch(
-        self, function: Any, grid: tuple[int, int, int], block: int, stream: Any, args: tuple[Any, ...]
-    ) -> None:
-        """Enqueue ``function`` on ``stream``; ``args`` are ctypes values in parameter order."""
-        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: Any,
+               params: ctypes.Array[ctypes.c_void_p]) -> None:
+        """Enqueue ``function`` on ``stream``. ``params`` points at the ctypes values of its
+        parameters in order; the caller may rewrite them once this returns (the driver
+        copies them at launch)."""
         gx, gy, gz = grid
         if self._launch_fn is not None:
             code = self._launch_fn(int(function), gx, gy, gz, block, 1, 1, 0, int(stream),
