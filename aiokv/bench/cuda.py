@@ -419,12 +419,13 @@ async def _tiny_wakeups(iters: int) -> dict[str, float]:
 
 
 async def _long_wakeups(
-    setup: _Setup, iters: int, doorbell: bool = True, busy: bool = False, issue_thread: bool = False
+    setup: _Setup, iters: int, doorbell: bool = True, busy: bool = False, issue_thread: bool = False,
+    in_runs: bool = False,
 ) -> dict[str, float]:
     ids = _JobIds()
     async with setup.worker("auto", doorbell=doorbell, issue_thread=issue_thread) as w:
         with _BusyThread() if busy else contextlib.nullcontext():
-            return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids), iters)
+            return await _wakeups(w, lambda i: _submit(w, setup, True, i, ids, in_runs), iters)
 
 
 class _BusyThread:
@@ -593,6 +594,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         ("32 KiB-page job" + beside, lambda: _long_wakeups(per_layer, long_iters // 2, busy=True)),
         ("32 KiB-page job, issuer thread" + beside,
          lambda: _long_wakeups(per_layer, long_iters // 2, busy=True, issue_thread=True)),
+        ("32 KiB-page job, chunks in runs" + beside,
+         lambda: _long_wakeups(per_layer, long_iters // 2, busy=True, in_runs=True)),
     ]
     for loop in OTHER_LOOPS:
         wake_runs += [
