@@ -1,5 +1,6 @@
 """How fast this host runs the Python side of a submit: the staged plan of the bench's
-per-layer job (numpy) and one launch's ctypes argument block, medians in us. Runs anywhere
+per-layer job (numpy) and one launch's ctypes argument block, built anew (before session
+18) or rewritten in place (now), medians in us. Runs anywhere
 (no GPU needed), so hosts can be compared: python3 probes/probe_pyspeed.py
 """
 
@@ -34,8 +35,17 @@ def main() -> None:
              ctypes.c_uint32(5), ctypes.c_uint32(6), ctypes.c_uint32(7), ctypes.c_uint32(8))
         return (ctypes.c_void_p * len(a))(*(ctypes.addressof(x) for x in a))
 
+    kept = (ctypes.c_uint64(), ctypes.c_uint64()) + tuple(ctypes.c_uint32() for _ in range(6))
+    block = (ctypes.c_void_p * len(kept))(*(ctypes.addressof(x) for x in kept))
+
+    def rewrite() -> object:  # what PieceKernel.launch does now
+        for arg, value in zip(kept, (1, 2, 3, 4, 5, 6, 7, 8)):
+            arg.value = value
+        return block
+
     print(f"block_job {median_us(lambda: block_job(rows, host, pages, 2 << 20, 64 << 20)):.1f} us, "
-          f"launch args {median_us(args):.2f} us, empty loop {median_us(lambda: None):.2f} us")
+          f"launch args built {median_us(args):.2f} us, rewritten {median_us(rewrite):.2f} us, "
+          f"empty loop {median_us(lambda: None):.2f} us")
 
 
 if __name__ == "__main__":

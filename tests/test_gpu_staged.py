@@ -84,6 +84,32 @@ def test_pages_with_a_partial_tile_round_trip(
         oracle.shutdown()
 
 
+@pytest.mark.parametrize("ctas", [None, 3])
+def test_pages_of_different_sizes_skip_the_tiles_past_their_end(
+    ctas: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 KiB and 40 KiB + 16-byte pages in one block: a launch spans the longest page's 3
+    tiles for every page, so the short pages' CTAs (or loop steps, with 3 CTAs) must skip
+    tiles 1 and 2 without touching a byte."""
+    monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
+    g = torch.Generator().manual_seed(11)
+    tensors = [random_like((24, n), torch.uint8, "cuda", g) for n in (4096, 40 * 1024 + 16, 4096)]
+    kv = describe(tensors, 0)
+    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 24, 1, "staged")
+    rng = np.random.default_rng(12)
+    try:
+        src, cids = rng.choice(24, 20, replace=False), rng.choice(24, 20, replace=False)
+        run_jobs([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        dst = rng.permutation(24)[:20]
+        run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
 def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:
     g = torch.Generator().manual_seed(4)
     small = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(4)]  # 32 KiB

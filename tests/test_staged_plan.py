@@ -130,7 +130,7 @@ def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> 
     rows = rng.choice(32, n, replace=False)
     chunks = rng.choice(40, n, replace=False)
     if seed % 2:
-        chunks = np.sort(chunks)  # more neighbours on the host
+        chunks = np.sort(chunks)[::-1]  # more neighbours on the host, listed descending
     host = ((2 << 20) + chunks * chunk_bytes).astype(np.uint64)
     slot_bytes = block_bytes * int(rng.integers(1, 6)) + 16 * int(rng.integers(0, 4))
     job = block_job(rows, host, page_rows, block_bytes, slot_bytes)

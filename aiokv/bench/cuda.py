@@ -52,8 +52,8 @@ class _Setup:
             (rng.choice(nblocks, JOB_BLOCKS, replace=False), rng.choice(chunks, JOB_BLOCKS, replace=False))
             for _ in range(4)
         ]
-        # The same blocks onto neighbouring chunks listed newest first, as the cache's
-        # lowest-first free chunks often come back after evictions: few DMA runs a job.
+        # The same blocks onto 128 neighbouring chunks, listed in descending order (as a
+        # LIFO free list hands back a freed run): one DMA run per slice of the ring.
         self.jobs_in_runs = [
             (blocks, (int(rng.integers(chunks - JOB_BLOCKS + 1)) + np.arange(JOB_BLOCKS))[::-1].copy())
             for blocks, _ in self.jobs

@@ -320,6 +320,7 @@ class ChunkManager:
         every = set(chunks) | set(free)
         assert len(every) == self.num_chunks, "chunk owned twice"
         assert every == set(range(self.num_chunks)), "chunk id out of range"
+        assert all(free[(i - 1) // 2] <= free[i] for i in range(1, len(free))), "free chunks not a heap"
         assert self._pending == sum(1 for e in entries.values() if not e.ready), "pending count"
         assert self._pinned == sum(1 for e in entries.values() if e.pins > 0), "pinned count"
         assert all(e.ready or e.pins == 0 for e in entries.values()), "pinned key not ready"

@@ -35,8 +35,11 @@ __all__ = ["PAGE_COLUMNS", "PieceKernel", "fits"]
 THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
 MAX_TILES = (1 << 31) - 1
-# CTAs per launch; None launches one per tile. Fewer CTAs, each looping over tiles, take
-# fewer SM slots from a GEMM running beside the copy (A/B in probes/probe_ctas.py).
+# CTAs per launch (>= 1); None launches one per tile. Fewer CTAs, each looping over tiles,
+# were meant to leave a GEMM beside the copy more SMs, but did not: in run 82
+# (probes/probe_ctas.py) 32-264 CTAs slowed the copies under the GEMMs (loads 0.72-0.96
+# against 0.95-0.96 under the 8192^3 one) and the medium GEMMs more (+3.5 to +7.1% against
+# +2.9 to +4.0%).
 MAX_CTAS: int | None = None
 ALIGN = 16
 MIN_TABLE_BYTES = 64 << 10
@@ -221,18 +224,19 @@ class PieceKernel:
         """Copy pages ``[pages[0], pages[1])`` of blocks ``[blocks[0], blocks[1])``, on at
         most ``MAX_CTAS`` CTAs (None: one CTA per tile)."""
         tiles = max(1, -(-longest // TILE_BYTES))
-        nb = blocks[1] - blocks[0]
-        if nb <= 0 or pages[1] <= pages[0]:
-            return
-        step = max(1, MAX_TILES // (tiles * nb))  # pages per launch: tile numbers fit 31 bits
-        for p in range(pages[0], pages[1], step):
-            np_ = min(step, pages[1] - p)
-            total = tiles * np_ * nb
-            ctas = total if MAX_CTAS is None else min(total, MAX_CTAS)
-            for arg, value in zip(self._args, (tables[0], tables[1], p, blocks[0], int(to_device),
-                                                tiles, np_, total)):
-                arg.value = value
-            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
+        # Launches small enough that tile numbers fit 31 bits: blocks, then pages, per launch.
+        block_step = max(1, MAX_TILES // tiles)
+        for b in range(blocks[0], blocks[1], block_step):
+            nb = min(block_step, blocks[1] - b)
+            page_step = max(1, MAX_TILES // (tiles * nb))
+            for p in range(pages[0], pages[1], page_step):
+                np_ = min(page_step, pages[1] - p)
+                total = tiles * np_ * nb
+                ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
+                for arg, value in zip(self._args, (tables[0], tables[1], p, b, int(to_device),
+                                                    tiles, np_, total)):
+                    arg.value = value
+                self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""

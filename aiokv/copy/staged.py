@@ -100,8 +100,8 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
     row per block, so this costs the same for 8 pages a block as for 80.
 
     Blocks go in host order, so chunks that are neighbours on the host merge into one DMA
-    run whatever order the job lists them in (a cache's free list hands chunks back in
-    eviction order, often descending).
+    run whatever order the job lists them in (an engine's own chunk manager may list them
+    in any order, e.g. a LIFO free list's newest first).
     """
     order = np.argsort(host, kind="stable")
     rows, host = rows[order], host[order]
