@@ -57,6 +57,25 @@ def test_jobs_in_flight_through_a_small_ring_match_the_oracle(
         oracle.shutdown()
 
 
+def _one_store_one_load(tensors: list[torch.Tensor], job: int, strategy: str, seed: int) -> None:
+    """Store ``job`` random blocks to random chunks, load them back to other blocks; both
+    through the ring, checked byte for byte against the CPU oracle."""
+    blocks = tensors[0].shape[0]
+    cuda_w, oracle, cpu_tensors = sync_pair(describe(tensors, 0), tensors, blocks, 1, strategy)
+    rng = np.random.default_rng(seed)
+    try:
+        src, cids = rng.choice(blocks, job, replace=False), rng.choice(blocks, job, replace=False)
+        run_jobs([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        dst = rng.permutation(blocks)[:job]
+        run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
+        check_same(cuda_w, oracle, tensors, cpu_tensors)
+        assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
+    finally:
+        cuda_w.shutdown()
+        oracle.shutdown()
+
+
 @pytest.mark.parametrize("strategy", ["staged", "auto"])
 @pytest.mark.parametrize("ctas", [None, 3])
 def test_pages_with_a_partial_tile_round_trip(
@@ -65,23 +84,9 @@ def test_pages_with_a_partial_tile_round_trip(
     """20 KiB + 48-byte pages: one whole 16 KiB tile and a tail per page (80 pieces a job,
     so ``auto`` stages them too), with one CTA per tile or 3 CTAs looping over them."""
     monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
-    page = 20 * 1024 + 48
     g = torch.Generator().manual_seed(3)
-    tensors = [random_like((40, page), torch.uint8, "cuda", g) for _ in range(2)]
-    kv = describe(tensors, 0)
-    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 40, 1, strategy)
-    rng = np.random.default_rng(8)
-    try:
-        src, cids = rng.choice(40, 40, replace=False), rng.choice(40, 40, replace=False)
-        run_jobs([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
-        check_same(cuda_w, oracle, tensors, cpu_tensors)
-        dst = rng.permutation(40)
-        run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
-        check_same(cuda_w, oracle, tensors, cpu_tensors)
-        assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
-    finally:
-        cuda_w.shutdown()
-        oracle.shutdown()
+    tensors = [random_like((40, 20 * 1024 + 48), torch.uint8, "cuda", g) for _ in range(2)]
+    _one_store_one_load(tensors, 40, strategy, seed=8)
 
 
 @pytest.mark.parametrize("ctas", [None, 3])
@@ -94,20 +99,7 @@ def test_pages_of_different_sizes_skip_the_tiles_past_their_end(
     monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
     g = torch.Generator().manual_seed(11)
     tensors = [random_like((24, n), torch.uint8, "cuda", g) for n in (4096, 40 * 1024 + 16, 4096)]
-    kv = describe(tensors, 0)
-    cuda_w, oracle, cpu_tensors = sync_pair(kv, tensors, 24, 1, "staged")
-    rng = np.random.default_rng(12)
-    try:
-        src, cids = rng.choice(24, 20, replace=False), rng.choice(24, 20, replace=False)
-        run_jobs([cuda_w, oracle], [("store", 1, GPULoadStoreSpec(src), CPULoadStoreSpec(cids))])
-        check_same(cuda_w, oracle, tensors, cpu_tensors)
-        dst = rng.permutation(24)[:20]
-        run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
-        check_same(cuda_w, oracle, tensors, cpu_tensors)
-        assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
-    finally:
-        cuda_w.shutdown()
-        oracle.shutdown()
+    _one_store_one_load(tensors, 20, "staged", seed=12)
 
 
 def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:
