@@ -9,7 +9,10 @@ wall rate it prints the median rate by device time of the same jobs (start to st
 and the median submit. Device rate near the ceiling with a low wall rate means the device
 waited on the host; both low means the device side (the scatter waiting for SMs).
 
-Run on the GPU machine from the repo root: python3 probes/probe_load_gemm.py [rounds, default 2]
+With ``one`` as second argument it instead times single jobs (one in flight, so spans do
+not overlap) by device time, idle and under each GEMM load, issued by the caller.
+
+Run on the GPU machine from the repo root: python3 probes/probe_load_gemm.py [rounds, default 2] [one]
 """
 
 import asyncio
@@ -66,14 +69,39 @@ async def variant(setup: b._Setup, issue_thread: bool, ceil: dict, gemms: list) 
     return out
 
 
+async def single_jobs(setup: b._Setup, ceil: dict, gemms: list, reps: int = 12) -> list[str]:
+    """One job at a time, by device time: idle, then under each GEMM load."""
+    ids = b._JobIds()
+    out = []
+    async with setup.worker("auto") as w:
+        await stream(w, setup, True, 0.2, ids)  # warm
+        await stream(w, setup, False, 0.2, ids)
+        for what, store in (("load", False), ("store", True)):
+            rate, _ = await b._device_rate(w, setup, store, reps, ids)
+            line = [f"{what} one job: idle {rate / ceil[what]:.2f}"]
+            for gname, gemm, alone in gemms:
+                with gemm:
+                    rate, _ = await b._device_rate(w, setup, store, reps, ids)
+                slower = 100 * (1 - gemm.rate / alone)
+                line.append(f"under {gname} {rate / ceil[what]:.2f} (GEMM {slower:+.1f}%)")
+            out.append(", ".join(line))
+    return out
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    one = len(sys.argv) > 2 and sys.argv[2] == "one"
     dev = torch.device("cuda")
     setup = per_layer(dev)
     ceil = b._Contiguous(setup.job_bytes).rates(3)
     big, medium = b._Gemm(8192, 8192, 8192), b._Gemm(4096, 4096, 14336)
     gemms = [("8192^3", big, big.alone(0.6)), ("medium", medium, medium.alone(0.6))]
     print(f"ceilings {ceil}; GEMMs alone {gemms[0][2]:.0f} / {gemms[1][2]:.0f} TFLOP/s", flush=True)
+    if one:
+        for rnd in range(rounds):
+            for line in asyncio.run(single_jobs(setup, ceil, gemms)):
+                print(f"round {rnd} {line}", flush=True)
+        return
     variants = (("caller", False, DEFAULT_HELD), ("caller, GIL kept", False, 1 << 30),
                 ("issuer", True, DEFAULT_HELD))
     for rnd in range(rounds):
