@@ -12,7 +12,7 @@ import pytest
 from aiokv.copy import pieces
 from aiokv.copy.pieces import TILE_BYTES, PieceKernel
 
-ARG_TYPES = (ctypes.c_uint64, ctypes.c_uint64) + (ctypes.c_uint32,) * 6
+from .sim_device import launch_values
 
 
 class FakeDriver:
@@ -25,8 +25,7 @@ class FakeDriver:
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: Any,
                params: ctypes.Array[ctypes.c_void_p]) -> None:
         """Read the arguments now, as the driver copies them at launch."""
-        values = tuple(ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
-                       for i, t in enumerate(ARG_TYPES))
+        values = launch_values(params)
         assert grid[1:] == (1, 1) and block == pieces.THREADS
         self.launches.append((grid[0], values))
 

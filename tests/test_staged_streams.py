@@ -1,14 +1,13 @@
-"""The staging ring's stream protocol on a simulated device (no GPU): ``StagedCopy.enqueue``
-drives a fake driver whose streams, events and waits follow CUDA's rules (a wait is on the
-event's latest record at the time of the call; an event never recorded is complete), whose
-copies and piece-kernel launches act on one byte array, and which runs the enqueued work
-in several random orders that respect only those waits. Several jobs share the ring, so slots are
-reused within and across jobs; any missing or misplaced wait shows up as bytes that differ
-from the job's plan in some order."""
+"""The copy paths' stream protocols on a simulated device (``sim_device``, no GPU):
+``StagedCopy.enqueue`` (the staging ring) and ``MultiStreamDma.issue`` (one job forked
+over several DMA streams) drive a fake driver, and the enqueued work then runs in several
+adversarial orders that respect only CUDA's waits. Jobs share the ring or the streams, so
+slots and streams are reused within and across jobs. A missing or misplaced wait shows up
+as bytes that differ from the plan, or as a job's end event that fires before its bytes
+landed, in some order."""
 
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,114 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv.copy.pieces import PAGE_COLUMNS
+from aiokv.copy import dma as dma_module
+from aiokv.copy.dma import MultiStreamDma
 from aiokv.copy.staged import StagedCopy, StagedJob
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, map_blocks, plan_copies
 
+from .sim_device import SimDriver
+
 DEVICE_AT, HOST_AT, STAGING_AT, TABLES_AT = 1 << 20, 8 << 20, 16 << 20, 24 << 20
 SPACE = 32 << 20
 ORDERS = 8  # random orders each set of jobs runs in
-ARG_TYPES = (ctypes.c_uint64, ctypes.c_uint64) + (ctypes.c_uint32,) * 6
-
-
-class SimDriver:
-    """Streams as queues of operations on ``mem``; ``run`` executes them."""
-
-    def __init__(self, mem: np.ndarray) -> None:
-        self.mem = mem
-        self.streams: dict[int, list[tuple[Any, ...]]] = {}
-        self.records: dict[int, int] = {}  # event -> records issued
-        self.done: dict[int, int] = {}  # event -> records executed
-        self.next = 0
-
-    def _handle(self) -> int:
-        self.next += 1
-        return self.next
-
-    def create_stream(self, high_priority: bool = False) -> int:
-        s = self._handle()
-        self.streams[s] = []
-        return s
-
-    def destroy_stream(self, stream: int) -> None:
-        pass
-
-    def create_event(self, timing: bool = False, blocking: bool = False) -> int:
-        e = self._handle()
-        self.records[e] = self.done[e] = 0
-        return e
-
-    def load_function(self, image: bytes, name: bytes) -> str:
-        return name.decode()
-
-    def record(self, event: int, stream: int) -> None:
-        self.records[event] += 1
-        self.streams[stream].append(("record", event, self.records[event]))
-
-    def stream_wait(self, stream: int, event: int) -> None:
-        self.streams[stream].append(("wait", event, self.records[event]))
-
-    def query(self, event: int) -> bool:
-        return self.done[event] >= self.records[event]
-
-    def memcpy_batch(
-        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int, **_: Any
-    ) -> None:
-        self.streams[stream].append(("copy", list(zip(dst.tolist(), src.tolist(), sizes.tolist()))))
-
-    def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: int,
-               params: ctypes.Array[ctypes.c_void_p]) -> None:
-        values = tuple(ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
-                       for i, t in enumerate(ARG_TYPES))
-        self.streams[stream].append(("kernel", values))
-
-    def _kernel(self, pages_at: int, blocks_at: int, first_page: int, first_block: int, to_device: int,
-                tiles: int, npages: int, total: int) -> None:
-        """What the PTX does, page by page (tiles only split the work)."""
-        nblocks = total // (tiles * npages)
-        pages = self.mem[pages_at:].view(np.uint64)
-        blocks = self.mem[blocks_at:].view(np.uint64)
-        for z in range(first_block, first_block + nblocks):
-            row, image = int(blocks[2 * z]), int(blocks[2 * z + 1])
-            for y in range(first_page, first_page + npages):
-                row_of_page = pages[PAGE_COLUMNS * y : PAGE_COLUMNS * (y + 1)]
-                base, stride, n, off = (int(v) for v in row_of_page)
-                dev, stg = base + row * stride, image + off
-                dst, src = (dev, stg) if to_device else (stg, dev)
-                self.mem[dst : dst + n] = self.mem[src : src + n]
-
-    def run(self, rng: np.random.Generator) -> None:
-        """Execute every queued op, one at a time from a stream whose head may run: mostly
-        the ready stream first in a random ranking drawn per run (so some runs starve a
-        stream as long as the waits allow), else any ready one. The queues stay as they
-        are, so the same work can run again in another order."""
-        self.done = dict.fromkeys(self.done, 0)
-        heads = {s: 0 for s in self.streams}
-        rank = {s: r for r, s in enumerate(rng.permutation(list(self.streams)).tolist())}
-        while True:
-            ready = []
-            for s, ops in self.streams.items():
-                if heads[s] < len(ops):
-                    op = ops[heads[s]]
-                    if op[0] != "wait" or self.done[op[1]] >= op[2]:
-                        ready.append(s)
-            if not ready:
-                break
-            if rng.random() < 0.8:
-                s = min(ready, key=rank.__getitem__)
-            else:
-                s = ready[int(rng.integers(len(ready)))]
-            op = self.streams[s][heads[s]]
-            heads[s] += 1
-            if op[0] == "record":
-                self.done[op[1]] = max(self.done[op[1]], op[2])
-            elif op[0] == "copy":
-                for d, src, n in op[1]:
-                    self.mem[d : d + n] = self.mem[src : src + n]
-            elif op[0] == "kernel":
-                self._kernel(*op[1])
-        assert all(heads[s] == len(ops) for s, ops in self.streams.items()), "a wait never became ready"
 
 
 def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimDriver, HostLayout, Any]:
@@ -166,6 +68,26 @@ def _prepared(strategy: StagedCopy, layout: HostLayout, blocks: np.ndarray, chun
     return strategy.prepare(plan_copies(mapping, layout))
 
 
+def _destinations(layout: HostLayout, device_base: np.ndarray,
+                  jobs: list[tuple[np.ndarray, np.ndarray]], to_host: bool) -> list[tuple[int, int]]:
+    """(address, bytes) of every page the jobs write: host chunks for stores, device rows
+    for loads."""
+    out = []
+    for blocks, chunks in jobs:
+        for b, c in zip(blocks.tolist(), chunks.tolist()):
+            for t, size, off in zip(layout.tensor_idx[0], layout.page_sizes[0], layout.page_offsets[0]):
+                dev = int(device_base[t]) + b * layout.row_strides[t]
+                out.append((HOST_AT + c * layout.chunk_bytes + off if to_host else dev, size))
+    return out
+
+
+def _landed(drv: SimDriver, want: np.ndarray, spans: list[tuple[int, int]]) -> Any:
+    def check() -> None:
+        for at, n in spans:
+            assert np.array_equal(drv.mem[at : at + n], want[at : at + n]), "end event before the bytes"
+    return check
+
+
 def _expected(mem: np.ndarray, layout: HostLayout, device_base: np.ndarray,
               jobs: list[tuple[np.ndarray, np.ndarray]], to_host: bool) -> np.ndarray:
     want = mem.copy()
@@ -190,14 +112,18 @@ def test_jobs_sharing_the_ring_move_their_bytes_in_any_valid_order(seed: int, to
     others = rng.permutation(np.setdiff1d(np.arange(24), run))
     blocks, chunks = rng.permutation(16), np.concatenate([run, others])
     jobs = [(blocks[5 * j : 5 * j + 5], chunks[5 * j : 5 * j + 5]) for j in range(3)]
+    stops = []
     for b, c in jobs:
         prepared = _prepared(strategy, layout, b, c, to_host)
         assert isinstance(prepared, StagedJob) and prepared.slices >= 2
         start, stop = drv.create_event(), drv.create_event()
         strategy.enqueue(prepared, None, start, stop)
+        stops.append(stop)
     assert strategy.staged_jobs == 3
     before = drv.mem.copy()
     want = _expected(before, layout, device_base, jobs, to_host)
+    for stop, job in zip(stops, jobs):  # a job's end event fires only once its bytes landed
+        drv.on_done[stop] = _landed(drv, want, _destinations(layout, device_base, [job], to_host))
     for _ in range(ORDERS):
         drv.mem[:] = before
         drv.run(rng)
@@ -241,3 +167,59 @@ def test_a_job_waits_for_the_dependency_it_was_given(seed: int, to_host: bool) -
         drv.run(rng)
         assert np.array_equal(drv.mem[:STAGING_AT], want[:STAGING_AT])
         assert np.array_equal(drv.mem[scratch:], want[scratch:])  # what the compute read
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_job_forked_over_dma_streams_ends_after_every_part(seed: int, threads: int) -> None:
+    """Jobs cut between 4 streams that fork from and join back into the home stream (with
+    the parts issued from a thread pool, or not), each behind compute still writing some of
+    its source: every part copies after that write, and each job's end event, recorded on
+    the home stream, fires only once all its parts have copied."""
+    rng = np.random.default_rng(300 + seed)
+    mem = rng.integers(1, 256, 64 << 20, dtype=np.uint8)
+    drv = SimDriver(mem)
+    ctx = SimpleNamespace(driver=drv, to_host=True, submit_threads=threads)
+    home, compute = drv.create_stream(), drv.create_stream()
+    fresh = 30 << 20  # where the compute's new bytes come from
+    dma = MultiStreamDma(ctx, home, 4)  # type: ignore[arg-type]
+    monkeypatch_min = pytest.MonkeyPatch()
+    monkeypatch_min.setattr(dma_module, "MIN_THREADED_DESCRIPTORS", 16)
+    pieces, size = 64, 128 << 10  # 8 MiB a job: four 2 MiB slices
+    order = rng.permutation(pieces * 3).astype(np.uint64)
+    jobs, stops = [], []
+    try:
+        for j in range(3):
+            src = (1 << 20) + order[j * pieces : (j + 1) * pieces] * size
+            dst = (40 << 20) + np.arange(j * pieces, (j + 1) * pieces, dtype=np.uint64) * size
+            sizes = np.full(pieces, size, dtype=np.uint64)
+            batch = dma.split(dst, src, sizes)
+            assert len(batch.bounds) - 1 == 4
+            hit = src[::16]  # one piece in each part of the job
+            drv.memcpy_batch(hit, fresh + np.arange(hit.size, dtype=np.uint64) * size + j * (size << 3),
+                             np.full(hit.size, size, dtype=np.uint64), compute)
+            written, start, stop = drv.create_event(), drv.create_event(), drv.create_event()
+            drv.record(written, compute)
+            drv.stream_wait(home, written)  # as DmaCopy.enqueue waits on the dependency
+            drv.record(start, home)
+            dma.issue(batch, fork=start)
+            drv.record(stop, home)
+            jobs.append((dst, src, sizes))
+            stops.append(stop)
+    finally:
+        monkeypatch_min.undo()
+        dma.close()
+    before = mem.copy()
+    want = before.copy()
+    for op in drv.streams[compute]:  # the compute first, then the jobs
+        for d, s_, n in op[1] if op[0] == "copy" else ():
+            want[d : d + n] = want[s_ : s_ + n]
+    for dst, src, sizes in jobs:
+        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist()):
+            want[d : d + n] = want[s_ : s_ + n]
+    for stop, (dst, _, sizes) in zip(stops, jobs):
+        drv.on_done[stop] = _landed(drv, want, list(zip(dst.tolist(), sizes.tolist())))
+    for _ in range(ORDERS):
+        drv.mem[:] = before
+        drv.run(rng)
+        assert np.array_equal(drv.mem, want)
