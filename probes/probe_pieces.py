@@ -39,13 +39,12 @@ dev_addr = (bases[l_] + kv * N * PAGE + blocks[j] * PAGE).ravel()
 offset = (((j * L + l_) * 2 + kv) * PAGE).ravel()
 sizes = np.full(dev_addr.size, PAGE, dtype=np.int64)
 u64 = lambda a: np.ascontiguousarray(a, dtype=np.int64).view(np.uint64)  # noqa: E731
-# Piece-by-piece tables: a page row per piece (address, stride 0, bytes, staging offset),
-# one block row (row 0, staging base).
+# Piece by piece: a page row per piece (address, stride 0, bytes, staging offset), one
+# block (row 0, its image at the staging base).
 pages = np.zeros((dev_addr.size, 4), dtype=np.uint64)
 pages[:, 0], pages[:, 2], pages[:, 3] = u64(dev_addr), u64(sizes), u64(offset)
-flat = np.concatenate([pages.ravel(), np.array([0, sbase], dtype=np.uint64)])
-tables = torch.from_numpy(flat.view(np.int64)).to(dev)
-table_ptrs = (tables.data_ptr(), tables.data_ptr() + pages.nbytes)
+tables = torch.from_numpy(pages.ravel().view(np.int64)).to(dev)
+table_ptr, row0 = tables.data_ptr(), np.zeros(1, dtype=np.uint32)
 
 home = drv.create_stream()
 hi_prio, lo_prio, dma_s = drv.create_stream(high_priority=True), drv.create_stream(), drv.create_stream()
@@ -81,7 +80,7 @@ def staged(store, slices, kstream):
     for i in range(slices):
         first, off, size = i * per, i * per * PAGE, per * PAGE
         if store:
-            kern.launch(table_ptrs, (first, first + per), (0, 1), PAGE, False, kstream)
+            kern.launch(table_ptr, (first, first + per), row0, sbase, 0, PAGE, False, kstream)
             drv.record(slice_ev[i], kstream)
             drv.stream_wait(dma_s, slice_ev[i])
             drv.memcpy(hbase + off, sbase + off, size, dma_s)
@@ -89,14 +88,14 @@ def staged(store, slices, kstream):
             drv.memcpy(sbase + off, hbase + off, size, dma_s)
             drv.record(slice_ev[i], dma_s)
             drv.stream_wait(kstream, slice_ev[i])
-            kern.launch(table_ptrs, (first, first + per), (0, 1), PAGE, True, kstream)
+            kern.launch(table_ptr, (first, first + per), row0, sbase, 0, PAGE, True, kstream)
     join([kstream, dma_s])
 
 
 def kernel_only(kstream):
     drv.record(fork, home)
     drv.stream_wait(kstream, fork)
-    kern.launch(table_ptrs, (0, offset.size), (0, 1), PAGE, False, kstream)
+    kern.launch(table_ptr, (0, offset.size), row0, sbase, 0, PAGE, False, kstream)
     join([kstream])
 
 
@@ -173,8 +172,8 @@ src_t = torch.randint(1, 255, (64, odd), dtype=torch.uint8, device=dev)
 dst_t = torch.zeros(64, odd + 16, dtype=torch.uint8, device=dev)
 rows = np.arange(64, dtype=np.int64)
 odd_pages = np.array([[src_t.data_ptr(), odd, odd, 0]], dtype=np.uint64)
-odd_blocks = np.stack([rows, dst_t.data_ptr() + rows * (odd + 16)], axis=1).astype(np.uint64)
-kern.launch(kern.upload(odd_pages, odd_blocks, home), (0, 1), (0, 64), odd, False, home)
+kern.launch(kern.upload(odd_pages, home), (0, 1), rows.astype(np.uint32), dst_t.data_ptr(), odd + 16,
+            odd, False, home)
 drv.stream_synchronize(home)
 print("odd-size pages exact, bytes past each page untouched:",
       torch.equal(dst_t[:, :odd], src_t) and not dst_t[:, odd:].any().item(), flush=True)

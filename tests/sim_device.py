@@ -10,16 +10,21 @@ from typing import Any
 
 import numpy as np
 
-from aiokv.copy.pieces import PAGE_COLUMNS
+from aiokv.copy.pieces import PAGE_COLUMNS, ROWS_PER_LAUNCH
 
-# The piece kernel's parameters, in order (pieces.PieceKernel.launch).
-ARG_TYPES = (ctypes.c_uint64, ctypes.c_uint64) + (ctypes.c_uint32,) * 6
+# The piece kernel's scalar parameters, in order (pieces.PieceKernel.launch), then the
+# launch's device rows.
+ARG_TYPES = (ctypes.c_uint64,) * 3 + (ctypes.c_uint32,) * 5
 
 
-def launch_values(params: ctypes.Array[ctypes.c_void_p]) -> tuple[int, ...]:
-    """The values a launch's argument block holds now (the driver copies them at launch)."""
-    return tuple(ctypes.cast(params[i], ctypes.POINTER(t)).contents.value  # type: ignore[arg-type]
-                 for i, t in enumerate(ARG_TYPES))
+def launch_values(params: ctypes.Array[ctypes.c_void_p]) -> tuple[tuple[int, ...], list[int]]:
+    """The values a launch's argument block holds now (the driver copies them at launch):
+    the scalars and the rows the launch uses (``total / (tiles * npages)`` of them)."""
+    values = tuple(ctypes.cast(params[i], ctypes.POINTER(t)).contents.value  # type: ignore[arg-type]
+                   for i, t in enumerate(ARG_TYPES))
+    tiles, npages, total = values[5:8]
+    rows = ctypes.cast(params[len(ARG_TYPES)], ctypes.POINTER(ctypes.c_uint32 * ROWS_PER_LAUNCH)).contents
+    return values, list(rows[: total // (tiles * npages)])
 
 
 class SimDriver:
@@ -71,18 +76,19 @@ class SimDriver:
     ) -> None:
         self.streams[stream].append(("copy", list(zip(dst.tolist(), src.tolist(), sizes.tolist()))))
 
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.streams[stream].append(("copy", [(dst, src, nbytes)]))
+
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: int,
                params: ctypes.Array[ctypes.c_void_p]) -> None:
-        self.streams[stream].append(("kernel", launch_values(params)))
+        self.streams[stream].append(("kernel", *launch_values(params)))
 
-    def _kernel(self, pages_at: int, blocks_at: int, first_page: int, first_block: int, to_device: int,
-                tiles: int, npages: int, total: int) -> None:
+    def _kernel(self, values: tuple[int, ...], rows: list[int]) -> None:
         """What the PTX does, page by page (tiles only split the work)."""
-        nblocks = total // (tiles * npages)
+        pages_at, image_at, image_step, first_page, to_device, _tiles, npages, _total = values
         pages = self.mem[pages_at:].view(np.uint64)
-        blocks = self.mem[blocks_at:].view(np.uint64)
-        for z in range(first_block, first_block + nblocks):
-            row, image = int(blocks[2 * z]), int(blocks[2 * z + 1])
+        for z, row in enumerate(rows):
+            image = image_at + z * image_step
             for y in range(first_page, first_page + npages):
                 row_of_page = pages[PAGE_COLUMNS * y : PAGE_COLUMNS * (y + 1)]
                 base, stride, n, off = (int(v) for v in row_of_page)
@@ -121,5 +127,5 @@ class SimDriver:
                 for d, src, n in op[1]:
                     self.mem[d : d + n] = self.mem[src : src + n]
             elif op[0] == "kernel":
-                self._kernel(*op[1])
+                self._kernel(op[1], op[2])
         assert all(heads[s] == len(ops) for s, ops in self.streams.items()), "a wait never became ready"

@@ -102,6 +102,16 @@ def test_pages_of_different_sizes_skip_the_tiles_past_their_end(
     _one_store_one_load(tensors, 20, "staged", seed=12)
 
 
+def test_a_slice_of_more_blocks_than_one_launch_holds_round_trips() -> None:
+    """600 blocks of 3 small pages in one slice: their device rows go in the launches'
+    parameters, at most ``ROWS_PER_LAUNCH`` a launch, so the slice takes 3 launches whose
+    images start further into the slot."""
+    assert 600 > 2 * pieces.ROWS_PER_LAUNCH
+    g = torch.Generator().manual_seed(13)
+    tensors = [random_like((640, n), torch.uint8, "cuda", g) for n in (256, 512, 48)]
+    _one_store_one_load(tensors, 600, "staged", seed=14)
+
+
 def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:
     g = torch.Generator().manual_seed(4)
     small = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(4)]  # 32 KiB

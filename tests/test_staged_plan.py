@@ -1,6 +1,7 @@
-"""The staged strategy's host-side plans (the piece kernel's two tables, slices, DMA runs),
-replayed on one numpy byte array that stands for device, host and staging memory: each
-slice's kernel is run as the PTX reads its tables, each run as one copy."""
+"""The staged strategy's host-side plans (the piece kernel's page table and block rows,
+slices, DMA runs), replayed on one numpy byte array that stands for device, host and
+staging memory: each slice's kernel is run as the PTX reads its table and rows, each run
+as one copy."""
 
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ from aiokv.copy.staged import StagedJob, block_job, piece_job
 SLOTS_AT = 1 << 22  # staging slots live here in the replayed address space
 
 
-def _replay(job: StagedJob, space: np.ndarray, slot_bytes: int, to_device: bool) -> None:
-    """Run the job as the lane would: slice by slice through two alternating slots."""
+def _replay(job: StagedJob, space: np.ndarray, slot_bytes: int, to_device: bool,
+            page_rows: np.ndarray | None = None) -> None:
+    """Run the job as the lane would: slice by slice through two alternating slots. A block
+    job's page table is the lane's (``page_rows``), not the job's."""
     bases = SLOTS_AT + (np.arange(job.slices) % 2) * slot_bytes
-    blocks = job.blocks.astype(np.int64)
-    blocks[:, 1] += bases[job.block_slice]
-    pages = job.pages.astype(np.int64)
+    table = job.pages if job.pages is not None else page_rows
+    assert table is not None
+    pages = table.astype(np.int64)
 
     def kernel(s: int) -> None:
-        (p0, p1), (b0, b1) = job.span(s)
-        for row, image in blocks[b0:b1]:
+        (p0, p1), rows = job.span(s)
+        for z, row in enumerate(rows.astype(np.int64).tolist()):
+            image = int(bases[s]) + z * job.image_step
             for base, stride, n, off in pages[p0:p1]:
                 dev, stg = base + row * stride, image + off
                 src, dst = (stg, dev) if to_device else (dev, stg)
@@ -134,19 +138,20 @@ def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> 
     host = ((2 << 20) + chunks * chunk_bytes).astype(np.uint64)
     slot_bytes = block_bytes * int(rng.integers(1, 6)) + 16 * int(rng.integers(0, 4))
     job = block_job(rows, host, page_rows, block_bytes, slot_bytes)
-    assert job.by_block and int(job.blocks[:, 1].max()) + block_bytes <= slot_bytes
+    per_slice = max(hi - lo for lo, hi in zip(job.bounds, job.bounds[1:]))
+    assert job.by_block and job.pages is None and per_slice * job.image_step <= slot_bytes
     space = _space(rng)
     want = space.copy()
     for row, h in zip(rows.tolist(), host.tolist()):
         for base, stride, size, off in page_rows.astype(np.int64).tolist():
             d = base + row * stride
             want[h + off : h + off + size] = want[d : d + size]
-    _replay(job, space, slot_bytes, to_device=False)
+    _replay(job, space, slot_bytes, to_device=False, page_rows=page_rows)
     assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])
     for row in rows.tolist():  # wipe the blocks' pages, load them back
         for base, stride, size, _ in page_rows.astype(np.int64).tolist():
             space[base + row * stride : base + row * stride + size] = 0
-    _replay(job, space, slot_bytes, to_device=True)
+    _replay(job, space, slot_bytes, to_device=True, page_rows=page_rows)
     assert np.array_equal(space[: SLOTS_AT], want[: SLOTS_AT])
     if padding:
         assert job.run_bytes.tolist() == [block_bytes] * n  # padded chunks never merge
@@ -157,8 +162,8 @@ def test_block_job_merges_neighbouring_chunks_within_a_slice() -> None:
     host = np.array([704, 64, 768, 640], dtype=np.uint64)  # chunks 11, 1, 12, 10
     job = block_job(np.arange(4), host, page_rows, 64, 128)
     assert job.bounds == [0, 2, 4]
-    assert job.blocks[:, 0].tolist() == [1, 3, 0, 2]  # host order: chunks 1, 10 | 11, 12
-    assert job.blocks[:, 1].tolist() == [0, 64, 0, 64]
+    assert job.rows.tolist() == [1, 3, 0, 2]  # host order: chunks 1, 10 | 11, 12
+    assert job.image_step == 64
     assert job.run_host.tolist() == [64, 640, 704] and job.run_bytes.tolist() == [64, 64, 128]
     assert job.run_bounds == [0, 2, 3]
 
@@ -170,7 +175,7 @@ def test_block_job_takes_chunks_in_any_order_as_one_run_per_slice() -> None:
     job = block_job(np.arange(32), (chunks * 64).astype(np.uint64), page_rows, 64, 64 * 8)
     assert job.slices == 4 and job.run_bounds == [0, 1, 2, 3, 4]
     assert job.run_host.tolist() == [576, 1088, 1600, 2112] and set(job.run_bytes.tolist()) == {512}
-    assert job.blocks[:, 0].tolist() == list(range(31, -1, -1))
+    assert job.rows.tolist() == list(range(31, -1, -1))
 
 
 def test_fits_needs_16_byte_addresses_and_sizes() -> None:

@@ -48,14 +48,13 @@ def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimD
     strategy.staging = SimpleNamespace(data_ptr=lambda: STAGING_AT)  # type: ignore[assignment]
     tables = {"at": TABLES_AT}
 
-    def upload(pages: np.ndarray, blocks: np.ndarray, stream: int) -> tuple[int, int]:
-        """Fresh table space per job, written at once (the real upload's reuse is its own)."""
+    def upload(pages: np.ndarray, stream: int, keep: bool = False) -> int:
+        """Fresh table space per upload, written at once (the real upload's reuse is its own)."""
         at = tables["at"]
-        for arr in (pages, blocks):
-            raw = np.ascontiguousarray(arr, dtype=np.uint64).view(np.uint8).reshape(-1)
-            mem[tables["at"] : tables["at"] + raw.size] = raw
-            tables["at"] += raw.size
-        return at, at + pages.size * 8
+        raw = np.ascontiguousarray(pages, dtype=np.uint64).view(np.uint8).reshape(-1)
+        mem[at : at + raw.size] = raw
+        tables["at"] += raw.size
+        return at
 
     strategy.kernel.upload = upload  # type: ignore[method-assign]
     return strategy, drv, layout, device_base

@@ -5,12 +5,14 @@ tensor (64 or more for a per-layer job), and beside a GEMM each launch waits for
 kernel moves a whole slice of a job in one launch. It is PTX written here and compiled by
 the driver when the module loads, so nothing beyond the driver is needed at run time.
 
-The job is two small tables rather than one row per page: ``pages`` (per page of a block:
-device base, row stride, bytes, offset in the block's staging image) and ``blocks`` (per
-block: device row, staging address of its image). Page ``y`` of block ``z`` lives at
-``base + row * stride`` on the device and at ``image + offset`` in staging, so a job of
-128 blocks x 64 pages is planned on arrays of 128 and 64 rows. A job that does not fit
-that shape is one block per slice whose "pages" are its pieces (stride 0, base = address).
+A launch copies pages of a few blocks. ``pages`` is a device table, one row per page of a
+block (device base, row stride, bytes, offset in the block's staging image); the blocks
+are the launch's own parameters (each block's device row; block ``z``'s image is at
+``image + z * image_step``). Page ``y`` of block ``z`` lives at ``base + row * stride`` on
+the device and at ``image + z * image_step + offset`` in staging. A layout's page table
+never changes, so a staging lane uploads it once and a job of 128 blocks x 64 pages
+uploads nothing. A job that does not fit that shape is one block per slice whose "pages"
+are its pieces (stride 0, base = address), uploaded per job.
 
 A launch covers (tiles of the longest page) x pages x blocks tiles of 16 KiB; each CTA of
 256 threads copies one tile at a time (4 x 16 bytes per thread), tiles i, i + CTAs, ...,
@@ -44,7 +46,9 @@ MAX_CTAS: int | None = None
 ALIGN = 16
 MIN_TABLE_BYTES = 64 << 10
 PAGE_COLUMNS = 4  # device base, row stride, bytes, offset in the block image
-BLOCK_COLUMNS = 2  # device row, staging address of the image
+# Device rows per launch, passed in the launch's parameters (4 bytes each; the parameters
+# may hold 4 KiB). A slice of more blocks takes several launches.
+ROWS_PER_LAUNCH = 256
 
 PTX = r"""
 .version 7.0
@@ -53,29 +57,31 @@ PTX = r"""
 
 // Tiles are numbered x fastest (16 KiB tiles of a page), then pages, then blocks; CTA i
 // copies tiles i, i + gridDim.x, ... below total, so a launch may use fewer CTAs than
-// tiles. Tile (x, y, z): tile x of page first_page + y of block first_block + z, between
-// the block's device row and its image in staging. pages: rows of 4 x u64 (device base,
-// row stride, bytes, offset in the block image); blocks: rows of 2 x u64 (device row,
-// staging address of the image).
-.visible .entry aiokv_copy_blocks(.param .u64 pages, .param .u64 blocks, .param .u32 first_page,
-                                  .param .u32 first_block, .param .u32 to_device,
-                                  .param .u32 tiles, .param .u32 npages, .param .u32 total)
+// tiles. Tile (x, y, z): tile x of page first_page + y of block z, between the block's
+// device row rows[z] and its image at image + z * image_step in staging. pages: a device
+// table of rows of 4 x u64 (device base, row stride, bytes, offset in the block image).
+// rows: the launch's device rows, in the parameters themselves (read through the
+// constant cache), so a job needs no per-job table when its page table is the lane's.
+.visible .entry aiokv_copy_blocks(.param .u64 pages, .param .u64 image, .param .u64 image_step,
+                                  .param .u32 first_page, .param .u32 to_device,
+                                  .param .u32 tiles, .param .u32 npages, .param .u32 total,
+                                  .param .align 4 .b8 rows[ROWS_BYTES])
 {
     .reg .pred %p<5>;
     .reg .b32 %r<16>;
-    .reg .b64 %rd<16>;
+    .reg .b64 %rd<20>;
     .reg .b32 %v<16>;
 
     ld.param.u64 %rd11, [pages];
-    ld.param.u64 %rd12, [blocks];
+    ld.param.u64 %rd12, [image];
+    ld.param.u64 %rd15, [image_step];
     ld.param.u32 %r1, [first_page];
-    ld.param.u32 %r2, [first_block];
     ld.param.u32 %r3, [to_device];
     ld.param.u32 %r8, [tiles];
     ld.param.u32 %r9, [npages];
     ld.param.u32 %r10, [total];
+    mov.u64 %rd16, rows;
     cvta.to.global.u64 %rd11, %rd11;
-    cvta.to.global.u64 %rd12, %rd12;
     setp.ne.u32 %p3, %r3, 0;
     mov.u32 %r11, %ctaid.x;
     mov.u32 %r12, %nctaid.x;
@@ -92,19 +98,20 @@ TILE:
     mul.lo.u32 %r14, %r5, %r9;
     sub.u32 %r4, %r13, %r14;
     add.u32 %r4, %r4, %r1;
-    add.u32 %r5, %r5, %r2;
     mul.wide.u32 %rd3, %r4, 32;
     add.s64 %rd1, %rd11, %rd3;
-    mul.wide.u32 %rd3, %r5, 16;
-    add.s64 %rd2, %rd12, %rd3;
+    mul.wide.u32 %rd3, %r5, 4;
+    add.s64 %rd2, %rd16, %rd3;
+    ld.param.u32 %r15, [%rd2];
     ld.global.nc.u64 %rd3, [%rd1];
     ld.global.nc.u64 %rd4, [%rd1+8];
     ld.global.nc.u64 %rd5, [%rd1+16];
     ld.global.nc.u64 %rd6, [%rd1+24];
-    ld.global.nc.u64 %rd7, [%rd2];
-    ld.global.nc.u64 %rd8, [%rd2+8];
+    cvt.u64.u32 %rd7, %r15;
+    cvt.u64.u32 %rd8, %r5;
     mad.lo.u64 %rd9, %rd7, %rd4, %rd3;
-    add.s64 %rd10, %rd8, %rd6;
+    mad.lo.u64 %rd10, %rd8, %rd15, %rd12;
+    add.s64 %rd10, %rd10, %rd6;
     selp.b64 %rd3, %rd10, %rd9, %p3;
     selp.b64 %rd4, %rd9, %rd10, %p3;
     // The tile starts 16 KiB per x into the page; past the page's end, nothing.
@@ -148,7 +155,7 @@ NEXT:
 DONE:
     ret;
 }
-"""
+""".replace("ROWS_BYTES", str(4 * ROWS_PER_LAUNCH))
 
 
 def fits(*arrays: np.ndarray | int) -> bool:
@@ -164,9 +171,9 @@ class _TableSlot:
 
 
 class PieceKernel:
-    """The loaded kernel and the tables it reads.
+    """The loaded kernel and the page tables it reads.
 
-    ``upload`` puts a job's tables on the device through a pinned buffer that is reused
+    ``upload`` puts a page table on the device through a pinned buffer that is reused
     once the device has copied it (an event per buffer; a new buffer when all are busy),
     with driver calls that keep the GIL: torch's ``pin_memory().to()`` would drop it twice
     per job, and beside a busy Python thread each drop costs a switch interval.
@@ -176,24 +183,28 @@ class PieceKernel:
         self.driver = driver
         self.device = device
         self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_blocks")
-        # One argument block, rewritten per launch: building eight ctypes values and their
+        # One argument block, rewritten per launch: building the ctypes values and their
         # pointer array took ~4 us a launch. Launches of one kernel never overlap (a lane
         # issues from one thread at a time) and the driver copies the values at launch.
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-        self._args = (u64(), u64(), u32(), u32(), u32(), u32(), u32(), u32())
-        self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
+        self._args = (u64(), u64(), u64(), u32(), u32(), u32(), u32(), u32())
+        self._rows = (u32 * ROWS_PER_LAUNCH)()
+        self._params = (ctypes.c_void_p * (len(self._args) + 1))(
+            *(ctypes.addressof(a) for a in self._args), ctypes.addressof(self._rows))
         self._tables: list[_TableSlot] = []
+        self._kept: list[_TableSlot] = []
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
-    def upload(self, pages: np.ndarray, blocks: np.ndarray, stream: Any) -> tuple[int, int]:
-        """Copy both tables (uint64) to the device on ``stream``; their device addresses.
+    def upload(self, pages: np.ndarray, stream: Any, keep: bool = False) -> int:
+        """Copy a page table (uint64) to the device on ``stream``; its device address.
 
-        Kernels reading them must run on ``stream`` too: device buffers are reused in its order.
+        Kernels reading it must run on ``stream`` too: device buffers are reused in its
+        order, except a ``keep`` table's, which stays until ``close``.
         """
-        head = pages.size * 8
-        nbytes = head + blocks.size * 8
+        nbytes = pages.size * 8
         drv = self.driver
-        slot = next((t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
+        slot = None if keep else next(
+            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
         if slot is None:  # one per job in flight at most, kept until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
             # On ``stream``, where it is used: from another stream the caching allocator
@@ -202,14 +213,12 @@ class PieceKernel:
                 device = torch.empty(size, dtype=torch.uint8, device=self.device)
             host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             slot = _TableSlot(host, device, drv.create_event())
-            self._tables.append(slot)
-        staged = slot.host.numpy()
-        staged[:head] = pages.view(np.uint8).reshape(-1)
-        staged[head:nbytes] = blocks.view(np.uint8).reshape(-1)
+            # A kept table's pinned buffer stays too: the copy out of it is still queued.
+            (self._kept if keep else self._tables).append(slot)
+        slot.host.numpy()[:nbytes] = pages.view(np.uint8).reshape(-1)
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
         drv.record(slot.copied, stream)
-        base = slot.device.data_ptr()
-        return base, base + head
+        return int(slot.device.data_ptr())
 
     def torch_stream(self, stream: Any) -> torch.cuda.ExternalStream:
         """``stream`` as torch sees it (cached), to allocate device memory on it."""
@@ -219,26 +228,31 @@ class PieceKernel:
             wrapped = self._streams[key] = torch.cuda.ExternalStream(key, device=self.device)
         return wrapped
 
-    def launch(self, tables: tuple[int, int], pages: tuple[int, int], blocks: tuple[int, int],
+    def launch(self, table: int, pages: tuple[int, int], rows: np.ndarray, image: int, image_step: int,
                longest: int, to_device: bool, stream: Any) -> None:
-        """Copy pages ``[pages[0], pages[1])`` of blocks ``[blocks[0], blocks[1])``, on at
-        most ``MAX_CTAS`` CTAs (None: one CTA per tile)."""
+        """Copy pages ``[pages[0], pages[1])`` of the blocks at device ``rows`` (uint32),
+        block ``z``'s image at ``image + z * image_step``, on at most ``MAX_CTAS`` CTAs
+        (None: one CTA per tile)."""
         tiles = max(1, -(-longest // TILE_BYTES))
-        # Launches small enough that tile numbers fit 31 bits: blocks, then pages, per launch.
-        block_step = max(1, MAX_TILES // tiles)
-        for b in range(blocks[0], blocks[1], block_step):
-            nb = min(block_step, blocks[1] - b)
+        # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
+        # blocks, then pages, per launch.
+        block_step = max(1, min(ROWS_PER_LAUNCH, MAX_TILES // tiles))
+        n = int(rows.shape[0])
+        for b in range(0, n, block_step):
+            nb = min(block_step, n - b)
+            ctypes.memmove(self._rows, rows[b:].ctypes.data, 4 * nb)
             page_step = max(1, MAX_TILES // (tiles * nb))
             for p in range(pages[0], pages[1], page_step):
                 np_ = min(page_step, pages[1] - p)
                 total = tiles * np_ * nb
                 ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-                for arg, value in zip(self._args, (tables[0], tables[1], p, b, int(to_device),
-                                                    tiles, np_, total)):
+                for arg, value in zip(self._args, (table, image + b * image_step, image_step, p,
+                                                    int(to_device), tiles, np_, total)):
                     arg.value = value
                 self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""
         self._tables = []
+        self._kept = []
         self._streams = {}

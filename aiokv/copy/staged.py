@@ -49,15 +49,17 @@ MIN_STAGED_PIECES = 64
 
 @dataclass
 class StagedJob:
-    """One job as the piece kernel's two tables, cut into slices that each fit a slot.
+    """One job as the piece kernel's page table and block rows, cut into slices that each
+    fit a slot; a slice's blocks have their images one after another from its slot's start.
 
-    Slices cut the blocks (``by_block``: every page of each block) or, for jobs planned
-    piece by piece, the pages of a single block row per slice.
+    Slices cut the blocks (``by_block``: every page of each block, the lane's own page
+    table) or, for jobs planned piece by piece, the pages of one block per slice (the
+    job's own table, uploaded with it).
     """
 
-    pages: np.ndarray  # (P, 4) uint64: device base, row stride, bytes, offset in the image
-    blocks: np.ndarray  # (B, 2) uint64: device row, offset of the image in its slot
-    block_slice: np.ndarray  # slice of each block row
+    pages: np.ndarray | None  # (P, 4) uint64 (base, stride, bytes, offset); None: the lane's
+    rows: np.ndarray  # (B,) uint32 device row of each block
+    image_step: int  # bytes between the images of a slice's consecutive blocks
     by_block: bool
     bounds: list[int]  # slice s is rows [bounds[s], bounds[s + 1]) of blocks or pages
     longest: int
@@ -65,17 +67,18 @@ class StagedJob:
     run_slot: np.ndarray  # its offset in the slot (uint64)
     run_bytes: np.ndarray  # uint64
     run_bounds: list[int]  # runs [run_bounds[s], run_bounds[s + 1]) belong to slice s
+    npages: int  # page rows a block has
 
     @property
     def slices(self) -> int:
         return len(self.bounds) - 1
 
-    def span(self, s: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(page rows, block rows) slice ``s`` launches."""
+    def span(self, s: int) -> tuple[tuple[int, int], np.ndarray]:
+        """(page rows, device rows of the blocks) slice ``s`` launches."""
         lo, hi = self.bounds[s], self.bounds[s + 1]
         if self.by_block:
-            return (0, int(self.pages.shape[0])), (lo, hi)
-        return (lo, hi), (s, s + 1)
+            return (0, self.npages), self.rows[lo:hi]
+        return (lo, hi), self.rows[s : s + 1]
 
 
 def _runs(host: np.ndarray, in_slot: np.ndarray, nbytes: np.ndarray, bounds: list[int]) -> dict[str, Any]:
@@ -109,13 +112,11 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
     per = slot_bytes // block_bytes
     block_slice = np.arange(n) // per
     in_slot = ((np.arange(n) - block_slice * per) * block_bytes).astype(np.uint64)
-    blocks = np.empty((n, 2), dtype=np.uint64)
-    blocks[:, 0] = rows
-    blocks[:, 1] = in_slot
     bounds = [*range(0, n, per), n]
     runs = _runs(host, in_slot, np.full(n, block_bytes, dtype=np.uint64), bounds)
     longest = int(page_rows[:, 2].max())
-    return StagedJob(page_rows, blocks, block_slice, True, bounds, longest, **runs)
+    return StagedJob(None, rows.astype(np.uint32), block_bytes, True, bounds, longest,
+                     npages=int(page_rows.shape[0]), **runs)
 
 
 def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_bytes: int) -> StagedJob:
@@ -135,9 +136,9 @@ def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_byt
     pages[:, 0] = d
     pages[:, 2] = n
     pages[:, 3] = in_slot
-    blocks = np.zeros((len(counts), 2), dtype=np.uint64)
     runs = _runs(h, in_slot, n, bounds)
-    return StagedJob(pages, blocks, np.arange(len(counts)), False, bounds, int(n.max()), **runs)
+    return StagedJob(pages, np.zeros(len(counts), dtype=np.uint32), 0, False, bounds, int(n.max()),
+                     npages=int(n.size), **runs)
 
 
 class StagedCopy(CopyStrategy):
@@ -171,6 +172,7 @@ class StagedCopy(CopyStrategy):
             drv.destroy_stream(self.dma_stream)
             raise
         self.staging: torch.Tensor | None = None
+        self.page_table: int | None = None  # device address of the layout's, once uploaded
         self.next_slot = 0
         self.shape = self._block_shape()
 
@@ -233,49 +235,51 @@ class StagedCopy(CopyStrategy):
             drv.record(stop, main)
             return
         assert self.staging is not None
+        k, d = self.kernel_stream, self.dma_stream
         if not self.staged_jobs:
             # The DMA stream writes the ring too: it starts behind its allocation once.
             # (Here, not in ``prepare``: this runs in order with the streams' other work.)
-            drv.record(self.joined, self.kernel_stream)
-            drv.stream_wait(self.dma_stream, self.joined)
+            drv.record(self.joined, k)
+            drv.stream_wait(d, self.joined)
         self.staged_jobs += 1
-        slots = (self.next_slot + np.arange(job.slices)) % SLOTS
-        self.next_slot = (self.next_slot + job.slices) % SLOTS
-        slot_base = np.uint64(self.staging.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
-        blocks = job.blocks.copy()
-        blocks[:, 1] += slot_base[job.block_slice]
-        k, d = self.kernel_stream, self.dma_stream
+        first = self.next_slot
+        self.next_slot = (first + job.slices) % SLOTS
         to_host = self.ctx.to_host
         if to_host and dependency is not None:
             # The DMA waits for the gather anyway; waiting here too keeps the source's
             # writer out of the job's measured time, as on the DMA path.
             drv.stream_wait(d, dependency)
         drv.record(start, d)
-        tables = self.kernel.upload(job.pages, blocks, k)
+        if job.pages is not None:
+            table = self.kernel.upload(job.pages, k)
+        else:  # the layout's page table, uploaded once
+            if self.page_table is None:
+                assert self.shape is not None
+                self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
+            table = self.page_table
         if to_host and dependency is not None:
             drv.stream_wait(k, dependency)  # the source's pending writers
+        ring = self.staging.data_ptr()
         try:
             for s in range(job.slices):
-                slot = int(slots[s])
+                slot = (first + s) % SLOTS
+                at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
-                rlo, rhi = job.run_bounds[s], job.run_bounds[s + 1]
-                runs_slot = slot_base[s] + job.run_slot[rlo:rhi]
-                runs_host, sizes = job.run_host[rlo:rhi], job.run_bytes[rlo:rhi]
                 if to_host:
                     drv.stream_wait(k, self.free[slot])
-                    self.kernel.launch(tables, pages, rows, job.longest, False, k)
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
-                    drv.memcpy_batch(runs_host, runs_slot, sizes, d, to_host=True)
+                    self._move(job, s, at, d)
                     drv.record(self.free[slot], d)
                 else:
                     drv.stream_wait(d, self.free[slot])
-                    drv.memcpy_batch(runs_slot, runs_host, sizes, d, to_host=False)
+                    self._move(job, s, at, d)
                     drv.record(self.full[slot], d)
                     drv.stream_wait(k, self.full[slot])
                     if s == 0 and dependency is not None:
                         drv.stream_wait(k, dependency)  # the destination's pending readers
-                    self.kernel.launch(tables, pages, rows, job.longest, True, k)
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, True, k)
                     drv.record(self.free[slot], k)
         except BaseException:
             # The main stream's next event must cover what the other stream holds.
@@ -284,9 +288,27 @@ class StagedCopy(CopyStrategy):
             raise
         drv.record(stop, main)
 
+    def _move(self, job: StagedJob, s: int, at: int, stream: Any) -> None:
+        """Slice ``s``'s DMA runs between the slot at ``at`` and the host chunks. One run
+        (neighbouring chunks) goes as a plain copy, cheaper to enqueue than a batch of one."""
+        drv, to_host = self.ctx.driver, self.ctx.to_host
+        lo, hi = job.run_bounds[s], job.run_bounds[s + 1]
+        if hi - lo == 1:
+            chunk, in_slot = int(job.run_host[lo]), at + int(job.run_slot[lo])
+            dst, src = (chunk, in_slot) if to_host else (in_slot, chunk)
+            drv.memcpy(dst, src, int(job.run_bytes[lo]), stream)
+            return
+        slot = np.uint64(at) + job.run_slot[lo:hi]
+        host, sizes = job.run_host[lo:hi], job.run_bytes[lo:hi]
+        if to_host:
+            drv.memcpy_batch(host, slot, sizes, stream, to_host=True)
+        else:
+            drv.memcpy_batch(slot, host, sizes, stream, to_host=False)
+
     def close(self) -> None:
         self.dma.close()
         self.ctx.driver.destroy_stream(self.kernel_stream)
         self.ctx.driver.destroy_stream(self.dma_stream)
         self.kernel.close()
         self.staging = None
+        self.page_table = None
