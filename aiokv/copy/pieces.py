@@ -189,6 +189,7 @@ class PieceKernel:
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         self._args = (u64(), u64(), u64(), u32(), u32(), u32(), u32(), u32())
         self._rows = (u32 * ROWS_PER_LAUNCH)()
+        self._row_values = np.frombuffer(self._rows, dtype=np.uint32)  # a view, to fill it
         self._params = (ctypes.c_void_p * (len(self._args) + 1))(
             *(ctypes.addressof(a) for a in self._args), ctypes.addressof(self._rows))
         self._tables: list[_TableSlot] = []
@@ -237,18 +238,19 @@ class PieceKernel:
         # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
         # blocks, then pages, per launch.
         block_step = max(1, min(ROWS_PER_LAUNCH, MAX_TILES // tiles))
+        a_table, a_image, a_step, a_page, a_to_device, a_tiles, a_npages, a_total = self._args
+        a_table.value, a_step.value, a_to_device.value, a_tiles.value = table, image_step, to_device, tiles
         n = int(rows.shape[0])
         for b in range(0, n, block_step):
             nb = min(block_step, n - b)
-            ctypes.memmove(self._rows, rows[b:].ctypes.data, 4 * nb)
+            self._row_values[:nb] = rows[b : b + nb]
+            a_image.value = image + b * image_step
             page_step = max(1, MAX_TILES // (tiles * nb))
             for p in range(pages[0], pages[1], page_step):
                 np_ = min(page_step, pages[1] - p)
                 total = tiles * np_ * nb
+                a_page.value, a_npages.value, a_total.value = p, np_, total
                 ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-                for arg, value in zip(self._args, (table, image + b * image_step, image_step, p,
-                                                    int(to_device), tiles, np_, total)):
-                    arg.value = value
                 self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
 
     def close(self) -> None:

@@ -107,16 +107,24 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
     in any order, e.g. a LIFO free list's newest first).
     """
     order = np.argsort(host, kind="stable")
-    rows, host = rows[order], host[order]
-    n = rows.shape[0]
+    host = host[order]
+    n = host.size
     per = slot_bytes // block_bytes
-    block_slice = np.arange(n) // per
-    in_slot = ((np.arange(n) - block_slice * per) * block_bytes).astype(np.uint64)
+    local = np.arange(n, dtype=np.uint64) % np.uint64(per)  # each block's place in its slice
+    # A run starts with each slice and wherever a chunk does not follow the one before.
+    cut = local == 0
+    cut[1:] |= host[1:] != host[:-1] + np.uint64(block_bytes)
+    starts = np.flatnonzero(cut)
+    blocks_in_run = np.empty(starts.size, dtype=np.uint64)  # (np.diff with append is slower)
+    blocks_in_run[:-1] = starts[1:] - starts[:-1]
+    blocks_in_run[-1] = n - starts[-1]
     bounds = [*range(0, n, per), n]
-    runs = _runs(host, in_slot, np.full(n, block_bytes, dtype=np.uint64), bounds)
-    longest = int(page_rows[:, 2].max())
-    return StagedJob(None, rows.astype(np.uint32), block_bytes, True, bounds, longest,
-                     npages=int(page_rows.shape[0]), **runs)
+    return StagedJob(
+        None, rows[order].astype(np.uint32), block_bytes, True, bounds, int(page_rows[:, 2].max()),
+        run_host=host[starts], run_slot=local[starts] * np.uint64(block_bytes),
+        run_bytes=blocks_in_run * np.uint64(block_bytes),
+        run_bounds=np.searchsorted(starts, bounds).tolist(), npages=int(page_rows.shape[0]),
+    )
 
 
 def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_bytes: int) -> StagedJob:
