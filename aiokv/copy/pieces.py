@@ -189,7 +189,7 @@ class PieceKernel:
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         self._args = (u64(), u64(), u64(), u32(), u32(), u32(), u32(), u32())
         self._rows = (u32 * ROWS_PER_LAUNCH)()
-        self._row_values = np.frombuffer(self._rows, dtype=np.uint32)  # a view, to fill it
+        self._row_values = np.ctypeslib.as_array(self._rows)  # a view, to fill it
         self._params = (ctypes.c_void_p * (len(self._args) + 1))(
             *(ctypes.addressof(a) for a in self._args), ctypes.addressof(self._rows))
         self._tables: list[_TableSlot] = []
