@@ -172,7 +172,7 @@ src_t = torch.randint(1, 255, (64, odd), dtype=torch.uint8, device=dev)
 dst_t = torch.zeros(64, odd + 16, dtype=torch.uint8, device=dev)
 rows = np.arange(64, dtype=np.int64)
 odd_pages = np.array([[src_t.data_ptr(), odd, odd, 0]], dtype=np.uint64)
-kern.launch(kern.upload(odd_pages, home)[0], (0, 1), rows.astype(np.uint32), dst_t.data_ptr(), odd + 16,
+kern.launch(kern.upload(odd_pages, home), (0, 1), rows.astype(np.uint32), dst_t.data_ptr(), odd + 16,
             odd, False, home)
 drv.stream_synchronize(home)
 print("odd-size pages exact, bytes past each page untouched:",

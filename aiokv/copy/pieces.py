@@ -167,14 +167,14 @@ def fits(*arrays: np.ndarray | int) -> bool:
 class _TableSlot:
     host: torch.Tensor  # pinned
     device: torch.Tensor
-    released: Any  # recorded once the kernels reading the table (so also its copy) are done
+    copied: Any  # event recorded once the device copy of ``host`` is done
 
 
 class PieceKernel:
     """The loaded kernel and the page tables it reads.
 
     ``upload`` puts a page table on the device through a pinned buffer that is reused
-    once the job that read it has ended (an event per buffer; a new buffer when all are busy),
+    once the device has copied it (an event per buffer; a new buffer when all are busy),
     with driver calls that keep the GIL: torch's ``pin_memory().to()`` would drop it twice
     per job, and beside a busy Python thread each drop costs a switch interval.
     """
@@ -196,21 +196,20 @@ class PieceKernel:
         self._kept: list[_TableSlot] = []
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
-    def upload(self, pages: np.ndarray, stream: Any, keep: bool = False) -> tuple[int, Any]:
-        """Copy a page table (uint64) to the device on ``stream``: its device address, and
-        the event the caller must record once every kernel reading the table has run (its
-        buffers are reused only after that). A ``keep`` table stays until ``close``.
+    def upload(self, pages: np.ndarray, stream: Any, keep: bool = False) -> int:
+        """Copy a page table (uint64) to the device on ``stream``; its device address.
 
-        Kernels reading it must run on ``stream``, or behind it.
+        Kernels reading it must run on ``stream`` too: device buffers are reused in its
+        order, except a ``keep`` table's, which stays until ``close``.
         """
         nbytes = pages.size * 8
         drv = self.driver
         slot = None if keep else next(
-            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.released)), None)
+            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
         if slot is None:  # one per job in flight at most, kept until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
-            # On ``stream``, where it is used first: from another stream the caching
-            # allocator could hand back a block that stream's queued kernels still use.
+            # On ``stream``, where it is used: from another stream the caching allocator
+            # could hand back a block that stream's queued kernels still use.
             with torch.cuda.stream(self.torch_stream(stream)):
                 device = torch.empty(size, dtype=torch.uint8, device=self.device)
             host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -219,7 +218,8 @@ class PieceKernel:
             (self._kept if keep else self._tables).append(slot)
         slot.host.numpy()[:nbytes] = pages.view(np.uint8).reshape(-1)
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
-        return int(slot.device.data_ptr()), slot.released
+        drv.record(slot.copied, stream)
+        return int(slot.device.data_ptr())
 
     def torch_stream(self, stream: Any) -> torch.cuda.ExternalStream:
         """``stream`` as torch sees it (cached), to allocate device memory on it."""

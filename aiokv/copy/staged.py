@@ -5,18 +5,15 @@ spends ~0.65-0.9 us of host time per page (60-80% of the transfer on the H200), 
 copy engines lose ~25% of their rate on 32 KiB pieces under a GEMM. Here one launch of the
 piece kernel (``pieces.py``) gathers a slice of the job at HBM speed into a staging slot in
 host order, and the slot moves as runs of whole host chunks, the sizes at which the copy
-engines hold their rate under load. Loads run the other way: DMA into a slot, scatter.
+engines hold their rate under load. Slices alternate between two slots, so the gather of
+one overlaps the DMA of the one before. Loads run the other way: DMA into a slot, scatter.
 
-Each of the two slots has a stream of its own that gathers into it and moves it, in that
-order, and a job's slices alternate between them: one slot's gather overlaps the other's
-DMA, and a slot is never reused before its last DMA ends, with no event between the two
-(a job makes ~16 driver calls rather than ~28). Both are high priority, so their short
-launches take SMs from a GEMM as soon as some free up. A third, main stream only joins
-them: each job's end is recorded there, so jobs end in order while the next job's first
-slice may start as soon as its own stream is free. Jobs that are not 16-byte aligned or
-hold a piece larger than a slot go as batched DMA from the main stream; under ``auto`` so
-do jobs of few pieces or of large ones (the copy engines already run 2 MiB pages at the
-ceiling).
+Two streams per lane: the kernel stream (high priority, so its short launches take SMs
+from a GEMM as soon as some free up) and the DMA stream. The stream that ends a job is the
+lane's main stream: the DMA stream for stores, the kernel stream for loads. Jobs that are
+not 16-byte aligned or hold a piece larger than a slot go as batched DMA from the main
+stream; under ``auto`` so do jobs of few pieces or of large ones (the copy engines already
+run 2 MiB pages at the ceiling).
 """
 
 from __future__ import annotations
@@ -166,24 +163,25 @@ class StagedCopy(CopyStrategy):
         drv = ctx.driver
         self.kernel = PieceKernel(drv, ctx.device)
         self.staged_jobs = 0  # jobs that went through the ring (tests and the bench read it)
-        self.ended = [drv.create_event() for _ in range(SLOTS)]  # events go with the driver
-        self.slot_streams: list[Any] = []
+        self.full = [drv.create_event() for _ in range(SLOTS)]  # events go with the driver
+        self.free = [drv.create_event() for _ in range(SLOTS)]
+        self.joined = drv.create_event()
+        self.kernel_stream = drv.create_stream(high_priority=True)
         try:
-            for _ in range(SLOTS):
-                self.slot_streams.append(drv.create_stream(high_priority=True))
-            self.main_stream = drv.create_stream()
+            self.dma_stream = drv.create_stream()
         except BaseException:
-            for stream in self.slot_streams:
-                drv.destroy_stream(stream)
+            drv.destroy_stream(self.kernel_stream)
             raise
+        self.main_stream = self.dma_stream if ctx.to_host else self.kernel_stream
         try:
             self.dma = MultiStreamDma(ctx, self.main_stream, ctx.streams or DEFAULT_DMA_STREAMS)
         except BaseException:
-            for stream in (*self.slot_streams, self.main_stream):
-                drv.destroy_stream(stream)
+            drv.destroy_stream(self.kernel_stream)
+            drv.destroy_stream(self.dma_stream)
             raise
         self.staging: torch.Tensor | None = None
         self.page_table: int | None = None  # device address of the layout's, once uploaded
+        self.next_slot = 0
         self.shape = self._block_shape()
 
     def _block_shape(self) -> tuple[np.ndarray, int] | None:
@@ -224,10 +222,9 @@ class StagedCopy(CopyStrategy):
         """Take the ring on first use, so a lane that never stages holds none. Without the
         memory, every job goes as plain DMA from then on."""
         try:
-            # Allocated on the first slot's stream (every job's work starts there): from the
-            # submitting thread's current stream, the caching allocator could hand back a
-            # block its queued kernels still use.
-            with torch.cuda.stream(self.kernel.torch_stream(self.slot_streams[0])):
+            # Allocated on the kernel stream: from the submitting thread's current stream,
+            # the caching allocator could hand back a block its queued kernels still use.
+            with torch.cuda.stream(self.kernel.torch_stream(self.kernel_stream)):
                 self.staging = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.ctx.device)
         except torch.OutOfMemoryError:
             _log.warning("no device memory for %d bytes of staging; copying with DMA only",
@@ -246,45 +243,57 @@ class StagedCopy(CopyStrategy):
             drv.record(stop, main)
             return
         assert self.staging is not None
+        k, d = self.kernel_stream, self.dma_stream
+        if not self.staged_jobs:
+            # The DMA stream writes the ring too: it starts behind its allocation once.
+            # (Here, not in ``prepare``: this runs in order with the streams' other work.)
+            drv.record(self.joined, k)
+            drv.stream_wait(d, self.joined)
         self.staged_jobs += 1
-        streams, to_host = self.slot_streams, self.ctx.to_host
-        first, used = streams[0], min(job.slices, SLOTS)
+        first = self.next_slot
+        self.next_slot = (first + job.slices) % SLOTS
+        to_host = self.ctx.to_host
         if to_host and dependency is not None:
-            drv.stream_wait(first, dependency)  # the source's pending writers
-        # Page tables go up on the first stream, ahead of ``start``, which the others wait for.
-        release = None
+            # The DMA waits for the gather anyway; waiting here too keeps the source's
+            # writer out of the job's measured time, as on the DMA path.
+            drv.stream_wait(d, dependency)
+        drv.record(start, d)
         if job.pages is not None:
-            table, release = self.kernel.upload(job.pages, first)
+            table = self.kernel.upload(job.pages, k)
         else:  # the layout's page table, uploaded once
             if self.page_table is None:
                 assert self.shape is not None
-                self.page_table = self.kernel.upload(self.shape[0], first, keep=True)[0]
+                self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
             table = self.page_table
-        drv.record(start, first)
+        if to_host and dependency is not None:
+            drv.stream_wait(k, dependency)  # the source's pending writers
+        ring = self.staging.data_ptr()
         try:
-            for stream in streams[1:used]:
-                drv.stream_wait(stream, start)
-            ring = self.staging.data_ptr()
             for s in range(job.slices):
-                slot = s % SLOTS
-                stream, at = streams[slot], ring + slot * self.slot_bytes
+                slot = (first + s) % SLOTS
+                at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
                 if to_host:
-                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, stream)
-                    self._move(job, s, at, stream)
+                    drv.stream_wait(k, self.free[slot])
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
+                    drv.record(self.full[slot], k)
+                    drv.stream_wait(d, self.full[slot])
+                    self._move(job, s, at, d)
+                    drv.record(self.free[slot], d)
                 else:
-                    self._move(job, s, at, stream)
-                    if s < SLOTS and dependency is not None:
-                        drv.stream_wait(stream, dependency)  # the destination's pending readers
-                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, True, stream)
-        finally:
-            # The main stream's next record covers everything enqueued on the slot streams,
-            # also when enqueueing failed part way.
-            for stream, ended in zip(streams[:used], self.ended):
-                drv.record(ended, stream)
-                drv.stream_wait(main, ended)
-            if release is not None:
-                drv.record(release, main)  # the job's table may be reused once it has ended
+                    drv.stream_wait(d, self.free[slot])
+                    self._move(job, s, at, d)
+                    drv.record(self.full[slot], d)
+                    drv.stream_wait(k, self.full[slot])
+                    if s == 0 and dependency is not None:
+                        drv.stream_wait(k, dependency)  # the destination's pending readers
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, True, k)
+                    drv.record(self.free[slot], k)
+        except BaseException:
+            # The main stream's next event must cover what the other stream holds.
+            drv.record(self.joined, k if to_host else d)
+            drv.stream_wait(main, self.joined)
+            raise
         drv.record(stop, main)
 
     def _move(self, job: StagedJob, s: int, at: int, stream: Any) -> None:
@@ -306,8 +315,8 @@ class StagedCopy(CopyStrategy):
 
     def close(self) -> None:
         self.dma.close()
-        for stream in (*self.slot_streams, self.main_stream):
-            self.ctx.driver.destroy_stream(stream)
+        self.ctx.driver.destroy_stream(self.kernel_stream)
+        self.ctx.driver.destroy_stream(self.dma_stream)
         self.kernel.close()
         self.staging = None
         self.page_table = None
