@@ -2,9 +2,10 @@
 ``StagedCopy.enqueue`` (the staging ring) and ``MultiStreamDma.issue`` (one job forked
 over several DMA streams) drive a fake driver, and the enqueued work then runs in several
 adversarial orders that respect only CUDA's waits. Jobs share the ring or the streams, so
-slots and streams are reused within and across jobs. A missing or misplaced wait shows up
-as bytes that differ from the plan, or as a job's end event that fires before its bytes
-landed, in some order."""
+slots and streams are reused within and across jobs, and the ring's page table reaches the
+device by a queued copy. A missing or misplaced wait shows up as bytes that differ from the
+plan, as a kernel that reads its table before it landed, or as a job's end event that
+fires before its bytes landed, in some order."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .sim_device import SimDriver
 
 DEVICE_AT, HOST_AT, STAGING_AT, TABLES_AT = 1 << 20, 8 << 20, 16 << 20, 24 << 20
 SPACE = 32 << 20
+PINNED_TABLES = 4 << 20  # from a table's device spot to the host bytes it is copied from
 ORDERS = 8  # random orders each set of jobs runs in
 
 
@@ -49,10 +51,13 @@ def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimD
     tables = {"at": TABLES_AT}
 
     def upload(pages: np.ndarray, stream: int, keep: bool = False) -> int:
-        """Fresh table space per upload, written at once (the real upload's reuse is its own)."""
+        """Fresh table space per upload, filled by a copy queued on ``stream`` from a
+        "pinned" spot written now, so a kernel that is not behind it reads garbage (the
+        real upload's buffer reuse is its own)."""
         at = tables["at"]
         raw = np.ascontiguousarray(pages, dtype=np.uint64).view(np.uint8).reshape(-1)
-        mem[at : at + raw.size] = raw
+        mem[at + PINNED_TABLES : at + PINNED_TABLES + raw.size] = raw
+        drv.memcpy(at, at + PINNED_TABLES, raw.size, stream)
         tables["at"] += raw.size
         return at
 
