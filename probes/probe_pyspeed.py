@@ -1,6 +1,7 @@
 """How fast this host runs the Python side of a submit: the staged plan of the bench's
 per-layer job (numpy) and one launch's ctypes argument block, built anew (before session
-18) or rewritten in place (now), medians in us. Runs anywhere
+18) or rewritten in place (session 18; since session 19 a launch rewrites only the values
+that change), medians in us. Runs anywhere
 (no GPU needed), so hosts can be compared: python3 probes/probe_pyspeed.py
 """
 

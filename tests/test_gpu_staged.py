@@ -3,6 +3,8 @@ tails, several jobs in flight sharing the ring, shutdown mid-ring, and what ``au
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
@@ -57,11 +59,33 @@ def test_jobs_in_flight_through_a_small_ring_match_the_oracle(
         oracle.shutdown()
 
 
-def _one_store_one_load(tensors: list[torch.Tensor], job: int, strategy: str, seed: int) -> None:
+class _CountingLaunches:
+    """A lane kernel's driver, counting its launches."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver, self.launches = driver, 0
+
+    def launch(self, *args: Any) -> None:
+        self.launches += 1
+        self._driver.launch(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+
+def _one_store_one_load(tensors: list[torch.Tensor], job: int, strategy: str, seed: int,
+                        by_block_launches: int | None = None) -> None:
     """Store ``job`` random blocks to random chunks, load them back to other blocks; both
-    through the ring, checked byte for byte against the CPU oracle."""
+    through the ring, checked byte for byte against the CPU oracle. With
+    ``by_block_launches``: each job must be planned by block on the lane's one kept page
+    table, in that many kernel launches."""
     blocks = tensors[0].shape[0]
     cuda_w, oracle, cpu_tensors = sync_pair(describe(tensors, 0), tensors, blocks, 1, strategy)
+    lanes = {lane.direction.value: lane._strategy for lane in cuda_w._worker._core.backend._lanes}
+    counters = {}
+    if by_block_launches is not None:
+        for name in ("store", "load"):
+            counters[name] = lanes[name].kernel.driver = _CountingLaunches(lanes[name].kernel.driver)
     rng = np.random.default_rng(seed)
     try:
         src, cids = rng.choice(blocks, job, replace=False), rng.choice(blocks, job, replace=False)
@@ -71,6 +95,10 @@ def _one_store_one_load(tensors: list[torch.Tensor], job: int, strategy: str, se
         run_jobs([cuda_w, oracle], [("load", 2, GPULoadStoreSpec(dst), CPULoadStoreSpec(cids))])
         check_same(cuda_w, oracle, tensors, cpu_tensors)
         assert _staged(cuda_w) == {"store": 1, "load": 1, "expedited_load": 0}
+        for name, counter in counters.items():
+            ring = lanes[name]
+            assert ring.shape is not None and ring.page_table is not None and len(ring.kernel._kept) == 1
+            assert counter.launches == by_block_launches, name
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
@@ -109,7 +137,7 @@ def test_a_slice_of_more_blocks_than_one_launch_holds_round_trips() -> None:
     assert 600 > 2 * pieces.ROWS_PER_LAUNCH
     g = torch.Generator().manual_seed(13)
     tensors = [random_like((640, n), torch.uint8, "cuda", g) for n in (256, 512, 48)]
-    _one_store_one_load(tensors, 600, "staged", seed=14)
+    _one_store_one_load(tensors, 600, "staged", seed=14, by_block_launches=3)
 
 
 def test_auto_stages_small_pages_and_sends_large_ones_straight_to_dma() -> None:

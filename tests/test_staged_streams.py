@@ -49,6 +49,7 @@ def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimD
     assert strategy.shape is not None, "the layout should plan by block"
     strategy.staging = SimpleNamespace(data_ptr=lambda: STAGING_AT)  # type: ignore[assignment]
     tables = {"at": TABLES_AT}
+    uploads: list[bool] = []  # ``keep`` of each upload
 
     def upload(pages: np.ndarray, stream: int, keep: bool = False) -> int:
         """Fresh table space per upload, filled by a copy queued on ``stream`` from a
@@ -59,9 +60,11 @@ def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimD
         mem[at + PINNED_TABLES : at + PINNED_TABLES + raw.size] = raw
         drv.memcpy(at, at + PINNED_TABLES, raw.size, stream)
         tables["at"] += raw.size
+        uploads.append(keep)
         return at
 
     strategy.kernel.upload = upload  # type: ignore[method-assign]
+    strategy.kernel.uploads = uploads  # type: ignore[attr-defined]
     return strategy, drv, layout, device_base
 
 
@@ -124,6 +127,7 @@ def test_jobs_sharing_the_ring_move_their_bytes_in_any_valid_order(seed: int, to
         strategy.enqueue(prepared, None, start, stop)
         stops.append(stop)
     assert strategy.staged_jobs == 3
+    assert strategy.kernel.uploads == [True]  # type: ignore[attr-defined]  # the layout's table, kept, once
     before = drv.mem.copy()
     want = _expected(before, layout, device_base, jobs, to_host)
     for stop, job in zip(stops, jobs):  # a job's end event fires only once its bytes landed

@@ -2,8 +2,9 @@
 
 Why: gathering a job's pages with torch index ops costs one or two launches per page
 tensor (64 or more for a per-layer job), and beside a GEMM each launch waits for SMs. This
-kernel moves a whole slice of a job in one launch. It is PTX written here and compiled by
-the driver when the module loads, so nothing beyond the driver is needed at run time.
+kernel moves a whole slice of a job in one launch (one per 256 blocks). It is PTX written
+here and compiled by the driver when the module loads, so nothing beyond the driver is
+needed at run time.
 
 A launch copies pages of a few blocks. ``pages`` is a device table, one row per page of a
 block (device base, row stride, bytes, offset in the block's staging image); the blocks
@@ -206,7 +207,7 @@ class PieceKernel:
         drv = self.driver
         slot = None if keep else next(
             (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
-        if slot is None:  # one per job in flight at most, kept until close
+        if slot is None:  # one per job in flight at most (and a kept one), until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
             # On ``stream``, where it is used: from another stream the caching allocator
             # could hand back a block that stream's queued kernels still use.

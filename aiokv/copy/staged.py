@@ -107,7 +107,7 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
     in any order, e.g. a LIFO free list's newest first).
     """
     order = np.argsort(host, kind="stable")
-    host = host[order]
+    host = host[order].astype(np.uint64, copy=False)
     n = host.size
     per = slot_bytes // block_bytes
     local = np.arange(n, dtype=np.uint64) % np.uint64(per)  # each block's place in its slice
@@ -150,7 +150,8 @@ def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_byt
 
 
 class StagedCopy(CopyStrategy):
-    """Gather (or scatter) on the SMs in one launch per slice; DMA whole chunks."""
+    """Gather (or scatter) on the SMs, one launch per slice of up to 256 blocks; DMA whole
+    chunks."""
 
     name = "staged"
 
