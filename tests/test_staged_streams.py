@@ -9,6 +9,7 @@ fires before its bytes landed, in some order."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -231,3 +232,13 @@ def test_a_job_forked_over_dma_streams_ends_after_every_part(seed: int, threads:
         drv.mem[:] = before
         drv.run(rng)
         assert np.array_equal(drv.mem, want)
+
+
+@pytest.mark.parametrize("rows, by_block", [(1 << 32, True), ((1 << 32) + 1, False)])
+def test_device_rows_past_32_bits_plan_piece_by_piece(rows: int, by_block: bool) -> None:
+    """The kernel takes a launch's device rows as 32-bit values: a layout with more rows
+    than that plans its jobs piece by piece (full addresses) instead of by block."""
+    strategy, _, layout, _ = _setup(0, True, slot_blocks=1)
+    ctx = SimpleNamespace(**vars(strategy.ctx))
+    ctx.layout = dataclasses.replace(layout, num_gpu_blocks=(rows,))
+    assert (StagedCopy(ctx).shape is not None) is by_block  # type: ignore[arg-type]

@@ -187,9 +187,10 @@ class StagedCopy(CopyStrategy):
 
     def _block_shape(self) -> tuple[np.ndarray, int] | None:
         """The page table of a layout whose jobs plan by block (one group, one block per
-        chunk, 16-byte aligned): rows in host order within the chunk. None otherwise."""
+        chunk, 16-byte aligned, device rows that fit the kernel's 32 bits): rows in host
+        order within the chunk. None otherwise."""
         ctx, layout = self.ctx, self.ctx.layout
-        if layout.num_groups != 1 or layout.blocks_per_chunk != 1:
+        if layout.num_groups != 1 or layout.blocks_per_chunk != 1 or layout.num_gpu_blocks[0] > 1 << 32:
             return None
         order = np.argsort(layout.page_offsets[0], kind="stable")
         tensors = np.asarray(layout.tensor_idx[0], dtype=np.int64)[order]
