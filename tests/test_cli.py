@@ -111,3 +111,47 @@ def test_bench_refuses_an_unknown_event_loop() -> None:
 
     with pytest.raises(ValueError, match="unknown event loop"):
         run_on_loop("gevent", nothing)
+
+
+def test_bench_bursts_split_first_submit_from_back_to_back(monkeypatch) -> None:
+    """The CUDA bench's back-to-back submit row: bursts of jobs 0..size-1 in order, every
+    job awaited before the next burst, the first submit of each burst timed apart."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from aiokv.bench import cuda as bench
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    calls: list[tuple[str, int]] = []
+    awaited: list[bool] = []
+    cost = {0: 7, 1: 2, 2: 3, 3: 2}  # clock ticks a submit of job k takes (first is "cold")
+
+    class Job:
+        def __init__(self) -> None:
+            self.i = len(awaited)
+            awaited.append(False)
+
+        def __await__(self):
+            awaited[self.i] = True
+            yield from asyncio.sleep(0).__await__()
+
+    def submit(name: str):
+        def call(job_id: int, a, b) -> Job:
+            k = len(calls) % 4
+            assert k or all(awaited), "a burst began before the last was awaited"
+            calls.append((name, k))
+            for _ in range(cost[k] - 1):
+                next(clock)
+            return Job()
+        return call
+
+    worker = SimpleNamespace(submit_store=submit("store"), submit_load=submit("load"))
+    blocks = [np.arange(3) + k for k in range(4)]
+    setup = SimpleNamespace(jobs=[(b, b) for b in blocks], jobs_in_runs=[])
+    warm, cold = asyncio.run(bench._bursts(worker, setup, False, bench._JobIds(), bursts=3, size=4))
+    assert calls == [("load", k) for k in range(4)] * 3
+    assert awaited == [True] * 12
+    assert (warm, cold) == (2, 7)

@@ -165,6 +165,27 @@ async def _stream(
     }
 
 
+async def _bursts(
+    worker: Any, setup: _Setup, store: bool, ids: _JobIds, in_runs: bool = False, bursts: int = 8,
+    size: int = 4,
+) -> tuple[float, float]:
+    """Median host submit seconds of jobs submitted back to back (the 2nd to last of each
+    burst of ``size``), and of each burst's first, which follows an ``await``. A submit
+    after an await runs on a core that slept with cold caches; one in a busy step loop
+    does not, so the bench reports both."""
+    warm: list[float] = []
+    cold: list[float] = []
+    for _ in range(bursts):
+        futs = []
+        for k in range(size):
+            t0 = time.perf_counter()
+            futs.append(_submit(worker, setup, store, k, ids, in_runs))
+            (cold if k == 0 else warm).append(time.perf_counter() - t0)
+        for fut in futs:
+            await fut
+    return statistics.median(warm), statistics.median(cold)
+
+
 class _Gemm:
     """A GEMM loop on its own stream in a Python thread; rate in TFLOP/s over its run."""
 
@@ -545,11 +566,19 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                         add(f"{what}, issue on the lane's thread per job",
                             (secs1 - secs0) / (jobs1 - jobs0) * 1e6, "us", transfer_us,
                             f"mean over {jobs1 - jobs0} jobs, after submit returned")
-                    if _staged_share(worker)[0]:  # chunk order only matters to the ring's DMAs
+                    staged = bool(_staged_share(worker)[0])
+                    if staged:  # chunk order only matters to the ring's DMAs
                         s = await _stream(worker, setup, window, ids, store=store, in_runs=True)
                         add(f"{what}, host submit per job, chunks in runs", s["submit_p50"] * 1e6, "us",
                             transfer_us, f"ratio = share of transfer time; the job's chunks are neighbours; "
                             f"streamed {s['gbps'] / top:.2f} of the ceiling")
+                    for in_runs in (False, True) if staged else (False,):
+                        warm, cold = await _bursts(worker, setup, store, ids, in_runs)
+                        runs_note = ", chunks in runs" if in_runs else ""
+                        add(f"{what}, host submit per job, back to back{runs_note}", warm * 1e6, "us",
+                            transfer_us,
+                            f"ratio = share of transfer time; 2nd-4th of bursts of 4 (a core kept busy); "
+                            f"each burst's first, after an await: {cold * 1e6:.0f} us")
                     for gname, gemm, alone in (("GEMM 8192^3", big_gemm, big_alone),
                                                ("medium GEMMs (thread)", med_gemm, med_alone)):
                         with gemm:
