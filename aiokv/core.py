@@ -37,7 +37,7 @@ class WorkerOptions:
     # Host threads that issue a large DMA job's per-stream batches in parallel (the
     # driver spends ~0.9 us of host time per descriptor and drops the GIL); 0 issues them
     # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
-    # the ceiling on the H200 (docs/performance.md). Only jobs of >= 1024 descriptors use them.
+    # the ceiling on the H200 (docs/performance-history.md). Only jobs of >= 1024 descriptors use them.
     submit_threads: int = 4
     # Device memory per lane (store, load, expedited load) that the staged strategy (and
     # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
@@ -62,7 +62,7 @@ class WorkerOptions:
     # (0.1-0.18 ms instead of 0.3-0.8 ms for 256 MiB jobs). Off by default: the thread takes
     # the GIL for the driver calls instead, so the loop still waits for them, a GEMM loop
     # in another Python thread slowed more (+4.7 to +7.0% against +3.0 to +4.6%), and the
-    # round trip grows by the hand-off (device runs 77-80, docs/performance.md).
+    # round trip grows by the hand-off (device runs 77-80, docs/performance-history.md).
     issue_thread: bool = False
 
     def __post_init__(self) -> None:

@@ -143,7 +143,7 @@ class TransferResult:
 
     The worker reads the device time after the awaiting task was woken, not before (on the
     CUDA backend that read and the events' return to their pool cost 7-10 us per job, see
-    docs/performance.md), so ``transfer_time`` may be computed on first access.
+    docs/performance-history.md), so ``transfer_time`` may be computed on first access.
     """
 
     job_id: int

@@ -69,7 +69,7 @@ _BAD_INPUT = frozenset(
 
 
 # Batches this small return within ~15 us of host time (0.65-0.9 us per descriptor, 2-3 us
-# per pitched op; docs/performance.md), so they keep the GIL like a record does. Larger ones
+# per pitched op; docs/performance-history.md), so they keep the GIL like a record does. Larger ones
 # drop it: held through the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM
 # loop in another Python thread by 0.6-5.7% instead of -0.7-1.7% (runs 36-37).
 GIL_HELD_DESCRIPTORS = 16

@@ -7,7 +7,7 @@
   like the host chunks, then a few large DMAs move it (the reverse for loads).
 - ``auto``: ``staged`` (jobs of large pieces go straight to DMA there), or ``dma`` where
   the kernel cannot load or ``staging_bytes`` is 0; from measurements on the H200
-  (docs/performance.md).
+  (docs/performance-history.md).
 
 Strategies never import cuda-python: they drive the device through
 ``aiokv.backends.cuda.Driver`` and torch ops on external streams.
