@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .core import WorkerStatistics
-from .specs import Direction, DuplicateJob, TransferResult, WorkerClosed
+from .specs import Direction, TransferResult, WorkerClosed
 from .worker import AsyncOffloadingWorker, _State
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
@@ -32,7 +32,8 @@ class OffloadingWorker(abc.ABC):
 
     @abc.abstractmethod
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call, each reported once. Never blocks."""
+        """Jobs finished since the last call, each reported once. Never waits for a
+        transfer (calls from several threads take turns with ``submit_*``)."""
 
     @abc.abstractmethod
     def wait(self, job_ids: set[int]) -> None:
@@ -55,14 +56,13 @@ class SyncOffloadingWorker(OffloadingWorker):
             raise TypeError(f"expected an AsyncOffloadingWorker, got {type(async_worker).__name__}")
         if async_worker._state is not _State.NEW:
             raise WorkerClosed(
-                "the async worker is open on an event loop (or closed); give the sync "
-                "adapter a fresh one"
+                "the async worker is already in use (open on an event loop, wrapped by "
+                "another SyncOffloadingWorker) or closed; give the sync adapter a fresh one"
             )
         async_worker._state = _State.OPEN  # owned by this adapter from now on
         self._worker = async_worker
         self._core = async_worker._core
         self._unreported: list[TransferResult] = []
-        self._unreported_ids: set[int] = set()
         self._lock = threading.Lock()
         self._closing = False  # shutdown() has begun: submits are refused from then on
         self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
@@ -82,15 +82,13 @@ class SyncOffloadingWorker(OffloadingWorker):
         with self._lock:
             if self._closing:
                 raise WorkerClosed("this worker was shut down; create a new one to transfer more")
-            if job_id in self._unreported_ids:
-                raise DuplicateJob(f"job {job_id} finished but was not reported by get_finished() yet")
             self._core.submit(direction, job_id, src, dst, after)
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
             done = self._unreported
             done.extend(job.result for job in self._core.poll() if job.result is not None)
-            self._unreported, self._unreported_ids = [], set()
+            self._unreported = []
         return done
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -100,7 +98,8 @@ class SyncOffloadingWorker(OffloadingWorker):
         """Drain, then free host memory. Results of drained jobs stay for get_finished().
 
         The drain does not hold the adapter's lock, so ``get_finished()`` on another thread
-        does not block meanwhile; a second ``shutdown()`` waits for the first.
+        waits at most for the memory to be freed; a second ``shutdown()`` waits for the
+        first.
         """
         with self._shutdown_lock:
             with self._lock:
@@ -112,7 +111,6 @@ class SyncOffloadingWorker(OffloadingWorker):
                 for job in self._core.poll():
                     if job.result is not None:
                         self._unreported.append(job.result)
-                        self._unreported_ids.add(job.job_id)
                 self._core.close()
                 self._worker._state = _State.CLOSED
                 self._worker._closed.set()  # what the async face's aclose() waits for

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 import threading
 
@@ -184,7 +186,10 @@ def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
 def test_an_open_async_worker_cannot_be_wrapped() -> None:
     kv = make_layers(num_blocks=8)
     w = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
-    SyncOffloadingWorker(w).shutdown()
+    first = SyncOffloadingWorker(w)
+    with pytest.raises(WorkerClosed, match="another SyncOffloadingWorker"):
+        SyncOffloadingWorker(w)
+    first.shutdown()
     with pytest.raises(WorkerClosed):
         SyncOffloadingWorker(w)
     with pytest.raises(TypeError):
@@ -244,3 +249,24 @@ def test_get_finished_does_not_block_while_shutdown_drains() -> None:
     latch.set()
     closer.join(10)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_shutdown_frees_the_host_pool() -> None:
+    """shutdown() gives the pool's memory back (the CPU lanes held numpy views of it until
+    the worker itself was dropped)."""
+    kv = make_layers(num_layers=2, num_blocks=64, page_shape=(2, 2, 8))
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, cpu_bytes=192 << 20))
+    worker._worker.host_pool.fill_(7)  # fault the pages in
+    worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
+    before = _resident_bytes()
+    worker.shutdown()
+    gc.collect()
+    freed = before - _resident_bytes()
+    assert freed > 128 << 20, f"shutdown() freed {freed >> 20} MiB of a 192 MiB pool"
+    assert [r.job_id for r in worker.get_finished()] == [1]

@@ -96,6 +96,9 @@ class CpuLane(Lane):
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        # Views keep their memory alive: without this the pool outlived shutdown().
+        self._host = np.empty(0, dtype=np.uint8)
+        self._device = []
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
