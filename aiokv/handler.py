@@ -58,10 +58,11 @@ class Job:
         if err is None:
             # The device time is read when first asked for, or by ``Handler.settle``.
             timer = _elapsed_of(self.completion)
-            self.result = TransferResult.timed_later(self.job_id, self.nbytes, timer)
+            self.result = TransferResult.timed_later(self.job_id, self.nbytes, timer,
+                                                     self.direction.transfer_type)
         else:
             self.error = _without_frames(err)
-            self.result = TransferResult(self.job_id, False)
+            self.result = TransferResult(self.job_id, False, transfer_type=self.direction.transfer_type)
         self.plan = None
         return self.result
 

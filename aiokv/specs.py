@@ -47,6 +47,11 @@ class Direction(enum.Enum):
         """True when bytes move from the device to the host pool."""
         return self is Direction.STORE
 
+    @property
+    def transfer_type(self) -> tuple[str, str]:
+        """(source medium, destination medium), as vLLM names them."""
+        return ("GPU", "CPU") if self is Direction.STORE else ("CPU", "GPU")
+
 
 class LoadStoreSpec:
     """Marker base of "where the bytes are". Workers read specs by attribute, not class."""
@@ -139,7 +144,10 @@ class TransferResult:
     """What one finished job reports.
 
     ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
-    device (not time spent queued). Both are None when the job failed.
+    device (not time spent queued). Both are None when the job failed. ``transfer_type``
+    is (source medium, destination medium): ``("GPU", "CPU")`` for a store, ``("CPU",
+    "GPU")`` for a load, the field vLLM's later ``TransferResult`` added (its statistics
+    group transfers by it).
 
     The worker reads the device time after the awaiting task was woken, not before (on the
     CUDA backend that read and the events' return to their pool cost 7-10 us per job, see
@@ -150,14 +158,16 @@ class TransferResult:
     success: bool
     transfer_size: int | None = None
     transfer_time: float | None = _DeviceTime()  # type: ignore[assignment]
+    transfer_type: tuple[str, str] | None = None
 
     @classmethod
     def timed_later(
-        cls, job_id: int, transfer_size: int, timer: Callable[[], float | None]
+        cls, job_id: int, transfer_size: int, timer: Callable[[], float | None],
+        transfer_type: tuple[str, str] | None = None,
     ) -> TransferResult:
         """A successful result whose ``transfer_time`` is ``timer()``, read on first access
         (``timer`` must return the same value if two threads race to call it)."""
-        return cls(job_id, True, transfer_size, _Later(timer))  # type: ignore[arg-type]
+        return cls(job_id, True, transfer_size, _Later(timer), transfer_type)  # type: ignore[arg-type]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

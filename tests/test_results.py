@@ -26,14 +26,16 @@ def test_a_result_is_an_immutable_value() -> None:
     a = TransferResult(3, True, 4096, 0.5)
     assert a == TransferResult(3, True, 4096, 0.5) and hash(a) == hash(TransferResult(3, True, 4096, 0.5))
     assert a != TransferResult(3, True, 4096, 0.25) and a != (3, True, 4096, 0.5)
-    assert repr(a) == "TransferResult(job_id=3, success=True, transfer_size=4096, transfer_time=0.5)"
+    assert repr(a) == ("TransferResult(job_id=3, success=True, transfer_size=4096, transfer_time=0.5, "
+                       "transfer_type=None)")
     assert TransferResult(4, False).transfer_time is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.job_id = 4  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         del a.success
     assert copy.copy(a) == a and pickle.loads(pickle.dumps(a)) == a
-    fields = {"job_id": 3, "success": True, "transfer_size": 4096, "transfer_time": 0.5}
+    fields = {"job_id": 3, "success": True, "transfer_size": 4096, "transfer_time": 0.5,
+              "transfer_type": None}
     assert dataclasses.asdict(a) == fields
     assert dataclasses.replace(a, job_id=9) == TransferResult(9, True, 4096, 0.5)
     match a:

@@ -104,6 +104,9 @@ def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() ->
         finished = worker.get_finished()
         reported += [r.job_id for r in finished]
         assert all(r.success for r in finished)
+        for r in finished:  # vLLM's (source, destination) medium names
+            want_type = ("GPU", "CPU") if submitted[r.job_id] == "store" else ("CPU", "GPU")
+            assert r.transfer_type == want_type, (r, submitted[r.job_id])
         done = {r.job_id for r in finished}
         for b, j in list(pending_stores.items()):
             if j in done:
@@ -223,7 +226,8 @@ def test_a_failed_copy_is_reported_and_its_cause_logged(monkeypatch, caplog) -> 
     monkeypatch.setattr(CpuLane, "_copy", fail)
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     worker.wait({1})
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+    results = [(r.job_id, r.success, r.transfer_type) for r in worker.get_finished()]
+    assert results == [(1, False, ("GPU", "CPU"))]
     worker.shutdown()
     assert "store job 1 failed: MemoryError('simulated copy failure')" in caplog.text
 

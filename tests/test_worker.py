@@ -37,7 +37,8 @@ async def test_round_trip_is_byte_exact_and_touches_nothing_else() -> None:
         before = blocks_of(kv, blocks)
         everything = kv.snapshot()
         result = await worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
-        assert result == TransferResult(1, True, 12 * 4 * 2 * (4 * 2 * 16 * 2), result.transfer_time)
+        nbytes = 12 * 4 * 2 * (4 * 2 * 16 * 2)
+        assert result == TransferResult(1, True, nbytes, result.transfer_time, ("GPU", "CPU"))
         assert all(same_bytes(a, b) for a, b in zip(kv.layers, everything)), "a store changed its source"
         clobber(kv, blocks, seed=9)
         others = [b for b in range(32) if b not in blocks]
