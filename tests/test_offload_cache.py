@@ -132,8 +132,9 @@ async def test_default_policy_is_the_recommended_one_and_bad_workers_are_refused
             await cache.offload(["a", "b"], [1])
         with pytest.raises(InvalidSpec, match="pass one block per key"):
             await cache.restore(["a"], [1, 2])
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
         with pytest.raises(ValueError, match="unknown eviction policy"):
-            OffloadCache(cache.worker, policy="nope")
+            OffloadCache(worker, policy="nope")
     async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, blocks_per_chunk=2) as worker:
         with pytest.raises(InvalidSpec, match="blocks_per_chunk=1"):
             OffloadCache(worker)
@@ -572,3 +573,36 @@ async def test_block_ids_as_a_torch_tensor_are_accepted() -> None:
         with pytest.raises(InvalidSpec, match="integers"):
             await cache.offload(["c"], torch.tensor([3.0]))
         assert_settled(cache)
+
+
+async def test_keys_as_a_torch_tensor_hash_by_value() -> None:
+    """A tensor of keys is read as ints (its 0-d elements hash by identity and would never
+    hit, filling the cache with unreachable entries); loose tensor keys are refused."""
+    async with open_cache() as (kv, _, cache):
+        fill(kv, 1, 1)
+        fill(kv, 2, 2)
+        assert (await cache.offload(torch.tensor([101, 102]), [1, 2])).stored == 2
+        again = await cache.offload(torch.tensor([101, 102]), [1, 2])
+        assert (again.stored, again.skipped) == (0, 2) and len(cache) == 2
+        assert cache.lookup(torch.tensor([101, 102])) == 2 and cache.lookup([101, 102]) == 2
+        assert await cache.restore(torch.tensor([101, 102]), [6, 7])
+        assert holds(kv, 6, 1) and holds(kv, 7, 2)
+        with pytest.raises(InvalidSpec, match="hash by value"):
+            await cache.offload([torch.tensor(103)], [3])
+        with pytest.raises(InvalidSpec, match="hash by value"):
+            cache.lookup([torch.tensor(101)])
+        assert len(cache) == 2
+        assert_settled(cache)
+
+
+async def test_a_refused_cache_leaves_the_policy_object_usable() -> None:
+    from aiokv.cache.policies import make_policy
+
+    kv = make_layers(num_layers=2, num_blocks=32)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        first = OffloadCache(worker, policy="lru", chunks=range(0, 4))
+        policy = make_policy("lru", 4)
+        with pytest.raises(InvalidSpec, match="already belong"):
+            OffloadCache(worker, policy=policy, chunks=range(2, 6))
+        cache = OffloadCache(worker, policy=policy, chunks=range(4, 8))  # the same object
+        assert cache.manager.policy is policy and first.chunks == range(0, 4)

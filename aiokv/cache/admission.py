@@ -225,11 +225,11 @@ class AdaptiveAdmission(AdmissionPolicy):
     Storing every block is right when the cache can keep blocks until their first reuse;
     a second-offer filter is right when it cannot and one-off blocks would flush the reused
     ones. Two shadow caches (sampled keys, capacity scaled by the sampling rate) replay both
-    rules on the live traffic; decayed hit counts pick the rule, with hysteresis. While the
-    cache has free chunks everything is admitted. The second-offer ghost is kept up to date
-    in both modes so a switch takes effect at once.
+    rules on the live traffic; decayed hit counts pick the rule, with hysteresis. An offer
+    whose new keys all fit in the free chunks is admitted whole. The second-offer ghost is
+    kept up to date in both modes so a switch takes effect at once.
 
-    In both modes, once the cache is full, an offer's last key is turned away while
+    In both modes, for an offer that does not fit, its last key is turned away while
     ``_TailReuse`` finds such keys rarely come back (a request's partial last block).
     """
 

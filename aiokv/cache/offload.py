@@ -165,9 +165,6 @@ class OffloadCache:
         ):
             raise InvalidSpec(f"chunks must be a non-empty range(start, stop) within "
                               f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
-        self._mgr = ChunkManager(
-            len(chunks), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
-        )
         shared = _SHARED.setdefault(worker, _Shared())
         for other in shared.caches:
             both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
@@ -176,6 +173,10 @@ class OffloadCache:
                     f"chunks {both.start}..{both.stop - 1} of this worker already belong to another "
                     f"OffloadCache ({other.chunks!r}); give each cache its own chunks=range(...)"
                 )
+        # After every check: the manager adopts a policy object, which then serves no other.
+        self._mgr = ChunkManager(
+            len(chunks), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+        )
         self._worker = worker
         self.chunks: range = chunks
         shared.caches.add(self)
@@ -231,6 +232,7 @@ class OffloadCache:
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys``, from the first, are loadable now. Pure query: it does not
         count as a use for eviction (``restore`` does), so schedulers may poll it."""
+        keys = _as_keys(keys)
         n = self._mgr.count_leading_hits(keys)
         self._hits += n
         self._misses += len(keys) - n
@@ -245,6 +247,7 @@ class OffloadCache:
         if the awaiting task is cancelled, the copy still runs to completion (see
         ``drain``) and the keys become loadable (or are freed) when it does.
         """
+        keys = _as_keys(keys)
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
         self._fold_times()
         block_of: dict[Hashable, int] = {}
@@ -304,10 +307,13 @@ class OffloadCache:
         another task's store), or if the copy failed (then the blocks' contents are
         undefined and must be recomputed). Chunks stay pinned until the copy is over, even
         if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
+        Raises ``WorkerClosed`` once the worker is closed (its host pool is gone, though
+        ``lookup`` still answers from the bookkeeping).
         """
+        keys = _as_keys(keys)
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
         self._fold_times()
-        if len(keys) == 0:  # not `not keys`: an array of keys has no truth value
+        if not keys:
             self._restores += 1
             return True
         try:
@@ -414,6 +420,21 @@ class OffloadCache:
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
+
+
+def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> list[Hashable]:
+    """Keys as a list of values that hash by value: a numpy array's or a tensor's become
+    ints. A tensor key hashes by identity, so it would never hit: refused."""
+    tolist = getattr(keys, "tolist", None)  # numpy arrays, tensors
+    out = list(tolist() if callable(tolist) else keys)
+    if any(_is_tensor(k) or isinstance(k, np.ndarray) for k in out):
+        raise InvalidSpec("keys must hash by value (ints, bytes, str, tuples); a tensor or array "
+                          "hashes by identity and would never hit: pass tensor.tolist()")
+    return out
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "tolist")
 
 
 def _as_block_list(ids: Sequence[int] | np.ndarray) -> list[Any]:
