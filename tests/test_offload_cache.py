@@ -606,3 +606,16 @@ async def test_a_refused_cache_leaves_the_policy_object_usable() -> None:
             OffloadCache(worker, policy=policy, chunks=range(2, 6))
         cache = OffloadCache(worker, policy=policy, chunks=range(4, 8))  # the same object
         assert cache.manager.policy is policy and first.chunks == range(0, 4)
+
+
+async def test_a_restore_into_one_block_twice_is_refused_before_it_counts_as_a_use() -> None:
+    async with open_cache(num_chunks=4) as (kv, _, cache):
+        for i, key in enumerate("abcd"):
+            fill(kv, i + 1, i + 1)
+            await cache.offload([key], [i + 1])  # "a" is the least recently used
+        with pytest.raises(InvalidSpec, match="appears twice"):
+            await cache.restore(["a", "b"], [5, 5])
+        result = await cache.offload(["e"], [9])
+        assert result.evicted == 1 and cache.lookup(["a"]) == 0 and cache.lookup(["b", "c", "d"]) == 3
+        assert cache.stats().restores == 0
+        assert_settled(cache)

@@ -89,7 +89,9 @@ class OffloadCacheStats:
     """Counters since construction. Hits and misses are keys, counted by ``lookup``
     (leading hits and the rest); GB/s are bytes over summed device copy time. A call that
     raised (bad input, or a submit the worker refused) counts in no offer, restore or hit
-    figure; evictions it made before the worker refused stay counted."""
+    figure; evictions it made before the worker refused stay counted. Units:
+    ``failed_stores`` counts keys (of failed store copies), ``restores``,
+    ``restore_misses`` and ``failed_loads`` count ``restore`` calls."""
 
     hits: int
     misses: int
@@ -312,6 +314,8 @@ class OffloadCache:
         """
         keys = _as_keys(keys)
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
+        if len(set(blocks)) != len(blocks):  # before prepare_load counts a use of the keys
+            raise InvalidSpec("a GPU block appears twice, so one load would write it twice")
         self._fold_times()
         if not keys:
             self._restores += 1
