@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -148,6 +150,10 @@ class OffloadCore:
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self.closed = False
+        # A worker dropped without shutdown()/aclose(): say so, and let lane threads end.
+        lanes = [h.lane for h in self.handlers.values()]
+        self._finalizer = weakref.finalize(self, _abandoned, lanes, self.backend.name)
+        self._finalizer.atexit = False  # at exit the process frees it all anyway
         # Set by the first job that failed with a sticky device error; refuses new work.
         self.broken: WorkerBroken | None = None
 
@@ -280,6 +286,7 @@ class OffloadCore:
         if self.closed:
             return
         self.closed = True
+        self._finalizer.detach()
         self.wait_all()
         self.settle()  # read what results still lack before the events are destroyed
         self._release()
@@ -304,6 +311,16 @@ class OffloadCore:
 
     def describe_in_flight(self) -> str:
         return " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
+
+
+def _abandoned(lanes: list[Any], backend: str) -> None:
+    warnings.warn(
+        f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(); its "
+        "copies in flight were not waited for" + ("" if backend == "cpu" else " and its pinned memory leaks"),
+        ResourceWarning, stacklevel=2,
+    )
+    for lane in lanes:
+        lane.abandon()
 
 
 def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes: int) -> int:

@@ -274,3 +274,30 @@ def test_shutdown_frees_the_host_pool() -> None:
     freed = before - _resident_bytes()
     assert freed > 128 << 20, f"shutdown() freed {freed >> 20} MiB of a 192 MiB pool"
     assert [r.job_id for r in worker.get_finished()] == [1]
+
+
+def test_a_worker_dropped_without_shutdown_warns_and_its_threads_end() -> None:
+    def lane_threads() -> int:
+        return sum(t.name.startswith("aiokv-cpu-") for t in threading.enumerate())
+
+    before = lane_threads()
+    worker, _pages = make_sync()
+    assert lane_threads() == before + 3  # store, load, expedited load
+    worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
+    worker.wait({1})
+    with pytest.warns(ResourceWarning, match="dropped without shutdown"):
+        del worker
+        gc.collect()
+    for _ in range(200):
+        if lane_threads() == before:
+            break
+        threading.Event().wait(0.01)
+    assert lane_threads() == before, "lane threads outlived their dropped worker"
+
+
+def test_a_worker_shut_down_does_not_warn(recwarn) -> None:
+    worker, _ = make_sync()
+    worker.shutdown()
+    del worker
+    gc.collect()
+    assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]

@@ -86,6 +86,10 @@ class Lane(abc.ABC):
     def close(self) -> None:
         """Free the lane's resources. Only called once every completion is done."""
 
+    def abandon(self) -> None:
+        """The worker was dropped without a close: free what is safe to free without
+        waiting or calling the device (nothing, unless a lane says otherwise)."""
+
 
 class Backend(abc.ABC):
     """A place copies run: CPU worker threads, or CUDA streams."""

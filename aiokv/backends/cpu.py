@@ -100,6 +100,9 @@ class CpuLane(Lane):
         self._host = np.empty(0, dtype=np.uint8)
         self._device = []
 
+    def abandon(self) -> None:
+        self._queue.put(None)  # the thread ends after what is queued, and lets the lane go
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             plan, completion, dependency = item
