@@ -255,28 +255,28 @@ class StagedCopy(CopyStrategy):
         first = self.next_slot
         self.next_slot = (first + job.slices) % SLOTS
         to_host = self.ctx.to_host
-        if to_host and dependency is not None:
-            # The DMA waits for the gather anyway; waiting here too keeps the source's
-            # writer out of the job's measured time, as on the DMA path.
-            drv.stream_wait(d, dependency)
-        drv.record(start, d)
-        if job.pages is not None:
-            table = self.kernel.upload(job.pages, k)
-        else:  # the layout's page table, uploaded once
-            if self.page_table is None:
-                assert self.shape is not None
-                self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
-            table = self.page_table
-        if to_host and dependency is not None:
-            drv.stream_wait(k, dependency)  # the source's pending writers
+        assert job.slices > 0  # ``start`` is recorded with the first slice
         ring = self.staging.data_ptr()
         try:
+            if job.pages is not None:
+                table = self.kernel.upload(job.pages, k)
+            else:  # the layout's page table, uploaded once
+                if self.page_table is None:
+                    assert self.shape is not None
+                    self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
+                table = self.page_table
+            if to_host and dependency is not None:
+                drv.stream_wait(k, dependency)  # the source's pending writers
             for s in range(job.slices):
                 slot = (first + s) % SLOTS
                 at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
+                # The job's device time starts where its first slice can: behind the
+                # source's writers and the slot's last use (the previous job's, in flight).
                 if to_host:
                     drv.stream_wait(k, self.free[slot])
+                    if s == 0:
+                        drv.record(start, k)
                     self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
@@ -284,6 +284,8 @@ class StagedCopy(CopyStrategy):
                     drv.record(self.free[slot], d)
                 else:
                     drv.stream_wait(d, self.free[slot])
+                    if s == 0:
+                        drv.record(start, d)  # the DMA may overlap the compute the scatter waits for
                     self._move(job, s, at, d)
                     drv.record(self.full[slot], d)
                     drv.stream_wait(k, self.full[slot])
