@@ -144,9 +144,9 @@ class TransferResult:
     """What one finished job reports.
 
     ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
-    device (not time spent queued behind the job's dependency or the jobs before it; a
-    staged load's first DMA may overlap the compute its scatter waits for, and counts).
-    Both are None when the job failed. ``transfer_type``
+    device (not time spent queued). Of jobs in a pipeline, each gets its share: from when
+    the jobs before it are off its copy stream to its own end (a staged store's gather that
+    overlapped the job before is not counted twice). Both are None when the job failed. ``transfer_type``
     is (source medium, destination medium): ``("GPU", "CPU")`` for a store, ``("CPU",
     "GPU")`` for a load, the field vLLM's later ``TransferResult`` added (its statistics
     group transfers by it).

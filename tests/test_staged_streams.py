@@ -244,54 +244,6 @@ def test_device_rows_past_32_bits_plan_piece_by_piece(rows: int, by_block: bool)
     assert (StagedCopy(ctx).shape is not None) is by_block  # type: ignore[arg-type]
 
 
-def _two_jobs(to_host: bool) -> tuple[StagedCopy, SimDriver, list[tuple[int, int]], list[str]]:
-    """Two 5-block jobs on a ring of 2-block slots (slices in slots 0, 1, 0, then 1, 0, 1),
-    their (start, stop) events, and a log of the kernels as they run."""
-    strategy, drv, layout, _ = _setup(0, to_host, slot_blocks=2)
-    log: list[str] = []
-    run_kernel = drv._kernel
-
-    def logged(values: tuple[int, ...], rows: list[int]) -> None:
-        log.append("kernel")
-        run_kernel(values, rows)
-
-    drv._kernel = logged  # type: ignore[method-assign]
-    events = []
-    for blocks, chunks in ((np.arange(5), np.arange(5)), (np.arange(5, 10), np.arange(10, 15))):
-        job = _prepared(strategy, layout, blocks, chunks, to_host)
-        assert isinstance(job, StagedJob) and job.slices == 3
-        start, stop = drv.create_event(), drv.create_event()
-        strategy.enqueue(job, None, start, stop)
-        events.append((start, stop))
-    return strategy, drv, events, log
-
-
-def test_a_store_starts_its_clock_before_its_first_gather() -> None:
-    """``transfer_time`` is start..stop: a store's gathers (kernel stream) must all run
-    after its start event, or a pipelined job's gather goes unmeasured."""
-    _, drv, events, log = _two_jobs(to_host=True)
-    rng = np.random.default_rng(3)
-    for _ in range(ORDERS * 8):
-        seen: dict[str, int] = {}
-        drv.on_done[events[1][0]] = lambda seen=seen: seen.setdefault("kernels", len(log))
-        log.clear()
-        drv.run(rng)
-        assert seen["kernels"] <= 3, "job 2 gathered before its start event"
-
-
-def test_a_load_starts_its_clock_when_its_first_slot_is_free() -> None:
-    """Job 2's first slot (slot 1) is job 1's second: its start waits for that scatter, so
-    job 1's work is not counted in job 2's time (the later scatter of slot 0 may overlap)."""
-    _, drv, events, log = _two_jobs(to_host=False)
-    rng = np.random.default_rng(4)
-    for _ in range(ORDERS * 8):
-        seen: dict[str, int] = {}
-        drv.on_done[events[1][0]] = lambda seen=seen: seen.setdefault("kernels", len(log))
-        log.clear()
-        drv.run(rng)
-        assert seen["kernels"] >= 2, "job 2's start fired before job 1 scattered its slot"
-
-
 @pytest.mark.parametrize("to_host", [True, False])
 def test_a_failure_after_the_table_copy_is_queued_ends_behind_it(to_host: bool) -> None:
     """The lane records a failed job's end on the main stream: it must cover a table copy

@@ -255,9 +255,16 @@ class StagedCopy(CopyStrategy):
         first = self.next_slot
         self.next_slot = (first + job.slices) % SLOTS
         to_host = self.ctx.to_host
-        assert job.slices > 0  # ``start`` is recorded with the first slice
         ring = self.staging.data_ptr()
         try:
+            if to_host and dependency is not None:
+                # The DMA waits for the gather anyway; waiting here too keeps the source's
+                # writer out of the job's measured time, as on the DMA path.
+                drv.stream_wait(d, dependency)
+            # A job's time runs from where the DMA stream reaches it: in a pipeline, its
+            # share of the link (a gather that overlapped the job before is not counted
+            # twice), which is the span the handler's rate estimate predicts ends with.
+            drv.record(start, d)
             if job.pages is not None:
                 table = self.kernel.upload(job.pages, k)
             else:  # the layout's page table, uploaded once
@@ -271,12 +278,8 @@ class StagedCopy(CopyStrategy):
                 slot = (first + s) % SLOTS
                 at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
-                # The job's device time starts where its first slice can: behind the
-                # source's writers and the slot's last use (the previous job's, in flight).
                 if to_host:
                     drv.stream_wait(k, self.free[slot])
-                    if s == 0:
-                        drv.record(start, k)
                     self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
                     drv.record(self.full[slot], k)
                     drv.stream_wait(d, self.full[slot])
@@ -284,8 +287,6 @@ class StagedCopy(CopyStrategy):
                     drv.record(self.free[slot], d)
                 else:
                     drv.stream_wait(d, self.free[slot])
-                    if s == 0:
-                        drv.record(start, d)  # the DMA may overlap the compute the scatter waits for
                     self._move(job, s, at, d)
                     drv.record(self.full[slot], d)
                     drv.stream_wait(k, self.full[slot])
