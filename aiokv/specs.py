@@ -145,11 +145,11 @@ class TransferResult:
 
     ``transfer_size`` is bytes moved; ``transfer_time`` is seconds the copies took on the
     device (not time spent queued). Of jobs in a pipeline, each gets its share: from when
-    the jobs before it are off its copy stream to its own end (a staged store's gather that
-    overlapped the job before is not counted twice). Both are None when the job failed. ``transfer_type``
-    is (source medium, destination medium): ``("GPU", "CPU")`` for a store, ``("CPU",
-    "GPU")`` for a load, the field vLLM's later ``TransferResult`` added (its statistics
-    group transfers by it).
+    the jobs before it are off its copy stream to its own end (a staged store's gather
+    that overlapped the job before is not counted twice). Both are None when the job
+    failed. ``transfer_type`` is (source medium, destination medium): ``("GPU", "CPU")``
+    for a store, ``("CPU", "GPU")`` for a load, the field vLLM's later ``TransferResult``
+    added (its statistics group transfers by it).
 
     The worker reads the device time after the awaiting task was woken, not before (on the
     CUDA backend that read and the events' return to their pool cost 7-10 us per job, see
