@@ -314,13 +314,13 @@ class OffloadCore:
 
 
 def _abandoned(lanes: list[Any], backend: str) -> None:
-    warnings.warn(
-        f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(); its "
-        "copies in flight were not waited for" + ("" if backend == "cpu" else " and its pinned memory leaks"),
-        ResourceWarning, stacklevel=2,
-    )
-    for lane in lanes:
+    for lane in lanes:  # first: under -W error the warning raises
         lane.abandon()
+    warnings.warn(
+        f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(), so "
+        "nothing waited for its copies" + ("" if backend == "cpu" else " and its pinned memory leaks"),
+        ResourceWarning, stacklevel=1,  # a finalizer has no caller to point at
+    )
 
 
 def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes: int) -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import random
+import sys
 import threading
+import warnings
 
 import anyio
 import numpy as np
@@ -276,28 +278,50 @@ def test_shutdown_frees_the_host_pool() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 
-def test_a_worker_dropped_without_shutdown_warns_and_its_threads_end() -> None:
-    def lane_threads() -> int:
-        return sum(t.name.startswith("aiokv-cpu-") for t in threading.enumerate())
+def _lane_threads(worker: SyncOffloadingWorker) -> list[threading.Thread]:
+    threads = [h.lane._thread for h in worker._worker._core.handlers.values()]
+    assert len(threads) == 3 and all(t.is_alive() for t in threads)  # store, load, expedited
+    return threads
 
-    before = lane_threads()
+
+def _ended(threads: list[threading.Thread]) -> bool:
+    for t in threads:
+        t.join(timeout=2.0)
+    return not any(t.is_alive() for t in threads)
+
+
+def test_a_worker_dropped_without_shutdown_warns_and_its_threads_end() -> None:
+    gc.collect()  # workers other tests left in cycles go now, not inside the check below
     worker, _pages = make_sync()
-    assert lane_threads() == before + 3  # store, load, expedited load
     worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
     worker.wait({1})
-    with pytest.warns(ResourceWarning, match="dropped without shutdown"):
+    threads = _lane_threads(worker)
+    with pytest.warns(ResourceWarning, match="aiokv worker .* dropped without shutdown"):
         del worker
         gc.collect()
-    for _ in range(200):
-        if lane_threads() == before:
-            break
-        threading.Event().wait(0.01)
-    assert lane_threads() == before, "lane threads outlived their dropped worker"
+    assert _ended(threads), "lane threads outlived their dropped worker"
 
 
-def test_a_worker_shut_down_does_not_warn(recwarn) -> None:
-    worker, _ = make_sync()
-    worker.shutdown()
-    del worker
+def test_a_dropped_worker_ends_its_threads_even_when_warnings_are_errors(monkeypatch) -> None:
     gc.collect()
-    assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: raised.append(u.exc_value))
+    worker, _pages = make_sync()
+    threads = _lane_threads(worker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del worker
+        gc.collect()
+    assert _ended(threads), "a raising warning kept the lane threads alive"
+    assert any(isinstance(e, ResourceWarning) for e in raised)
+
+
+def test_a_worker_shut_down_does_not_warn() -> None:
+    gc.collect()  # other tests' leftovers warn here, outside the record below
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        worker, _ = make_sync()
+        worker.shutdown()
+        del worker
+        gc.collect()
+    assert not [w for w in seen if "aiokv worker" in str(w.message)]

@@ -167,7 +167,7 @@ async def _stream(
 
 async def _bursts(
     worker: Any, setup: _Setup, store: bool, ids: _JobIds, in_runs: bool = False, bursts: int = 8,
-    size: int = 4,
+    size: int = 4, clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     """Median host submit seconds of jobs submitted back to back (the 2nd to last of each
     burst of ``size``), and of each burst's first, which follows an ``await``. A submit
@@ -178,9 +178,9 @@ async def _bursts(
     for _ in range(bursts):
         futs = []
         for k in range(size):
-            t0 = time.perf_counter()
+            t0 = clock()
             futs.append(_submit(worker, setup, store, k, ids, in_runs))
-            (cold if k == 0 else warm).append(time.perf_counter() - t0)
+            (cold if k == 0 else warm).append(clock() - t0)
         for fut in futs:
             await fut
     return statistics.median(warm), statistics.median(cold)

@@ -27,7 +27,7 @@ import operator
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -250,6 +250,9 @@ class OffloadCache:
         ``drain``) and the keys become loadable (or are freed) when it does.
         """
         keys = _as_keys(keys)
+        if any(_is_tensor(k) or isinstance(k, np.ndarray) for k in keys):
+            raise InvalidSpec("keys must hash by value (ints, bytes, str, tuples); a tensor or array "
+                              "hashes by identity and would never hit: pass tensor.tolist()")
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
         self._fold_times()
         block_of: dict[Hashable, int] = {}
@@ -426,14 +429,17 @@ class OffloadCache:
             self._mgr.take_events()
 
 
-def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> list[Hashable]:
-    """Keys as a list of values that hash by value: a numpy array's or a tensor's become
-    ints. A tensor key hashes by identity, so it would never hit: refused."""
-    tolist = getattr(keys, "tolist", None)  # numpy arrays, tensors
-    out = list(tolist() if callable(tolist) else keys)
-    if any(_is_tensor(k) or isinstance(k, np.ndarray) for k in out):
-        raise InvalidSpec("keys must hash by value (ints, bytes, str, tuples); a tensor or array "
-                          "hashes by identity and would never hit: pass tensor.tolist()")
+def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> Sequence[Hashable]:
+    """A numpy array's or a tensor's keys as plain values (its elements would hash by
+    identity, a tensor's, and never hit); any other sequence as it is, not copied:
+    ``lookup`` is polled, and returns at the first miss."""
+    tolist = getattr(keys, "tolist", None)
+    if not callable(tolist):
+        return cast(Sequence[Hashable], keys)
+    out = tolist()
+    if not isinstance(out, list) or (out and isinstance(out[0], list)):
+        shape = tuple(getattr(keys, "shape", ()))
+        raise InvalidSpec(f"keys must be a 1-D sequence; got an array of shape {shape}")
     return out
 
 
