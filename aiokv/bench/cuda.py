@@ -171,8 +171,9 @@ async def _bursts(
 ) -> tuple[float, float]:
     """Median host submit seconds of jobs submitted back to back (the 2nd to last of each
     burst of ``size``), and of each burst's first, which follows an ``await``. A submit
-    after an await runs on a core that slept with cold caches; one in a busy step loop
-    does not, so the bench reports both."""
+    after an await costs more than one right after another (likely its code and data have
+    left the caches; not a sleeping core, probes/probe_warmth.py), so the bench reports
+    both."""
     warm: list[float] = []
     cold: list[float] = []
     for _ in range(bursts):
