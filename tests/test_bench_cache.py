@@ -45,9 +45,10 @@ def test_rows_on_a_tiny_trace(tmp_path: Path) -> None:
     assert any("tiny" in line for line in said)
 
 
-def test_lru_policy_gives_one_row_per_capacity(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["lru", "LRU"])
+def test_lru_policy_gives_one_row_per_capacity(tmp_path: Path, name: str) -> None:
     trace = write_trace(tmp_path / "t.jsonl", requests=30)
-    rows = run_cache_bench(traces=[trace], capacities=[16], policy="lru", quick=True)
+    rows = run_cache_bench(traces=[trace], capacities=[16], policy=name, quick=True)
     hit_rows = [r.name for r in rows if r.unit == "%" and r.section.startswith("cache hit")]
     assert hit_rows == ["lru @ 16 blocks"]
 

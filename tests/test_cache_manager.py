@@ -158,6 +158,21 @@ def test_unknown_names_raise() -> None:
         ChunkManager(0)
 
 
+def test_a_refused_manager_leaves_the_callers_policy_object_usable() -> None:
+    from aiokv.cache import make_admission, make_policy
+
+    policy = make_policy("lru", 4)
+    with pytest.raises(ValueError, match="unknown admission"):
+        ChunkManager(4, policy=policy, admission="nope")
+    taken = make_admission("adaptive", 4)
+    ChunkManager(4, admission=taken)
+    with pytest.raises(ValueError, match="already serves"):
+        ChunkManager(4, policy=policy, admission=taken)
+    assert ChunkManager(4, policy=policy).policy is policy  # still the caller's to give
+    with pytest.raises(ValueError, match="already serves"):
+        ChunkManager(4, policy=policy)  # now it serves one
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["store", "complete_ok", "complete_fail", "load", "unload", "touch"]),

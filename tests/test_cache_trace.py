@@ -48,6 +48,15 @@ def test_belady_beats_lru_on_a_cyclic_pattern() -> None:
     assert belady_hit_rate(trace, 3) == pytest.approx(57 / 60)
 
 
+def test_belady_evicts_a_requests_deepest_block_first_on_a_tie() -> None:
+    """Blocks of one request share their next use; keeping the leading one is what a prefix
+    hit needs (evicting the earliest inserted scored 5/14 here, below online policies)."""
+    trace = [[0, 1, 2], [10, 11], [10, 11], [0, 1, 2], [0, 1, 2, 3]]
+    assert belady_hit_rate(trace, 4) == pytest.approx(7 / 14)
+    for policy in ("lru", "arc", "adaptive", "prefix-lru"):
+        assert simulate(trace, 4, policy) <= belady_hit_rate(trace, 4)
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc", "adaptive"])
 def test_policies_replay_hand_made_trace(policy: str) -> None:
     trace = [[0, 1, 2]] * 5

@@ -162,6 +162,8 @@ async def test_calls_the_worker_refuses_count_nowhere(monkeypatch) -> None:
         assert (after.offered_keys, after.skipped_keys, after.restores) == (
             before.offered_keys, before.skipped_keys, before.restores,
         )
+        # A store that never started is no failed store, in either set of counters.
+        assert (after.failed_stores, after.manager.failed_stores) == (0, 0)
         assert "b" not in cache.manager and cache.lookup(["a"]) == 1
         assert_settled(cache)
         monkeypatch.undo()
@@ -609,14 +611,40 @@ async def test_a_refused_cache_leaves_the_policy_object_usable() -> None:
         assert cache.manager.policy is policy and first.chunks == range(0, 4)
 
 
-async def test_a_restore_into_one_block_twice_is_refused_before_it_counts_as_a_use() -> None:
+@pytest.mark.parametrize("twice", [[5, 5], [torch.tensor(5), torch.tensor(5)], np.array([5, 5])],
+                         ids=["ints", "0-d tensors", "array"])
+async def test_a_restore_into_one_block_twice_is_refused_before_it_counts_as_a_use(twice) -> None:
     async with open_cache(num_chunks=4) as (kv, _, cache):
         for i, key in enumerate("abcd"):
             fill(kv, i + 1, i + 1)
             await cache.offload([key], [i + 1])  # "a" is the least recently used
         with pytest.raises(InvalidSpec, match="appears twice"):
-            await cache.restore(["a", "b"], [5, 5])
+            await cache.restore(["a", "b"], twice)
         result = await cache.offload(["e"], [9])
         assert result.evicted == 1 and cache.lookup(["a"]) == 0 and cache.lookup(["b", "c", "d"]) == 3
         assert cache.stats().restores == 0
+        assert_settled(cache)
+
+
+@pytest.mark.parametrize("ids", [3, np.int64(3), np.array(3), "12"],
+                         ids=["int", "numpy int", "0-d array", "str"])
+async def test_block_ids_that_are_no_sequence_raise_invalid_spec(ids) -> None:
+    async with open_cache() as (_, _, cache):
+        await cache.offload(["a"], [1])
+        before = cache.stats()
+        with pytest.raises(InvalidSpec, match="sequence of integers"):
+            await cache.offload(["c"], ids)
+        with pytest.raises(InvalidSpec, match="sequence of integers"):
+            await cache.restore(["a"], ids)
+        assert cache.stats() == before and "c" not in cache.manager
+        assert_settled(cache)
+
+
+async def test_block_ids_given_as_0d_arrays_read_as_their_ints() -> None:
+    async with open_cache() as (kv, _, cache):
+        fill(kv, 1, 1)
+        fill(kv, 2, 2)
+        await cache.offload(["a", "b"], [np.array(1), np.array(2)])
+        assert await cache.restore(["a", "b"], [np.array(3), np.array(4)])
+        assert holds(kv, 3, 1) and holds(kv, 4, 2)
         assert_settled(cache)

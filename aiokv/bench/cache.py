@@ -1,8 +1,9 @@
 """``aiokv bench cache``: prefix-cache hit rates on request traces, beside the offline optimum.
 
 Per trace and capacity it replays the trace through the chosen policy and LRU, and puts
-each hit rate beside the approximate offline optimum (Belady) computed in the same run, so
-the ratio column reads "fraction of optimum". Then it drives a slice of each trace through
+each hit rate beside the offline optimum (Belady's rule, which sees the future; a reference
+rather than a strict ceiling, as it optimises single blocks, not leading runs) computed in
+the same run, so the ratio column reads "fraction of optimum". Then it drives a slice of each trace through
 a real ``OffloadCache`` on an ``AsyncOffloadingWorker`` (CUDA when usable, else the CPU
 backend), so restore latency and throughput measure the face, not just the simulator.
 """
@@ -120,7 +121,8 @@ def run_cache_bench(
 def _hit_rate_rows(
     trace: list[Request], label: str, caps: list[int], policy: str, unbounded: float, say: Progress
 ) -> list[BenchRow]:
-    section = f"cache hit rate: {label} (ceiling: offline optimum, approx. Belady)"
+    section = f"cache hit rate: {label} (reference: offline optimum, Belady's rule)"
+    policy = policy.lower()  # names are case-insensitive: "LRU" must not replay LRU twice
     rows: list[BenchRow] = []
     for cap in caps:
         t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ..specs import AiokvError
 from .admission import AdmissionPolicy, make_admission
 from .policies import EvictionPolicy, make_policy
+from .registry import release
 
 __all__ = [
     "CacheStats",
@@ -130,7 +131,12 @@ class ChunkManager:
         self._policy = make_policy(policy, num_chunks)
         if admission is None:
             admission = getattr(self._policy, "preferred_admission", None)
-        self._admission = make_admission(admission, num_chunks)
+        try:
+            self._admission = make_admission(admission, num_chunks)
+        except BaseException:
+            if self._policy is policy:
+                release(policy)  # refused: the caller's policy object stays theirs
+            raise
         self._entries: dict[Hashable, _Entry] = {}
         self._free: list[int] = list(range(num_chunks))  # a heap: lowest id first
         self._events: list[CacheEvent] = []
@@ -228,10 +234,12 @@ class ChunkManager:
             self._policy.on_insert(to_store)
         return StorePlan(to_store, chunks, victims)
 
-    def complete_store(self, keys: Iterable[Hashable], success: bool = True) -> None:
+    def complete_store(self, keys: Iterable[Hashable], success: bool = True, *, counted: bool = True) -> None:
         """Finish a store: make keys loadable, or on failure free their chunks.
 
-        Keys that are not pending (unknown, or already complete) are ignored.
+        Keys that are not pending (unknown, or already complete) are ignored. ``counted=False``
+        frees a store that never started (the worker refused its submit) without counting
+        it in ``failed_stores``.
         """
         entries = self._entries
         done = [k for k in dict.fromkeys(keys) if (e := entries.get(k)) is not None and not e.ready]
@@ -246,7 +254,8 @@ class ChunkManager:
         else:
             for key in done:
                 self._drop(key, evicted=False)
-            self._failed_stores += len(done)
+            if counted:
+                self._failed_stores += len(done)
 
     def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
         """Pin loadable keys (not evictable until ``complete_load``); their chunk ids.

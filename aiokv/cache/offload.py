@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -223,6 +223,9 @@ class OffloadCache:
         blocks = _as_block_list(gpu_block_ids)
         if not all(map(_is_id, blocks)):
             raise InvalidSpec(f"GPU block ids must be integers; got {[type(b).__name__ for b in blocks][:5]}")
+        # Plain ints: a 0-d tensor hashes by identity and a 0-d array not at all, which
+        # would slip past restore's duplicate check or break it.
+        blocks = [operator.index(b) for b in blocks]
         if len(blocks) != len(keys):
             raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
         limit = self._worker.num_gpu_blocks
@@ -275,8 +278,8 @@ class OffloadCache:
         try:
             future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
-            self._mgr.complete_store(stored, success=False)
-            raise  # refused: not counted as an offer
+            self._mgr.complete_store(stored, success=False, counted=False)
+            raise  # refused: not counted as an offer, nor as a failed store
         self._count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
@@ -449,7 +452,11 @@ def _is_tensor(value: Any) -> bool:
 
 def _as_block_list(ids: Sequence[int] | np.ndarray) -> list[Any]:
     """Plain Python ids (numpy arrays' and torch tensors' become ints)."""
-    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    out = ids.tolist() if hasattr(ids, "tolist") else ids
+    if isinstance(out, (str, bytes)) or not isinstance(out, Iterable):
+        raise InvalidSpec(f"GPU block ids must be a sequence of integers, one per key; "
+                          f"got {type(ids).__name__}")
+    return list(out)
 
 
 def _is_id(value: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Registry", "adopt"]
+__all__ = ["Registry", "adopt", "release"]
 
 _TAKEN = "_aiokv_taken"
 
@@ -22,6 +22,15 @@ def adopt(instance: T, kind: str, *, used: bool = False) -> T:
     except AttributeError:  # __slots__: only the length check applies
         pass
     return instance
+
+
+def release(instance: object) -> None:
+    """Undo ``adopt`` for a cache whose construction failed, so the caller may pass the
+    object to another."""
+    try:
+        delattr(instance, _TAKEN)
+    except AttributeError:
+        pass
 
 
 class Registry(Generic[T]):

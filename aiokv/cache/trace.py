@@ -112,10 +112,13 @@ def simulate(
 
 
 def belady_hit_rate(trace: Iterable[Request | Sequence[Hashable]], capacity: int) -> float:
-    """Approximate offline optimum: on a miss, keep the keys used again soonest.
+    """An offline reference (Belady's rule): on a miss, keep the keys used again soonest.
 
     A block not held is stored only if it is used again sooner than the held block used
-    latest (bypass otherwise). Approximate because it ignores that only leading hits count.
+    latest (bypass otherwise). Among blocks next used by the same request, the one deepest
+    in the request it was last seen in goes first: only leading hits count, so a request's
+    first blocks are worth more than its last. Not a strict ceiling, for the same reason:
+    Belady's rule optimises hits on single blocks, not runs of leading ones.
     """
     reqs = [list(k) for k in _blocks(trace)]
     never = len(reqs)
@@ -129,7 +132,7 @@ def belady_hit_rate(trace: Iterable[Request | Sequence[Hashable]], capacity: int
         for key in reqs[i]:
             seen[key] = i
     held: dict[Hashable, int] = {}  # key -> its next use
-    heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, key); lazy deletion
+    heap: list[tuple[int, int, int, Hashable]] = []  # (-next use, -depth, tick, key); lazy deletion
     hits = refs = tick = 0
     for i, keys in enumerate(reqs):
         refs += len(keys)
@@ -137,21 +140,21 @@ def belady_hit_rate(trace: Iterable[Request | Sequence[Hashable]], capacity: int
             if key not in held:
                 break
             hits += 1
-        for key, nxt in zip(keys, next_use[i]):
+        for depth, (key, nxt) in enumerate(zip(keys, next_use[i])):
             tick += 1
             if key in held:
                 held[key] = nxt
-                heapq.heappush(heap, (-nxt, tick, key))
+                heapq.heappush(heap, (-nxt, -depth, tick, key))
                 continue
             if nxt >= never:
                 continue
             if len(held) >= capacity:
-                while heap and held.get(heap[0][2]) != -heap[0][0]:
+                while heap and held.get(heap[0][3]) != -heap[0][0]:
                     heapq.heappop(heap)
                 if not heap or -heap[0][0] <= nxt:
                     continue
-                _, _, victim = heapq.heappop(heap)
+                victim = heapq.heappop(heap)[3]
                 del held[victim]
             held[key] = nxt
-            heapq.heappush(heap, (-nxt, tick, key))
+            heapq.heappush(heap, (-nxt, -depth, tick, key))
     return hits / refs if refs else 0.0
