@@ -7,6 +7,7 @@ It changes state and returns what happened; it never awaits and never blocks exc
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import warnings
@@ -19,7 +20,7 @@ from .backends import resolve_backend
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
 from .plan import HostLayout, map_blocks, plan_copies
-from .specs import Direction, DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed
+from .specs import Direction, DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed, check_job_id
 
 __all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
 
@@ -86,8 +87,8 @@ class WorkerOptions:
                 raise InvalidSpec(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("spin_seconds", "poll_interval"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise InvalidSpec(f"{name} must be a number of seconds >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
 
     @classmethod
     def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
@@ -164,8 +165,7 @@ class OffloadCore:
         if self.closed:
             raise WorkerClosed("the worker is closed; create a new one to transfer more")
         self.check_healthy()
-        if not isinstance(job_id, int) or isinstance(job_id, bool):
-            raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
+        check_job_id(job_id)
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
         for role, spec in (("GPU", gpu), ("CPU", cpu)):
             if not hasattr(spec, "block_ids"):

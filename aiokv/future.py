@@ -1,14 +1,18 @@
 """``TransferFuture``: an awaitable result that any number of tasks may await.
 
 Awaiting works under asyncio, uvloop and trio: each waiter waits on an event of its own
-task's loop (``aiokv.loops``).
+task's loop (``aiokv.loops``), on the thread of the loop that submitted the job (its events
+are set from there; another thread gets a ``RuntimeError`` rather than a wait that never
+ends).
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -29,10 +33,11 @@ class TransferFuture:
     ``await fut`` returns the ``TransferResult`` or raises ``TransferFailed``.
     """
 
-    __slots__ = ("_callbacks", "_cause", "_result", "_waiters", "job_id")
+    __slots__ = ("_callbacks", "_cause", "_result", "_thread", "_waiters", "job_id")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
+        self._thread = threading.get_ident()  # the submitting loop's, which resolves it
         self._result: TransferResult | None = None
         self._cause: BaseException | None = None
         self._waiters: list[LoopEvent] = []
@@ -67,6 +72,12 @@ class TransferFuture:
 
     async def _wait(self) -> TransferResult:
         if self._result is None:
+            if threading.get_ident() != self._thread:
+                raise RuntimeError(
+                    f"job {self.job_id}'s future was awaited on another thread than the event "
+                    "loop that submitted it, which could not wake it; await it on that loop "
+                    "(e.g. asyncio.run_coroutine_threadsafe), or use SyncOffloadingWorker"
+                )
             event = loop_event()
             self._waiters.append(event)
             try:
@@ -87,13 +98,33 @@ class TransferFuture:
             event.set()
         self._waiters.clear()
         callbacks, self._callbacks = self._callbacks, []
+        escaped: BaseException | None = None
         for fn in callbacks:
             try:
                 fn(self)
             except Exception:  # a user's callback must not cost other jobs their results
                 _log.exception("done callback of job %s raised", self.job_id)
+            except BaseException as exc:
+                if _is_cancellation(exc):
+                    # Nobody cancelled the poller that runs this: e.g. the callback read a
+                    # cancelled asyncio future. Raised on, it would read as a cancellation.
+                    _log.error("done callback of job %s raised %r", self.job_id, exc, exc_info=exc)
+                else:
+                    escaped = escaped or exc  # KeyboardInterrupt and such: after every callback
+        if escaped is not None:
+            raise escaped
 
     def __repr__(self) -> str:
         result = self._result
         state = "pending" if result is None else ("done" if result.success else "failed")
         return f"<TransferFuture job={self.job_id} {state}>"
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is an event loop's cancellation (asyncio's, or the running loop's)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    try:
+        return isinstance(exc, anyio.get_cancelled_exc_class())
+    except Exception:  # no async library running here
+        return False

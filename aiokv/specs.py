@@ -52,6 +52,20 @@ class Direction(enum.Enum):
         """(source medium, destination medium), as vLLM names them."""
         return ("GPU", "CPU") if self is Direction.STORE else ("CPU", "GPU")
 
+    @staticmethod
+    def of_load(expedited: Any) -> Direction:
+        """A load's queue. ``expedited`` must be a bool (numpy's too): a string such as
+        "no" would otherwise read as True."""
+        if not isinstance(expedited, (bool, np.bool_)):
+            raise InvalidSpec(f"expedited must be a bool, got {expedited!r}")
+        return Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
+
+
+def check_job_id(job_id: Any) -> None:
+    """Job ids are ints (not bools): both faces key their bookkeeping by them."""
+    if not isinstance(job_id, int) or isinstance(job_id, bool):
+        raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
+
 
 class LoadStoreSpec:
     """Marker base of "where the bytes are". Workers read specs by attribute, not class."""

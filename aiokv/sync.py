@@ -74,8 +74,7 @@ class SyncOffloadingWorker(OffloadingWorker):
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *, after: Any = None
     ) -> bool:
-        direction = Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
-        self._submit(direction, job_id, src_spec, dst_spec, after)
+        self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
         return True
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:

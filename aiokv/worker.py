@@ -16,9 +16,11 @@ from .future import TransferFuture
 from .handler import Job
 from .layout import CanonicalKVCaches
 from .poller import Poller
-from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed
+from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed, check_job_id
 
 __all__ = ["AsyncOffloadingWorker"]
+
+_MAX_DRAIN_NAP = 1e-3
 
 
 class _State(enum.Enum):
@@ -132,11 +134,11 @@ class AsyncOffloadingWorker:
         self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False, after: Any = None
     ) -> TransferFuture:
         """Enqueue a host -> GPU copy; ``expedited`` loads never wait behind ordinary ones."""
-        direction = Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
-        return self._submit(direction, job_id, src_spec, dst_spec, after)
+        return self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
         self.check_submittable()
+        check_job_id(job_id)  # before it is looked up: a list would raise TypeError there
         if job_id in self._futures:
             if self._core.holds(job_id):
                 raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
@@ -261,12 +263,18 @@ class AsyncOffloadingWorker:
             if self._state is _State.CLOSED:
                 with anyio.CancelScope(shield=True):  # another task is closing: wait for it
                     while not self._closed.is_set():
-                        await anyio.sleep(self._core.options.poll_interval)
+                        await anyio.sleep(self._drain_nap())
             else:
                 self._state = _State.CLOSED  # no new submits while draining
                 await self._drain_and_free()
         finally:
             await self._leave_task_group()  # also when the drain raised
+
+    def _drain_nap(self) -> float:
+        """How long a closing task sleeps between polls. The drain does not nap on the
+        doorbell, so a long ``poll_interval`` would stretch every shutdown by up to that
+        much (2 s for a job that ended after 50 ms, at ``poll_interval=2``)."""
+        return min(self._core.options.poll_interval, _MAX_DRAIN_NAP)
 
     async def _drain_and_free(self) -> None:
         escaped: BaseException | None = None
@@ -278,7 +286,7 @@ class AsyncOffloadingWorker:
                     raised = self._resolve(done)
                     escaped = escaped or raised
                     if not done:
-                        await anyio.sleep(self._core.options.poll_interval)
+                        await anyio.sleep(self._drain_nap())
             if escaped is not None:
                 raise escaped
         finally:

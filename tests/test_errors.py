@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 
 import anyio
@@ -92,6 +93,28 @@ async def test_duplicate_in_flight_job_id_is_rejected() -> None:
         latch.set()
         await fut
         assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
+
+
+@pytest.mark.parametrize("job_id", [[1], "1", 1.0, True, None])
+async def test_a_job_id_that_is_no_int_is_invalid_spec(job_id) -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(InvalidSpec, match="job_id must be an int"):
+            worker.submit_store(job_id, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        with pytest.raises(InvalidSpec, match="job_id must be an int"):
+            worker.submit_load(job_id, CPULoadStoreSpec([1]), GPULoadStoreSpec([1]))
+        assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
+
+
+@pytest.mark.parametrize("expedited", ["no", 1, None])
+async def test_expedited_must_be_a_bool(expedited) -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(InvalidSpec, match="expedited must be a bool"):
+            worker.submit_load(1, CPULoadStoreSpec([1]), GPULoadStoreSpec([1]), expedited=expedited)
+        assert (await worker.submit_load(1, CPULoadStoreSpec([1]), GPULoadStoreSpec([1]),
+                                         expedited=np.bool_(True))).success
+        assert worker.statistics().completed == {"store": 0, "load": 0, "expedited_load": 1}
 
 
 async def test_closed_and_unopened_workers_refuse_work() -> None:
@@ -198,6 +221,10 @@ def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
             AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"staging_bytes": bad})
     with pytest.raises(InvalidSpec, match="poll_interval"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": "1ms"})
+    for name in ("poll_interval", "spin_seconds"):  # inf made the closing drain sleep for good
+        for bad in (float("inf"), float("nan")):
+            with pytest.raises(InvalidSpec, match=f"{name} must be a finite"):
+                AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={name: bad})
     with pytest.raises(InvalidSpec, match="doorbell must be a bool"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"doorbell": "yes"})
     with pytest.raises(InvalidSpec, match="issue_thread must be a bool"):
@@ -289,6 +316,7 @@ class _Escape(BaseException):
 async def test_a_callback_raising_a_base_exception_leaves_no_future_unresolved() -> None:
     kv = make_layers(num_blocks=8)
     latch = threading.Event()
+    released: list[int] = []
     with anyio.fail_after(10):
         with pytest.raises(BaseException) as info:
             async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
@@ -299,6 +327,7 @@ async def test_a_callback_raising_a_base_exception_leaves_no_future_unresolved()
                     raise _Escape()
 
                 first.add_done_callback(escape)
+                first.add_done_callback(lambda f: released.append(f.job_id))  # e.g. freeing blocks
                 latch.set()
                 await anyio.sleep(5)  # the poller's failure cancels this
     escaped = info.value
@@ -306,6 +335,63 @@ async def test_a_callback_raising_a_base_exception_leaves_no_future_unresolved()
         escaped = escaped.exceptions[0]  # type: ignore[attr-defined]
     assert isinstance(escaped, _Escape)
     assert first.done() and second.done() and second.result().success
+    assert released == [1]  # the future's later callbacks ran before it was raised on
+
+
+async def test_a_cancellation_raised_by_a_done_callback_cancels_nothing(caplog) -> None:
+    """A callback that raises asyncio's CancelledError (say, it read a cancelled future) is
+    logged like any failing callback: nobody cancelled the poller or the opener."""
+    import asyncio
+
+    kv = make_layers(num_blocks=8)
+    ran: list[int] = []
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+
+            def cancelled(_f: object) -> None:
+                raise asyncio.CancelledError()
+
+            fut.add_done_callback(cancelled)
+            fut.add_done_callback(lambda f: ran.append(f.job_id))
+            assert (await fut).success
+            assert (await worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))).success
+    assert ran == [1] and "done callback of job 1 raised" in caplog.text
+
+
+async def test_a_future_awaited_on_another_thread_says_so_instead_of_hanging() -> None:
+    import asyncio
+
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+
+        async def wait_there() -> object:
+            return await fut
+
+        try:
+            with pytest.raises(RuntimeError, match="another thread"):
+                await anyio.to_thread.run_sync(lambda: asyncio.run(asyncio.wait_for(wait_there(), 5)))
+        finally:
+            latch.set()
+        assert (await fut).success
+
+
+async def test_closing_does_not_wait_out_a_long_poll_interval() -> None:
+    """The closing drain polls on its own, not on the doorbell: with poll_interval=5 it used
+    to sleep 5 s after a job that ended within 50 ms."""
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    timer = threading.Timer(0.05, latch.set)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"poll_interval": 5.0}) as worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+        timer.start()
+        t0 = time.monotonic()
+    closing = time.monotonic() - t0  # the drain is shielded: a deadline could not cut it
+    timer.join()
+    assert fut.done() and fut.result().success
+    assert closing < 2.5, f"closing took {closing:.2f} s after a job that ended within 50 ms"
 
 
 async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_finish() -> None:

@@ -160,6 +160,10 @@ def test_bad_input_raises_typed_errors_and_nothing_is_enqueued() -> None:
         worker.submit_store(1, GPULoadStoreSpec([999]), CPULoadStoreSpec([0]))
     with pytest.raises(InvalidSpec):
         worker.submit_load(1, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([0]))
+    with pytest.raises(InvalidSpec, match="expedited must be a bool"):
+        worker.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([0]), "no")
+    with pytest.raises(InvalidSpec, match="job_id must be an int"):
+        worker.submit_store([1], GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
     assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
     assert worker.get_finished() == []
     assert worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
