@@ -223,12 +223,16 @@ class OffloadCore:
             if broke:
                 self.broken = next(j.error for j in failed if isinstance(j.error, WorkerBroken))
         # Logged outside the lock: a slow handler must not stall submits on other threads.
-        # The sync face has no other way to say why (a TransferResult cannot).
-        if broke:
-            _log.error("the device failed under this worker; every pending job fails: %s", self.broken)
-        for job in failed:
-            if not isinstance(job.error, WorkerBroken):
-                _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
+        # The sync face has no other way to say why (a TransferResult cannot). A logging
+        # filter that raises must not lose the jobs popped here: they are forgotten already.
+        try:
+            if broke:
+                _log.error("the device failed under this worker; every pending job fails: %s", self.broken)
+            for job in failed:
+                if not isinstance(job.error, WorkerBroken):
+                    _log.warning("%s job %s failed: %r", job.direction.value, job.job_id, job.error)
+        except Exception:
+            pass
         return done
 
     def settle(self) -> None:

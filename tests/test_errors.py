@@ -196,6 +196,31 @@ async def test_a_failed_copy_fails_its_future_and_not_the_next(monkeypatch, capl
     assert "store job 1 failed: OSError('simulated device fault')" in caplog.text
 
 
+async def test_a_logging_filter_that_raises_loses_no_failed_job(monkeypatch) -> None:
+    import logging
+
+    kv = make_layers(num_blocks=8)
+
+    def fail(self, plan):
+        raise OSError("simulated device fault")
+
+    class Raising(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            raise RuntimeError("a broken log filter")
+
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+    log, raising = logging.getLogger("aiokv"), Raising()
+    log.addFilter(raising)
+    try:
+        with anyio.fail_after(10):
+            async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+                with pytest.raises(TransferFailed, match="simulated device fault"):
+                    await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+                assert worker.statistics().failed["store"] == 1
+    finally:
+        log.removeFilter(raising)
+
+
 def test_constructor_rejects_bad_sizes_backends_and_devices() -> None:
     kv = make_layers(num_blocks=8)
     with pytest.raises(InvalidSpec, match="exactly one"):

@@ -648,3 +648,23 @@ async def test_block_ids_given_as_0d_arrays_read_as_their_ints() -> None:
         assert await cache.restore(["a", "b"], [np.array(3), np.array(4)])
         assert holds(kv, 3, 1) and holds(kv, 4, 2)
         assert_settled(cache)
+
+
+async def test_unhashable_keys_are_invalid_spec_and_a_generator_of_keys_is_read_once() -> None:
+    async with open_cache() as (kv, _, cache):
+        fill(kv, 1, 1)
+        await cache.offload(["a"], [1])
+        before = cache.stats()
+        with pytest.raises(InvalidSpec, match="hashable"):
+            cache.lookup([["a"]])
+        with pytest.raises(InvalidSpec, match="hashable"):
+            await cache.offload([["b"]], [2])
+        with pytest.raises(InvalidSpec, match="hashable"):
+            await cache.restore(["a", ["b"]], [3, 4])
+        assert cache.stats() == before and len(cache) == 1
+        assert cache.lookup(k for k in ["a", "z"]) == 1  # counted as 1 hit and 1 miss
+        st = cache.stats()
+        assert (st.hits - before.hits, st.misses - before.misses) == (1, 1)
+        assert await cache.restore(["a"], [5])
+        assert holds(kv, 5, 1)
+        assert_settled(cache)

@@ -238,7 +238,10 @@ class OffloadCache:
         """How many of ``keys``, from the first, are loadable now. Pure query: it does not
         count as a use for eviction (``restore`` does), so schedulers may poll it."""
         keys = _as_keys(keys)
-        n = self._mgr.count_leading_hits(keys)
+        try:
+            n = self._mgr.count_leading_hits(keys)
+        except TypeError as exc:
+            raise _unhashable(exc) from exc
         self._hits += n
         self._misses += len(keys) - n
         return n
@@ -259,8 +262,11 @@ class OffloadCache:
         blocks = self._checked_blocks(keys, gpu_block_ids, after)
         self._fold_times()
         block_of: dict[Hashable, int] = {}
-        for key, block in zip(keys, blocks):
-            block_of.setdefault(key, block)
+        try:
+            for key, block in zip(keys, blocks):
+                block_of.setdefault(key, block)
+        except TypeError as exc:
+            raise _unhashable(exc) from exc
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
         if plan is None:
@@ -327,7 +333,9 @@ class OffloadCache:
             self._restores += 1
             return True
         try:
-            chunks = self._mgr.prepare_load(keys)
+            chunks = self._mgr.prepare_load(keys)  # hashes every key before it pins any
+        except TypeError as exc:
+            raise _unhashable(exc) from exc
         except KeyNotLoadable:
             self._restores += 1
             self._restore_misses += 1
@@ -438,12 +446,18 @@ def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> Sequence[Hashable]:
     ``lookup`` is polled, and returns at the first miss."""
     tolist = getattr(keys, "tolist", None)
     if not callable(tolist):
+        if not isinstance(keys, Sequence):  # a generator: read once, then counted and indexed
+            return list(keys)
         return cast(Sequence[Hashable], keys)
     out = tolist()
     if not isinstance(out, list) or (out and isinstance(out[0], list)):
         shape = tuple(getattr(keys, "shape", ()))
         raise InvalidSpec(f"keys must be a 1-D sequence; got an array of shape {shape}")
     return out
+
+
+def _unhashable(exc: TypeError) -> InvalidSpec:
+    return InvalidSpec(f"keys must be hashable (ints, bytes, str, tuples): {exc}")
 
 
 def _is_tensor(value: Any) -> bool:
