@@ -1,7 +1,8 @@
 """The synchronous core under both faces: validation, host pool, handlers, bookkeeping.
 
 It changes state and returns what happened; it never awaits and never blocks except in
-``wait_for``, which the sync adapter calls from an engine thread.
+``wait_for`` and ``wait_all``, which the sync adapter calls from an engine thread, and in
+``close``, which waits for what is in flight.
 """
 
 from __future__ import annotations

@@ -305,7 +305,11 @@ class PrefixCacheServer:
             )
             if self.metrics is not None:
                 self.metrics.track(fut, "load")
-            await fut
+            # Shielded: a request cancelled meanwhile (a client gone) still waits out the
+            # copy, so its chunks stay pinned and its blocks stay its own until the load is
+            # over. Cancelling the await alone would not stop the copy.
+            with anyio.CancelScope(shield=True):
+                await fut
         except TransferFailed:
             self.stats.failed_loads += 1
             return 0  # a miss: the blocks are recomputed over whatever the load left
@@ -340,7 +344,8 @@ class PrefixCacheServer:
                 )
                 if self.metrics is not None:
                     self.metrics.track(fut, "store")
-                await fut
+                with anyio.CancelScope(shield=True):  # the blocks are freed below: not mid-copy
+                    await fut
             except TransferFailed:
                 self._free_chunks.extend(chunks)  # nothing indexed: later requests miss
             else:

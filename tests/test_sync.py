@@ -320,6 +320,34 @@ def test_a_dropped_worker_ends_its_threads_even_when_warnings_are_errors(monkeyp
     assert any(isinstance(e, ResourceWarning) for e in raised)
 
 
+_DROP_AND_EXIT = """
+import gc
+import torch
+from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+kv = CanonicalKVCaches.from_tensors([torch.randn(2, 64, 16, 8, 32) for _ in range(4)], block_dim=1)
+worker = AsyncOffloadingWorker(kv, num_cpu_chunks=8, backend="cpu")
+del worker
+gc.collect()
+"""
+
+
+def test_a_script_that_exits_right_after_dropping_a_worker_exits_cleanly() -> None:
+    """The lane threads used to end during interpreter shutdown, dropping torch-backed
+    arrays then: the process aborted ("terminate called without an active exception") in
+    about half the runs, so six run side by side."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.Popen([sys.executable, "-W", "always::ResourceWarning", "-c", _DROP_AND_EXIT],
+                             cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for _ in range(6)]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-2000:]
+        assert "dropped without shutdown" in err
+
+
 def test_a_worker_shut_down_does_not_warn() -> None:
     gc.collect()  # other tests' leftovers warn here, outside the record below
     with warnings.catch_warnings(record=True) as seen:

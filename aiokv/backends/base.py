@@ -88,7 +88,8 @@ class Lane(abc.ABC):
 
     def abandon(self) -> None:
         """The worker was dropped without a close: free what is safe to free without
-        waiting or calling the device (nothing, unless a lane says otherwise)."""
+        calling the device (nothing, unless a lane says otherwise; a CPU lane lets its
+        thread finish what is queued and waits for it, a few seconds at most)."""
 
 
 class Backend(abc.ABC):

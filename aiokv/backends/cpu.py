@@ -76,6 +76,8 @@ def flat_bytes(view: torch.Tensor) -> np.ndarray:
 
 _Item = tuple[CopyPlan, CpuCompletion, "threading.Event | None"]
 
+_ABANDON_WAIT_SECONDS = 5.0
+
 
 class CpuLane(Lane):
     """Runs each launched plan on one thread, in launch order."""
@@ -102,6 +104,13 @@ class CpuLane(Lane):
 
     def abandon(self) -> None:
         self._queue.put(None)  # the thread ends after what is queued, and lets the lane go
+        # Waited for, up to a bound: a thread still ending as the interpreter shut down
+        # dropped the lane's torch-backed arrays then, which aborted the process
+        # ("terminate called without an active exception") when a script exited just
+        # after dropping an unclosed worker. A lane whose queue waits on an ``after``
+        # event nobody sets is left to its thread.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_ABANDON_WAIT_SECONDS)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..specs import AiokvError
+from ..specs import AiokvError, InvalidSpec
 from .admission import AdmissionPolicy, make_admission
 from .policies import EvictionPolicy, make_policy
 from .registry import release
@@ -126,7 +126,7 @@ class ChunkManager:
         admission: str | AdmissionPolicy | None = None,
     ) -> None:
         if num_chunks < 1:
-            raise ValueError("num_chunks must be >= 1")
+            raise InvalidSpec("num_chunks must be >= 1")
         self.num_chunks = num_chunks
         self._policy = make_policy(policy, num_chunks)
         if admission is None:

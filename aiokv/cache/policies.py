@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from ..specs import InvalidSpec
 from .registry import Registry, adopt
 
 __all__ = [
@@ -133,7 +134,7 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
-            raise ValueError("ARC needs capacity >= 1")
+            raise InvalidSpec("ARC needs capacity >= 1")
         self.capacity = capacity
         self.p = 0.0
         self.t1: OrderedDict[Hashable, None] = OrderedDict()

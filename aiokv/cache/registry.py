@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ..specs import InvalidSpec
+
 T = TypeVar("T")
 
 __all__ = ["Registry", "adopt", "release"]
@@ -16,7 +18,7 @@ def adopt(instance: T, kind: str, *, used: bool = False) -> T:
     """Give a caller's policy object to one cache: its bookkeeping must mirror one manager's
     keys, so an object already given to another (or ``used``: with history) is refused."""
     if used or getattr(instance, _TAKEN, False):
-        raise ValueError(f"this {kind} object already serves a cache (or tracks keys); pass a new one")
+        raise InvalidSpec(f"this {kind} object already serves a cache (or tracks keys); pass a new one")
     try:
         setattr(instance, _TAKEN, True)
     except AttributeError:  # __slots__: only the length check applies
@@ -43,7 +45,7 @@ class Registry(Generic[T]):
     def register(self, name: str, factory: Callable[[int], T], *, replace: bool = False) -> None:
         key = name.lower()
         if key in self._entries and not replace:
-            raise ValueError(f"{self.kind} {name!r} is already registered; pass replace=True")
+            raise InvalidSpec(f"{self.kind} {name!r} is already registered; pass replace=True")
         self._entries[key] = factory
 
     def names(self) -> list[str]:
@@ -53,5 +55,5 @@ class Registry(Generic[T]):
         try:
             factory = self._entries[name.lower()]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
+            raise InvalidSpec(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
         return factory(capacity)
