@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .backends import resolve_backend
+from .backends.base import HostPool
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
 from .plan import HostLayout, map_blocks, plan_copies
@@ -152,9 +153,10 @@ class OffloadCore:
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self.closed = False
-        # A worker dropped without shutdown()/aclose(): say so, and let lane threads end.
+        # A worker dropped without shutdown()/aclose(): say so, let lane threads end, and
+        # keep a pinned pool that copies may still write.
         lanes = [h.lane for h in self.handlers.values()]
-        self._finalizer = weakref.finalize(self, _abandoned, lanes, self.backend.name)
+        self._finalizer = weakref.finalize(self, _abandoned, lanes, self.pool, self.backend.name)
         self._finalizer.atexit = False  # at exit the process frees it all anyway
         # Set by the first job that failed with a sticky device error; refuses new work.
         self.broken: WorkerBroken | None = None
@@ -318,8 +320,9 @@ class OffloadCore:
         return " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
 
 
-def _abandoned(lanes: list[Any], backend: str) -> None:
-    for lane in lanes:  # first: under -W error the warning raises
+def _abandoned(lanes: list[Any], pool: HostPool, backend: str) -> None:
+    pool.abandon()  # first: under -W error the warning raises
+    for lane in lanes:
         lane.abandon()
     warnings.warn(
         f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(), so "

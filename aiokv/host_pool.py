@@ -4,7 +4,9 @@ torch's pinned allocator rounds every request up to a power of two (a 40 GiB poo
 pin 64 GiB), so the pool is an anonymous mapping of exactly the bytes asked for (rounded
 to a page) that the driver registers. It is built under an undo stack, so a failure
 part-way unregisters and unmaps what was done, and it is released only by ``close``,
-which the worker calls after every copy that may touch it has completed.
+which the worker calls after every copy that may touch it has completed. A pool whose
+worker was dropped unclosed, or whose context died, stays registered and mapped for the
+rest of the process.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ if TYPE_CHECKING:
     from .backends.cuda import Driver
 
 __all__ = ["PinnedHostPool"]
+
+# Mappings never unmapped: still registered with the driver (a dropped worker's, whose
+# copies may still run, or one of a context that died). Unmapped, a later mapping at the
+# same address would alias memory the device may write (and fail to register).
+_KEPT: list[mmap.mmap] = []
 
 
 class PinnedHostPool(HostPool):
@@ -64,7 +71,15 @@ class PinnedHostPool(HostPool):
         if self._driver.broken is None:
             self._driver.ensure_context()
             self._driver.host_unregister(self.address)
-        self._close_map()
+            self._close_map()
+        else:
+            _KEPT.append(self._map)  # a dead context cannot unregister it
+
+    def abandon(self) -> None:
+        """Dropped with copies perhaps in flight: registered and mapped for good."""
+        if self._registered:
+            self._registered = False
+            _KEPT.append(self._map)
 
     def __repr__(self) -> str:
         state = "registered" if self._registered else "closed"

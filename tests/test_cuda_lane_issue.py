@@ -240,3 +240,20 @@ def test_launch_on_a_closed_lane_raises_worker_closed_and_gives_events_back() ->
     with pytest.raises(WorkerClosed):
         lane.launch(plan(1024), _Dependency("dep"))
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
+
+
+def test_an_issuer_thread_that_cannot_start_gives_the_events_back_once() -> None:
+    lane, driver, _ = make_lane()
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    real = threading.Thread.start
+    threading.Thread.start = refuse  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="start new thread"):
+            lane.launch(plan(LONG), _Dependency("dep"))  # deferred: it needs the thread
+    finally:
+        threading.Thread.start = real  # type: ignore[method-assign]
+    assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
+    lane.close()

@@ -69,6 +69,10 @@ class HostPool(abc.ABC):
     def close(self) -> None:
         """Release the memory. Only called once nothing in flight can touch it."""
 
+    def abandon(self) -> None:
+        """The worker was dropped unclosed: copies may still touch the memory, so a pool
+        the device writes keeps it for the rest of the process (nothing to do here)."""
+
 
 class Lane(abc.ABC):
     """One direction's ordered queue of copies on the device."""

@@ -27,7 +27,7 @@ from ..doorbell import Doorbell
 from ..issuer import Issuer
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
-from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken, WorkerClosed
+from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
 from .base import Backend, Completion, HostPool, Lane
 
 __all__ = ["CudaBackend", "CudaCallFailed", "Driver"]
@@ -51,6 +51,10 @@ _STICKY = frozenset(
         "CUDA_ERROR_ECC_UNCORRECTABLE",
         "CUDA_ERROR_CONTEXT_IS_DESTROYED",
         "CUDA_ERROR_EXTERNAL_DEVICE",
+        # cuda.h says these too leave the process unusable (226: Hopper's error containment).
+        "CUDA_ERROR_CONTAINED",
+        "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+        "CUDA_ERROR_MPS_CLIENT_TERMINATED",
     )
     if hasattr(cu.CUresult, name)
 )
@@ -403,8 +407,8 @@ class Driver:
         cuda-python's own wrapper converts Python lists entry by entry, which costs about
         half a microsecond per page and holds the GIL; numpy arrays go in as they are here.
         """
-        if self.driver_version < 12080:
-            return None, "loop"
+        if self.driver_version < 12080 or not hasattr(cu, "CUmemcpyAttributes"):
+            return None, "loop"  # an old driver, or bindings older than 12.8 (no attribute type)
         version = 13000 if self.driver_version >= 13000 else 12080
         flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
         try:
@@ -433,7 +437,7 @@ class Driver:
 
     def _load_batch3d(self) -> Any:
         """Bind cuMemcpy3DBatchAsync (CUDA >= 12.8) for pitched copies, or None."""
-        if self.batch_kind == "loop":
+        if self.batch_kind == "loop" or not hasattr(cu, "CUmemcpy3DOperandType"):
             return None
         version = 13000 if self.batch_kind == "batch13" else 12080
         flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
@@ -841,10 +845,18 @@ class CudaLane(Lane):
             work()
             return completion
         completion._issued = threading.Event()
+        ran = False
+
+        def run_once() -> None:
+            nonlocal ran
+            ran = True  # from here on ``_issue`` owns the events, failures included
+            work()
+
         try:
-            issuer.run(work, defer)
-        except WorkerClosed:  # closed between the core's check and here: nothing enqueued
-            self._give_back(events, dep)
+            issuer.run(run_once, defer)
+        except BaseException:
+            if not ran:  # closed since the core's check, or no thread to queue it on
+                self._give_back(events, dep)
             raise
         return completion
 

@@ -1,0 +1,116 @@
+"""The CUDA driver wrapper and the pinned pool without a GPU: which error codes break the
+worker, what binds where the bindings are older than the driver, and that pinned memory the
+device may still write is never unmapped."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+from cuda.bindings import driver as cu
+
+from aiokv.backends.cuda import Driver, _translate
+from aiokv.host_pool import PinnedHostPool
+from aiokv.specs import WorkerBroken
+
+
+@pytest.mark.parametrize("name", ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_CONTAINED",
+                                  "CUDA_ERROR_TENSOR_MEMORY_LEAK", "CUDA_ERROR_MPS_CLIENT_TERMINATED"])
+def test_errors_that_leave_the_process_unusable_break_the_worker(name: str) -> None:
+    if not hasattr(cu.CUresult, name):
+        pytest.skip(f"these bindings have no {name}")
+    assert isinstance(_translate(int(getattr(cu.CUresult, name)), "cuEventQuery"), WorkerBroken)
+
+
+def test_bindings_older_than_the_driver_copy_one_call_per_copy(monkeypatch) -> None:
+    """cuda-python 12.6-12.7 has no CUmemcpyAttributes: a 12.8 driver's batched call cannot
+    be described with them, so copies go one cuMemcpyAsync at a time."""
+    drv = object.__new__(Driver)
+    drv.driver_version = 13000
+    # The driver has both entry points (never called here; a fake address stands in).
+    monkeypatch.setattr(cu, "cuGetProcAddress", lambda *_: (cu.CUresult.CUDA_SUCCESS, 0x1000))
+    assert drv._load_batch()[1] == "batch13"
+    drv.batch_kind = "batch13"
+    assert drv._load_batch3d() is not None
+    monkeypatch.delattr(cu, "CUmemcpyAttributes")
+    assert drv._load_batch() == (None, "loop")
+    monkeypatch.delattr(cu, "CUmemcpy3DOperandType")
+    assert drv._load_batch3d() is None
+
+
+class _Registrations:
+    """Registers ranges as the driver does: an overlapping one is refused."""
+
+    def __init__(self) -> None:
+        self.broken: Any = None
+        self.ranges: dict[int, int] = {}
+
+    def ensure_context(self) -> None:
+        pass
+
+    def host_register(self, address: int, nbytes: int) -> int:
+        if any(a < address + nbytes and address < a + n for a, n in self.ranges.items()):
+            raise RuntimeError("CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED")
+        self.ranges[address] = nbytes
+        return address
+
+    def host_unregister(self, address: int) -> None:
+        del self.ranges[address]
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["abandoned", "closed after the context died"])
+def test_pinned_memory_the_device_may_write_stays_mapped(how: str) -> None:
+    """Unmapped while registered, the range could be mapped again for something else, which
+    the device would then write (seen on the H200: a dropped pool's bytes arrived in a new
+    mapping at its address), and the new range would fail to register."""
+    drv = _Registrations()
+    pool = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
+    address = pool.address
+    pool.tensor.fill_(0x22)
+    if how == "abandoned":
+        pool.abandon()
+    else:
+        drv.broken = WorkerBroken("context lost")
+        pool.close()
+    del pool
+    gc.collect()
+    assert _mapped(address) and address in drv.ranges
+    drv.broken = None
+    again = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
+    assert again.address != address
+    again.close()
+    assert again.address not in drv.ranges
+
+
+def test_a_closed_pool_is_unregistered_and_unmapped() -> None:
+    drv = _Registrations()
+    pool = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
+    address = pool.address
+    pool.close()
+    del pool
+    gc.collect()
+    assert not drv.ranges and not _mapped(address)
+
+
+def test_a_dropped_worker_hands_its_pool_over_before_it_warns(monkeypatch) -> None:
+    from aiokv import AsyncOffloadingWorker
+    from aiokv.backends.cpu import CpuHostPool
+    from tests.conftest import make_layers
+
+    seen: list[str] = []
+    monkeypatch.setattr(CpuHostPool, "abandon", lambda self: seen.append("pool"))
+    worker = AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4, backend="cpu")
+    with pytest.warns(ResourceWarning):
+        del worker
+        gc.collect()
+    assert seen == ["pool"]
