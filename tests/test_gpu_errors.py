@@ -407,3 +407,42 @@ def test_the_doorbell_rings_only_once_the_copy_is_over() -> None:
             bell.close()
 
     anyio.run(main)
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_a_dropped_workers_pool_stays_pinned_and_the_next_worker_works() -> None:
+    """A worker dropped unclosed used to unmap its pool while still registered: a new
+    mapping at that address got the old pool's bytes, and the next pool failed to register."""
+    import gc
+
+    tensors, kv = _kv()
+    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda"))
+    torch.cuda._sleep(SLEEP_CYCLES)  # the store below is still queued when the worker goes
+    w.submit_store(1, GPULoadStoreSpec(list(range(8))), CPULoadStoreSpec(list(range(8))))
+    address = w._worker.host_pool.data_ptr()
+    with pytest.warns(ResourceWarning, match="pinned memory leaks"):
+        del w
+        gc.collect()
+    torch.cuda.synchronize()  # the dropped store landed in memory still its own
+    assert _mapped(address)
+    want = [t.clone() for t in tensors]
+    again = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda"))
+    ids = list(range(8, 16))
+    again.submit_store(2, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))
+    again.wait({2})
+    for t in tensors:
+        t[:, 8:16].fill_(-1.0)
+    torch.cuda.synchronize()
+    again.submit_load(3, CPULoadStoreSpec(ids), GPULoadStoreSpec(ids))
+    again.wait({3})
+    torch.cuda.synchronize()
+    assert all(torch.equal(t, w0) for t, w0 in zip(tensors, want))
+    again.shutdown()
