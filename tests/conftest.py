@@ -78,3 +78,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (random bytes make NaNs, which ``torch.equal`` calls unequal)."""
     as_bytes = [t.contiguous().view(torch.uint8) for t in (a, b)]
     return a.shape == b.shape and torch.equal(*as_bytes)
+
+
+def mapped(address: int) -> bool:
+    """Whether ``address`` lies in one of this process's mappings."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False

@@ -13,6 +13,7 @@ from cuda.bindings import driver as cu
 from aiokv.backends.cuda import Driver, _translate
 from aiokv.host_pool import PinnedHostPool
 from aiokv.specs import WorkerBroken
+from tests.conftest import mapped
 
 
 @pytest.mark.parametrize("name", ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_CONTAINED",
@@ -59,17 +60,8 @@ class _Registrations:
         del self.ranges[address]
 
 
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
-
-
 @pytest.mark.parametrize("how", ["abandoned", "closed after the context died"])
-def test_pinned_memory_the_device_may_write_stays_mapped(how: str) -> None:
+def test_pinned_memory_the_device_may_write_staysmapped(how: str) -> None:
     """Unmapped while registered, the range could be mapped again for something else, which
     the device would then write (seen on the H200: a dropped pool's bytes arrived in a new
     mapping at its address), and the new range would fail to register."""
@@ -84,7 +76,7 @@ def test_pinned_memory_the_device_may_write_stays_mapped(how: str) -> None:
         pool.close()
     del pool
     gc.collect()
-    assert _mapped(address) and address in drv.ranges
+    assert mapped(address) and address in drv.ranges
     drv.broken = None
     again = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
     assert again.address != address
@@ -99,7 +91,7 @@ def test_a_closed_pool_is_unregistered_and_unmapped() -> None:
     pool.close()
     del pool
     gc.collect()
-    assert not drv.ranges and not _mapped(address)
+    assert not drv.ranges and not mapped(address)
 
 
 def test_a_dropped_worker_hands_its_pool_over_before_it_warns(monkeypatch) -> None:

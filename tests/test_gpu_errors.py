@@ -23,6 +23,7 @@ from aiokv import (
     WorkerBroken,
 )
 
+from .conftest import mapped
 from .gpu_support import drain, gpu
 
 pytestmark = gpu
@@ -409,15 +410,6 @@ def test_the_doorbell_rings_only_once_the_copy_is_over() -> None:
     anyio.run(main)
 
 
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
-
-
 def test_a_dropped_workers_pool_stays_pinned_and_the_next_worker_works() -> None:
     """A worker dropped unclosed used to unmap its pool while still registered: a new
     mapping at that address got the old pool's bytes, and the next pool failed to register."""
@@ -432,7 +424,7 @@ def test_a_dropped_workers_pool_stays_pinned_and_the_next_worker_works() -> None
         del w
         gc.collect()
     torch.cuda.synchronize()  # the dropped store landed in memory still its own
-    assert _mapped(address)
+    assert mapped(address)
     want = [t.clone() for t in tensors]
     again = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda"))
     ids = list(range(8, 16))
