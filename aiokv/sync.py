@@ -68,12 +68,16 @@ class SyncOffloadingWorker(OffloadingWorker):
         self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
+        """Enqueue a GPU -> host copy; True once enqueued. It waits on ``after``, else on the
+        calling thread's current CUDA stream."""
         self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
         return True
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *, after: Any = None
     ) -> bool:
+        """Enqueue a host -> GPU copy; True once enqueued. ``expedited`` loads have their own
+        queue, so they never wait behind ordinary ones."""
         self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
         return True
 
@@ -84,6 +88,9 @@ class SyncOffloadingWorker(OffloadingWorker):
             self._core.submit(direction, job_id, src, dst, after)
 
     def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, each reported once, in submission order within
+        each direction. Never waits for a transfer; calls on other threads take turns with
+        ``submit_*``."""
         with self._lock:
             done = self._unreported
             done.extend(job.result for job in self._core.poll() if job.result is not None)
@@ -91,6 +98,8 @@ class SyncOffloadingWorker(OffloadingWorker):
         return done
 
     def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until those jobs are done (unknown ids are ignored); reports nothing, so
+        their results still come from ``get_finished()``."""
         self._core.wait_for(job_ids)
 
     def shutdown(self) -> None:
@@ -115,6 +124,7 @@ class SyncOffloadingWorker(OffloadingWorker):
                 self._worker._closed.set()  # what the async face's aclose() waits for
 
     def statistics(self) -> WorkerStatistics:
+        """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
         return self._core.statistics()
 
     def __repr__(self) -> str:

@@ -85,10 +85,12 @@ class AsyncOffloadingWorker:
 
     @property
     def num_cpu_chunks(self) -> int:
+        """Chunks in the host pool (chunk ids must be below this)."""
         return self._core.num_cpu_chunks
 
     @property
     def blocks_per_chunk(self) -> int:
+        """GPU blocks each host chunk holds."""
         return self._core.layout.blocks_per_chunk
 
     @property
@@ -104,10 +106,12 @@ class AsyncOffloadingWorker:
 
     @property
     def chunk_bytes(self) -> int:
+        """Bytes of one host chunk: ``blocks_per_chunk`` blocks of every KV tensor."""
         return self._core.layout.chunk_bytes
 
     @property
     def backend(self) -> str:
+        """The backend copies run on: "cpu" or "cuda"."""
         return self._core.backend.name
 
     @property
@@ -116,6 +120,7 @@ class AsyncOffloadingWorker:
         return self._core.pool.tensor
 
     def statistics(self) -> WorkerStatistics:
+        """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
         return self._core.statistics()
 
     def __repr__(self) -> str:

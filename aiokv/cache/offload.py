@@ -133,7 +133,7 @@ class OffloadCache:
             the first ``offload``/``restore`` and call those on its loop thread.
         policy: ``"lru"`` stores everything offered and evicts the least recently used;
             ``"arc"``, ``"prefix-lru"`` and registered names select others; an
-            ``EvictionPolicy`` instance is used as is; None takes ``DEFAULT_POLICY``.
+            ``EvictionPolicy`` instance is used as is; None takes the default, ``"adaptive"``.
         admission: admission name or instance; None takes the policy's own pairing.
         keep_events: keep the manager's stored/removed events for ``take_events`` (a
             router's prefix index). Off by default, so an unread event list cannot grow.
