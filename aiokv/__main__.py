@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -48,6 +49,18 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import bench_meta, format_table, progress_printer, run_bench, write_json
 
     say = progress_printer()
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            print(f"aiokv bench: {flag} {path}: {folder} is not a folder this user can write to",
+                  file=sys.stderr)
+            return 2
+    if args.backend == "cuda" and not cuda_usable():
+        print("aiokv bench: --backend cuda needs a usable CUDA device and cuda-python", file=sys.stderr)
+        return 2
+    if args.what != "cache" and args.loop != "asyncio" and importlib.util.find_spec(args.loop) is None:
+        print(f"aiokv bench: --loop {args.loop} needs {args.loop} installed", file=sys.stderr)
+        return 2
     if args.plot and args.what == "cache":
         print("aiokv bench cache: --plot draws the transfer benchmark only", file=sys.stderr)
         return 2
@@ -71,9 +84,6 @@ def _bench(args: argparse.Namespace) -> int:
         backend = args.backend
         if backend == "auto":
             backend = "cuda" if cuda_usable() else "cpu"
-        elif backend == "cuda" and not cuda_usable():
-            print("aiokv bench: --backend cuda needs a usable CUDA device and cuda-python", file=sys.stderr)
-            return 2
         say(f"transfer benchmark on the {backend} backend{' (quick)' if args.quick else ''}")
         rows = run_bench(backend, quick=args.quick, loop=args.loop, progress=say)
         meta = bench_meta(backend)

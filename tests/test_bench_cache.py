@@ -76,3 +76,29 @@ def test_bad_arguments_are_value_errors_and_the_cli_prints_them(tmp_path: Path, 
         run_cache_bench(traces=[trace], capacities=[0])
     assert main(["bench", "cache", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "aiokv bench cache: trace not found" in capsys.readouterr().err
+
+
+def test_a_trace_line_without_hash_ids_names_the_file_and_line(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
+    assert main(["bench", "cache", "--trace", str(path)]) == 2
+    assert "bad.jsonl, line 2: not a Mooncake request (no hash_ids)" in capsys.readouterr().err
+
+
+def test_edge_traces_give_honest_rows(tmp_path: Path) -> None:
+    """No hit at all: no "inf" ratio and no made-up latencies; a capacity far beyond the
+    trace needs no pool of that size; two traces of one name keep their own sections."""
+    once = tmp_path / "once.jsonl"
+    once.write_text("".join(json.dumps({"timestamp": i, "hash_ids": [i]}) + "\n" for i in range(20)))
+    rows = run_cache_bench(traces=[once], capacities=[1_000_000], quick=True)
+    assert not any("inf" in r.note for r in rows)
+    face = [r.name for r in rows if r.section.startswith("cache face")]
+    assert "restore latency p50" not in face and "offload GB/s (copy time)" in face
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        write_trace(tmp_path / sub / "x.jsonl", requests=20, seed=ord(sub))
+    rows = run_cache_bench(traces=[tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"],
+                           capacities=[8], quick=True)
+    sections = {r.section for r in rows if r.section.startswith("cache hit rate")}
+    assert sections == {"cache hit rate: a/x (reference: offline optimum, Belady's rule)",
+                        "cache hit rate: b/x (reference: offline optimum, Belady's rule)"}

@@ -155,3 +155,20 @@ def test_bench_bursts_split_first_submit_from_back_to_back() -> None:
     assert calls == [("load", k) for k in range(4)] * 3
     assert awaited == [True] * 12
     assert (warm, cold) == (2, 7)
+
+
+def test_unusable_options_exit_2_before_anything_runs(tmp_path, capsys, monkeypatch) -> None:
+    import importlib.util
+
+    from aiokv.backends import cuda_usable
+
+    assert main(["bench", "--quick", "--json", str(tmp_path / "no" / "such" / "x.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "trio" else real(name, *a))
+    assert main(["bench", "--quick", "--backend", "cpu", "--loop", "trio"]) == 2
+    assert "needs trio installed" in capsys.readouterr().err
+    if not cuda_usable():
+        assert main(["bench", "cache", "--backend", "cuda"]) == 2
+        assert "--backend cuda needs" in capsys.readouterr().err

@@ -50,20 +50,24 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[R
     """Read a Mooncake JSON-lines trace (the first ``limit`` requests if given)."""
     out: list[Request] = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
                 continue
-            row = json.loads(line)
-            out.append(
-                Request(
-                    int(row.get("timestamp", 0)),
-                    int(row.get("input_length", 0)),
-                    int(row.get("output_length", 0)),
-                    tuple(row["hash_ids"]),
+            try:
+                row = json.loads(line)
+                out.append(
+                    Request(
+                        int(row.get("timestamp", 0)),
+                        int(row.get("input_length", 0)),
+                        int(row.get("output_length", 0)),
+                        tuple(row["hash_ids"]),
+                    )
                 )
-            )
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                what = "no hash_ids" if isinstance(exc, KeyError) else exc
+                raise ValueError(f"{path}, line {number}: not a Mooncake request ({what})") from exc
     return out
 
 
