@@ -139,10 +139,16 @@ class HostLayout:
 
 @dataclass(frozen=True)
 class BlockMapping:
-    """Pairs of (GPU block, host slot) per group; slot = chunk * blocks_per_chunk + sub."""
+    """Pairs of (GPU block, host slot) per group; slot = chunk * blocks_per_chunk + sub.
+
+    ``by_host``: for one group of one block per chunk, the same pairs sorted by host slot
+    (GPU blocks, slots), which validation computed anyway; a staged plan walks them in that
+    order, so neighbouring chunks merge into one DMA whatever order the job lists them in.
+    """
 
     gpu_blocks: tuple[np.ndarray, ...]
     host_slots: tuple[np.ndarray, ...]
+    by_host: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class CopyPlan:
@@ -240,6 +246,9 @@ def map_blocks(
     gpu = _as_ids(block_ids, "block_ids")
     chunks = _as_ids(chunk_ids, "chunk_ids")
     ngroups = layout.num_groups
+    plain = group_sizes is None and block_indices is None and gpu.size == chunks.size
+    if ngroups == 1 and bpc == 1 and plain:  # most jobs: the shortest checks
+        return _map_one_per_chunk(gpu, chunks, layout.num_gpu_blocks[0], num_chunks, unique_gpu, unique_host)
     # Per-group scalars stay Python ints: numpy's per-call cost would dominate here.
     if group_sizes is None:
         if ngroups != 1:
@@ -267,6 +276,8 @@ def map_blocks(
             f"uses ceil((blocks + skip) / blocks_per_chunk) chunks with blocks_per_chunk={bpc} "
             f"(blocks per group {sizes}, skips {skips})"
         )
+    if ngroups == 1 and bpc == 1:
+        return _map_one_per_chunk(gpu, chunks, layout.num_gpu_blocks[0], num_chunks, unique_gpu, unique_host)
     if chunks.size and (chunks.min() < 0 or chunks.max() >= num_chunks):
         raise InvalidSpec(f"chunk ids must lie in [0, {num_chunks}); got {chunks.min()}..{chunks.max()}")
     gpu_out, host_out = [], []
@@ -295,6 +306,25 @@ def map_blocks(
         if _has_duplicates(host_out[0] if ngroups == 1 else np.concatenate(host_out)):
             raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
     return BlockMapping(tuple(gpu_out), tuple(host_out))
+
+
+def _map_one_per_chunk(
+    gpu: np.ndarray, chunks: np.ndarray, limit: int, num_chunks: int, unique_gpu: bool, unique_host: bool
+) -> BlockMapping:
+    """``map_blocks``' checks for one group of one block per chunk (counts already match),
+    with fewer numpy calls: one sort of the chunks gives their range, their duplicates and
+    ``by_host``, and one unsigned maximum the GPU ids' range (a negative id wraps high)."""
+    order = chunks.argsort(kind="stable")
+    slots = chunks[order]
+    if slots.size and (slots[0] < 0 or slots[-1] >= num_chunks):
+        raise InvalidSpec(f"chunk ids must lie in [0, {num_chunks}); got {slots[0]}..{slots[-1]}")
+    if gpu.size and gpu.view(np.uint64).max() >= limit:
+        raise InvalidSpec(f"group 0: GPU block ids must lie in [0, {limit}); got {gpu.min()}..{gpu.max()}")
+    if unique_gpu and gpu.size and _has_duplicates(gpu):
+        raise InvalidSpec("group 0: a GPU block appears twice, so one load would write it twice")
+    if unique_host and slots.size > 1 and (slots[1:] == slots[:-1]).any():
+        raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
+    return BlockMapping((gpu,), (chunks,), by_host=(gpu[order], slots))
 
 
 def _has_duplicates(ids: np.ndarray) -> bool:

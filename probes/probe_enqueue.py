@@ -23,7 +23,7 @@ from aiokv.bench import cuda as b
 from aiokv.copy import pieces, staged
 
 DRIVER_CALLS = ("ensure_context", "check_usable", "take_job_events", "take_sync_event", "record",
-                "stream_wait", "memcpy_batch", "memcpy", "launch", "query")
+                "stream_wait", "memcpy_batch", "memcpy_batch_at", "memcpy", "launch", "query")
 
 
 SUBMITTING = [False]  # count only calls made inside submit_*, not the poller's while awaiting

@@ -76,6 +76,12 @@ class SimDriver:
     ) -> None:
         self.streams[stream].append(("copy", list(zip(dst.tolist(), src.tolist(), sizes.tolist()))))
 
+    def memcpy_batch_at(self, dst: int, src: int, sizes: int, n: int, stream: int, **_: Any) -> None:
+        """The driver reads the three tables during the call: so does this."""
+        table = ctypes.c_uint64 * n
+        d, s, k = (list(table.from_address(at)) for at in (dst, src, sizes))
+        self.streams[stream].append(("copy", list(zip(d, s, k))))
+
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.streams[stream].append(("copy", [(dst, src, nbytes)]))
 

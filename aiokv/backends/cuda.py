@@ -219,6 +219,10 @@ class Driver:
             "cuDeviceGetAttribute",
         ))
         self._attrs: dict[tuple[bool, bool | None], Any] = {}
+        self._attr_ptrs: dict[tuple[bool, bool | None], int] = {}
+        self._first_attr, self._fail_idx = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self._first_attr_at = ctypes.addressof(self._first_attr)
+        self._fail_idx_at = ctypes.addressof(self._fail_idx)
 
     # -- checking -------------------------------------------------------------------------
 
@@ -532,34 +536,55 @@ class Driver:
         self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any, *,
         stream_ordered: bool = True, to_host: bool | None = None, hold_gil: bool | None = None,
     ) -> None:
-        """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64.
+        """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64 (or
+        int64) of equal length. See ``memcpy_batch_at``."""
+        n = int(dst.shape[0])
+        if n:
+            self.memcpy_batch_at(dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, n, stream,
+                                 stream_ordered=stream_ordered, to_host=to_host, hold_gil=hold_gil)
+
+    def memcpy_batch_at(
+        self, dst: int, src: int, sizes: int, n: int, stream: Any, *,
+        stream_ordered: bool = True, to_host: bool | None = None, hold_gil: bool | None = None,
+    ) -> None:
+        """Enqueue ``n`` copies on ``stream``, their destinations, sources and sizes read
+        from the 8-byte arrays at host addresses ``dst``, ``src`` and ``sizes`` during the
+        call (a caller's table needs no per-call conversion; ``.ctypes.data`` costs ~2 us).
 
         ``hold_gil``: keep the GIL through the call (default: for small batches, and on a
         lane's issuer thread; threads issuing slices side by side pass False). Falls back
         to one cuMemcpyAsync per entry where the driver lacks batched copies.
         """
-        n = int(dst.shape[0])
-        if n == 0:
+        if n <= 0:
             return
         if self._batch_fn is None:
-            for d, s, k in zip(dst.tolist(), src.tolist(), sizes.tolist()):
+            table = (ctypes.c_uint64 * n)
+            for d, s, k in zip(table.from_address(dst), table.from_address(src), table.from_address(sizes)):
                 ret = cu.cuMemcpyAsync(d, s, k, stream)
                 if ret[0] != _OK:
                     raise self.fail(int(ret[0]), "cuMemcpyAsync")
             return
-        attr = self._attr(stream_ordered, to_host)
-        idx = ctypes.c_size_t(0)
-        args: list[Any] = [dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, n,
-                           attr.getPtr(), ctypes.addressof(idx), 1]
-        if self.batch_kind == "batch12":
-            fail_idx = ctypes.c_size_t(0)
-            args.append(ctypes.addressof(fail_idx))
-        args.append(int(stream))
+        attr = self._attr_at(stream_ordered, to_host)
         if hold_gil is None:
             hold_gil = n <= GIL_HELD_DESCRIPTORS or getattr(self._local, "keep_gil", False)
-        code = (self._batch_fn_gil if hold_gil else self._batch_fn)(*args)
+        fn = self._batch_fn_gil if hold_gil else self._batch_fn
+        # Every copy takes attribute 0 (``_first_attr``, never written). CUDA 12.8's call
+        # also reports the failing copy's index, which is never read: one shared output
+        # serves every thread.
+        if self.batch_kind == "batch12":
+            code = fn(dst, src, sizes, n, attr, self._first_attr_at, 1, self._fail_idx_at, int(stream))
+        else:
+            code = fn(dst, src, sizes, n, attr, self._first_attr_at, 1, int(stream))
         if code != 0:
             raise self.fail(int(code), "cuMemcpyBatchAsync")
+
+    def _attr_at(self, stream_ordered: bool, to_host: bool | None) -> int:
+        """Address of the cached ``CUmemcpyAttributes`` for these settings."""
+        key = (stream_ordered, to_host if self.use_location_hints else None)
+        at = self._attr_ptrs.get(key)
+        if at is None:
+            at = self._attr_ptrs[key] = int(self._attr(stream_ordered, to_host).getPtr())
+        return at
 
     def memcpy_batch_lists(self, dst: list[int], src: list[int], sizes: list[int], stream: Any) -> None:
         """cuda-python's own batched call on Python lists: the baseline a user would write."""

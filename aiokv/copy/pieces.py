@@ -236,12 +236,20 @@ class PieceKernel:
         block ``z``'s image at ``image + z * image_step``, on at most ``MAX_CTAS`` CTAs
         (None: one CTA per tile)."""
         tiles = max(1, -(-longest // TILE_BYTES))
-        # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
-        # blocks, then pages, per launch.
-        block_step = max(1, min(ROWS_PER_LAUNCH, MAX_TILES // tiles))
         a_table, a_image, a_step, a_page, a_to_device, a_tiles, a_npages, a_total = self._args
         a_table.value, a_step.value, a_to_device.value, a_tiles.value = table, image_step, to_device, tiles
         n = int(rows.shape[0])
+        total = tiles * (pages[1] - pages[0]) * n
+        if 0 < total <= MAX_TILES and n <= ROWS_PER_LAUNCH:  # a staged slice: one launch
+            self._row_values[:n] = rows
+            a_image.value, a_page.value, a_total.value = image, pages[0], total
+            a_npages.value = pages[1] - pages[0]
+            ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
+            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
+            return
+        # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
+        # blocks, then pages, per launch.
+        block_step = max(1, min(ROWS_PER_LAUNCH, MAX_TILES // tiles))
         for b in range(0, n, block_step):
             nb = min(block_step, n - b)
             self._row_values[:nb] = rows[b : b + nb]

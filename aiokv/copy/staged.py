@@ -18,6 +18,7 @@ run 2 MiB pages at the ceiling).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -63,15 +64,32 @@ class StagedJob:
     by_block: bool
     bounds: list[int]  # slice s is rows [bounds[s], bounds[s + 1]) of blocks or pages
     longest: int
-    run_host: np.ndarray  # host address of each DMA run (uint64)
-    run_slot: np.ndarray  # its offset in the slot (uint64)
-    run_bytes: np.ndarray  # uint64
+    # The DMA runs, one column each, int64 rows: host address, offset in the slot, bytes.
+    # One array, so a slice's batched call takes pointers into it, no per-call conversion.
+    runs: np.ndarray
     run_bounds: list[int]  # runs [run_bounds[s], run_bounds[s + 1]) belong to slice s
     npages: int  # page rows a block has
 
     @property
     def slices(self) -> int:
         return len(self.bounds) - 1
+
+    @functools.cached_property
+    def runs_at(self) -> int:
+        """Address of ``runs`` (C-contiguous), read once per job."""
+        return int(self.runs.ctypes.data)
+
+    @property
+    def run_host(self) -> np.ndarray:
+        return self.runs[0]
+
+    @property
+    def run_slot(self) -> np.ndarray:
+        return self.runs[1]
+
+    @property
+    def run_bytes(self) -> np.ndarray:
+        return self.runs[2]
 
     def span(self, s: int) -> tuple[tuple[int, int], np.ndarray]:
         """(page rows, device rows of the blocks) slice ``s`` launches."""
@@ -88,42 +106,49 @@ def _runs(host: np.ndarray, in_slot: np.ndarray, nbytes: np.ndarray, bounds: lis
     cut[1:] = host[1:] != host[:-1] + nbytes[:-1]
     cut[bounds[:-1]] = True
     starts = np.flatnonzero(cut)
-    return {
-        "run_host": host[starts].astype(np.uint64),
-        "run_slot": in_slot[starts].astype(np.uint64),
-        "run_bytes": np.add.reduceat(nbytes, starts).astype(np.uint64),
-        "run_bounds": np.searchsorted(starts, bounds).tolist(),
-    }
+    runs = np.empty((3, starts.size), dtype=np.int64)
+    runs[0], runs[1], runs[2] = host[starts], in_slot[starts], np.add.reduceat(nbytes, starts)
+    return {"runs": runs, "run_bounds": np.searchsorted(starts, bounds).tolist()}
 
 
 def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_bytes: int,
-              slot_bytes: int) -> StagedJob:
+              slot_bytes: int, *, in_host_order: bool = False, longest: int | None = None) -> StagedJob:
     """Plan a job whose blocks each move every page of one group, one block per chunk:
     a block's image in staging is its host chunk's first ``block_bytes``. Arrays have one
     row per block, so this costs the same for 8 pages a block as for 80.
 
     Blocks go in host order, so chunks that are neighbours on the host merge into one DMA
     run whatever order the job lists them in (an engine's own chunk manager may list them
-    in any order, e.g. a LIFO free list's newest first).
+    in any order, e.g. a LIFO free list's newest first). ``in_host_order``: ``host`` is
+    ascending already (``BlockMapping.by_host``). ``longest``: ``page_rows``' largest page,
+    if known. A few numpy calls per job: each costs ~1-2 us on 128 blocks, and this runs
+    inside every submit.
     """
-    order = np.argsort(host, kind="stable")
-    host = host[order].astype(np.uint64, copy=False)
+    if not in_host_order:
+        order = host.argsort(kind="stable")
+        host, rows = host[order], rows[order]
+    host = host.astype(np.int64, copy=False)
     n = host.size
     per = slot_bytes // block_bytes
-    local = np.arange(n, dtype=np.uint64) % np.uint64(per)  # each block's place in its slice
     # A run starts with each slice and wherever a chunk does not follow the one before.
-    cut = local == 0
-    cut[1:] |= host[1:] != host[:-1] + np.uint64(block_bytes)
-    starts = np.flatnonzero(cut)
-    blocks_in_run = np.empty(starts.size, dtype=np.uint64)  # (np.diff with append is slower)
-    blocks_in_run[:-1] = starts[1:] - starts[:-1]
+    cut = np.empty(n, dtype=bool)
+    cut[0] = True
+    np.not_equal(host[1:], host[:-1] + block_bytes, out=cut[1:])
+    cut[::per] = True
+    starts = cut.nonzero()[0]
+    runs = np.empty((3, starts.size), dtype=np.int64)
+    runs[0] = host[starts]
+    np.multiply(starts % per, block_bytes, out=runs[1])  # each run's place in its slot
+    blocks_in_run = runs[2]
+    np.subtract(starts[1:], starts[:-1], out=blocks_in_run[:-1])
     blocks_in_run[-1] = n - starts[-1]
-    bounds = [*range(0, n, per), n]
+    blocks_in_run *= block_bytes
+    # Every slice starts a run: the runs whose offset in the slot is 0.
+    run_bounds = [*(runs[1] == 0).nonzero()[0].tolist(), starts.size]
     return StagedJob(
-        None, rows[order].astype(np.uint32), block_bytes, True, bounds, int(page_rows[:, 2].max()),
-        run_host=host[starts], run_slot=local[starts] * np.uint64(block_bytes),
-        run_bytes=blocks_in_run * np.uint64(block_bytes),
-        run_bounds=np.searchsorted(starts, bounds).tolist(), npages=int(page_rows.shape[0]),
+        None, rows.astype(np.uint32), block_bytes, True, [*range(0, n, per), n],
+        int(page_rows[:, 2].max()) if longest is None else longest,
+        runs=runs, run_bounds=run_bounds, npages=int(page_rows.shape[0]),
     )
 
 
@@ -144,7 +169,7 @@ def piece_job(device: np.ndarray, host: np.ndarray, nbytes: np.ndarray, slot_byt
     pages[:, 0] = d
     pages[:, 2] = n
     pages[:, 3] = in_slot
-    runs = _runs(h, in_slot, n, bounds)
+    runs = _runs(h.astype(np.int64), in_slot.astype(np.int64), n.astype(np.int64), bounds)
     return StagedJob(pages, np.zeros(len(counts), dtype=np.uint32), 0, False, bounds, int(n.max()),
                      npages=int(n.size), **runs)
 
@@ -184,11 +209,14 @@ class StagedCopy(CopyStrategy):
         self.page_table: int | None = None  # device address of the layout's, once uploaded
         self.next_slot = 0
         self.shape = self._block_shape()
+        # Where a slice's batched call finds its runs' slot addresses (see ``_move``).
+        self._slot_at = np.empty(0, dtype=np.int64)
+        self._slot_at_ptr = 0
 
-    def _block_shape(self) -> tuple[np.ndarray, int] | None:
+    def _block_shape(self) -> tuple[np.ndarray, int, int] | None:
         """The page table of a layout whose jobs plan by block (one group, one block per
         chunk, 16-byte aligned, device rows that fit the kernel's 32 bits): rows in host
-        order within the chunk. None otherwise."""
+        order within the chunk, with a block's bytes and its largest page. None otherwise."""
         ctx, layout = self.ctx, self.ctx.layout
         if layout.num_groups != 1 or layout.blocks_per_chunk != 1 or layout.num_gpu_blocks[0] > 1 << 32:
             return None
@@ -201,18 +229,24 @@ class StagedCopy(CopyStrategy):
         pages[:, 3] = np.asarray(layout.page_offsets[0], dtype=np.int64)[order]
         if not fits(pages, layout.chunk_bytes, ctx.host_base):
             return None
-        return pages, layout.block_bytes[0]
+        return pages, layout.block_bytes[0], int(pages[:, 2].max())
 
     def prepare(self, plan: CopyPlan) -> StagedJob | DmaBatch:
         ctx = self.ctx
         pieces = plan.num_pages
         gains = pieces >= MIN_STAGED_PIECES and plan.total_bytes < DIRECT_PIECE_BYTES * pieces
         if pieces and (gains or not self.only_where_it_gains):
-            if self.shape is not None and plan.mapping is not None and self.shape[1] <= self.slot_bytes:
+            shape, mapping = self.shape, plan.mapping
+            if shape is not None and mapping is not None and shape[1] <= self.slot_bytes:
                 if self.staging is not None or self._allocate_staging():
-                    rows, chunks = plan.mapping.gpu_blocks[0], plan.mapping.host_slots[0]
-                    host = (chunks * ctx.layout.chunk_bytes + ctx.host_base).astype(np.uint64)
-                    return block_job(rows, host, self.shape[0], self.shape[1], self.slot_bytes)
+                    cb, base = ctx.layout.chunk_bytes, ctx.host_base
+                    if mapping.by_host is not None:
+                        rows, chunks = mapping.by_host
+                        return block_job(rows, chunks * cb + base, shape[0], shape[1], self.slot_bytes,
+                                         in_host_order=True, longest=shape[2])
+                    rows, chunks = mapping.gpu_blocks[0], mapping.host_slots[0]
+                    return block_job(rows, chunks * cb + base, shape[0], shape[1], self.slot_bytes,
+                                     longest=shape[2])
             dst, src, sizes = ctx.pointers(plan)
             if (int(sizes.max()) <= self.slot_bytes and fits(dst, src, sizes)
                     and (self.staging is not None or self._allocate_staging())):
@@ -303,20 +337,27 @@ class StagedCopy(CopyStrategy):
 
     def _move(self, job: StagedJob, s: int, at: int, stream: Any) -> None:
         """Slice ``s``'s DMA runs between the slot at ``at`` and the host chunks. One run
-        (neighbouring chunks) goes as a plain copy, cheaper to enqueue than a batch of one."""
-        drv, to_host = self.ctx.driver, self.ctx.to_host
+        (neighbouring chunks) goes as a plain copy, cheaper to enqueue than a batch of one.
+        A batch takes pointers into the job's run table and into ``slot_at``, where the
+        runs' slot addresses are written: no arrays are built per call."""
+        drv, to_host, runs = self.ctx.driver, self.ctx.to_host, job.runs
         lo, hi = job.run_bounds[s], job.run_bounds[s + 1]
         if hi - lo == 1:
-            chunk, in_slot = int(job.run_host[lo]), at + int(job.run_slot[lo])
+            chunk, in_slot = int(runs[0, lo]), at + int(runs[1, lo])
             dst, src = (chunk, in_slot) if to_host else (in_slot, chunk)
-            drv.memcpy(dst, src, int(job.run_bytes[lo]), stream)
+            drv.memcpy(dst, src, int(runs[2, lo]), stream)
             return
-        slot = np.uint64(at) + job.run_slot[lo:hi]
-        host, sizes = job.run_host[lo:hi], job.run_bytes[lo:hi]
+        n = hi - lo
+        if self._slot_at.size < n:
+            self._slot_at = np.empty(max(n, 2 * self._slot_at.size), dtype=np.int64)
+            self._slot_at_ptr = self._slot_at.ctypes.data
+        np.add(runs[1, lo:hi], at, out=self._slot_at[:n])
+        table = job.runs_at
+        host, sizes, slot = table + 8 * lo, table + 2 * runs.strides[0] + 8 * lo, self._slot_at_ptr
         if to_host:
-            drv.memcpy_batch(host, slot, sizes, stream, to_host=True)
+            drv.memcpy_batch_at(host, slot, sizes, n, stream, to_host=True)
         else:
-            drv.memcpy_batch(slot, host, sizes, stream, to_host=False)
+            drv.memcpy_batch_at(slot, host, sizes, n, stream, to_host=False)
 
     def close(self) -> None:
         self.dma.close()
