@@ -10,6 +10,7 @@ fires before its bytes landed, in some order."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from aiokv.copy import CopyContext
 from aiokv.copy import dma as dma_module
 from aiokv.copy.dma import MultiStreamDma
 from aiokv.copy.staged import StagedCopy, StagedJob
@@ -31,23 +33,26 @@ PINNED_TABLES = 4 << 20  # from a table's device spot to the host bytes it is co
 ORDERS = 8  # random orders each set of jobs runs in
 
 
-def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimDriver, HostLayout, Any]:
+def _setup(seed: int, to_host: bool, slot_blocks: int,
+           blocks_per_chunk: int = 1) -> tuple[StagedCopy, SimDriver, HostLayout, Any]:
     """Three page tensors of 16-row blocks (pages of 1 KiB, 512 B and 1.5 KiB: 3 KiB a
-    block, a whole number of 512-byte chunk units, so neighbouring chunks merge)."""
+    block, a whole number of 512-byte chunk units, so neighbouring chunks merge). With
+    ``blocks_per_chunk`` > 1 jobs plan piece by piece, each uploading its own table."""
     mem = np.random.default_rng(seed).integers(1, 256, SPACE, dtype=np.uint8)
     drv = SimDriver(mem)
     rows = 16
     tensors = [torch.empty((rows, n), dtype=torch.uint8) for n in (1024, 512, 1536)]
     kv = CanonicalKVCaches.from_tensors(tensors, block_dim=0)
-    layout = HostLayout.build(kv, 1)
+    layout = HostLayout.build(kv, blocks_per_chunk)
     device_base = DEVICE_AT + np.arange(3, dtype=np.int64) * (64 << 10)
     ctx = SimpleNamespace(
         driver=drv, device=None, to_host=to_host, streams=1, submit_threads=0, layout=layout,
         staging_bytes=2 * slot_blocks * layout.block_bytes[0], device_base=device_base,
         host_base=HOST_AT,
     )
+    ctx.pointers = lambda plan: CopyContext.pointers(ctx, plan)  # type: ignore[arg-type]
     strategy = StagedCopy(ctx)  # type: ignore[arg-type]
-    assert strategy.shape is not None, "the layout should plan by block"
+    assert (strategy.shape is not None) is (blocks_per_chunk == 1), "by block iff one block a chunk"
     strategy.staging = SimpleNamespace(data_ptr=lambda: STAGING_AT)  # type: ignore[assignment]
     tables = {"at": TABLES_AT}
     uploads: list[bool] = []  # ``keep`` of each upload
@@ -71,9 +76,23 @@ def _setup(seed: int, to_host: bool, slot_blocks: int) -> tuple[StagedCopy, SimD
 
 def _prepared(strategy: StagedCopy, layout: HostLayout, blocks: np.ndarray, chunks: np.ndarray,
               to_host: bool) -> Any:
+    return strategy.prepare(_plan(layout, blocks, chunks, to_host))
+
+
+def _plan(layout: HostLayout, blocks: np.ndarray, chunks: np.ndarray, to_host: bool) -> Any:
     mapping = map_blocks(blocks, chunks, layout=layout, num_chunks=24, unique_host=to_host,
                          unique_gpu=not to_host)
-    return strategy.prepare(plan_copies(mapping, layout))
+    return plan_copies(mapping, layout)
+
+
+def _apply(want: np.ndarray, plan: Any, device_base: np.ndarray, to_host: bool) -> None:
+    """What the job's plan copies (``plan_copies`` is checked against a naive loop in
+    test_plan), applied to ``want`` in place."""
+    for t, d, h, n in zip(plan.tensor_idx.tolist(), plan.device_offset.tolist(),
+                          plan.host_offset.tolist(), plan.nbytes.tolist()):
+        dev, host = int(device_base[t]) + d, HOST_AT + h
+        dst, src = (host, dev) if to_host else (dev, host)
+        want[dst : dst + n] = want[src : src + n]
 
 
 def _destinations(layout: HostLayout, device_base: np.ndarray,
@@ -137,6 +156,49 @@ def test_jobs_sharing_the_ring_move_their_bytes_in_any_valid_order(seed: int, to
         drv.mem[:] = before
         drv.run(rng)
         assert np.array_equal(drv.mem[:STAGING_AT], want[:STAGING_AT])  # device and host memory
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_jobs_writing_the_same_places_land_in_submission_order(
+    seed: int, to_host: bool, blocks_per_chunk: int
+) -> None:
+    """Three jobs of one direction write the same host chunks (stores, from other blocks)
+    or the same device blocks (loads, from other chunks), each over several slices: in
+    every order the waits allow, the last job's bytes are what remains, and the jobs' end
+    events fire in submission order (a lane completes in order)."""
+    rng = np.random.default_rng(400 + seed)
+    strategy, drv, layout, device_base = _setup(seed, to_host, slot_blocks=int(rng.integers(1, 3)),
+                                                blocks_per_chunk=blocks_per_chunk)
+    n = 6
+    places = rng.permutation(24 if to_host else 16)[: n // blocks_per_chunk if to_host else n]
+    plans, stops = [], []
+    for _ in range(3):
+        if to_host:
+            blocks, chunks = rng.permutation(16)[:n], rng.permutation(places)
+        else:
+            blocks, chunks = rng.permutation(places), rng.permutation(24)[: n // blocks_per_chunk]
+        plan = _plan(layout, blocks, chunks, to_host)
+        prepared = strategy.prepare(plan)
+        assert isinstance(prepared, StagedJob) and prepared.slices >= 2
+        assert (prepared.pages is None) is (blocks_per_chunk == 1)
+        start, stop = drv.create_event(), drv.create_event()
+        strategy.enqueue(prepared, None, start, stop)
+        plans.append(plan)
+        stops.append(stop)
+    before = drv.mem.copy()
+    want = before.copy()
+    for plan in plans:
+        _apply(want, plan, device_base, to_host)
+    for earlier, stop in itertools.pairwise(stops):
+        def in_order(earlier: int = earlier) -> None:
+            assert drv.done[earlier] >= 1, "a job ended before the one submitted before it"
+        drv.on_done[stop] = in_order
+    for _ in range(ORDERS):
+        drv.mem[:] = before
+        drv.run(rng)
+        assert np.array_equal(drv.mem[:STAGING_AT], want[:STAGING_AT])
 
 
 def _pages(layout: HostLayout, device_base: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
@@ -268,3 +330,43 @@ def test_a_failure_after_the_table_copy_is_queued_ends_behind_it(to_host: bool) 
         drv.on_done[stop] = lambda seen=seen: seen.setdefault("copied", drv.done[copied])
         drv.run(rng)
         assert seen["copied"] == 1, "the failed job's end fired before its table copy"
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_a_failure_mid_job_ends_behind_what_the_other_stream_holds(to_host: bool) -> None:
+    """A job of three slices ends on stream 0, so the next starts on stream 1; a launch
+    that fails on that job's second slice leaves its first slice queued there. The lane
+    records the failed job's end on the main stream: it fires only once that slice's
+    bytes landed."""
+    strategy, drv, layout, device_base = _setup(3, to_host, slot_blocks=1)
+    head = _prepared(strategy, layout, np.arange(3), np.arange(3), to_host)
+    assert head.slices == 3
+    strategy.enqueue(head, None, drv.create_event(), drv.create_event())
+    assert strategy.tail == 0 and strategy.main_stream is strategy.streams[0]
+    blocks, chunks = np.arange(3, 5), np.arange(10, 12)
+    job = _prepared(strategy, layout, blocks, chunks, to_host)
+    launch, calls = strategy.kernel.launch, []
+
+    def failing(*args: Any) -> None:
+        calls.append(args[-1])
+        if len(calls) == 2:
+            raise RuntimeError("the launch failed")
+        launch(*args)
+
+    strategy.kernel.launch = failing  # type: ignore[method-assign]
+    start, stop = drv.create_event(), drv.create_event()
+    with pytest.raises(RuntimeError, match="launch failed"):
+        strategy.enqueue(job, None, start, stop)
+    assert calls[0] == strategy.streams[1]
+    drv.record(stop, strategy.main_stream)  # what CudaLane._issue does then
+    before = drv.mem.copy()
+    want = _expected(_expected(before, layout, device_base, [(np.arange(3), np.arange(3))], to_host),
+                     layout, device_base, [(blocks[:1], chunks[:1])], to_host)
+    landed = _landed(drv, want, _destinations(layout, device_base, [(blocks[:1], chunks[:1])], to_host))
+    seen: list[bool] = []
+    drv.on_done[stop] = lambda: seen.append(True) or landed()
+    rng = np.random.default_rng(6)
+    for _ in range(ORDERS * 4):
+        drv.mem[:] = before
+        drv.run(rng)
+    assert len(seen) == ORDERS * 4
