@@ -1,13 +1,13 @@
-"""A/B of the host submit: the bench's per-layer 32 KiB-page job (default worker), rounds
-alternating two source trees in one device call, because the lent host's speed drifts
-between minutes. For each tree a subprocess times, per direction, 16 bursts of four jobs
-(``aiokv.bench.cuda._bursts``): each burst's first submit (after an ``await``) and the
-others (back to back), with random chunks and with the chunks as neighbours, and the
-device time of one job (GB/s). Medians in us.
+"""A/B of the host submit: the bench's per-layer 32 KiB-page job (default worker), in
+rounds alternating source trees (the older ones given, then the current one) in one device
+call, because the lent host's speed drifts between minutes. For each tree a subprocess
+times, per direction, 16 bursts of four jobs (``aiokv.bench.cuda._bursts``): each burst's
+first submit (after an ``await``) and the others (back to back), with random chunks and
+with the chunks as neighbours, then the device time of one job (GB/s). Medians in us.
 
-Run on the GPU machine from the repo root, with the old tree unpacked somewhere, e.g.
+Run on the GPU machine from the repo root, with each older tree unpacked somewhere, e.g.
 ``mkdir -p /tmp/old && git archive HEAD~3 aiokv | tar -x -C /tmp/old``, then
-``python3 probes/probe_submit_ab.py /tmp/old [rounds, default 3]``.
+``python3 probes/probe_submit_ab.py /tmp/old [more trees] [--rounds N, default 3]``.
 """
 
 import json
@@ -43,10 +43,15 @@ asyncio.run(main())
 
 
 def main() -> None:
-    old = os.path.abspath(sys.argv[1])
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    args = sys.argv[1:]
+    rounds = 3
+    if "--rounds" in args:
+        at = args.index("--rounds")
+        rounds = int(args[at + 1])
+        del args[at : at + 2]
     probes = os.path.dirname(os.path.abspath(__file__))
-    trees = [("old", old), ("new", os.getcwd())]
+    trees = [(os.path.basename(os.path.normpath(p)), os.path.abspath(p)) for p in args]
+    trees.append(("new", os.getcwd()))
     for r in range(rounds):
         for name, path in trees if r % 2 == 0 else trees[::-1]:
             paths = [path, probes, os.environ.get("PYTHONPATH", "")]
@@ -60,7 +65,7 @@ def main() -> None:
             rows = json.loads(lines[0][4:])
             for direction, row in rows.items():
                 cells = "  ".join(f"{k} {v:.0f}" if k != "GB/s" else f"{k} {v:.1f}" for k, v in row.items())
-                print(f"round {r} {name:3} {direction:5}  {cells}", flush=True)
+                print(f"round {r} {name:4} {direction:5}  {cells}", flush=True)
 
 
 if __name__ == "__main__":
