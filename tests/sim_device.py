@@ -37,6 +37,7 @@ class SimDriver:
         self.done: dict[int, int] = {}  # event -> records executed
         self.on_done: dict[int, Any] = {}  # event -> called when a record of it executes
         self.next = 0
+        self.heads: dict[int, int] = {}
 
     def _handle(self) -> int:
         self.next += 1
@@ -108,7 +109,7 @@ class SimDriver:
         stream as long as the waits allow), else any ready one. The queues stay as they
         are, so the same work can run again in another order."""
         self.done = dict.fromkeys(self.done, 0)
-        heads = {s: 0 for s in self.streams}
+        heads = self.heads = {s: 0 for s in self.streams}  # ops run so far, per stream
         rank = {s: r for r, s in enumerate(rng.permutation(list(self.streams)).tolist())}
         while True:
             ready = []

@@ -168,19 +168,16 @@ def fits(*arrays: np.ndarray | int) -> bool:
 class _TableSlot:
     host: torch.Tensor  # pinned
     device: torch.Tensor
-    # Recorded after the copy from ``host``, and again (``release``) after the job's last
-    # kernel that reads ``device``: once it is done, both buffers may be rewritten.
-    free: Any
+    copied: Any  # event recorded once the device copy of ``host`` is done
 
 
 class PieceKernel:
     """The loaded kernel and the page tables it reads.
 
-    ``upload`` puts a page table on the device through a pinned buffer; both are reused
-    once the job that read them is over (an event per buffer, recorded by ``release``; a
-    new buffer when all are busy), with driver calls that keep the GIL: torch's
-    ``pin_memory().to()`` would drop it twice per job, and beside a busy Python thread each
-    drop costs a switch interval.
+    ``upload`` puts a page table on the device through a pinned buffer that is reused
+    once the device has copied it (an event per buffer; a new buffer when all are busy),
+    with driver calls that keep the GIL: torch's ``pin_memory().to()`` would drop it twice
+    per job, and beside a busy Python thread each drop costs a switch interval.
     """
 
     def __init__(self, driver: Driver, device: torch.device) -> None:
@@ -198,19 +195,18 @@ class PieceKernel:
             *(ctypes.addressof(a) for a in self._args), ctypes.addressof(self._rows))
         self._tables: list[_TableSlot] = []
         self._kept: list[_TableSlot] = []
-        self._unreleased: _TableSlot | None = None
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
     def upload(self, pages: np.ndarray, stream: Any, keep: bool = False) -> int:
         """Copy a page table (uint64) to the device on ``stream``; its device address.
 
-        Kernels reading it run on ``stream`` or behind it; the lane calls ``release`` once
-        they are all enqueued. A ``keep`` table stays until ``close``.
+        Kernels reading it must run on ``stream`` too: device buffers are reused in its
+        order, except a ``keep`` table's, which stays until ``close``.
         """
         nbytes = pages.size * 8
         drv = self.driver
         slot = None if keep else next(
-            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.free)), None)
+            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
         if slot is None:  # one per job in flight at most (and a kept one), until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
             # On ``stream``, where it is used: from another stream the caching allocator
@@ -223,17 +219,8 @@ class PieceKernel:
             (self._kept if keep else self._tables).append(slot)
         slot.host.numpy()[:nbytes] = pages.view(np.uint8).reshape(-1)
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
-        drv.record(slot.free, stream)  # the copy is covered even if ``release`` never comes
-        if not keep:
-            self._unreleased = slot
+        drv.record(slot.copied, stream)
         return int(slot.device.data_ptr())
-
-    def release(self, stream: Any) -> None:
-        """The last table uploaded may be reused once ``stream``'s work so far is done:
-        call it where every kernel that reads the table is behind."""
-        slot, self._unreleased = self._unreleased, None
-        if slot is not None:
-            self.driver.record(slot.free, stream)
 
     def torch_stream(self, stream: Any) -> torch.cuda.ExternalStream:
         """``stream`` as torch sees it (cached), to allocate device memory on it."""
@@ -279,5 +266,4 @@ class PieceKernel:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""
         self._tables = []
         self._kept = []
-        self._unreleased = None
         self._streams = {}

@@ -8,17 +8,14 @@ host order, and the slot moves as runs of whole host chunks, the sizes at which 
 engines hold their rate under load. Slices alternate between two slots, so the gather of
 one overlaps the DMA of the one before. Loads run the other way: DMA into a slot, scatter.
 
-Two streams per lane, one per slot, each gathering into its slot and moving it (both high
-priority, so the short launches take SMs from a GEMM as soon as some free up). A slot's
-reuse is then in its stream's order, and a slice costs a launch and a copy, no events; the
-jobs of a lane stay in order through the ``start`` event, which a job records where the job
-before ended, and which the other stream waits on before its first write. A job ends on the
-stream of its last slice (after joining the other one), and the next job starts on the
-other, so its first gather overlaps that last DMA. Jobs that are not 16-byte aligned or
-hold a piece larger than a slot go as batched DMA from stream 0 (the lane's main stream);
-under ``auto`` so do jobs of few pieces or of large ones (the copy engines already run 2 MiB
-pages at the ceiling).
+Two streams per lane: the kernel stream (high priority, so its short launches take SMs
+from a GEMM as soon as some free up) and the DMA stream. The stream that ends a job is the
+lane's main stream: the DMA stream for stores, the kernel stream for loads. Jobs that are
+not 16-byte aligned or hold a piece larger than a slot go as batched DMA from the main
+stream; under ``auto`` so do jobs of few pieces or of large ones (the copy engines already
+run 2 MiB pages at the ceiling).
 """
+
 from __future__ import annotations
 
 import functools
@@ -192,21 +189,25 @@ class StagedCopy(CopyStrategy):
         drv = ctx.driver
         self.kernel = PieceKernel(drv, ctx.device)
         self.staged_jobs = 0  # jobs that went through the ring (tests and the bench read it)
-        self.joined = drv.create_event()  # events go with the driver
-        # Stream i gathers into and moves slot i (see the module docstring).
-        self.streams: list[Any] = []
+        self.full = [drv.create_event() for _ in range(SLOTS)]  # events go with the driver
+        self.free = [drv.create_event() for _ in range(SLOTS)]
+        self.joined = drv.create_event()
+        self.kernel_stream = drv.create_stream(high_priority=True)
         try:
-            for _ in range(SLOTS):
-                self.streams.append(drv.create_stream(high_priority=True))
-            self.main_stream = self.streams[0]
+            self.dma_stream = drv.create_stream()
+        except BaseException:
+            drv.destroy_stream(self.kernel_stream)
+            raise
+        self.main_stream = self.dma_stream if ctx.to_host else self.kernel_stream
+        try:
             self.dma = MultiStreamDma(ctx, self.main_stream, ctx.streams or DEFAULT_DMA_STREAMS)
         except BaseException:
-            for stream in self.streams:
-                drv.destroy_stream(stream)
+            drv.destroy_stream(self.kernel_stream)
+            drv.destroy_stream(self.dma_stream)
             raise
         self.staging: torch.Tensor | None = None
         self.page_table: int | None = None  # device address of the layout's, once uploaded
-        self.tail = SLOTS - 1  # the stream the last job ended on; the next starts on the other
+        self.next_slot = 0
         self.shape = self._block_shape()
         # Where a slice's batched call finds its runs' slot addresses (see ``_move``).
         self._slot_at = np.empty(0, dtype=np.int64)
@@ -259,7 +260,7 @@ class StagedCopy(CopyStrategy):
         try:
             # Allocated on the kernel stream: from the submitting thread's current stream,
             # the caching allocator could hand back a block its queued kernels still use.
-            with torch.cuda.stream(self.kernel.torch_stream(self.main_stream)):
+            with torch.cuda.stream(self.kernel.torch_stream(self.kernel_stream)):
                 self.staging = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.ctx.device)
         except torch.OutOfMemoryError:
             _log.warning("no device memory for %d bytes of staging; copying with DMA only",
@@ -269,87 +270,70 @@ class StagedCopy(CopyStrategy):
         return True
 
     def enqueue(self, job: StagedJob | DmaBatch, dependency: Any, start: Any, stop: Any) -> None:
-        drv, streams, main = self.ctx.driver, self.streams, self.main_stream
-        tail = streams[self.tail]  # where the job before ended: ``start`` is recorded there
+        drv, main = self.ctx.driver, self.main_stream
         if isinstance(job, DmaBatch):
             if dependency is not None:
-                drv.stream_wait(tail, dependency)
-            drv.record(start, tail)
-            if tail is not main:
-                drv.stream_wait(main, start)
+                drv.stream_wait(main, dependency)
+            drv.record(start, main)
             self.dma.issue(job, fork=start)
             drv.record(stop, main)
-            self.tail = 0
             return
         assert self.staging is not None
-        first_job = not self.staged_jobs
+        k, d = self.kernel_stream, self.dma_stream
+        if not self.staged_jobs:
+            # The DMA stream writes the ring too: it starts behind its allocation once.
+            # (Here, not in ``prepare``: this runs in order with the streams' other work.)
+            drv.record(self.joined, k)
+            drv.stream_wait(d, self.joined)
         self.staged_jobs += 1
+        first = self.next_slot
+        self.next_slot = (first + job.slices) % SLOTS
         to_host = self.ctx.to_host
-        first = (self.tail + 1) % SLOTS
+        ring = self.staging.data_ptr()
         try:
-            if job.pages is None and self.page_table is None:
-                assert self.shape is not None  # the layout's page table, uploaded once
-                self.page_table = self.kernel.upload(self.shape[0], main, keep=True)
-                first_job = True
-            if first_job:
-                # The other streams write the ring and read the table too: they start
-                # behind its allocation and upload (both on the main stream) once.
-                drv.record(self.joined, main)
-                for other in streams[1:]:
-                    drv.stream_wait(other, self.joined)
             if to_host and dependency is not None:
-                # Waiting here keeps the source's writer out of the job's measured time.
-                drv.stream_wait(tail, dependency)
-            # A job's time runs from where the job before ended: in a pipeline, its share of
-            # the link (a gather that overlapped the job before is not counted twice), the
-            # span the handler's rate estimate predicts ends with.
-            drv.record(start, tail)
+                # The DMA waits for the gather anyway; waiting here too keeps the source's
+                # writer out of the job's measured time, as on the DMA path.
+                drv.stream_wait(d, dependency)
+            # A job's time runs from where the DMA stream reaches it: in a pipeline, its
+            # share of the link (a gather that overlapped the job before is not counted
+            # twice), which is the span the handler's rate estimate predicts ends with.
+            drv.record(start, d)
             if job.pages is not None:
-                table = self.kernel.upload(job.pages, streams[first])
-                if job.slices > 1:  # the other stream's launches read it too
-                    drv.record(self.joined, streams[first])
-                    drv.stream_wait(streams[(first + 1) % SLOTS], self.joined)
-            else:
-                assert self.page_table is not None
+                table = self.kernel.upload(job.pages, k)
+            else:  # the layout's page table, uploaded once
+                if self.page_table is None:
+                    assert self.shape is not None
+                    self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
                 table = self.page_table
-            ring, step, launch = self.staging.data_ptr(), self.slot_bytes, self.kernel.launch
+            if to_host and dependency is not None:
+                drv.stream_wait(k, dependency)  # the source's pending writers
             for s in range(job.slices):
                 slot = (first + s) % SLOTS
-                stream, at = streams[slot], ring + slot * step
+                at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
-                # The tail stream is behind the job before already; the others wait for
-                # ``start`` before their first write (host chunks, or device blocks).
-                behind = s == 0 and stream is not tail
                 if to_host:
-                    if behind and dependency is not None:
-                        drv.stream_wait(stream, dependency)  # the source's pending writers
-                    launch(table, pages, rows, at, job.image_step, job.longest, False, stream)
-                    if behind:
-                        drv.stream_wait(stream, start)
-                    self._move(job, s, at, stream)
+                    drv.stream_wait(k, self.free[slot])
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
+                    drv.record(self.full[slot], k)
+                    drv.stream_wait(d, self.full[slot])
+                    self._move(job, s, at, d)
+                    drv.record(self.free[slot], d)
                 else:
-                    self._move(job, s, at, stream)
-                    if s < SLOTS and dependency is not None:
-                        drv.stream_wait(stream, dependency)  # the destination's pending readers
-                    if behind:
-                        drv.stream_wait(stream, start)
-                    launch(table, pages, rows, at, job.image_step, job.longest, True, stream)
-            last = (first + job.slices - 1) % SLOTS
-            if job.slices > 1:
-                drv.record(self.joined, streams[(last + 1) % SLOTS])
-                drv.stream_wait(streams[last], self.joined)
+                    drv.stream_wait(d, self.free[slot])
+                    self._move(job, s, at, d)
+                    drv.record(self.full[slot], d)
+                    drv.stream_wait(k, self.full[slot])
+                    if s == 0 and dependency is not None:
+                        drv.stream_wait(k, dependency)  # the destination's pending readers
+                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, True, k)
+                    drv.record(self.free[slot], k)
         except BaseException:
-            # The lane ends a failed job on the main stream: it must cover the other's work.
-            for other in streams[1:]:
-                drv.record(self.joined, other)
-                drv.stream_wait(main, self.joined)
-            self.kernel.release(main)
-            self.tail = 0
+            # The main stream's next event must cover what the other stream holds.
+            drv.record(self.joined, k if to_host else d)
+            drv.stream_wait(main, self.joined)
             raise
-        if job.pages is not None:
-            self.kernel.release(streams[last])  # the job's table, once its kernels are done
-        drv.record(stop, streams[last])
-        self.tail = last
+        drv.record(stop, main)
 
     def _move(self, job: StagedJob, s: int, at: int, stream: Any) -> None:
         """Slice ``s``'s DMA runs between the slot at ``at`` and the host chunks. One run
@@ -377,8 +361,8 @@ class StagedCopy(CopyStrategy):
 
     def close(self) -> None:
         self.dma.close()
-        for stream in self.streams:
-            self.ctx.driver.destroy_stream(stream)
+        self.ctx.driver.destroy_stream(self.kernel_stream)
+        self.ctx.driver.destroy_stream(self.dma_stream)
         self.kernel.close()
         self.staging = None
         self.page_table = None
