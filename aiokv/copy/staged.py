@@ -18,7 +18,6 @@ run 2 MiB pages at the ceiling).
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -69,15 +68,11 @@ class StagedJob:
     runs: np.ndarray
     run_bounds: list[int]  # runs [run_bounds[s], run_bounds[s + 1]) belong to slice s
     npages: int  # page rows a block has
+    runs_at: int = 0  # address of ``runs`` (C-contiguous), read by the first batched slice
 
     @property
     def slices(self) -> int:
         return len(self.bounds) - 1
-
-    @functools.cached_property
-    def runs_at(self) -> int:
-        """Address of ``runs`` (C-contiguous), read once per job."""
-        return int(self.runs.ctypes.data)
 
     @property
     def run_host(self) -> np.ndarray:
@@ -308,26 +303,29 @@ class StagedCopy(CopyStrategy):
                 table = self.page_table
             if to_host and dependency is not None:
                 drv.stream_wait(k, dependency)  # the source's pending writers
+            # Locals: this loop runs inside every submit, four times for a 256 MiB job.
+            wait, record, launch, move = drv.stream_wait, drv.record, self.kernel.launch, self._move
+            full, free, step, longest = self.full, self.free, job.image_step, job.longest
             for s in range(job.slices):
                 slot = (first + s) % SLOTS
                 at = ring + slot * self.slot_bytes
                 pages, rows = job.span(s)
                 if to_host:
-                    drv.stream_wait(k, self.free[slot])
-                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, False, k)
-                    drv.record(self.full[slot], k)
-                    drv.stream_wait(d, self.full[slot])
-                    self._move(job, s, at, d)
-                    drv.record(self.free[slot], d)
+                    wait(k, free[slot])
+                    launch(table, pages, rows, at, step, longest, False, k)
+                    record(full[slot], k)
+                    wait(d, full[slot])
+                    move(job, s, at, d)
+                    record(free[slot], d)
                 else:
-                    drv.stream_wait(d, self.free[slot])
-                    self._move(job, s, at, d)
-                    drv.record(self.full[slot], d)
-                    drv.stream_wait(k, self.full[slot])
+                    wait(d, free[slot])
+                    move(job, s, at, d)
+                    record(full[slot], d)
+                    wait(k, full[slot])
                     if s == 0 and dependency is not None:
-                        drv.stream_wait(k, dependency)  # the destination's pending readers
-                    self.kernel.launch(table, pages, rows, at, job.image_step, job.longest, True, k)
-                    drv.record(self.free[slot], k)
+                        wait(k, dependency)  # the destination's pending readers
+                    launch(table, pages, rows, at, step, longest, True, k)
+                    record(free[slot], k)
         except BaseException:
             # The main stream's next event must cover what the other stream holds.
             drv.record(self.joined, k if to_host else d)
@@ -353,6 +351,8 @@ class StagedCopy(CopyStrategy):
             self._slot_at_ptr = self._slot_at.ctypes.data
         np.add(runs[1, lo:hi], at, out=self._slot_at[:n])
         table = job.runs_at
+        if not table:
+            table = job.runs_at = runs.ctypes.data
         host, sizes, slot = table + 8 * lo, table + 2 * runs.strides[0] + 8 * lo, self._slot_at_ptr
         if to_host:
             drv.memcpy_batch_at(host, slot, sizes, n, stream, to_host=True)
