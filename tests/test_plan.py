@@ -253,3 +253,27 @@ def test_small_job_fast_path_agrees_with_numpy(bpc: int, gpu, chunks, start: int
     small, vectorised = _plan_small(fast, layout), _plan_numpy(fast, layout)
     for a, b in zip(small, vectorised):  # tensor, device offset, host offset, bytes
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("how", ["plain", "with group_sizes and block_indices", "load, chunks repeat"])
+def test_one_block_per_chunk_pairs_come_sorted_by_host_too(seed: int, how: str) -> None:
+    """``by_host`` holds the job's own (GPU block, slot) pairs, slots ascending, ties in the
+    order given (a load may read one chunk into several blocks), as numpy or list input."""
+    rng = np.random.default_rng(seed)
+    load = how.startswith("load")
+    if load:  # each block once (a load writes it), chunks may repeat
+        blocks, chunks = rng.permutation(16), rng.integers(0, 8, 16)
+    else:  # past the plain-Python path for short jobs; a store may read a block twice
+        n = int(rng.integers(17, 40))
+        blocks, chunks = rng.integers(0, 16, n), rng.choice(64, n, replace=False)
+    n = blocks.size
+    extra = {"group_sizes": [n], "block_indices": [int(rng.integers(0, 9))]} if how.startswith("with") else {}
+    m = map_blocks(blocks.tolist() if seed % 2 else blocks, chunks, layout=layout_for(1), num_chunks=64,
+                   unique_gpu=load, unique_host=not load, **extra)
+    assert m.by_host is not None
+    rows, slots = m.by_host
+    assert np.all(np.diff(slots) >= 0)
+    order = np.argsort(chunks, kind="stable")
+    assert rows.tolist() == blocks[order].tolist() and slots.tolist() == chunks[order].tolist()
+    assert m.gpu_blocks[0].tolist() == blocks.tolist() and m.host_slots[0].tolist() == chunks.tolist()
