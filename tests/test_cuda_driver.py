@@ -5,6 +5,8 @@ device may still write is never unmapped."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -38,6 +40,34 @@ def test_bindings_older_than_the_driver_copy_one_call_per_copy(monkeypatch) -> N
     assert drv._load_batch() == (None, "loop")
     monkeypatch.delattr(cu, "CUmemcpy3DOperandType")
     assert drv._load_batch3d() is None
+
+
+def test_threads_building_the_copy_attributes_at_once_all_pass_the_kept_one(monkeypatch) -> None:
+    """The first batched copies of a driver may come from several threads (lanes, the DMA
+    submit threads), each finding no attributes yet. Every address handed to the driver
+    must be that of the object the driver keeps: another one is freed while in use."""
+    built = []
+
+    class SlowAttributes:  # a thread switch lands inside the construction
+        def __init__(self) -> None:
+            built.append(self)
+            time.sleep(0.05)
+
+        def getPtr(self) -> int:  # cuda-python's name
+            return id(self)
+
+    monkeypatch.setattr(cu, "CUmemcpyAttributes", SlowAttributes)
+    drv = object.__new__(Driver)
+    drv._attrs, drv._attr_ptrs = {}, {}
+    seen: list[int] = []
+    threads = [threading.Thread(target=lambda: seen.append(drv._attr_at(True, None))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) > 1, "the threads should have raced"
+    kept = drv._attrs[(True, None)]
+    assert seen == [id(kept)] * 4
 
 
 class _Registrations:

@@ -512,6 +512,11 @@ class Driver:
             raise self.fail(int(code), "cuMemcpy3DBatchAsync")
 
     def _attr(self, stream_ordered: bool, to_host: bool | None) -> Any:
+        """The ``CUmemcpyAttributes`` for these settings, kept for the driver's lifetime.
+
+        Threads may build one at the same time (lanes, and the DMA submit threads): the
+        first stored wins and every caller gets that one, so no call passes the address of
+        an object that a later store let go of while the driver still reads it."""
         hints = to_host if self.use_location_hints else None
         attr = self._attrs.get((stream_ordered, hints))
         if attr is None:
@@ -529,7 +534,7 @@ class Driver:
                 dev.id = self.device_index
                 attr.srcLocHint, attr.dstLocHint = (dev, host) if hints else (host, dev)
             attr.flags = 0
-            self._attrs[(stream_ordered, hints)] = attr
+            attr = self._attrs.setdefault((stream_ordered, hints), attr)
         return attr
 
     def memcpy_batch(
@@ -579,7 +584,7 @@ class Driver:
             raise self.fail(int(code), "cuMemcpyBatchAsync")
 
     def _attr_at(self, stream_ordered: bool, to_host: bool | None) -> int:
-        """Address of the cached ``CUmemcpyAttributes`` for these settings."""
+        """Address of the kept ``CUmemcpyAttributes`` for these settings (``_attr``)."""
         key = (stream_ordered, to_host if self.use_location_hints else None)
         at = self._attr_ptrs.get(key)
         if at is None:
