@@ -64,7 +64,8 @@ class StagedJob:
     bounds: list[int]  # slice s is rows [bounds[s], bounds[s + 1]) of blocks or pages
     longest: int
     # The DMA runs, one column each, int64 rows: host address, offset in the slot, bytes.
-    # One array, so a slice's batched call takes pointers into it, no per-call conversion.
+    # One C-contiguous (3, runs) array, so a slice's batched call takes pointers into it
+    # with no per-call conversion (``_move``; replace it whole, never with a view).
     runs: np.ndarray
     run_bounds: list[int]  # runs [run_bounds[s], run_bounds[s + 1]) belong to slice s
     npages: int  # page rows a block has
