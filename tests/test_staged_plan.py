@@ -125,8 +125,11 @@ def _block_layout(rng: np.random.Generator, pages: int) -> tuple[np.ndarray, int
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("padding", [0, 48])
-def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> None:
-    """Blocks to chunks; chunks are back to back (``padding`` 0, so runs merge) or padded."""
+@pytest.mark.parametrize("hint", ["none", "true", "false"])
+def test_block_job_store_then_load_moves_every_page(seed: int, padding: int, hint: str) -> None:
+    """Blocks to chunks; chunks are back to back (``padding`` 0, so runs merge) or padded.
+    ``hint``: ``in_host_order`` left unset, passed on host-sorted input (``by_host``'s
+    promise), or passed on input that breaks it, which may lose merges but no bytes."""
     rng = np.random.default_rng(seed)
     page_rows, block_bytes = _block_layout(rng, int(rng.integers(1, 9)))
     chunk_bytes = block_bytes + padding
@@ -137,7 +140,10 @@ def test_block_job_store_then_load_moves_every_page(seed: int, padding: int) -> 
         chunks = np.sort(chunks)[::-1]  # more neighbours on the host, listed descending
     host = ((2 << 20) + chunks * chunk_bytes).astype(np.uint64)
     slot_bytes = block_bytes * int(rng.integers(1, 6)) + 16 * int(rng.integers(0, 4))
-    job = block_job(rows, host, page_rows, block_bytes, slot_bytes)
+    if hint == "true":
+        order = np.argsort(host, kind="stable")
+        rows, host = rows[order], host[order]
+    job = block_job(rows, host, page_rows, block_bytes, slot_bytes, in_host_order=hint != "none")
     per_slice = max(hi - lo for lo, hi in zip(job.bounds, job.bounds[1:]))
     assert job.by_block and job.pages is None and per_slice * job.image_step <= slot_bytes
     space = _space(rng)
