@@ -61,10 +61,17 @@ def record_calls(worker, setup: b._Setup, store: bool, ids: b._JobIds) -> tuple[
     keep: list = []
     saved = {name: getattr(drv, name) for name in DRIVER_CALLS}
 
+    depth = [0]  # memcpy_batch calls memcpy_batch_at: record the outer call only
+
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
-            calls.append((fn, _snapshot(name, args, kwargs, keep), dict(kwargs)))
-            return fn(*args, **kwargs)
+            if not depth[0]:
+                calls.append((fn, _snapshot(name, args, kwargs, keep), dict(kwargs)))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         return wrapper
 
     for name, fn in saved.items():
