@@ -661,10 +661,41 @@ async def test_unhashable_keys_are_invalid_spec_and_a_generator_of_keys_is_read_
             await cache.offload([["b"]], [2])
         with pytest.raises(InvalidSpec, match="hashable"):
             await cache.restore(["a", ["b"]], [3, 4])
+        with pytest.raises(InvalidSpec, match="hashable"):  # behind a miss, too
+            await cache.restore(["z", ["b"]], [3, 4])
+        for one in (b"ab", "ab", bytearray(b"ab")):  # one key, not a key per element
+            with pytest.raises(InvalidSpec, match="wrap it in a list"):
+                cache.lookup(one)
+            with pytest.raises(InvalidSpec, match="wrap it in a list"):
+                await cache.offload(one, [2, 3])
+            with pytest.raises(InvalidSpec, match="wrap it in a list"):
+                await cache.restore(one, [2, 3])
         assert cache.stats() == before and len(cache) == 1
         assert cache.lookup(k for k in ["a", "z"]) == 1  # counted as 1 hit and 1 miss
         st = cache.stats()
         assert (st.hits - before.hits, st.misses - before.misses) == (1, 1)
         assert await cache.restore(["a"], [5])
         assert holds(kv, 5, 1)
+        assert_settled(cache)
+
+
+async def test_calls_that_copy_nothing_still_checkpoint() -> None:
+    """Held keys, a miss, an empty restore and an idle drain return without a copy, but
+    still yield to the loop as an awaited copy does: a loop of them stays cancellable and
+    the worker's poller runs between them."""
+    async with open_cache() as (kv, _, cache):
+        fill(kv, 1, 1)
+        await cache.offload(["a"], [1])
+        calls = {
+            "offload of held keys": lambda: cache.offload(["a"], [1]),
+            "restore of a missing key": lambda: cache.restore(["z"], [2]),
+            "restore of no keys": lambda: cache.restore([], []),
+            "drain with nothing in flight": lambda: cache.drain(),
+        }
+        for what, call in calls.items():
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await call()
+            assert scope.cancelled_caught, what
+        assert cache.lookup(["a"]) == 1
         assert_settled(cache)

@@ -29,6 +29,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import anyio
 import numpy as np
 
 from ..future import TransferFuture
@@ -272,12 +273,14 @@ class OffloadCache:
         if plan is None:
             held = sum(1 for k in block_of if k in self._mgr)
             self._count_offer(len(block_of), held)
+            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
             return OffloadResult(0, held, len(block_of) - held, 0)
         stored = plan.keys_to_store
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
         if not stored:
             self._count_offer(len(block_of), skipped)
+            await anyio.lowlevel.checkpoint()
             return OffloadResult(0, skipped, rest, len(plan.evicted))
         src = GPULoadStoreSpec([block_of[k] for k in stored])
         dst = CPULoadStoreSpec([self.chunks.start + c for c in plan.chunk_ids])
@@ -331,14 +334,21 @@ class OffloadCache:
         self._fold_times()
         if not keys:
             self._restores += 1
+            await anyio.lowlevel.checkpoint()
             return True
         try:
-            chunks = self._mgr.prepare_load(keys)  # hashes every key before it pins any
+            chunks = self._mgr.prepare_load(keys)  # pins nothing unless every key is loadable
         except TypeError as exc:
             raise _unhashable(exc) from exc
         except KeyNotLoadable:
+            try:  # an unhashable key raises even behind a miss
+                for key in keys:
+                    hash(key)
+            except TypeError as exc:
+                raise _unhashable(exc) from exc
             self._restores += 1
             self._restore_misses += 1
+            await anyio.lowlevel.checkpoint()
             return False
         pinned = list(keys)
         src = CPULoadStoreSpec([self.chunks.start + c for c in chunks])
@@ -374,6 +384,8 @@ class OffloadCache:
         """Wait until every copy this cache had started when called is over (also those whose
         awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request.
         Copies started meanwhile are not waited for, so a busy server does not hold it."""
+        if not self._in_flight:
+            await anyio.lowlevel.checkpoint()
         for future in list(self._in_flight.values()):
             try:
                 await future
@@ -444,6 +456,9 @@ def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> Sequence[Hashable]:
     """A numpy array's or a tensor's keys as plain values (its elements would hash by
     identity, a tensor's, and never hit); any other sequence as it is, not copied:
     ``lookup`` is polled, and returns at the first miss."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise InvalidSpec(f"keys must be a sequence of keys; got one {type(keys).__name__} "
+                          "(it would be read as one key per element): wrap it in a list")
     tolist = getattr(keys, "tolist", None)
     if not callable(tolist):
         if not isinstance(keys, Sequence):  # a generator: read once, then counted and indexed
