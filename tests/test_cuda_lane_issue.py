@@ -257,3 +257,35 @@ def test_an_issuer_thread_that_cannot_start_gives_the_events_back_once() -> None
         threading.Thread.start = real  # type: ignore[method-assign]
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
     lane.close()
+
+
+@pytest.mark.parametrize("case", ["event sync works", "event sync fails too", "sticky"])
+def test_a_failed_query_reports_the_job_only_after_its_copies_are_waited_out(case: str) -> None:
+    """A query error that leaves the context usable says nothing of the copies: the job is
+    failed only after a wait on its end event (or, failing that, its stream), so its memory
+    is not handed back while they may still run. A sticky error fails it at once."""
+    lane, driver, _ = make_lane(issue_thread=False)
+    c = lane.launch(plan(1024), None)
+    events = c._events
+    assert events is not None
+    waited: list[tuple[str, Any]] = []
+
+    def query(event: Any) -> bool:
+        if case == "sticky":
+            driver.broken = WorkerBroken("context lost")
+            raise driver.broken
+        raise RuntimeError("cuEventQuery: CUDA_ERROR_INVALID_HANDLE")
+
+    def synchronize(event: Any) -> None:
+        if case == "event sync fails too":
+            raise RuntimeError("cuEventSynchronize: CUDA_ERROR_INVALID_HANDLE")
+        waited.append(("event", event))
+
+    driver.query = query  # type: ignore[method-assign]
+    driver.synchronize = synchronize  # type: ignore[method-assign]
+    driver.stream_synchronize = lambda stream: waited.append(("stream", stream))  # type: ignore[method-assign]
+    assert c.query() and c.error is not None
+    want = {"event sync works": [("event", events.done)],
+            "event sync fails too": [("stream", lane.bell_stream)], "sticky": []}[case]
+    assert waited == want
+    lane.close()

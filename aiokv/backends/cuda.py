@@ -710,10 +710,27 @@ class CudaCompletion(Completion):
             if not drv.query(events.done):
                 return False
         except Exception as exc:
+            if drv.broken is None:
+                self._wait_out(events)
             self._finish(exc)
             return True
         self._finish(None)
         return True
+
+    def _wait_out(self, events: _Events) -> None:
+        """A query that failed without breaking the context says nothing of the copies:
+        block until they are over before the job is reported failed, or its memory could
+        be reused (a cache's chunks, the GPU blocks) while they still run."""
+        try:
+            self._driver.synchronize(events.done)
+            return
+        except Exception:
+            pass
+        if self._bell_stream is not None:
+            try:
+                self._driver.stream_synchronize(self._bell_stream)
+            except Exception:
+                pass  # a context that fails this too fails every job anyway
 
     def wait(self, timeout: float | None = None) -> bool:
         if self.query():
