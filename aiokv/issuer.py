@@ -81,6 +81,13 @@ class Issuer:
         if thread is not None:
             thread.join()
 
+    def stop(self) -> None:
+        """Let the thread end once what is queued has run, without waiting for it (a
+        dropped worker's lane: nothing may block in a finalizer)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cond:

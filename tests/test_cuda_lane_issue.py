@@ -103,6 +103,9 @@ class FakeStrategy:
     def close(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        self.abandoned = True
+
 
 class Bell:
     def __init__(self) -> None:
@@ -289,3 +292,17 @@ def test_a_failed_query_reports_the_job_only_after_its_copies_are_waited_out(cas
             "event sync fails too": [("stream", lane.bell_stream)], "sticky": []}[case]
     assert waited == want
     lane.close()
+
+
+def test_an_abandoned_lane_keeps_its_strategys_buffers_and_lets_the_issuer_end() -> None:
+    lane, _, strategy = make_lane()
+    gate = hold(lane)  # the issuer thread holds work
+    c = lane.launch(plan(LONG), None)
+    assert lane._issuer is not None
+    thread = lane._issuer._thread
+    assert thread is not None
+    lane.abandon()  # returns at once: a finalizer must not block on the device
+    assert getattr(strategy, "abandoned", False)
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive() and c.wait(10) and c.error is None

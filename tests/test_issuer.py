@@ -156,3 +156,20 @@ def test_a_thread_that_cannot_start_queues_nothing(monkeypatch: pytest.MonkeyPat
     assert issuer.drain(10)
     issuer.close()
     assert rec.order == [2, 3]
+
+
+def test_stop_returns_at_once_and_the_thread_ends_after_its_queue() -> None:
+    rec, issuer = Recorder(), Issuer("test-issuer")
+    gate = threading.Event()
+    issuer.run(rec.work(0, gate), defer=True)
+    issuer.run(rec.work(1), defer=True)
+    assert rec.started.wait(10)
+    thread = issuer._thread
+    assert thread is not None
+    issuer.stop()  # must not wait for the held work
+    assert thread.is_alive()
+    with pytest.raises(WorkerClosed):
+        issuer.run(rec.work(2), defer=True)
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive() and rec.order == [0, 1]

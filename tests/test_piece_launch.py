@@ -69,3 +69,24 @@ def test_an_empty_span_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     rows = np.arange(8, dtype=np.uint32)
     assert _launch(monkeypatch, 1 << 20, None, (4, 4), rows, TILE_BYTES).launches == []
     assert _launch(monkeypatch, 1 << 20, None, (0, 8), rows[:0], TILE_BYTES).launches == []
+
+
+def test_an_abandoned_kernel_keeps_its_table_buffers_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped worker's queued copies may still read a pinned table buffer, which torch's
+    host allocator would reuse at once if freed: ``abandon`` keeps every slot."""
+    import gc
+    import weakref
+
+    import torch
+
+    kept: list[Any] = []
+    monkeypatch.setattr(pieces, "_KEPT_TABLES", kept)
+    kernel = PieceKernel(FakeDriver(), None)  # type: ignore[arg-type]
+    bufs = [torch.empty(64, dtype=torch.uint8) for _ in range(2)]
+    kernel._tables.append(pieces._TableSlot(bufs[0], bufs[0], None))
+    kernel._kept.append(pieces._TableSlot(bufs[1], bufs[1], None))
+    refs = [weakref.ref(b) for b in bufs]
+    kernel.abandon()
+    del kernel, bufs
+    gc.collect()
+    assert all(r() is not None for r in refs) and len(kept) == 2

@@ -964,6 +964,13 @@ class CudaLane(Lane):
         if dep is not None:
             self._driver.give_sync_event(dep.event)
 
+    def abandon(self) -> None:
+        """Dropped unclosed: keep what queued copies may still read, and let the issuer
+        thread end after its queue."""
+        self._strategy.abandon()
+        if self._issuer is not None:
+            self._issuer.stop()
+
     def close(self) -> None:
         # Pending rings run before the stream goes (the doorbell is closed after this). A
         # dead context runs no host functions: their FILEs and descriptors are leaked.

@@ -125,6 +125,10 @@ class CopyStrategy:
     def close(self) -> None:
         """Destroy the strategy's streams (the lane guarantees nothing is in flight)."""
 
+    def abandon(self) -> None:
+        """The worker was dropped unclosed, copies may be in flight: keep alive what they
+        may still read or write that would otherwise be freed (nothing, by default)."""
+
 
 def byte_splits(sizes: np.ndarray, parts: int) -> list[int]:
     """Boundaries that cut ``sizes`` into ``parts`` contiguous slices of about equal bytes."""

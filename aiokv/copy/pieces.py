@@ -171,6 +171,10 @@ class _TableSlot:
     copied: Any  # event recorded once the device copy of ``host`` is done
 
 
+# Table slots of kernels whose worker was dropped unclosed (``PieceKernel.abandon``).
+_KEPT_TABLES: list[_TableSlot] = []
+
+
 class PieceKernel:
     """The loaded kernel and the page tables it reads.
 
@@ -267,3 +271,9 @@ class PieceKernel:
         self._tables = []
         self._kept = []
         self._streams = {}
+
+    def abandon(self) -> None:
+        """Keep every table buffer for good (the worker was dropped unclosed): a copy out
+        of one may still be queued, and torch's host allocator, which never saw that copy,
+        would hand a freed pinned buffer to the next ``pin_memory`` allocation."""
+        _KEPT_TABLES.extend(self._tables + self._kept)

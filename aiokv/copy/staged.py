@@ -360,6 +360,9 @@ class StagedCopy(CopyStrategy):
         else:
             drv.memcpy_batch_at(slot, host, sizes, n, stream, to_host=False)
 
+    def abandon(self) -> None:
+        self.kernel.abandon()
+
     def close(self) -> None:
         self.dma.close()
         self.ctx.driver.destroy_stream(self.kernel_stream)
