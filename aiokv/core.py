@@ -141,10 +141,10 @@ class OffloadCore:
         self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
         self.num_cpu_chunks = _chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
         self.backend = resolve_backend(backend, kv_caches, self.options)
-        self.backend.check_caches(kv_caches)
-        self.pool = self.backend.allocate_pool(self.num_cpu_chunks * self.layout.chunk_bytes)
         self.handlers: dict[Direction, Handler] = {}
-        try:
+        try:  # whatever fails, the backend (a CUDA context reference) is released
+            self.backend.check_caches(kv_caches)
+            self.pool = self.backend.allocate_pool(self.num_cpu_chunks * self.layout.chunk_bytes)
             for d in Direction:
                 self.handlers[d] = Handler(d, self.backend.open_lane(d, kv_caches, self.layout, self.pool))
         except BaseException:
@@ -256,13 +256,13 @@ class OffloadCore:
         """
         with self._lock:
             jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        return all(job.completion.wait(timeout) for job in jobs)
+        return _wait_jobs(jobs, timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until every job in flight is done."""
         with self._lock:
             jobs = [job for h in self.handlers.values() for job in h.pending()]
-        return all(job.completion.wait(timeout) for job in jobs)
+        return _wait_jobs(jobs, timeout)
 
     def heads(self) -> list[Job]:
         """The oldest job still in flight of each direction (the next to finish in each)."""
@@ -299,10 +299,14 @@ class OffloadCore:
         self._release()
 
     def _release(self) -> None:
-        for handler in self.handlers.values():
-            handler.lane.close()
-        self.pool.close()
-        self.backend.close()
+        try:
+            for handler in self.handlers.values():
+                handler.lane.close()
+            pool = getattr(self, "pool", None)  # unset if allocating it failed
+            if pool is not None:
+                pool.close()
+        finally:
+            self.backend.close()
 
     def statistics(self) -> WorkerStatistics:
         hs = self.handlers.items()
@@ -318,6 +322,14 @@ class OffloadCore:
 
     def describe_in_flight(self) -> str:
         return " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
+
+
+def _wait_jobs(jobs: list[Job], timeout: float | None) -> bool:
+    """Wait for every job; ``timeout`` bounds the whole wait, not each job's."""
+    if timeout is None:
+        return all(job.completion.wait() for job in jobs)
+    deadline = time.monotonic() + timeout
+    return all(job.completion.wait(max(0.0, deadline - time.monotonic())) for job in jobs)
 
 
 def _abandoned(lanes: list[Any], pool: HostPool, backend: str) -> None:

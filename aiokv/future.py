@@ -102,13 +102,13 @@ class TransferFuture:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a user's callback must not cost other jobs their results
-                _log.exception("done callback of job %s raised", self.job_id)
+            except Exception as exc:  # a user's callback must not cost other jobs their results
+                _log_callback_error(self.job_id, exc)
             except BaseException as exc:
                 if _is_cancellation(exc):
                     # Nobody cancelled the poller that runs this: e.g. the callback read a
                     # cancelled asyncio future. Raised on, it would read as a cancellation.
-                    _log.error("done callback of job %s raised %r", self.job_id, exc, exc_info=exc)
+                    _log_callback_error(self.job_id, exc)
                 else:
                     escaped = escaped or exc  # KeyboardInterrupt and such: after every callback
         if escaped is not None:
@@ -118,6 +118,15 @@ class TransferFuture:
         result = self._result
         state = "pending" if result is None else ("done" if result.success else "failed")
         return f"<TransferFuture job={self.job_id} {state}>"
+
+
+def _log_callback_error(job_id: int, exc: BaseException) -> None:
+    """Log a done callback's error; a logging handler or filter that raises must not cost
+    the future's other callbacks, or the poller that runs them, anything either."""
+    try:
+        _log.error("done callback of job %s raised %r", job_id, exc, exc_info=exc)
+    except Exception:
+        pass
 
 
 def _is_cancellation(exc: BaseException) -> bool:

@@ -252,8 +252,10 @@ class AsyncOffloadingWorker:
     async def aclose(self) -> None:
         """Wait for every job in flight, stop the poller and free host memory. Idempotent.
 
-        Any task may call it; the drain is shielded, so cancelling the closing task does
-        not abandon copies that still write host memory. The task that opened the worker
+        Any task on the opener's loop may call it (another thread must hand it to that
+        loop: it raises ``InvalidSpec`` there unless closed already); the drain is
+        shielded, so cancelling the closing task does not abandon copies that still write
+        host memory. The task that opened the worker
         also leaves its task group here (``async with`` exit does so), so that task must
         call it outside any cancel scope it entered after opening.
         """
@@ -264,6 +266,15 @@ class AsyncOffloadingWorker:
             return
         if self._state is _State.OPEN and self._task_group is None:
             raise RuntimeError("a SyncOffloadingWorker owns this worker: call its shutdown() instead")
+        if threading.get_ident() != self._loop_thread:
+            if self._closed.is_set():
+                return  # closed already: nothing left on the opener's loop
+            # Its poller, futures and doorbell belong to the opener's loop: a drain from
+            # another thread's loop would resolve them off their loop.
+            raise InvalidSpec(
+                "aclose() must run on the event loop thread that opened the worker; from another "
+                "thread, hand it to that loop (e.g. anyio.from_thread.run with the loop's token)"
+            )
         try:
             if self._state is _State.CLOSED:
                 with anyio.CancelScope(shield=True):  # another task is closing: wait for it
@@ -296,11 +307,13 @@ class AsyncOffloadingWorker:
                 raise escaped
         finally:
             try:
-                if self._poller_scope is not None:
-                    self._poller_scope.cancel()  # it stops at its next await
-                if self._poller is not None:  # it must not watch the bell once closed
-                    self._poller.release_bell()
-                self._core.close()  # lanes let pending rings run before they go
+                try:
+                    if self._poller_scope is not None:
+                        self._poller_scope.cancel()  # it stops at its next await
+                    if self._poller is not None:  # it must not watch the bell once closed
+                        self._poller.release_bell()
+                finally:
+                    self._core.close()  # lanes let pending rings run before they go
                 self._close_bell()  # not if that failed: a lane may still ring it
             finally:
                 self._closed.set()

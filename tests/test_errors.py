@@ -526,3 +526,90 @@ def test_bool_sizes_are_rejected() -> None:
     kv = make_layers(num_blocks=8)
     with pytest.raises(InvalidSpec, match="positive int"):
         AsyncOffloadingWorker(kv.kv, num_cpu_chunks=True)
+
+
+async def test_a_logging_filter_that_raises_costs_no_callback_nor_the_poller() -> None:
+    """A raising callback is logged; if the log call itself raises (a user's filter), the
+    future's next callback still runs and the worker keeps serving."""
+    import logging
+
+    class Broken(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            raise RuntimeError("filter bug")
+
+    log = logging.getLogger("aiokv")
+    broken = Broken()
+    log.addFilter(broken)
+    ran: list[int] = []
+    try:
+        kv = make_layers(num_blocks=8)
+        with anyio.fail_after(10):
+            async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+                fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+                fut.add_done_callback(lambda f: 1 / 0)
+                fut.add_done_callback(lambda f: ran.append(f.job_id))
+                assert (await fut).success
+                later = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+                assert (await later).success
+    finally:
+        log.removeFilter(broken)
+    assert ran == [1]
+
+
+async def test_aclose_from_another_thread_is_refused_and_the_worker_stays_whole() -> None:
+    kv = make_layers(num_blocks=8)
+    caught: list[BaseException] = []
+
+    def close_elsewhere(worker: AsyncOffloadingWorker) -> None:
+        try:
+            anyio.run(worker.aclose)
+        except BaseException as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            thread = threading.Thread(target=close_elsewhere, args=(worker,))
+            thread.start()
+            await anyio.to_thread.run_sync(thread.join)
+            assert len(caught) == 1 and isinstance(caught[0], InvalidSpec)
+            assert "event loop thread" in str(caught[0])
+            assert (await fut).success  # still open: the refusal touched nothing
+            assert (await worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))).success
+    assert worker._core.closed
+    thread = threading.Thread(target=close_elsewhere, args=(worker,))  # closed: returns at once
+    thread.start()
+    thread.join(10)
+    assert len(caught) == 1
+
+
+def test_a_pool_that_cannot_be_allocated_still_releases_the_backend(monkeypatch) -> None:
+    from aiokv.backends.cpu import CpuBackend
+
+    released: list[bool] = []
+    monkeypatch.setattr(CpuBackend, "allocate_pool", lambda self, nbytes: (_ for _ in ()).throw(
+        InvalidSpec("could not map that many bytes")))
+    monkeypatch.setattr(CpuBackend, "close", lambda self: released.append(True))
+    with pytest.raises(InvalidSpec, match="could not map"):
+        AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4)
+    assert released == [True]
+
+
+def test_a_wait_with_a_timeout_bounds_the_whole_wait() -> None:
+    """Three jobs ending 0.15 s apart: a 0.2 s wait for all of them must say not yet (a
+    timeout applied to each job in turn would wait 0.45 s and say done)."""
+    from types import SimpleNamespace
+
+    from aiokv.core import _wait_jobs
+
+    events = [threading.Event() for _ in range(3)]
+    timers = [threading.Timer(0.15 * (i + 1), e.set) for i, e in enumerate(events)]
+    for t in timers:
+        t.start()
+    try:
+        jobs = [SimpleNamespace(completion=SimpleNamespace(wait=e.wait)) for e in events]
+        assert _wait_jobs(jobs, 0.2) is False  # type: ignore[arg-type]
+        assert _wait_jobs(jobs, None) is True  # type: ignore[arg-type]
+    finally:
+        for t in timers:
+            t.cancel()
