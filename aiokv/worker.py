@@ -255,9 +255,9 @@ class AsyncOffloadingWorker:
         Any task on the opener's loop may call it (another thread must hand it to that
         loop: it raises ``InvalidSpec`` there unless closed already); the drain is
         shielded, so cancelling the closing task does not abandon copies that still write
-        host memory. The task that opened the worker
-        also leaves its task group here (``async with`` exit does so), so that task must
-        call it outside any cancel scope it entered after opening.
+        host memory. The task that opened the worker also leaves its task group here
+        (``async with`` exit does so), so that task must call it outside any cancel scope
+        it entered after opening.
         """
         if self._state is _State.NEW:
             self._state = _State.CLOSED
