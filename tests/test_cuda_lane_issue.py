@@ -306,3 +306,16 @@ def test_an_abandoned_lane_keeps_its_strategys_buffers_and_lets_the_issuer_end()
     gate.set()
     thread.join(10)
     assert not thread.is_alive() and c.wait(10) and c.error is None
+
+
+def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> None:
+    """A KeyboardInterrupt mid-enqueue on the caller's thread raises through ``launch``, so
+    no job tracks the copies it enqueued: closing the lane still waits for its stream."""
+    lane, driver, strategy = make_lane(issue_thread=False)
+    strategy.fail_enqueue = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        lane.launch(plan(1024), None)
+    synced: list[Any] = []
+    driver.stream_synchronize = synced.append  # type: ignore[method-assign]
+    lane.close()
+    assert lane.stream in synced

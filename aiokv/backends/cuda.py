@@ -979,6 +979,9 @@ class CudaLane(Lane):
         try:
             try:
                 self._driver.stream_synchronize(self.bell_stream)
+                # Every job's copies end on the main stream, also those of one that a
+                # KeyboardInterrupt cut short mid-enqueue, which no job tracks.
+                self._driver.stream_synchronize(self.stream)
             except Exception:
                 pass
             self._driver.destroy_stream(self.bell_stream)
