@@ -55,6 +55,9 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"aiokv bench: {flag} {path}: {folder} is not a folder this user can write to",
                   file=sys.stderr)
             return 2
+        if path and os.path.isdir(path):  # found before the run, not after minutes of it
+            print(f"aiokv bench: {flag} {path} is a folder; give a file name", file=sys.stderr)
+            return 2
     if args.backend == "cuda" and not cuda_usable():
         print("aiokv bench: --backend cuda needs a usable CUDA device and cuda-python", file=sys.stderr)
         return 2
@@ -96,6 +99,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         plot_rows(rows, args.plot, title=f"aiokv bench ({meta['backend']})")
         say(f"wrote {os.path.abspath(args.plot)}")
+    failed = [f"{r.section} / {r.name}" for r in rows if r.failed]
+    if failed:  # a script or CI must not read a failed check as a pass
+        print(f"aiokv bench: {len(failed)} figure(s) failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -102,3 +102,26 @@ def test_edge_traces_give_honest_rows(tmp_path: Path) -> None:
     sections = {r.section for r in rows if r.section.startswith("cache hit rate")}
     assert sections == {"cache hit rate: a/x (reference: offline optimum, Belady's rule)",
                         "cache hit rate: b/x (reference: offline optimum, Belady's rule)"}
+
+
+def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Path, capsys,
+                                                                  monkeypatch) -> None:
+    """A restore that leaves wrong bytes in the blocks marks the face's row failed, and the
+    command exits 1 (a script must not read corruption as a pass)."""
+    from aiokv.cache.offload import OffloadCache
+
+    real = OffloadCache.restore
+
+    async def corrupting(self, keys, blocks, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ok = await real(self, keys, blocks, *args, **kwargs)
+        for t in self._worker._core.kv_caches.tensors:
+            t.tensor.view(-1)[::7] += 1  # after the copy: the blocks no longer hold the keys
+        return ok
+
+    monkeypatch.setattr(OffloadCache, "restore", corrupting)
+    trace = write_trace(tmp_path / "tiny_trace.jsonl")
+    rows = run_cache_bench(traces=[str(trace)], capacities=[40], quick=True, progress=lambda _: None)
+    hit = next(r for r in rows if r.name == "hit rate through the face")
+    assert hit.failed and "WRONG BYTES" in hit.note
+    assert main(["bench", "cache", "--quick", "--capacity", "40", "--trace", str(trace)]) == 1
+    assert "failed" in capsys.readouterr().err

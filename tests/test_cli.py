@@ -172,3 +172,27 @@ def test_unusable_options_exit_2_before_anything_runs(tmp_path, capsys, monkeypa
     if not cuda_usable():
         assert main(["bench", "cache", "--backend", "cuda"]) == 2
         assert "--backend cuda needs" in capsys.readouterr().err
+
+
+def test_a_failed_figure_makes_the_bench_exit_1_after_the_rest(tmp_path, capsys, monkeypatch) -> None:
+    import aiokv.bench
+
+    rows = [BenchRow("s", "store, one job", 5.0, "GB/s", 10.0),
+            BenchRow("t", "FAILED", 0.0, "", None, "RuntimeError('no kernel')", failed=True)]
+    monkeypatch.setattr(aiokv.bench, "run_bench", lambda *a, **k: rows)
+    path = tmp_path / "b.json"
+    assert main(["bench", "--backend", "cpu", "--json", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "store, one job" in captured.out and "1 figure(s) failed: t / FAILED" in captured.err
+    assert [r["failed"] for r in json.loads(path.read_text())["rows"]] == [False, True]
+    monkeypatch.setattr(aiokv.bench, "run_bench", lambda *a, **k: rows[:1])
+    assert main(["bench", "--backend", "cpu"]) == 0
+
+
+def test_json_or_plot_naming_a_folder_is_refused_before_running(tmp_path, capsys, monkeypatch) -> None:
+    import aiokv.bench
+
+    monkeypatch.setattr(aiokv.bench, "run_bench", lambda *a, **k: pytest.fail("ran"))
+    for flag in ("--json", "--plot"):
+        assert main(["bench", "--backend", "cpu", flag, str(tmp_path)]) == 2
+        assert "is a folder; give a file name" in capsys.readouterr().err

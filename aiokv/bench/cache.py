@@ -191,7 +191,7 @@ def _face_rows(trace: list[Request], label: str, capacity: int, policy: str, say
     rows = [
         BenchRow(section, "hit rate through the face", hit * 100, "%", opt * 100,
                  note=f"simulator {sim:.1%}; {check}" + ("" if n else "; nothing was restored"),
-                 extra={"simulator": sim}),
+                 extra={"simulator": sim}, failed=run.wrong_blocks > 0),
     ]
     if n:  # no restore, no latency to show (zeros would read as measured)
         rows += [

@@ -538,15 +538,19 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         if issuer:
             label += ", issuer thread"
         say(f"{setup.name}: {label}")
-        worker = setup.worker(name, streams, threads, issue_thread=issuer)
         sec = f"{setup.name}, {label}"
 
-        async def body(worker: Any = worker, setup: _Setup = setup, sec: str = sec,
+        async def body(worker: Any, setup: _Setup = setup, sec: str = sec, label: str = label,
                        full: bool = not streams, name: str = name) -> list[BenchRow]:
             out = []
+            page = setup.kv.group_data_refs[0][0].page_size_bytes
 
             def add(fig: str, value: float, unit: str, ceiling: float | None, note: str = "") -> None:
-                out.append(BenchRow(sec, fig, value, unit, ceiling, note))
+                # A job's rate carries its page size, for --plot (one line per strategy).
+                what = fig.split(",")[0]
+                extra = ({"page_bytes": page, "direction": what, "strategy": f"{label} ({setup.name})"}
+                         if fig.endswith("one job (device time)") else {})
+                out.append(BenchRow(sec, fig, value, unit, ceiling, note, extra))
 
             async with worker:
                 for what, store in (("store", True), ("load", False)):
@@ -603,10 +607,10 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
                     add("jobs through the staging ring", jobs, "jobs", None, how)
             return out
 
-        try:
-            rows += asyncio.run(body())
+        try:  # building the worker too: an explicit strategy may refuse this machine
+            rows += asyncio.run(body(setup.worker(name, streams, threads, issue_thread=issuer)))
         except Exception as exc:  # keep the rest of the run; the row says what broke
-            rows.append(BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200]))
+            rows.append(BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
         say("\n".join(f"  {r.name}: {r.value:.2f} {r.unit} ratio={r.ratio} {r.note}"
                       for r in rows if r.section == sec))
     say("wake-up latency")
@@ -640,7 +644,7 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         try:
             w = run_on_loop(loop, run)
         except Exception as exc:
-            rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200]))
+            rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
             continue
         rows += [
             BenchRow(sec, f"{label}: wake-up p50", w["wake50"] * 1e6, "us", None,
@@ -662,7 +666,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
     try:
         rows += _baselines(per_layer, reps, ceil)
     except Exception as exc:
-        rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", 0.0, "", None, repr(exc)[:200]))
+        rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", 0.0, "", None, repr(exc)[:200],
+                             failed=True))
     say("ceilings again")
     _raise_ceilings(rows, ceil, contig.rates(reps))
     return rows

@@ -25,6 +25,8 @@ class BenchRow:
     ceiling: float | None = None
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # The figure could not be measured, or what it moved was wrong: the command exits 1.
+    failed: bool = False
 
     @property
     def ratio(self) -> float | None:
