@@ -16,6 +16,8 @@ so ``import aiokv.metrics`` works without it.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,22 +78,41 @@ class WorkerCollector:
         self, worker: _HasStatistics, *, namespace: str = "aiokv", labels: Mapping[str, str] | None = None
     ) -> None:
         _prometheus()
+        self._ns = namespace
+        self._label_names = list(labels or {})
+        self._workers: dict[tuple[str, ...], _HasStatistics] = {}
+        self.add(worker, labels)
+
+    def add(self, worker: _HasStatistics, labels: Mapping[str, str] | None = None) -> None:
+        """Export another worker under other values of the same label names (one registry
+        holds one collector of these names, so several workers share it)."""
         if not callable(getattr(worker, "statistics", None)):
             raise TypeError(f"expected a worker with statistics(), got {type(worker).__name__}")
-        self._worker = worker
-        self._ns = namespace
-        self._labels = dict(labels or {})
+        given = dict(labels or {})
+        if sorted(given) != sorted(self._label_names):
+            raise ValueError(f"labels must name {self._label_names}, as this collector's others do; "
+                             f"got {list(given)}")
+        values = tuple(str(given[name]) for name in self._label_names)
+        if values in self._workers:
+            raise ValueError(f"a worker with labels {given} is exported here already: give each its own")
+        self._workers[values] = worker
+
+    def discard(self, labels: Mapping[str, str] | None = None) -> bool:
+        """Stop exporting the worker of these label values; whether any workers are left."""
+        given = dict(labels or {})
+        self._workers.pop(tuple(str(given.get(name, "")) for name in self._label_names), None)
+        return bool(self._workers)
 
     def describe(self) -> list[Metric]:
         """The families this collector exports (lets the registry reject name clashes)."""
-        return list(self._families(None))
+        return list(self._families([]))
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(self._worker.statistics())
+        yield from self._families([(values, w.statistics()) for values, w in list(self._workers.items())])
 
-    def _families(self, stats: WorkerStatistics | None) -> Iterator[Metric]:
+    def _families(self, snapshots: list[tuple[tuple[str, ...], WorkerStatistics]]) -> Iterator[Metric]:
         core = _prometheus().metrics_core
-        const_names, const_values = list(self._labels), list(self._labels.values())
+        const_names = self._label_names
         per_direction = [
             (core.CounterMetricFamily, "transferred_bytes", "Bytes moved by transfers.", "bytes_moved"),
             (core.CounterMetricFamily, "transfers", "Transfers that completed successfully.", "completed"),
@@ -100,10 +121,10 @@ class WorkerCollector:
         ]
         for family_type, name, doc, field_name in per_direction:
             family = family_type(f"{self._ns}_{name}", doc, labels=[*const_names, "direction"])
-            if stats is not None:
+            for values, stats in snapshots:
                 counts: dict[str, int] = getattr(stats, field_name)
                 for direction in _DIRECTIONS:
-                    family.add_metric([*const_values, direction], counts.get(direction, 0))
+                    family.add_metric([*values, direction], counts.get(direction, 0))
             yield family
         pool = [
             ("host_pool_chunks", "Chunks in the pinned host pool.", lambda s: s.num_cpu_chunks),
@@ -111,9 +132,43 @@ class WorkerCollector:
         ]
         for name, doc, value in pool:
             family = core.GaugeMetricFamily(f"{self._ns}_{name}", doc, labels=const_names)
-            if stats is not None:
-                family.add_metric(const_values, value(stats))
+            for values, stats in snapshots:
+                family.add_metric(list(values), value(stats))
             yield family
+
+
+class _Shared:
+    """What the ``OffloadMetrics`` of one registry and namespace share: prometheus_client
+    refuses a second collector or histogram of the same names, so several workers (``labels``
+    apart, e.g. one per rank) feed one pair of histograms and one collector."""
+
+    def __init__(self, prom: Any, registry: CollectorRegistry, namespace: str, label_names: list[str],
+                 time_buckets: tuple[float, ...], size_buckets: tuple[float, ...]) -> None:
+        self.shape = (sorted(label_names), tuple(time_buckets), tuple(size_buckets))
+        self.label_names = label_names
+        self.registry = registry
+        self.namespace = namespace
+        names = [*label_names, "direction"]
+        self.transfer_seconds = prom.Histogram(
+            f"{namespace}_transfer_seconds",
+            "Seconds one job's copies took on the device (not time spent queued).",
+            names, buckets=time_buckets, registry=registry,
+        )
+        try:
+            self.transfer_size = prom.Histogram(
+                f"{namespace}_transfer_size_bytes", "Bytes one successful job moved.",
+                names, buckets=size_buckets, registry=registry,
+            )
+        except BaseException:
+            registry.unregister(self.transfer_seconds)
+            raise
+        self.collector: WorkerCollector | None = None
+        self.users = 0
+
+
+# registry -> namespace -> what its OffloadMetrics share
+_SHARED: weakref.WeakKeyDictionary[Any, dict[str, _Shared]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
 
 
 class OffloadMetrics:
@@ -123,7 +178,10 @@ class OffloadMetrics:
         worker: the worker whose ``statistics()`` to export; None exports histograms only.
         registry: where to register (default: prometheus_client's global ``REGISTRY``).
         namespace: metric name prefix.
-        labels: constant labels on every metric, e.g. ``{"rank": "0"}``.
+        labels: constant labels on every metric, e.g. ``{"rank": "0"}``. The
+            ``OffloadMetrics`` of one registry and namespace share one collector and one
+            pair of histograms, so each worker needs its own label values (and all the
+            same label names and buckets).
         time_buckets: buckets of the transfer time histogram, in seconds.
         size_buckets: buckets of the transfer size histogram, in bytes.
 
@@ -145,26 +203,40 @@ class OffloadMetrics:
     ) -> None:
         prom = _prometheus()
         self.registry = prom.REGISTRY if registry is None else registry
-        self._labels = dict(labels or {})
-        label_names = [*self._labels, "direction"]
-        self.transfer_seconds = prom.Histogram(
-            f"{namespace}_transfer_seconds",
-            "Seconds one job's copies took on the device (not time spent queued).",
-            label_names,
-            buckets=time_buckets,
-            registry=self.registry,
-        )
-        self.transfer_size = prom.Histogram(
-            f"{namespace}_transfer_size_bytes",
-            "Bytes one successful job moved.",
-            label_names,
-            buckets=size_buckets,
-            registry=self.registry,
-        )
-        self.collector: WorkerCollector | None = None
-        if worker is not None:
-            self.collector = WorkerCollector(worker, namespace=namespace, labels=self._labels)
-            self.registry.register(self.collector)
+        self._labels = {k: str(v) for k, v in (labels or {}).items()}
+        with _SHARED_LOCK:
+            spaces = _SHARED.setdefault(self.registry, {})
+            shared = spaces.get(namespace)
+            created = shared is None
+            if shared is None:
+                shared = _Shared(prom, self.registry, namespace, list(self._labels),
+                                 time_buckets, size_buckets)
+            elif shared.shape != (sorted(self._labels), tuple(time_buckets), tuple(size_buckets)):
+                raise ValueError(
+                    f"metrics of namespace {namespace!r} in this registry use labels "
+                    f"{shared.shape[0]} and their buckets; pass the same label names and buckets"
+                )
+            try:
+                if worker is not None:
+                    if shared.collector is None:
+                        collector = WorkerCollector(worker, namespace=namespace, labels=self._labels)
+                        self.registry.register(collector)
+                        shared.collector = collector
+                    else:
+                        shared.collector.add(worker, self._labels)
+            except BaseException:
+                if created:  # leave the registry as it was
+                    for histogram in (shared.transfer_seconds, shared.transfer_size):
+                        self.registry.unregister(histogram)
+                raise
+            spaces[namespace] = shared
+            shared.users += 1
+        self._shared = shared
+        self._has_worker = worker is not None
+        self._registered = True
+        self.transfer_seconds = shared.transfer_seconds
+        self.transfer_size = shared.transfer_size
+        self.collector = shared.collector if worker is not None else None
 
     def observe(self, result: TransferResult, direction: Direction | str) -> None:
         """Record one finished job. Failed jobs carry no time or size and are skipped here;
@@ -197,7 +269,28 @@ class OffloadMetrics:
         return future
 
     def unregister(self) -> None:
-        """Remove everything this object registered (for tests and short-lived workers)."""
-        for collector in (self.transfer_seconds, self.transfer_size, self.collector):
-            if collector is not None:
-                self.registry.unregister(collector)
+        """Stop exporting this worker and its histogram series; the registry forgets the
+        names once the last ``OffloadMetrics`` sharing them is gone (tests, short-lived
+        workers). Idempotent."""
+        if not self._registered:
+            return
+        self._registered = False
+        shared = self._shared
+        with _SHARED_LOCK:
+            collector = shared.collector if self._has_worker else None
+            if collector is not None and not collector.discard(self._labels):
+                self.registry.unregister(collector)  # its last worker
+                shared.collector = None
+            values = [self._labels[name] for name in shared.label_names]
+            for histogram in (shared.transfer_seconds, shared.transfer_size):
+                for direction in _DIRECTIONS:
+                    try:
+                        histogram.remove(*values, direction)
+                    except KeyError:
+                        pass  # never observed
+            shared.users -= 1
+            if shared.users == 0:
+                for histogram in (shared.transfer_seconds, shared.transfer_size):
+                    self.registry.unregister(histogram)
+                del _SHARED[self.registry][shared.namespace]
+        self.collector = None

@@ -146,3 +146,58 @@ def test_missing_prometheus_client_says_how_to_install(monkeypatch: pytest.Monke
             WorkerCollector(worker)
     finally:
         worker.shutdown()
+
+
+def test_several_workers_share_one_registry_under_their_own_labels() -> None:
+    """One process exporting two ranks: each worker's counters and histogram series under
+    its label values; reused label values or other label names are refused; unregistering
+    one leaves the other, and the last frees the names."""
+    registry = prometheus_client.CollectorRegistry()
+    workers = [_sync_worker(), _sync_worker(num_chunks=4)]
+    try:
+        ranks = [OffloadMetrics(w, registry=registry, labels={"rank": str(i)}) for i, w in enumerate(workers)]
+        for i, (w, m) in enumerate(zip(workers, ranks)):
+            w.submit_store(1, GPULoadStoreSpec(list(range(i + 1))), CPULoadStoreSpec(list(range(i + 1))))
+            w.wait({1})
+            (result,) = w.get_finished()
+            m.observe(result, "store")
+        block_bytes = 2 * 2 * 4 * 8 * 4
+
+        def sample(name: str, rank: str, **more: str) -> float | None:
+            return registry.get_sample_value(name, {"rank": rank, **more})
+
+        for rank, blocks, chunks in (("0", 1, 8), ("1", 2, 4)):
+            assert sample("aiokv_transferred_bytes_total", rank, direction="store") == blocks * block_bytes
+            assert sample("aiokv_host_pool_chunks", rank) == chunks
+            assert sample("aiokv_transfer_size_bytes_sum", rank, direction="store") == blocks * block_bytes
+        with pytest.raises(ValueError, match="exported here already"):
+            OffloadMetrics(workers[0], registry=registry, labels={"rank": "0"})
+        with pytest.raises(ValueError, match="same label names"):
+            OffloadMetrics(workers[0], registry=registry, labels={"host": "a"})
+        ranks[0].unregister()
+        ranks[0].unregister()  # idempotent
+        assert sample("aiokv_host_pool_chunks", "0") is None
+        assert sample("aiokv_transfer_size_bytes_sum", "0", direction="store") is None
+        assert sample("aiokv_host_pool_chunks", "1") == 4
+        ranks[1].unregister()
+        assert registry.get_sample_value("aiokv_host_pool_chunks", {"rank": "1"}) is None
+        OffloadMetrics(workers[0], registry=registry)  # the names are free again, other labels too
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_a_refused_first_registration_leaves_the_registry_as_it_was() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    worker = _sync_worker()
+    try:
+        direct = WorkerCollector(worker)
+        registry.register(direct)
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            OffloadMetrics(worker, registry=registry)
+        registry.unregister(direct)
+        metrics = OffloadMetrics(worker, registry=registry)  # no histogram was left behind
+        assert registry.get_sample_value("aiokv_host_pool_chunks") == 8
+        metrics.unregister()
+    finally:
+        worker.shutdown()
