@@ -58,6 +58,9 @@ class CanonicalKVCaches:
         if isinstance(kv, cls):
             return kv
         try:
+            for t in kv.tensors:  # type: ignore[attr-defined]
+                if not isinstance(t.tensor, torch.Tensor):
+                    raise TypeError(f"a tensors[i].tensor is a {type(t.tensor).__name__}, not a torch.Tensor")
             return cls(
                 tensors=[
                     CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes))
@@ -68,7 +71,7 @@ class CanonicalKVCaches:
                     for refs in kv.group_data_refs  # type: ignore[attr-defined]
                 ],
             )
-        except (AttributeError, TypeError) as exc:
+        except (AttributeError, TypeError, ValueError) as exc:
             raise InvalidSpec(
                 "kv_caches must be a CanonicalKVCaches (or an object with its fields, such as "
                 "vLLM's); build one with CanonicalKVCaches.from_tensors(tensors)"
@@ -92,6 +95,8 @@ class CanonicalKVCaches:
         """
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
+        elif not isinstance(tensors, Sequence):
+            tensors = list(tensors)  # a generator: read once
         if len(tensors) == 0:
             raise InvalidSpec("from_tensors() needs at least one KV-cache tensor")
         if not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -144,7 +149,15 @@ def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:
     num_blocks = part.shape[0]
     page_bytes = expected * part.element_size()
     row_stride = part.stride(0) * part.element_size()
-    base = part.flatten(1) if part.dim() > 1 else part.unsqueeze(1)
-    as_bytes = base.view(torch.uint8) if base.element_size() != 1 else base
-    as_bytes = as_bytes.as_strided((num_blocks, page_bytes), (row_stride, 1))
+    if num_blocks > 1 and row_stride < page_bytes:
+        raise InvalidSpec(
+            f"layer {layer}: blocks are {row_stride} bytes apart but a page is {page_bytes} "
+            "bytes, so pages overlap (an expand or unfold view?); pass the tensor the cache "
+            "was allocated as"
+        )
+    # The page is contiguous (checked above, size-1 dimensions aside), so unit strides
+    # address the same memory; then bytes for every dtype, 1-byte ones too (numpy, which
+    # the CPU lane copies with, has no fp8 and would convert bools).
+    base = part.as_strided((num_blocks, expected), (part.stride(0), 1))
+    as_bytes = base.view(torch.uint8).as_strided((num_blocks, page_bytes), (row_stride, 1))
     return CanonicalKVCacheTensor(tensor=as_bytes, page_size_bytes=page_bytes)

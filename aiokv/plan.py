@@ -305,6 +305,12 @@ def map_blocks(
         # Groups share the pool, so a slot must be unique across groups too.
         if _has_duplicates(host_out[0] if ngroups == 1 else np.concatenate(host_out)):
             raise InvalidSpec("a host chunk slot appears twice, so one store would write it twice")
+        # And a chunk holds one group: every group's blocks start at byte 0 of theirs.
+        if ngroups > 1 and bpc > 1:
+            owned = [np.unique(s // bpc) for s in host_out if s.size]
+            if len(owned) > 1 and _has_duplicates(np.concatenate(owned)):
+                raise InvalidSpec("two groups store into one chunk, whose bytes they would share; "
+                                  "a chunk holds the blocks of one group")
     return BlockMapping(tuple(gpu_out), tuple(host_out))
 
 

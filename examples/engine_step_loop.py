@@ -151,14 +151,16 @@ class Engine:
                 req.gpu_blocks = blocks
                 to_load.append(req)
         prefill: list[Request] = []
+        claimed = 0  # chunks this step's admissions will take in step 5
         for req in arrivals:
             blocks = self.allocate_blocks(req.num_blocks)
-            if blocks is None or len(self.free_chunks) < req.num_blocks:
+            if blocks is None or len(self.free_chunks) - claimed < req.num_blocks:
                 if blocks is not None:
                     self.free_blocks.extendleft(reversed(blocks))
                 self.waiting.append(req)
                 continue
             req.gpu_blocks = blocks
+            claimed += req.num_blocks
             prefill.append(req)
         self.wait_for_reuse([b for r in prefill + to_load for b in r.gpu_blocks])
 

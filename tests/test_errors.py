@@ -613,3 +613,18 @@ def test_a_wait_with_a_timeout_bounds_the_whole_wait() -> None:
     finally:
         for t in timers:
             t.cancel()
+
+
+async def test_two_groups_storing_into_one_chunk_are_refused() -> None:
+    """Each group's blocks start at byte 0 of their chunk, so group 0 at sub-block 0 and group
+    1 at sub-block 1 of one chunk would overwrite each other: refused, nothing enqueued."""
+    from tests.conftest import make_two_groups
+
+    kv = make_two_groups()
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, blocks_per_chunk=2) as worker:
+        shared = GPULoadStoreSpec([0, 1], group_sizes=[1, 1], block_indices=[0, 1])
+        with pytest.raises(InvalidSpec, match="two groups store into one chunk"):
+            worker.submit_store(1, shared, CPULoadStoreSpec([3, 3]))
+        assert worker.statistics().in_flight["store"] == 0
+        apart = GPULoadStoreSpec([0, 1], group_sizes=[1, 1], block_indices=[0, 1])
+        assert (await worker.submit_store(2, apart, CPULoadStoreSpec([3, 4]))).success

@@ -176,6 +176,25 @@ def _cuda_usable() -> bool:
 needs_gpu = pytest.mark.skipif(not _cuda_usable(), reason="needs a usable CUDA device and cuda-python")
 
 
+def test_engine_step_loop_admits_no_more_than_its_free_chunks_in_one_step() -> None:
+    """Three 4-block requests a step against 6 host chunks: admission counts the chunks
+    this step's requests take (it once let two through, and step 5 ran out of chunks)."""
+    import torch
+
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, SyncOffloadingWorker
+
+    step_loop = load_example("engine_step_loop")
+    layers = [torch.randn(2, 24, *step_loop.KV_PAGE) for _ in range(2)]
+    kv = CanonicalKVCaches.from_tensors(layers, block_dim=1)
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=6, backend="cpu"))
+    try:
+        requests = [step_loop.Request(rid, num_blocks=4, expedited=False) for rid in range(6)]
+        report = step_loop.Engine(worker, layers, 6).run(requests, per_step=3, timeout=30)
+        assert report.verified == 6 and report.recomputed == 0
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_quickstart_and_step_loop_on_the_gpu() -> None:

@@ -1,3 +1,6 @@
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
@@ -73,3 +76,46 @@ def test_leading_dimensions_are_split_without_copying() -> None:
         assert page.tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     kv.tensors[5].tensor[3] = 7  # writes through to the caller's tensor: K/V 1, layer 1, block 3
     assert torch.equal(t[1, 1, 3].view(torch.uint8), torch.full((32,), 7, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int8])
+def test_one_byte_dtypes_round_trip_byte_exact_on_the_cpu_backend(dtype: torch.dtype) -> None:
+    """fp8 KV caches (which numpy cannot hold) and bools (which it would convert) move as bytes,
+    through from_tensors and through an engine's byte view of that dtype."""
+    import anyio
+
+    from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
+
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (2, 8, 4, 16), dtype=torch.uint8, generator=g)
+    t = (raw % 2).bool() if dtype is torch.bool else raw.view(dtype)
+    ours = CanonicalKVCaches.from_tensors([t], block_dim=1)
+    engine = SimpleNamespace(  # an engine's own description, its byte views in the cache's dtype
+        tensors=[SimpleNamespace(tensor=p.tensor.view(dtype), page_size_bytes=p.page_size_bytes)
+                 for p in ours.tensors],
+        group_data_refs=ours.group_data_refs,
+    )
+
+    async def round_trip(kv: object) -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu") as w:  # type: ignore[arg-type]
+            await w.submit_store(1, GPULoadStoreSpec([0, 5]), CPULoadStoreSpec([0, 1]))
+            await w.submit_load(2, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([2, 3]))
+
+    for kv in (ours, engine):
+        v = t.view(torch.uint8)
+        v[:, 2:4] = 0
+        anyio.run(round_trip, kv)
+        assert torch.equal(v[:, 2], v[:, 0]) and torch.equal(v[:, 3], v[:, 5])
+
+
+def test_overlapping_blocks_and_odd_inputs_are_invalid_spec() -> None:
+    with pytest.raises(InvalidSpec, match="pages overlap"):
+        CanonicalKVCaches.from_tensors([torch.zeros(1, 8).expand(4, 8)], block_dim=0)
+    page = torch.zeros(2, 6).half().t()[:, :1]  # a one-element page whose stride is not 1
+    assert CanonicalKVCaches.from_tensors([page], block_dim=0).tensors[0].page_size_bytes == 2
+    gen = CanonicalKVCaches.from_tensors((t for t in [torch.zeros(4, 8)]), block_dim=0)
+    assert len(gen.tensors) == 1
+    for bad in ([SimpleNamespace(tensor=np.zeros((2, 2), np.uint8), page_size_bytes=2)],
+                [SimpleNamespace(tensor=torch.zeros(2, 2, dtype=torch.uint8), page_size_bytes="x")]):
+        with pytest.raises(InvalidSpec, match="kv_caches must be"):
+            CanonicalKVCaches.coerce(SimpleNamespace(tensors=bad, group_data_refs=[]))

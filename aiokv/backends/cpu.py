@@ -71,7 +71,9 @@ def flat_bytes(view: torch.Tensor) -> np.ndarray:
     """A flat numpy byte array spanning every row of a ``(num_blocks, row)`` byte view."""
     rows, width = view.shape
     span = (rows - 1) * view.stride(0) + width if rows else 0
-    return torch.as_strided(view, (span,), (1,)).numpy()
+    # As uint8: an engine's byte view may be int8, bool or fp8 (numpy has no fp8, and
+    # would convert bools).
+    return torch.as_strided(view.view(torch.uint8), (span,), (1,)).numpy()
 
 
 _Item = tuple[CopyPlan, CpuCompletion, "threading.Event | None"]
