@@ -85,13 +85,14 @@ class CanonicalKVCaches:
 
         ``block_dim`` names the dimension that indexes blocks. Dimensions before it split
         into separate page tensors (the 2 of K and V in ``(2, num_blocks, ...)``, which
-        takes ``block_dim=1``); everything after it is one block's page, which must be
-        contiguous. ``(num_blocks, ...)`` and cross-layer ``(num_blocks, layers, ...)``
-        take ``block_dim=0``.
+        takes ``block_dim=1``); everything after it is one block's page, which must be one
+        dense range of memory (contiguous, or a permuted view of a contiguous page).
+        ``(num_blocks, ...)`` and cross-layer ``(num_blocks, layers, ...)`` take
+        ``block_dim=0``.
 
         Raises:
-            InvalidSpec: empty input, a bad ``block_dim``, mixed devices, or a page that
-                is not contiguous in memory.
+            InvalidSpec: empty input, a bad ``block_dim``, mixed devices, a page that is
+                not one dense range of memory, or pages that overlap.
         """
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
@@ -136,14 +137,16 @@ class CanonicalKVCaches:
 def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:
     """View ``(num_blocks, ...)`` as ``(num_blocks, page_bytes)`` bytes without copying."""
     page_shape = part.shape[1:]
+    # Dense in some order of its dimensions is enough: pages move as raw bytes, so a
+    # permuted view of a contiguous page (an HND allocation seen as NHD) moves as one range.
     expected = 1
-    for size, stride in zip(reversed(page_shape), reversed(part.stride()[1:])):
-        if size != 1 and stride != expected:
+    for stride, size in sorted((st, sz) for sz, st in zip(page_shape, part.stride()[1:]) if sz != 1):
+        if stride != expected:
             raise InvalidSpec(
                 f"layer {layer}: a block's page (shape {tuple(page_shape)}, strides "
-                f"{tuple(part.stride()[1:])}) is not contiguous; pass a tensor whose "
-                "dimensions after block_dim are contiguous, e.g. call .contiguous() once "
-                "at allocation"
+                f"{tuple(part.stride()[1:])}) is not one dense range of memory; pass a tensor "
+                "whose dimensions after block_dim are contiguous in some order, e.g. call "
+                ".contiguous() once at allocation"
             )
         expected *= size
     num_blocks = part.shape[0]
@@ -155,8 +158,8 @@ def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:
             "bytes, so pages overlap (an expand or unfold view?); pass the tensor the cache "
             "was allocated as"
         )
-    # The page is contiguous (checked above, size-1 dimensions aside), so unit strides
-    # address the same memory; then bytes for every dtype, 1-byte ones too (numpy, which
+    # The page is one dense range starting at its first element (strides are positive), so
+    # unit strides address the same memory; then bytes for every dtype, 1-byte ones too (numpy, which
     # the CPU lane copies with, has no fp8 and would convert bools).
     base = part.as_strided((num_blocks, expected), (part.stride(0), 1))
     as_bytes = base.view(torch.uint8).as_strided((num_blocks, page_bytes), (row_stride, 1))

@@ -37,7 +37,8 @@ def test_rows_may_be_strided() -> None:
         ([], 0, "at least one"),
         ([torch.randn(4, 8)], 1, "last dimension"),
         ([torch.randn(4, 8)], 3, "out of range"),
-        ([torch.randn(4, 8).t()], 0, "not contiguous"),
+        ([torch.randn(4, 8).t()], 0, "not one dense range"),
+        ([torch.randn(4, 8, 6)[:, :, :4]], 0, "not one dense range"),
         ([torch.randn(2, 0, 4)], 1, "empty"),
         (["not a tensor"], 0, "torch.Tensor"),
     ],
@@ -119,3 +120,29 @@ def test_overlapping_blocks_and_odd_inputs_are_invalid_spec() -> None:
                 [SimpleNamespace(tensor=torch.zeros(2, 2, dtype=torch.uint8), page_size_bytes="x")]):
         with pytest.raises(InvalidSpec, match="kv_caches must be"):
             CanonicalKVCaches.coerce(SimpleNamespace(tensors=bad, group_data_refs=[]))
+
+
+def test_a_permuted_view_of_dense_pages_moves_each_page_as_its_bytes() -> None:
+    """An HND allocation (K/V, blocks, heads, tokens, dim) seen as NHD by the model: each
+    block's page is still one dense range, so it is accepted and round-trips byte-exact."""
+    import anyio
+
+    from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
+
+    g = torch.Generator().manual_seed(5)
+    physical = torch.randint(0, 256, (2, 8, 4, 16, 8), dtype=torch.uint8, generator=g).view(torch.bfloat16)
+    nhd = physical.permute(0, 1, 3, 2, 4)  # (2, blocks, tokens, heads, dim), not contiguous
+    assert not nhd.is_contiguous()
+    kv = CanonicalKVCaches.from_tensors([nhd], block_dim=1)
+    assert [t.page_size_bytes for t in kv.tensors] == [4 * 16 * 4 * 2] * 2
+
+    async def round_trip() -> None:
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu") as w:
+            await w.submit_store(1, GPULoadStoreSpec([1, 6]), CPULoadStoreSpec([0, 1]))
+            await w.submit_load(2, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([3, 4]))
+
+    raw = physical.view(torch.uint8)
+    raw[:, 3:5] = 0
+    anyio.run(round_trip)
+    assert torch.equal(raw[:, 3], raw[:, 1]) and torch.equal(raw[:, 4], raw[:, 6])
+    assert torch.equal(nhd[:, 3].view(torch.int16), nhd[:, 1].view(torch.int16))  # the model's view too
