@@ -13,22 +13,23 @@ from .cache import (
     register_policy,
 )
 from .cache.offload import OffloadCache, OffloadCacheStats, OffloadResult
-from .core import WorkerOptions, WorkerStatistics
-from .future import TransferFuture
-from .layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from .specs import (
+from .core import WorkerStatistics
+from .errors import (
     AiokvError,
-    CPULoadStoreSpec,
-    Direction,
+    CudaCallFailed,
     DuplicateJob,
-    GPULoadStoreSpec,
+    HostMemoryError,
     InvalidSpec,
-    LoadStoreSpec,
+    TierError,
     TransferFailed,
-    TransferResult,
+    UsageError,
     WorkerBroken,
     WorkerClosed,
 )
+from .future import TransferFuture
+from .layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from .options import WorkerOptions
+from .specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, LoadStoreSpec, TransferResult
 from .sync import OffloadingWorker, SyncOffloadingWorker
 from .worker import AsyncOffloadingWorker
 
@@ -44,10 +45,12 @@ __all__ = [
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
     "ChunkManager",
+    "CudaCallFailed",
     "Direction",
     "DuplicateJob",
     "EvictionPolicy",
     "GPULoadStoreSpec",
+    "HostMemoryError",
     "InvalidSpec",
     "KeyNotLoadable",
     "LoadStoreSpec",
@@ -57,9 +60,11 @@ __all__ = [
     "OffloadResult",
     "OffloadingWorker",
     "SyncOffloadingWorker",
+    "TierError",
     "TransferFailed",
     "TransferFuture",
     "TransferResult",
+    "UsageError",
     "WorkerBroken",
     "WorkerClosed",
     "WorkerOptions",

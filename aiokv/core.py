@@ -8,104 +8,26 @@ It changes state and returns what happened; it never awaits and never blocks exc
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import resolve_backend
 from .backends.base import HostPool
+from .errors import DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
+from .options import WorkerOptions
 from .plan import HostLayout, map_blocks, plan_copies
-from .specs import Direction, DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed, check_job_id
+from .specs import Direction, check_job_id
 
-__all__ = ["OffloadCore", "WorkerOptions", "WorkerStatistics"]
+__all__ = ["OffloadCore", "WorkerStatistics"]
 
 _log = logging.getLogger("aiokv")
-
-MIN_STAGING_BYTES = 1024
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Knobs beyond the constructor's keywords. A dict with these keys is accepted too."""
-
-    # Copy strategy on CUDA: "auto", "dma", "kernel" or "staged" (ignored on the CPU).
-    strategy: str = "auto"
-    # CUDA streams one job's copies are spread over (several copy engines); 0 = auto.
-    streams_per_direction: int = 0
-    # Host threads that issue a large DMA job's per-stream batches in parallel (the
-    # driver spends ~0.9 us of host time per descriptor and drops the GIL); 0 issues them
-    # from the submitting thread. 4 took 32 KiB-page jobs from 0.57-0.59 to 0.86-0.92 of
-    # the ceiling on the H200 (docs/performance-history.md). Only jobs of >= 1024 descriptors use them.
-    submit_threads: int = 4
-    # Device memory per lane (store, load, expedited load) that the staged strategy (and
-    # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
-    # job that uses it. A slot's DMA should outlast the longest compute kernel beside it:
-    # under an 8192^3 GEMM (1.6 ms a kernel) 32 KiB pages moved at 0.92-0.97 of the ceiling
-    # with 128 MiB, 0.73-0.77 with 64 MiB (probes/probe_staging.py, runs 73-74). 0 turns staging off
-    # (``auto`` is then ``dma``).
-    staging_bytes: int = 128 << 20
-    # After a completion or a submit (unless the oldest job is predicted to need longer),
-    # and before a predicted end, the poller yields to the loop for this long.
-    spin_seconds: float = 200e-6
-    # Timer nap between polls when the oldest job cannot ring the doorbell (asyncio cannot
-    # sleep under ~1.1 ms); with the doorbell, naps last until a ring (10 ms backstop).
-    poll_interval: float = 1e-3
-    # Async face: while napping, have each direction's oldest job ring a pipe the loop
-    # sleeps on when it ends (on CUDA a host function writes it, no Python involved), so a
-    # job that ends away from its predicted time is noticed in ~0.1-0.5 ms, not after a
-    # timer nap of one or more milliseconds.
-    doorbell: bool = True
-    # CUDA: enqueue jobs of 8 MiB or more (and any job behind one) from each lane's own
-    # thread, so ``submit`` returns once the job is planned and its dependency captured
-    # (0.1-0.18 ms instead of 0.3-0.8 ms for 256 MiB jobs). Off by default: the thread takes
-    # the GIL for the driver calls instead, so the loop still waits for them, a GEMM loop
-    # in another Python thread slowed more (+4.7 to +7.0% against +3.0 to +4.6%), and the
-    # round trip grows by the hand-off (device runs 77-80, docs/performance-history.md).
-    issue_thread: bool = False
-
-    def __post_init__(self) -> None:
-        from .copy import STRATEGIES  # torch only; no cuda-python
-
-        if self.strategy not in STRATEGIES:
-            raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("streams_per_direction", "submit_threads", "staging_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
-        if 0 < self.staging_bytes < MIN_STAGING_BYTES:  # two slots of 512-byte multiples
-            raise InvalidSpec(
-                f"staging_bytes must be 0 (no staging) or at least {MIN_STAGING_BYTES}, "
-                f"got {self.staging_bytes}"
-            )
-        for name in ("doorbell", "issue_thread"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidSpec(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("spin_seconds", "poll_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-
-    @classmethod
-    def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = set(value) - known
-            if unknown:
-                raise InvalidSpec(f"unknown worker options {sorted(unknown)}; known: {sorted(known)}")
-            return cls(**value)
-        raise InvalidSpec(f"options must be a WorkerOptions, a dict or None, got {type(value).__name__}")
-
 
 @dataclass(frozen=True)
 class WorkerStatistics:

@@ -19,8 +19,9 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from .errors import TransferFailed
 from .loops import LoopEvent, loop_event
-from .specs import TransferFailed, TransferResult
+from .specs import TransferResult
 
 __all__ = ["TransferFuture"]
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .backends.base import HostPool
-from .specs import InvalidSpec
+from .errors import InvalidSpec
 
 if TYPE_CHECKING:
     from .backends.cuda import Driver

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .specs import InvalidSpec
+from .errors import InvalidSpec
 
 __all__ = ["CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches"]
 

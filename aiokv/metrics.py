@@ -22,7 +22,8 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .core import WorkerStatistics
-from .specs import Direction, TransferFailed, TransferResult
+from .errors import TransferFailed
+from .specs import Direction, TransferResult
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

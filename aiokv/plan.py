@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import InvalidSpec
 from .layout import CanonicalKVCaches
-from .specs import InvalidSpec
 
 __all__ = [
     "BlockMapping",

@@ -1,14 +1,5 @@
-"""Transfer vocabulary: where bytes are, what a finished transfer reports, and errors.
-
-Error tree (every class also derives from the builtin a caller would catch)::
-
-    AiokvError
-     +-- InvalidSpec (ValueError)        bad ids, lengths, devices or dtypes; nothing enqueued
-     |    +-- DuplicateJob (ValueError)  a job id that is still in flight
-     +-- WorkerClosed (RuntimeError)     you closed the worker (or never opened it)
-     +-- WorkerBroken (RuntimeError)     the device failed under you (sticky CUDA error)
-     +-- TransferFailed                  one transfer failed; ``.result`` says which
-"""
+"""Transfer vocabulary: where bytes are, which queue a job takes, what a finished
+transfer reports. Errors live in ``aiokv.errors``."""
 
 from __future__ import annotations
 
@@ -19,18 +10,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import InvalidSpec
+
 __all__ = [
-    "AiokvError",
     "CPULoadStoreSpec",
     "Direction",
-    "DuplicateJob",
     "GPULoadStoreSpec",
-    "InvalidSpec",
     "LoadStoreSpec",
-    "TransferFailed",
     "TransferResult",
-    "WorkerBroken",
-    "WorkerClosed",
 ]
 
 
@@ -189,32 +176,3 @@ class TransferResult:
         state = dict(self.__dict__)
         state["transfer_time"] = self.transfer_time  # pickle and copy the value, not the timer
         return state
-
-
-class AiokvError(Exception):
-    """Base of every error aiokv raises."""
-
-
-class InvalidSpec(AiokvError, ValueError):
-    """A submit was rejected before anything was enqueued; the worker stays usable."""
-
-
-class DuplicateJob(InvalidSpec):
-    """The job id is still in flight; ids may be reused only after they are reported."""
-
-
-class WorkerClosed(AiokvError, RuntimeError):
-    """The worker is closed (or was never opened with ``async with``)."""
-
-
-class WorkerBroken(AiokvError, RuntimeError):
-    """The device failed under the worker (a sticky CUDA error); every pending job failed."""
-
-
-class TransferFailed(AiokvError):
-    """A transfer failed on the device; ``result`` is its ``TransferResult``."""
-
-    def __init__(self, result: TransferResult, reason: str = "") -> None:
-        self.result = result
-        self.reason = reason
-        super().__init__(f"job {result.job_id} failed" + (f": {reason}" if reason else ""))

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .core import WorkerStatistics
-from .specs import Direction, TransferResult, WorkerClosed
+from .errors import WorkerClosed
+from .specs import Direction, TransferResult
 from .worker import AsyncOffloadingWorker, _State
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]

@@ -10,13 +10,15 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .core import OffloadCore, WorkerOptions, WorkerStatistics
+from .core import OffloadCore, WorkerStatistics
 from .doorbell import Doorbell
+from .errors import DuplicateJob, InvalidSpec, WorkerClosed
 from .future import TransferFuture
 from .handler import Job
 from .layout import CanonicalKVCaches
+from .options import WorkerOptions
 from .poller import Poller
-from .specs import Direction, DuplicateJob, InvalidSpec, WorkerClosed, check_job_id
+from .specs import Direction, check_job_id
 
 __all__ = ["AsyncOffloadingWorker"]
 

@@ -13,8 +13,8 @@ import pytest
 from cuda.bindings import driver as cu
 
 from aiokv.backends.cuda import Driver, _translate
+from aiokv.errors import WorkerBroken
 from aiokv.host_pool import PinnedHostPool
-from aiokv.specs import WorkerBroken
 from tests.conftest import mapped
 
 

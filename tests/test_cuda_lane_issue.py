@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from aiokv.backends.cuda import CudaCompletion, CudaLane, _Dependency, _Events
-from aiokv.specs import Direction, WorkerBroken, WorkerClosed
+from aiokv.errors import WorkerBroken, WorkerClosed
+from aiokv.specs import Direction
 
 
 class FakeDriver:

@@ -15,7 +15,7 @@ from aiokv import (
     GPULoadStoreSpec,
     SyncOffloadingWorker,
 )
-from aiokv.specs import InvalidSpec
+from aiokv.errors import InvalidSpec
 
 from .gpu_support import SLEEP_CYCLES, STRATEGIES, drain, gpu, ones_kv, slow_fill
 

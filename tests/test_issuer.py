@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from aiokv.errors import WorkerClosed
 from aiokv.issuer import Issuer
-from aiokv.specs import WorkerClosed
 
 
 class Recorder:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InvalidSpec
 from ..layout import CanonicalKVCaches
-from ..specs import InvalidSpec
 from .base import Backend, Completion, HostPool, Lane
 
 __all__ = ["Backend", "Completion", "HostPool", "Lane", "cuda_usable", "resolve_backend"]

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from ..doorbell import Doorbell
+from ..errors import InvalidSpec
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
-from ..specs import Direction, InvalidSpec
+from ..specs import Direction
 from .base import Backend, Completion, HostPool, Lane
 
 __all__ = ["CpuBackend"]

@@ -24,10 +24,11 @@ import torch
 from cuda.bindings import driver as cu
 
 from ..doorbell import Doorbell
+from ..errors import AiokvError, CudaCallFailed, InvalidSpec, WorkerBroken
 from ..issuer import Issuer
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
-from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
+from ..specs import Direction
 from .base import Backend, Completion, HostPool, Lane
 
 __all__ = ["CudaBackend", "CudaCallFailed", "Driver"]
@@ -102,14 +103,6 @@ def _holding_gil(fn: Any) -> Any:
         return None
     proto = ctypes.PYFUNCTYPE(fn._restype_, *fn._argtypes_)
     return proto(int(ctypes.cast(fn, ctypes.c_void_p).value or 0))
-
-
-class CudaCallFailed(AiokvError, RuntimeError):
-    """A driver call failed for a reason that is neither bad input nor a broken context."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _DriverError(Exception):
@@ -995,7 +988,7 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, kv: CanonicalKVCaches, options: Any = None) -> None:
-        from ..core import WorkerOptions
+        from ..options import WorkerOptions
 
         self.options = WorkerOptions.coerce(options)
         devices = {t.tensor.device for t in kv.tensors}
@@ -1006,7 +999,7 @@ class CudaBackend(Backend):
         dev = next(iter(devices))
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.torch_device = torch.device("cuda", index)
-        from ..copy import STRATEGIES
+        from ..options import STRATEGIES
 
         if self.options.strategy not in STRATEGIES:
             raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.options.strategy!r}")

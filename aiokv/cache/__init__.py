@@ -1,5 +1,6 @@
 """Scheduler-side KV-cache metadata: chunk allocation, eviction, admission, trace replay."""
 
+from ..errors import KeyNotLoadable
 from .admission import (
     AdaptiveAdmission,
     AdmissionPolicy,
@@ -12,7 +13,6 @@ from .admission import (
 from .manager import (
     CacheStats,
     ChunkManager,
-    KeyNotLoadable,
     KeysRemoved,
     KeysStored,
     LookupResult,

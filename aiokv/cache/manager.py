@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..specs import AiokvError, InvalidSpec
+from ..errors import InvalidSpec, KeyNotLoadable
 from .admission import AdmissionPolicy, make_admission
 from .policies import EvictionPolicy, make_policy
 from .registry import release
@@ -35,16 +35,11 @@ from .registry import release
 __all__ = [
     "CacheStats",
     "ChunkManager",
-    "KeyNotLoadable",
     "KeysRemoved",
     "KeysStored",
     "LookupResult",
     "StorePlan",
 ]
-
-
-class KeyNotLoadable(AiokvError, ValueError):
-    """``prepare_load`` named a key that is missing or still being written."""
 
 
 class LookupResult(enum.Enum):

@@ -32,17 +32,11 @@ from typing import Any, cast
 import anyio
 import numpy as np
 
+from ..errors import DuplicateJob, InvalidSpec, KeyNotLoadable, TransferFailed
 from ..future import TransferFuture
-from ..specs import (
-    CPULoadStoreSpec,
-    DuplicateJob,
-    GPULoadStoreSpec,
-    InvalidSpec,
-    TransferFailed,
-    TransferResult,
-)
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 from .admission import AdmissionPolicy
-from .manager import CacheStats, ChunkManager, KeyNotLoadable
+from .manager import CacheStats, ChunkManager
 from .policies import EvictionPolicy
 
 

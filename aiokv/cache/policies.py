@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
-from ..specs import InvalidSpec
+from ..errors import InvalidSpec
 from .registry import Registry, adopt
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ..specs import InvalidSpec
+from ..errors import InvalidSpec
 
 T = TypeVar("T")
 

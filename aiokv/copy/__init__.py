@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..errors import AiokvError, InvalidSpec, WorkerBroken
 from ..layout import CanonicalKVCaches
+from ..options import STRATEGIES
 from ..plan import CopyPlan, HostLayout, PitchedPlan, PitchedRun, pitched_runs
-from ..specs import AiokvError, Direction, InvalidSpec, WorkerBroken
+from ..specs import Direction
 
 if TYPE_CHECKING:
     from ..backends.base import HostPool
@@ -35,7 +37,6 @@ __all__ = ["STRATEGIES", "CopyContext", "CopyStrategy", "make_strategy"]
 
 _log = logging.getLogger("aiokv")
 
-STRATEGIES = ("auto", "dma", "kernel", "staged")
 # Streams one direction's DMA is spread over when the user leaves it to us. The device has
 # three copy engines; more streams than engines keep each engine's queue fed.
 DEFAULT_DMA_STREAMS = 16

@@ -1,0 +1,98 @@
+"""Every error aiokv raises, in one tree.
+
+Each class also derives from the builtin a caller would already catch, so ``except
+ValueError`` around a submit keeps working::
+
+    AiokvError
+     +-- InvalidSpec (ValueError)          bad input: ids, lengths, devices, dtypes, options;
+     |    |                                nothing was enqueued, the worker stays usable
+     |    +-- DuplicateJob                 a job id that is still in flight
+     |    +-- KeyNotLoadable               a cache key that is missing or still being written
+     +-- UsageError (RuntimeError)         a call in the wrong state or from the wrong thread
+     |    +-- WorkerClosed                 you closed the worker (or never opened it)
+     +-- WorkerBroken (RuntimeError)       the device failed under you (sticky CUDA error)
+     +-- HostMemoryError (MemoryError)     the host pool cannot be allocated or pinned
+     +-- CudaCallFailed (RuntimeError)     a driver call failed: neither bad input nor broken
+     +-- TransferFailed                    one transfer failed; ``.result`` says which
+     +-- TierError (OSError)               a lower cache tier (disk, Redis) failed; the cache
+                                           turns it into a miss, never into wrong bytes
+
+Only the CUDA driver facade turns driver return codes into these (``raise ... from``);
+nothing else catches cuda-python errors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .specs import TransferResult
+
+__all__ = [
+    "AiokvError",
+    "CudaCallFailed",
+    "DuplicateJob",
+    "HostMemoryError",
+    "InvalidSpec",
+    "KeyNotLoadable",
+    "TierError",
+    "TransferFailed",
+    "UsageError",
+    "WorkerBroken",
+    "WorkerClosed",
+]
+
+
+class AiokvError(Exception):
+    """Base of every error aiokv raises."""
+
+
+class InvalidSpec(AiokvError, ValueError):
+    """Bad input, rejected before anything was enqueued; the worker stays usable."""
+
+
+class DuplicateJob(InvalidSpec):
+    """The job id is still in flight; ids may be reused only after they are reported."""
+
+
+class KeyNotLoadable(InvalidSpec):
+    """A cache load named a key that is missing or still being written."""
+
+
+class UsageError(AiokvError, RuntimeError):
+    """A call made in the wrong state (entered twice, owned by the other face) or from the
+    wrong thread. Unlike ``InvalidSpec`` the arguments were fine; the call site is not."""
+
+
+class WorkerClosed(UsageError):
+    """The worker is closed (or was never opened with ``async with``)."""
+
+
+class WorkerBroken(AiokvError, RuntimeError):
+    """The device failed under the worker (a sticky CUDA error); every pending job failed."""
+
+
+class HostMemoryError(AiokvError, MemoryError):
+    """The host pool could not be allocated or pinned: ask for fewer chunks or bytes."""
+
+
+class CudaCallFailed(AiokvError, RuntimeError):
+    """A driver call failed for a reason that is neither bad input nor a broken context."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class TransferFailed(AiokvError):
+    """A transfer failed on the device; ``result`` is its ``TransferResult``."""
+
+    def __init__(self, result: TransferResult, reason: str = "") -> None:
+        self.result = result
+        self.reason = reason
+        super().__init__(f"job {result.job_id} failed" + (f": {reason}" if reason else ""))
+
+
+class TierError(AiokvError, OSError):
+    """A lower cache tier failed (I/O error, timeout, lost connection, a value that does not
+    verify). Caches count it and treat the key as a miss."""

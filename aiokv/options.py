@@ -1,0 +1,97 @@
+"""Worker options and copy-strategy names: the knobs both the core and the backends read.
+
+A leaf module (it imports only the error tree), so the core, the CPU backend and the CUDA
+package can all depend on it without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import InvalidSpec
+
+__all__ = ["MIN_STAGING_BYTES", "STRATEGIES", "WorkerOptions"]
+
+# CUDA copy strategies (docs/concepts.md says what each does); the CPU backend ignores them.
+STRATEGIES = ("auto", "dma", "kernel", "staged")
+
+MIN_STAGING_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Knobs beyond the constructor's keywords. A dict with these keys is accepted too."""
+
+    # Copy strategy on CUDA: "auto", "dma", "kernel" or "staged" (ignored on the CPU).
+    strategy: str = "auto"
+    # CUDA streams one job's copies are spread over (several copy engines); 0 = auto.
+    streams_per_direction: int = 0
+    # Host threads that issue a large DMA job's per-stream batches in parallel (the
+    # driver spends ~0.9 us of host time per descriptor and drops the GIL, so several
+    # threads keep several copy engines fed); 0 issues them from the submitting thread.
+    # Only jobs of >= 1024 descriptors use them (docs/performance.md, "Submit threads").
+    submit_threads: int = 4
+    # Device memory per lane (store, load, expedited load) that the staged strategy (and
+    # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
+    # job that uses it. A slot's DMA should outlast the longest compute kernel beside it,
+    # or the gather waits for SMs between slots; 128 MiB covers an 8192^3 GEMM's 1.6 ms
+    # kernels (docs/performance.md, "Staging size"). 0 turns staging off (``auto`` is
+    # then ``dma``).
+    staging_bytes: int = 128 << 20
+    # After a completion or a submit (unless the oldest job is predicted to need longer),
+    # and before a predicted end, the poller yields to the loop for this long.
+    spin_seconds: float = 200e-6
+    # Timer nap between polls when the oldest job cannot ring the doorbell (asyncio cannot
+    # sleep under ~1.1 ms); with the doorbell, naps last until a ring (10 ms backstop).
+    poll_interval: float = 1e-3
+    # Async face: while napping, have each direction's oldest job ring a pipe the loop
+    # sleeps on when it ends (on CUDA a host function writes it, no Python involved), so a
+    # job that ends away from its predicted time is noticed in ~0.1-0.5 ms, not after a
+    # timer nap of one or more milliseconds.
+    doorbell: bool = True
+    # CUDA: enqueue jobs of 8 MiB or more (and any job behind one) from each lane's own
+    # thread, so ``submit`` returns once the job is planned and its dependency captured
+    # (0.1-0.18 ms instead of 0.3-0.8 ms for 256 MiB jobs). Off by default: the thread takes
+    # the GIL for the driver calls instead, so the loop still waits for them, a GEMM loop
+    # in another Python thread slows more, and the round trip grows by the hand-off
+    # (docs/performance.md, "Issue thread").
+    issue_thread: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("streams_per_direction", "submit_threads", "staging_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
+        if 0 < self.staging_bytes < MIN_STAGING_BYTES:  # two slots of 512-byte multiples
+            raise InvalidSpec(
+                f"staging_bytes must be 0 (no staging) or at least {MIN_STAGING_BYTES}, "
+                f"got {self.staging_bytes}"
+            )
+        for name in ("doorbell", "issue_thread"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSpec(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("spin_seconds", "poll_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+    @classmethod
+    def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = set(value) - known
+            if unknown:
+                raise InvalidSpec(f"unknown worker options {sorted(unknown)}; known: {sorted(known)}")
+            return cls(**value)
+        raise InvalidSpec(f"options must be a WorkerOptions, a dict or None, got {type(value).__name__}")
+
+
