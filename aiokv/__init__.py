@@ -20,6 +20,7 @@ from .errors import (
     DuplicateJob,
     HostMemoryError,
     InvalidSpec,
+    QueueFull,
     TierError,
     TransferFailed,
     UsageError,
@@ -29,6 +30,7 @@ from .errors import (
 from .future import TransferFuture
 from .layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from .options import WorkerOptions
+from .poller import PollerStatistics
 from .specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, LoadStoreSpec, TransferResult
 from .sync import OffloadingWorker, SyncOffloadingWorker
 from .worker import AsyncOffloadingWorker
@@ -59,6 +61,8 @@ __all__ = [
     "OffloadCacheStats",
     "OffloadResult",
     "OffloadingWorker",
+    "PollerStatistics",
+    "QueueFull",
     "SyncOffloadingWorker",
     "TierError",
     "TransferFailed",

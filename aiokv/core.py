@@ -1,33 +1,38 @@
-"""The synchronous core under both faces: validation, host pool, handlers, bookkeeping.
+"""The synchronous core under both faces: lifecycle, validation (once), host pool,
+handlers, bookkeeping.
 
 It changes state and returns what happened; it never awaits and never blocks except in
-``wait_for`` and ``wait_all``, which the sync adapter calls from an engine thread, and in
-``close``, which waits for what is in flight.
+``wait_for``, ``wait_all`` and ``drain``, which the sync adapter calls from an engine
+thread. Faces check only the calling thread and the lifecycle (``lifecycle.check_open``);
+every check of what a call passes happens here.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import resolve_backend
-from .backends.base import HostPool
-from .errors import DuplicateJob, InvalidSpec, WorkerBroken, WorkerClosed
+from .backends.base import HostPool, Lane
+from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
+from .lifecycle import Lifecycle, State
 from .options import WorkerOptions
 from .plan import HostLayout, map_blocks, plan_copies
-from .specs import Direction, check_job_id
+from .specs import Direction, as_count, as_job_id, side_of
 
-__all__ = ["OffloadCore", "WorkerStatistics"]
+__all__ = ["OffloadCore", "WorkerStatistics", "available_host_memory"]
 
 _log = logging.getLogger("aiokv")
+
 
 @dataclass(frozen=True)
 class WorkerStatistics:
@@ -56,12 +61,13 @@ class OffloadCore:
         options: WorkerOptions | Mapping[str, Any] | None = None,
     ) -> None:
         kv_caches = CanonicalKVCaches.coerce(kv_caches)
-        if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool):
-            raise InvalidSpec(f"blocks_per_chunk must be an int, got {blocks_per_chunk!r}")
+        blocks_per_chunk = as_count(blocks_per_chunk, "blocks_per_chunk")
         self.options = WorkerOptions.coerce(options)
         self.kv_caches = kv_caches
         self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
         self.num_cpu_chunks = _chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
+        _check_host_memory(self.num_cpu_chunks, self.layout.chunk_bytes)
+        self.lifecycle = Lifecycle()
         self.backend = resolve_backend(backend, kv_caches, self.options)
         self.handlers: dict[Direction, Handler] = {}
         try:  # whatever fails, the backend (a CUDA context reference) is released
@@ -74,29 +80,42 @@ class OffloadCore:
             raise
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
-        self.closed = False
         # A worker dropped without shutdown()/aclose(): say so, let lane threads end, and
         # keep a pinned pool that copies may still write.
-        lanes = [h.lane for h in self.handlers.values()]
-        self._finalizer = weakref.finalize(self, _abandoned, lanes, self.pool, self.backend.name)
+        self._finalizer = weakref.finalize(
+            self, _abandoned, list(self.handlers.values()), self.pool, self.backend.name, self.lifecycle
+        )
         self._finalizer.atexit = False  # at exit the process frees it all anyway
         # Set by the first job that failed with a sticky device error; refuses new work.
         self.broken: WorkerBroken | None = None
 
     # -- submitting ---------------------------------------------------------------------
 
-    def submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any = None) -> Job:
-        """Validate, plan and launch one job; raises before anything is enqueued."""
-        if self.closed:
-            raise WorkerClosed("the worker is closed; create a new one to transfer more")
+    def submit(
+        self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None,
+        *, reserved: Collection[int] = (),
+    ) -> Job:
+        """Validate, plan and launch one job; raises before anything is enqueued.
+
+        The face checked the lifecycle and the calling thread. ``reserved`` holds ids the
+        face still holds for jobs the core reported already (the async face's futures not
+        resolved yet), which may not be reused until it lets them go.
+        """
         self.check_healthy()
-        check_job_id(job_id)
+        job_id = as_job_id(job_id)
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
         for role, spec in (("GPU", gpu), ("CPU", cpu)):
             if not hasattr(spec, "block_ids"):
                 raise InvalidSpec(
                     f"the {role} spec of a {direction.value} must have block_ids "
                     f"(got {type(spec).__name__}); pass GPULoadStoreSpec / CPULoadStoreSpec"
+                )
+            side = side_of(spec)
+            if side is not None and side != role:
+                raise InvalidSpec(
+                    f"the {role} side of a {direction.value} got a {type(spec).__name__}, which "
+                    f"describes {side} blocks: are source and destination swapped? A store takes "
+                    "(GPU spec, CPU spec), a load (CPU spec, GPU spec)"
                 )
         mapping = map_blocks(
             gpu.block_ids,
@@ -109,9 +128,19 @@ class OffloadCore:
             unique_host=direction.to_host,
         )
         plan = plan_copies(mapping, self.layout)
+        bound = self.options.max_in_flight
         with self._lock:
             if job_id in self._jobs:
                 raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
+            if job_id in reserved:
+                raise DuplicateJob(
+                    f"job {job_id} finished but its future is not resolved yet; reuse it after"
+                )
+            if bound and len(self._jobs) >= bound:
+                raise QueueFull(
+                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
+                    "wait for room (await worker.wait_for_room()) and submit again"
+                )
             dependency = self.backend.capture(after)
             job = self.handlers[direction].submit(job_id, plan, dependency)
             self._jobs[job_id] = job
@@ -124,6 +153,11 @@ class OffloadCore:
                 f"the device failed under this worker ({self.broken}); every pending job failed. "
                 "Close it and create a new worker (the CUDA context may need a process restart)"
             ) from self.broken
+
+    def has_room(self) -> bool:
+        """Whether a submit would pass the ``max_in_flight`` bound now."""
+        bound = self.options.max_in_flight
+        return not bound or len(self._jobs) < bound
 
     # -- completing ---------------------------------------------------------------------
 
@@ -182,43 +216,86 @@ class OffloadCore:
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until every job in flight is done."""
+        return _wait_jobs(self.pending(), timeout)
+
+    def drain(self, idle_timeout: float) -> bool:
+        """Block until every job in flight is done, or until no job has ended for
+        ``idle_timeout`` seconds (False then). For threads, not event loops."""
+        last_end = time.monotonic()
+        for job in sorted(self.pending(), key=lambda j: j.submitted_at):
+            if job.completion.query():
+                continue
+            if not job.completion.wait(max(0.0, last_end + idle_timeout - time.monotonic())):
+                return False
+            last_end = time.monotonic()
+        return True
+
+    def pending(self) -> list[Job]:
+        """Every job not popped yet, per direction oldest first."""
         with self._lock:
-            jobs = [job for h in self.handlers.values() for job in h.pending()]
-        return _wait_jobs(jobs, timeout)
+            return [job for h in self.handlers.values() for job in h.pending()]
 
     def heads(self) -> list[Job]:
         """The oldest job still in flight of each direction (the next to finish in each)."""
         with self._lock:
             return [h.head for h in self.handlers.values() if h.head is not None]
 
-    def expected_wait(self) -> float | None:
-        """Seconds until the soonest head job should finish (None when unknown)."""
-        now = time.perf_counter()
-        soonest: float | None = None
-        for handler in self.handlers.values():
-            wait = handler.expected_wait(now)
-            if wait is not None and (soonest is None or wait < soonest):
-                soonest = wait
-        return soonest
-
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def is_in_flight(self, job_id: int) -> bool:
-        return job_id in self._jobs
-
     # -- lifetime -----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Free lanes and host memory. Callers drain first; in-flight jobs are waited for."""
+    @property
+    def closed(self) -> bool:
+        return self.lifecycle.state is State.CLOSED
+
+    def close(self, why: str = "") -> tuple[list[Job], list[Job]]:
+        """Free lanes and host memory; returns (jobs finished since the last poll, jobs
+        abandoned). Callers drain first: a job still running then is abandoned (failed with
+        ``WorkerClosed``, named in a warning that says ``why``), its lane let go and the
+        host pool kept, since its copy may still write it. Idempotent."""
         if self.closed:
-            return
-        self.closed = True
+            return [], []
         self._finalizer.detach()
-        self.wait_all()
-        self.settle()  # read what results still lack before the events are destroyed
-        self._release()
+        try:
+            finished = self.poll()
+            with self._lock:
+                abandoned = [job for h in self.handlers.values() for job in h.abandon()]
+                for job in abandoned:
+                    del self._jobs[job.job_id]
+            self.settle()  # read what results still lack before the events are destroyed
+            if abandoned:
+                self._abandon(abandoned, why)
+            else:
+                self._release()
+        finally:
+            self.lifecycle.finish_close()
+        return finished, abandoned
+
+    def _abandon(self, jobs: list[Job], why: str) -> None:
+        busy = {job.direction for job in jobs}
+        error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
+                             "(its bytes may or may not have moved)")
+        for job in jobs:
+            job.fail(error)
+        try:
+            for direction, handler in self.handlers.items():
+                if direction in busy:
+                    handler.lane.abandon()  # its thread or stream may still run the copy
+                else:
+                    handler.lane.close()
+            self.pool.abandon()
+        finally:
+            # The backend stays open (a lane may still use it); the pool stays referenced.
+            names = ", ".join(f"{job.direction.value} job {job.job_id}" for job in jobs[:20])
+            more = f" and {len(jobs) - 20} more" if len(jobs) > 20 else ""
+            warnings.warn(
+                f"an aiokv worker ({self.backend.name}) closed with {len(jobs)} job(s) still in "
+                f"flight{f' ({why})' if why else ''}: {names}{more}. Their futures/results "
+                "fail; the host pool is kept, not freed, since their copies may still write it",
+                RuntimeWarning, stacklevel=3,
+            )
 
     def _release(self) -> None:
         try:
@@ -254,27 +331,76 @@ def _wait_jobs(jobs: list[Job], timeout: float | None) -> bool:
     return all(job.completion.wait(max(0.0, deadline - time.monotonic())) for job in jobs)
 
 
-def _abandoned(lanes: list[Any], pool: HostPool, backend: str) -> None:
+def _abandoned(handlers: list[Handler], pool: HostPool, backend: str, lifecycle: Lifecycle) -> None:
+    """The worker was collected without being closed: let its lanes go and say so."""
+    in_flight = sum(h.in_flight for h in handlers)
     pool.abandon()  # first: under -W error the warning raises
+    lanes: list[Lane] = [h.lane for h in handlers]
     for lane in lanes:
         lane.abandon()
+    if lifecycle.state is State.NEW:
+        what = "it was never opened, so no copies ran"
+    elif in_flight:
+        what = f"{in_flight} job(s) were still in flight and nothing waited for their copies"
+    else:
+        what = "no copies were in flight"
+    memory = ("its host memory is freed with it" if backend == "cpu"
+              else "its pinned host memory stays allocated until the process exits")
     warnings.warn(
-        f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(), so "
-        "nothing waited for its copies" + ("" if backend == "cpu" else " and its pinned memory leaks"),
+        f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(); {what}; {memory}",
         ResourceWarning, stacklevel=1,  # a finalizer has no caller to point at
     )
 
 
-def _chunk_count(num_cpu_chunks: int | None, cpu_bytes: int | None, chunk_bytes: int) -> int:
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` where /proc/meminfo has it,
+    else free pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_host_memory(num_chunks: int, chunk_bytes: int) -> None:
+    """Refuse a host pool larger than the memory available, before asking for it."""
+    wanted = num_chunks * chunk_bytes
+    available = available_host_memory()
+    if available is not None and wanted > available:
+        raise HostMemoryError(
+            f"a host pool of {num_chunks} chunks of {chunk_bytes} bytes ({wanted / 2**30:.3g} GiB) "
+            f"was asked for, but only {available / 2**30:.3g} GiB of host memory is available; "
+            "ask for fewer chunks (num_cpu_chunks=) or bytes (cpu_bytes=)"
+        )
+
+
+def _chunk_count(num_cpu_chunks: Any, cpu_bytes: Any, chunk_bytes: int) -> int:
     """Exactly one of the two sizes: a chunk count, or bytes rounded down to chunks."""
     if (num_cpu_chunks is None) == (cpu_bytes is None):
         raise InvalidSpec("pass exactly one of num_cpu_chunks= and cpu_bytes=")
     if num_cpu_chunks is not None:
-        if not isinstance(num_cpu_chunks, int) or isinstance(num_cpu_chunks, bool) or num_cpu_chunks < 1:
+        chunks = _positive(num_cpu_chunks)
+        if chunks is None:
             raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
-        return num_cpu_chunks
-    if not isinstance(cpu_bytes, int) or isinstance(cpu_bytes, bool) or cpu_bytes < chunk_bytes:
+        return chunks
+    nbytes = _positive(cpu_bytes)
+    if nbytes is None or nbytes < chunk_bytes:
         raise InvalidSpec(
             f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}"
         )
-    return cpu_bytes // chunk_bytes
+    return nbytes // chunk_bytes
+
+
+def _positive(value: Any) -> int | None:
+    """``value`` as a positive int (numpy integers too), or None."""
+    try:
+        count = as_count(value, "size")
+    except InvalidSpec:
+        return None
+    return count if count >= 1 else None

@@ -10,6 +10,7 @@ ValueError`` around a submit keeps working::
      |    +-- KeyNotLoadable               a cache key that is missing or still being written
      +-- UsageError (RuntimeError)         a call in the wrong state or from the wrong thread
      |    +-- WorkerClosed                 you closed the worker (or never opened it)
+     |    +-- QueueFull                    ``max_in_flight`` jobs are in flight already
      +-- WorkerBroken (RuntimeError)       the device failed under you (sticky CUDA error)
      +-- HostMemoryError (MemoryError)     the host pool cannot be allocated or pinned
      +-- CudaCallFailed (RuntimeError)     a driver call failed: neither bad input nor broken
@@ -35,6 +36,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidSpec",
     "KeyNotLoadable",
+    "QueueFull",
     "TierError",
     "TransferFailed",
     "UsageError",
@@ -66,6 +68,11 @@ class UsageError(AiokvError, RuntimeError):
 
 class WorkerClosed(UsageError):
     """The worker is closed (or was never opened with ``async with``)."""
+
+
+class QueueFull(UsageError):
+    """``WorkerOptions.max_in_flight`` jobs are in flight already; nothing was enqueued.
+    Wait for room (``await worker.wait_for_room()`` on the async face) and submit again."""
 
 
 class WorkerBroken(AiokvError, RuntimeError):

@@ -2,7 +2,7 @@
 
 Awaiting works under asyncio, uvloop and trio: each waiter waits on an event of its own
 task's loop (``aiokv.loops``), on the thread of the loop that submitted the job (its events
-are set from there; another thread gets a ``RuntimeError`` rather than a wait that never
+are set from there; another thread gets a ``UsageError`` rather than a wait that never
 ends).
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from .errors import TransferFailed
+from .errors import TransferFailed, UsageError
 from .loops import LoopEvent, loop_event
 from .specs import TransferResult
 
@@ -50,10 +50,10 @@ class TransferFuture:
 
     def result(self) -> TransferResult:
         """The result of a done future; raises ``TransferFailed`` if the copy failed, with
-        what failed it as ``__cause__``."""
+        what failed it as ``__cause__``, and ``UsageError`` if it is not done yet."""
         result = self._result
         if result is None:
-            raise RuntimeError(f"job {self.job_id} is still in flight; await the future instead")
+            raise UsageError(f"job {self.job_id} is still in flight; await the future instead")
         if not result.success:
             # A new exception per call: one object raised again by every await would grow
             # its traceback each time and be shared by concurrent awaiters.
@@ -74,7 +74,7 @@ class TransferFuture:
     async def _wait(self) -> TransferResult:
         if self._result is None:
             if threading.get_ident() != self._thread:
-                raise RuntimeError(
+                raise UsageError(
                     f"job {self.job_id}'s future was awaited on another thread than the event "
                     "loop that submitted it, which could not wake it; await it on that loop "
                     "(e.g. asyncio.run_coroutine_threadsafe), or use SyncOffloadingWorker"

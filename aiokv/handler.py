@@ -18,10 +18,6 @@ from .specs import Direction, TransferResult
 
 __all__ = ["Handler", "Job"]
 
-# How late a job may run past its predicted end and still be spun for (see expected_wait).
-_SLACK_SHARE = 0.25
-_MAX_SLACK = 2e-3
-
 
 @dataclass(eq=False)
 class Job:
@@ -40,11 +36,11 @@ class Job:
     # enqueueing it, and the job is not done before that either).
     submitted_at: float = field(default_factory=time.perf_counter, repr=False)
     launched_at: float = field(default_factory=time.perf_counter, repr=False)
-    # Whether the job will ring the async face's doorbell when it ends (None: it cannot).
-    bell_armed: bool | None = field(default=False, repr=False)
-    # Host-clock span from when it could start to when it was seen done (a rate estimate
-    # for when the device time is unknown).
-    host_span: float = field(default=0.0, repr=False)
+    # Set when popped: when the poll found it done, and the last time before that a poll
+    # saw its direction's head not done (or its launch, if later). Their difference bounds
+    # how late the job's end was noticed.
+    noticed_at: float = field(default=0.0, repr=False)
+    running_seen_at: float = field(default=0.0, repr=False)
 
     @property
     def started_at(self) -> float:
@@ -61,9 +57,14 @@ class Job:
             self.result = TransferResult.timed_later(self.job_id, self.nbytes, timer,
                                                      self.direction.transfer_type)
         else:
-            self.error = _without_frames(err)
-            self.result = TransferResult(self.job_id, False, transfer_type=self.direction.transfer_type)
+            self.fail(_without_frames(err))
         self.plan = None
+        return self.result  # type: ignore[return-value]
+
+    def fail(self, error: BaseException) -> TransferResult:
+        """Report the job failed with ``error`` (its copy failed, or was abandoned)."""
+        self.error = error
+        self.result = TransferResult(self.job_id, False, transfer_type=self.direction.transfer_type)
         return self.result
 
 
@@ -95,22 +96,16 @@ class Handler:
         self.completed = 0
         self.failed = 0
         self.bytes_moved = 0
-        # Observed bytes/s of large jobs (EWMA), to predict when the head will finish.
-        self._rate: float | None = None
-        self._last_done = 0.0
-        # When a query last found the head not done, and, per finished job, how long before
-        # it was seen done that could have been: an upper bound on how late completion
-        # was noticed (the benchmark reports it as the wake-up latency).
+        # When a query last found the head not done (see ``Job.running_seen_at``).
         self._last_miss = 0.0
-        self.detect_windows: deque[float] = deque(maxlen=4096)
         # Finished jobs whose completions are not settled yet (see ``settle``).
         self._unsettled: list[Job] = []
 
     def submit(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """Launch the plan behind every earlier job of this direction; never blocks."""
         # The device may start on the first copies while the host still issues the rest,
-        # so a job's predicted end counts from the backend's stamp of when the copies were
-        # handed over (``Job.started_at``), or from here, before the launch, without one.
+        # so ``Job.started_at`` prefers the backend's stamp of when the copies were handed
+        # over, and falls back on this time, before the launch.
         started = time.perf_counter()
         completion = self.lane.launch(plan, dependency)
         job = Job(job_id, self.direction, plan.total_bytes, completion, plan=plan, submitted_at=started)
@@ -127,53 +122,34 @@ class Handler:
                 self._last_miss = time.perf_counter()
                 break
             job = fifo.popleft()
-            seen = time.perf_counter()
-            self.detect_windows.append(seen - max(self._last_miss, job.launched_at))
+            job.noticed_at = time.perf_counter()
+            job.running_seen_at = max(self._last_miss, job.launched_at)
             result = job.finish()
             if result.success:
                 self.completed += 1
                 self.bytes_moved += job.nbytes
-                job.host_span = seen - max(job.started_at, self._last_done)
                 self._unsettled.append(job)
             else:
                 self.failed += 1
-            self._last_done = time.perf_counter()
             done.append(job)
         return done
 
     def settle(self) -> None:
-        """Settle the completions of jobs popped earlier and learn the rate from them. Run
-        after their waiters were woken, so the device-time reads are off the wake-up path."""
+        """Settle the completions of jobs popped earlier (read their device times). Run
+        after their waiters were woken, so the reads are off the wake-up path."""
         if not self._unsettled:
             return
         jobs, self._unsettled = self._unsettled, []
         for job in jobs:
             job.completion.settle()
-            self._learn_rate(job)
 
-    def _learn_rate(self, job: Job) -> None:
-        elapsed = job.completion.elapsed
-        if elapsed is None:
-            elapsed = job.host_span
-        if job.nbytes >= 1 << 20 and elapsed > 0:
-            rate = job.nbytes / elapsed
-            self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
-
-    def expected_wait(self, now: float) -> float | None:
-        """Seconds until the head job should finish, from the observed rate; None if unknown.
-
-        A job a little late (under a quarter of its predicted time, at most 2 ms) reads as
-        due now (0.0), so the poller keeps spinning for it instead of taking a ~1 ms nap;
-        later than that, the prediction is stale and the true (negative) value is returned.
-        """
-        if not self._fifo or self._rate is None:
-            return None
-        head = self._fifo[0]
-        span = head.nbytes / self._rate
-        eta = max(head.started_at, self._last_done) + span - now
-        if -min(_MAX_SLACK, _SLACK_SHARE * span) < eta < 0:
-            return 0.0
-        return eta
+    def abandon(self) -> list[Job]:
+        """Forget every job not popped yet and return them, oldest first (their copies may
+        still run: the worker is closing without them)."""
+        jobs = list(self._fifo)
+        self._fifo.clear()
+        self.failed += len(jobs)
+        return jobs
 
     @property
     def in_flight(self) -> int:

@@ -7,6 +7,7 @@ as they are; ``CanonicalKVCaches.from_tensors`` builds one from ordinary per-lay
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,9 +59,11 @@ class CanonicalKVCaches:
         if isinstance(kv, cls):
             return kv
         try:
-            for t in kv.tensors:  # type: ignore[attr-defined]
-                if not isinstance(t.tensor, torch.Tensor):
-                    raise TypeError(f"a tensors[i].tensor is a {type(t.tensor).__name__}, not a torch.Tensor")
+            if not all(isinstance(t.tensor, torch.Tensor) for t in kv.tensors):  # type: ignore[attr-defined]
+                raise InvalidSpec(
+                    "kv_caches must be a CanonicalKVCaches whose tensors[i].tensor are torch "
+                    "tensors; build one with CanonicalKVCaches.from_tensors(tensors)"
+                )
             return cls(
                 tensors=[
                     CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes))
@@ -71,6 +74,8 @@ class CanonicalKVCaches:
                     for refs in kv.group_data_refs  # type: ignore[attr-defined]
                 ],
             )
+        except InvalidSpec:
+            raise
         except (AttributeError, TypeError, ValueError) as exc:
             raise InvalidSpec(
                 "kv_caches must be a CanonicalKVCaches (or an object with its fields, such as "
@@ -79,7 +84,7 @@ class CanonicalKVCaches:
 
     @classmethod
     def from_tensors(
-        cls, tensors: Sequence[torch.Tensor], block_dim: int = 0
+        cls, tensors: Sequence[torch.Tensor], block_dim: int | None = None
     ) -> CanonicalKVCaches:
         """Describe per-layer KV tensors as one group.
 
@@ -88,11 +93,13 @@ class CanonicalKVCaches:
         takes ``block_dim=1``); everything after it is one block's page, which must be one
         dense range of memory (contiguous, or a permuted view of a contiguous page).
         ``(num_blocks, ...)`` and cross-layer ``(num_blocks, layers, ...)`` take
-        ``block_dim=0``.
+        ``block_dim=0``, the default, except where dimension 0 has size 2: that reads like
+        a K/V split, so it must be said (``block_dim=1`` for K/V, ``block_dim=0`` for a
+        cache of two blocks) rather than silently moving K and V as two blocks.
 
         Raises:
-            InvalidSpec: empty input, a bad ``block_dim``, mixed devices, a page that is
-                not one dense range of memory, or pages that overlap.
+            InvalidSpec: empty input, a bad or ambiguous ``block_dim``, mixed devices, a
+                page that is not one dense range of memory, or pages that overlap.
         """
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
@@ -103,6 +110,7 @@ class CanonicalKVCaches:
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             bad = next(type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor))
             raise InvalidSpec(f"from_tensors() takes torch.Tensor layers, got a {bad}")
+        block_dim = _block_dim(block_dim, tensors)
         device = tensors[0].device
         pages: list[CanonicalKVCacheTensor] = []
         for layer, t in enumerate(tensors):
@@ -132,6 +140,25 @@ class CanonicalKVCaches:
                 pages.append(_page_view(part, layer))
         refs = [CanonicalKVCacheRef(i, p.page_size_bytes) for i, p in enumerate(pages)]
         return cls(tensors=pages, group_data_refs=[refs])
+
+
+def _block_dim(block_dim: object, tensors: Sequence[torch.Tensor]) -> int:
+    """The dimension that indexes blocks: as given (any integral type, not a bool), else 0
+    unless dimension 0 has size 2, which a K/V layout would have too."""
+    if block_dim is None:
+        if any(t.dim() > 1 and t.shape[0] == 2 for t in tensors):
+            shape = tuple(next(t for t in tensors if t.dim() > 1 and t.shape[0] == 2).shape)
+            raise InvalidSpec(
+                f"a KV-cache tensor of shape {shape} has 2 in dimension 0: pass block_dim=1 for "
+                "a (2, num_blocks, ...) K/V layout, or block_dim=0 if it really holds 2 blocks"
+            )
+        return 0
+    if isinstance(block_dim, bool):
+        raise InvalidSpec(f"block_dim must be an int, got {block_dim!r}")
+    try:
+        return operator.index(block_dim)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidSpec(f"block_dim must be an int, got {block_dim!r}") from None
 
 
 def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .core import WorkerStatistics
-from .errors import TransferFailed
+from .errors import InvalidSpec, TransferFailed
 from .specs import Direction, TransferResult
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def _direction(direction: Direction | str) -> str:
     if isinstance(direction, Direction):
         return direction.value
     if direction not in _DIRECTIONS:
-        raise ValueError(f"direction must be one of {_DIRECTIONS} or a Direction, got {direction!r}")
+        raise InvalidSpec(f"direction must be one of {_DIRECTIONS} or a Direction, got {direction!r}")
     return direction
 
 
@@ -88,14 +88,14 @@ class WorkerCollector:
         """Export another worker under other values of the same label names (one registry
         holds one collector of these names, so several workers share it)."""
         if not callable(getattr(worker, "statistics", None)):
-            raise TypeError(f"expected a worker with statistics(), got {type(worker).__name__}")
+            raise InvalidSpec(f"expected a worker with statistics(), got {type(worker).__name__}")
         given = dict(labels or {})
         if sorted(given) != sorted(self._label_names):
-            raise ValueError(f"labels must name {self._label_names}, as this collector's others do; "
+            raise InvalidSpec(f"labels must name {self._label_names}, as this collector's others do; "
                              f"got {list(given)}")
         values = tuple(str(given[name]) for name in self._label_names)
         if values in self._workers:
-            raise ValueError(f"a worker with labels {given} is exported here already: give each its own")
+            raise InvalidSpec(f"a worker with labels {given} is exported here already: give each its own")
         self._workers[values] = worker
 
     def discard(self, labels: Mapping[str, str] | None = None) -> bool:
@@ -213,7 +213,7 @@ class OffloadMetrics:
                 shared = _Shared(prom, self.registry, namespace, list(self._labels),
                                  time_buckets, size_buckets)
             elif shared.shape != (sorted(self._labels), tuple(time_buckets), tuple(size_buckets)):
-                raise ValueError(
+                raise InvalidSpec(
                     f"metrics of namespace {namespace!r} in this registry use labels "
                     f"{shared.shape[0]} and their buckets; pass the same label names and buckets"
                 )

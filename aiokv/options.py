@@ -1,17 +1,18 @@
 """Worker options and copy-strategy names: the knobs both the core and the backends read.
 
-A leaf module (it imports only the error tree), so the core, the CPU backend and the CUDA
-package can all depend on it without importing each other.
+Low in the house (it imports only the error tree and the spec vocabulary), so the core,
+the CPU backend and the CUDA package can all depend on it without importing each other.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .errors import InvalidSpec
+from .specs import as_count
 
 __all__ = ["MIN_STAGING_BYTES", "STRATEGIES", "WorkerOptions"]
 
@@ -59,14 +60,27 @@ class WorkerOptions:
     # in another Python thread slows more, and the round trip grows by the hand-off
     # (docs/performance.md, "Issue thread").
     issue_thread: bool = False
+    # Jobs in flight (all directions) past which ``submit_*`` refuses with ``QueueFull``
+    # before enqueueing; 0 = unbounded. Submits never wait for a copy, so without a bound a
+    # tight loop can queue thousands of jobs in a blink and ``aclose()`` / ``shutdown()``
+    # then drains them all. The async face's ``await worker.wait_for_room()`` returns once a
+    # slot is free; the sync face's ``submit_*`` blocks until one is.
+    max_in_flight: int = 0
+    # Seconds a closing drain waits while no job in flight ends before it gives up on them
+    # (an ``after=`` event nobody sets, a hung device): it warns naming the jobs, fails
+    # their futures/results, and keeps the host memory their copies may still write.
+    # ``math.inf`` waits for ever.
+    drain_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("streams_per_direction", "submit_threads", "staging_bytes"):
+        for name in ("streams_per_direction", "submit_threads", "staging_bytes", "max_in_flight"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            count = as_count(value, name)
+            if count < 0:
                 raise InvalidSpec(f"{name} must be an int >= 0, got {value!r}")
+            object.__setattr__(self, name, count)  # numpy ints become ints
         if 0 < self.staging_bytes < MIN_STAGING_BYTES:  # two slots of 512-byte multiples
             raise InvalidSpec(
                 f"staging_bytes must be 0 (no staging) or at least {MIN_STAGING_BYTES}, "
@@ -79,6 +93,13 @@ class WorkerOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not _seconds(self.drain_timeout) or not self.drain_timeout > 0:
+            raise InvalidSpec(f"drain_timeout must be a number of seconds > 0 (math.inf: no bound), "
+                              f"got {self.drain_timeout!r}")
+
+    def with_strategy(self, strategy: str) -> WorkerOptions:
+        """A copy with another copy strategy (validated)."""
+        return replace(self, strategy=strategy)
 
     @classmethod
     def coerce(cls, value: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
@@ -95,3 +116,6 @@ class WorkerOptions:
         raise InvalidSpec(f"options must be a WorkerOptions, a dict or None, got {type(value).__name__}")
 
 
+def _seconds(value: Any) -> bool:
+    """A real number of seconds (not a bool, not NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
 
 from .doorbell import Doorbell
+from .handler import Job
 from .loops import loop_event, loop_library, loop_yield
+from .specs import Direction
 
-__all__ = ["Poller"]
+__all__ = ["CompletionForecast", "Poller", "PollerStatistics"]
 
 _MAX_NAP = 0.01
 # The shortest nap worth taking on the bell's alarm.
@@ -39,6 +43,92 @@ _MIN_ALARM_NAP = 100e-6
 # How late a nap is assumed to end before any was measured; a later one is a stalled loop.
 _INITIAL_LATENESS = 100e-6
 _MAX_LATENESS = 2e-3
+# How late a job may run past its predicted end and still be spun for (see expected_wait).
+_SLACK_SHARE = 0.25
+_MAX_SLACK = 2e-3
+# Jobs of at least this many bytes teach the rate (small ones are dominated by overheads).
+_MIN_RATE_BYTES = 1 << 20
+# Detection windows kept for ``PollerStatistics``.
+_WINDOWS_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class PollerStatistics:
+    """What the async face's poller did, for the benchmark and for tuning.
+
+    ``detect_windows`` holds, per finished job (most recent last, the last 4096), the
+    seconds from the last poll that saw its direction's head job not done (or the job's
+    launch, if later) to the poll that found it done: an upper bound on how late its end
+    was noticed. ``polls`` counts completion polls, ``naps`` the naps between them.
+    """
+
+    polls: int
+    naps: int
+    detect_windows: tuple[float, ...]
+
+
+class CompletionForecast:
+    """Predicts when each direction's oldest job ends from the rate of earlier large jobs,
+    so the poller naps through a long copy and spins around its end. Fed by the async face
+    with every job it pops (``saw``) and, once their device times are read, ``learn``."""
+
+    def __init__(self) -> None:
+        # Observed bytes/s of large jobs per direction (EWMA).
+        self._rate: dict[Direction, float] = {}
+        # When the last job of each direction was seen done: the next cannot start sooner.
+        self._last_done: dict[Direction, float] = {}
+        self._to_learn: list[tuple[Job, float]] = []
+        self.detect_windows: deque[float] = deque(maxlen=_WINDOWS_KEPT)
+
+    def saw(self, done: Iterable[Job]) -> None:
+        """Note jobs just popped (in submission order per direction)."""
+        for job in done:
+            self.detect_windows.append(job.noticed_at - job.running_seen_at)
+            d = job.direction
+            if job.error is None and job.nbytes >= _MIN_RATE_BYTES:
+                # Host-clock span from when it could start to when it was seen done: the
+                # rate's measure where the device time is unknown.
+                span = job.noticed_at - max(job.started_at, self._last_done.get(d, 0.0))
+                self._to_learn.append((job, span))
+            self._last_done[d] = job.noticed_at
+
+    def learn(self) -> None:
+        """Learn the rate from the jobs seen since; call once their device times are read
+        (after the tasks they woke ran)."""
+        if not self._to_learn:
+            return
+        jobs, self._to_learn = self._to_learn, []
+        for job, span in jobs:
+            elapsed = job.completion.elapsed
+            if elapsed is None:
+                elapsed = span
+            if elapsed > 0:
+                rate = job.nbytes / elapsed
+                old = self._rate.get(job.direction)
+                self._rate[job.direction] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def expected_wait(self, heads: Iterable[Job], now: float | None = None) -> float | None:
+        """Seconds until the soonest of ``heads`` (each direction's oldest job) should end;
+        None when no rate is known.
+
+        A job a little late (under a quarter of its predicted time, at most 2 ms) reads as
+        due now (0.0), so the poller keeps spinning for it instead of taking a ~1 ms nap;
+        later than that, the prediction is stale and the true (negative) value is returned.
+        """
+        if now is None:
+            now = time.perf_counter()
+        soonest: float | None = None
+        for head in heads:
+            rate = self._rate.get(head.direction)
+            if rate is None:
+                continue
+            span = head.nbytes / rate
+            eta = max(head.started_at, self._last_done.get(head.direction, 0.0)) + span - now
+            if -min(_MAX_SLACK, _SLACK_SHARE * span) < eta < 0:
+                eta = 0.0
+            if soonest is None or eta < soonest:
+                soonest = eta
+        return soonest
 
 
 class _BellNaps:
@@ -61,10 +151,9 @@ class _BellNaps:
 class _ReaderNaps:
     """asyncio: the bell stays registered with the loop for the poller's life, and its
     callback drains it and ends the nap in progress. That spares each nap the loop's
-    register / unregister and anyio's wrappers: a 4.4 ms nap on the alarm cost 97 against
-    147 us of CPU on asyncio, 78 against 125 us on uvloop (probes/probe_nap.py, device run
-    45). A ring that lands while the poller spins is drained there; a poll always follows,
-    so none is lost."""
+    register / unregister and anyio's wrappers, which cost about a third more CPU time per
+    nap on asyncio and uvloop alike (docs/performance.md, "Doorbell"). A ring that lands
+    while the poller spins is drained there; a poll always follows, so none is lost."""
 
     def __init__(self, bell: Doorbell, loop: asyncio.AbstractEventLoop) -> None:
         self._bell = bell
@@ -135,6 +224,10 @@ class Poller:
         self._active_since = time.perf_counter()
         self.polls = 0
         self.sleeps = 0
+
+    def statistics(self, windows: Iterable[float] = ()) -> PollerStatistics:
+        """A snapshot of this poller's counts, with the detection ``windows`` given."""
+        return PollerStatistics(self.polls, self.sleeps, tuple(windows))
 
     def wake(self) -> None:
         """Note new work. Call on the loop thread (submits do)."""

@@ -4,6 +4,7 @@ transfer reports. Errors live in ``aiokv.errors``."""
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -48,10 +49,48 @@ class Direction(enum.Enum):
         return Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
 
 
-def check_job_id(job_id: Any) -> None:
-    """Job ids are ints (not bools): both faces key their bookkeeping by them."""
-    if not isinstance(job_id, int) or isinstance(job_id, bool):
-        raise InvalidSpec(f"job_id must be an int, got {type(job_id).__name__}")
+def as_count(value: Any, what: str) -> int:
+    """``value`` as a Python int: any integral type (numpy's too, via ``operator.index``),
+    never a bool (True is no count) nor a float."""
+    if type(value) is int:  # the common case, at once
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidSpec(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidSpec(f"{what} must be an int, got {type(value).__name__}") from None
+
+
+def as_job_id(job_id: Any) -> int:
+    """A job id as a Python int (numpy integers accepted, bools refused): both faces key
+    their bookkeeping by it, and results report it as given."""
+    return as_count(job_id, "job_id")
+
+
+# Which side a spec class's name says it describes, by class (engines' specs included).
+_SIDES: dict[type, str | None] = {}
+
+
+def side_of(spec: Any) -> str | None:
+    """"GPU" or "CPU" when the spec's class says which side it describes (ours, or an
+    engine's class named like ``GPULoadStoreSpec`` / ``CPULoadStoreSpec``), else None."""
+    cls = type(spec)
+    try:
+        return _SIDES[cls]
+    except KeyError:
+        pass
+    side: str | None
+    if issubclass(cls, GPULoadStoreSpec):
+        side = "GPU"
+    elif issubclass(cls, CPULoadStoreSpec):
+        side = "CPU"
+    else:
+        name = cls.__name__.upper()
+        gpu, cpu = "GPU" in name or "CUDA" in name, "CPU" in name
+        side = "GPU" if gpu and not cpu else "CPU" if cpu and not gpu else None
+    _SIDES[cls] = side
+    return side
 
 
 class LoadStoreSpec:

@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from .core import WorkerStatistics
-from .errors import WorkerClosed
+from .errors import InvalidSpec
+from .lifecycle import Face, State
 from .specs import Direction, TransferResult
-from .worker import AsyncOffloadingWorker, _State
+from .worker import AsyncOffloadingWorker
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
 
@@ -49,23 +50,26 @@ class SyncOffloadingWorker(OffloadingWorker):
     """Blocking face of an ``AsyncOffloadingWorker`` that was never opened on a loop.
 
     Bad input raises the same typed errors as the async face; ``True`` means enqueued.
-    Each copy waits on the calling thread's current CUDA stream at submit time.
+    Each copy waits on the calling thread's current CUDA stream at submit time. Submits
+    never wait for a copy unless ``WorkerOptions.max_in_flight`` is set: then a submit
+    past the bound blocks until a job in flight ends (its result is kept for
+    ``get_finished()``).
+
+    Raises:
+        InvalidSpec: ``async_worker`` is not an ``AsyncOffloadingWorker``.
+        UsageError: the worker is open on an event loop or wrapped by another adapter;
+            ``WorkerClosed`` if it is closed.
     """
 
     def __init__(self, async_worker: AsyncOffloadingWorker) -> None:
         if not isinstance(async_worker, AsyncOffloadingWorker):
-            raise TypeError(f"expected an AsyncOffloadingWorker, got {type(async_worker).__name__}")
-        if async_worker._state is not _State.NEW:
-            raise WorkerClosed(
-                "the async worker is already in use (open on an event loop, wrapped by "
-                "another SyncOffloadingWorker) or closed; give the sync adapter a fresh one"
-            )
-        async_worker._state = _State.OPEN  # owned by this adapter from now on
+            raise InvalidSpec(f"expected an AsyncOffloadingWorker, got {type(async_worker).__name__}")
+        async_worker._core.lifecycle.open(Face.SYNC)  # owned by this adapter from now on
         self._worker = async_worker
         self._core = async_worker._core
+        self._lifecycle = self._core.lifecycle
         self._unreported: list[TransferResult] = []
         self._lock = threading.Lock()
-        self._closing = False  # shutdown() has begun: submits are refused from then on
         self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
@@ -83,10 +87,20 @@ class SyncOffloadingWorker(OffloadingWorker):
         return True
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
-        with self._lock:
-            if self._closing:
-                raise WorkerClosed("this worker was shut down; create a new one to transfer more")
-            self._core.submit(direction, job_id, src, dst, after)
+        core = self._core
+        while True:
+            with self._lock:
+                self._lifecycle.check_open(Face.SYNC)
+                if core.has_room():
+                    core.submit(direction, job_id, src, dst, after)
+                    return
+                pending = core.pending()
+            # At the max_in_flight bound: wait (without the lock, so get_finished() and
+            # shutdown() go on) for the oldest job to end, then pop what ended.
+            if pending:
+                min(pending, key=lambda j: j.submitted_at).completion.wait()
+            with self._lock:
+                self._unreported.extend(job.result for job in core.poll() if job.result is not None)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, each reported once, in submission order within
@@ -103,26 +117,30 @@ class SyncOffloadingWorker(OffloadingWorker):
         their results still come from ``get_finished()``."""
         self._core.wait_for(job_ids)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, drain_timeout: float | None = None) -> None:
         """Drain, then free host memory. Results of drained jobs stay for get_finished().
 
-        The drain does not hold the adapter's lock, so ``get_finished()`` on another thread
+        The drain ends once no job has ended for ``drain_timeout`` seconds (default
+        ``WorkerOptions.drain_timeout``, 30 s) or on a KeyboardInterrupt: the jobs still in
+        flight are then abandoned (a warning names them, their results report failure)
+        and the host pool is kept, not freed, since their copies may still write it. The
+        drain does not hold the adapter's lock, so ``get_finished()`` on another thread
         waits at most for the memory to be freed; a second ``shutdown()`` waits for the
         first.
         """
         with self._shutdown_lock:
             with self._lock:
-                self._closing = True
-                if self._core.closed:
-                    return
-            self._core.wait_all()
-            with self._lock:
-                for job in self._core.poll():
-                    if job.result is not None:
-                        self._unreported.append(job.result)
-                self._core.close()
-                self._worker._state = _State.CLOSED
-                self._worker._closed.set()  # what the async face's aclose() waits for
+                if self._lifecycle.begin_close(Face.SYNC) is not State.OPEN:
+                    return  # closed (or closing) already
+            timeout = self._core.options.drain_timeout if drain_timeout is None else drain_timeout
+            why = "the drain was interrupted"
+            try:
+                if not self._core.drain(timeout):
+                    why = f"no job ended for {timeout:g} s of the drain (drain_timeout)"
+            finally:
+                with self._lock:
+                    finished, abandoned = self._core.close(why)
+                    self._unreported.extend(j.result for j in finished + abandoned if j.result is not None)
 
     def statistics(self) -> WorkerStatistics:
         """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""

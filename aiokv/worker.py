@@ -2,33 +2,30 @@
 
 from __future__ import annotations
 
-import enum
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from .core import OffloadCore, WorkerStatistics
 from .doorbell import Doorbell
-from .errors import DuplicateJob, InvalidSpec, WorkerClosed
+from .errors import UsageError
 from .future import TransferFuture
 from .handler import Job
 from .layout import CanonicalKVCaches
+from .lifecycle import Face, State
+from .loops import LoopEvent, loop_event
 from .options import WorkerOptions
-from .poller import Poller
-from .specs import Direction, check_job_id
+from .poller import CompletionForecast, Poller, PollerStatistics
+from .specs import Direction
 
 __all__ = ["AsyncOffloadingWorker"]
 
 _MAX_DRAIN_NAP = 1e-3
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class AsyncOffloadingWorker:
@@ -37,6 +34,11 @@ class AsyncOffloadingWorker:
     Use as ``async with AsyncOffloadingWorker(kv, num_cpu_chunks=...) as worker:``. The
     context starts one poller task on the current event loop (asyncio, uvloop or trio) and,
     on exit, waits for every job in flight before it frees host memory.
+
+    Submits never wait for a copy: a tight loop can queue thousands of jobs at once, and
+    closing then drains them all. Set ``options={"max_in_flight": n}`` to bound the jobs in
+    flight: a submit past the bound raises ``QueueFull`` before enqueueing, and
+    ``await worker.wait_for_room()`` returns once a slot is free.
 
     Args:
         kv_caches: the KV cache to serve (``CanonicalKVCaches.from_tensors(...)``, or an
@@ -47,6 +49,11 @@ class AsyncOffloadingWorker:
         backend: ``"auto"`` (where the tensors live), ``"cuda"`` or ``"cpu"``.
         strategy: CUDA copy strategy, ``"auto" | "dma" | "kernel" | "staged"``.
         options: further knobs, a ``WorkerOptions`` or a dict.
+
+    Raises:
+        InvalidSpec: bad sizes, options, backend or KV-cache description.
+        HostMemoryError: the host pool is larger than the memory available, or could not
+            be allocated.
     """
 
     def __init__(
@@ -62,7 +69,7 @@ class AsyncOffloadingWorker:
     ) -> None:
         opts = WorkerOptions.coerce(options)
         if strategy is not None:
-            opts = WorkerOptions(**{**opts.__dict__, "strategy": strategy})
+            opts = opts.with_strategy(strategy)
         self._core = OffloadCore(
             kv_caches,
             num_cpu_chunks=num_cpu_chunks,
@@ -71,17 +78,21 @@ class AsyncOffloadingWorker:
             backend=backend,
             options=opts,
         )
-        self._state = _State.NEW
+        self._lifecycle = self._core.lifecycle
         self._futures: dict[int, TransferFuture] = {}
         self._poller: Poller | None = None
+        self._forecast = CompletionForecast()
         self._task_group: anyio.abc.TaskGroup | None = None
         # The poller runs in its own scope, so any task can stop it without cancelling the
         # opener's body (which runs inside the task group's scope).
         self._poller_scope: anyio.CancelScope | None = None
         self._opener: int | None = None  # the task that entered the task group
         self._bell: Doorbell | None = None
+        # Per head job asked to ring the bell: True if it will, None if it cannot.
+        self._armed: dict[Job, bool | None] = {}
+        # Set when a poll finished jobs, for tasks in ``wait_for_room``.
+        self._room: LoopEvent | None = None
         self._loop_thread: int | None = None
-        self._closed = threading.Event()
 
     # -- facts --------------------------------------------------------------------------
 
@@ -121,82 +132,128 @@ class AsyncOffloadingWorker:
         """The host pool as one flat uint8 tensor (for inspection and tests)."""
         return self._core.pool.tensor
 
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted whose futures are not resolved yet."""
+        return len(self._futures)
+
     def statistics(self) -> WorkerStatistics:
         """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
         return self._core.statistics()
 
+    def poller_statistics(self) -> PollerStatistics:
+        """What the poller did so far: polls, naps, and how late each job's end was noticed
+        (``PollerStatistics.detect_windows``). Zeros before the worker is opened."""
+        windows = tuple(self._forecast.detect_windows)
+        if self._poller is None:
+            return PollerStatistics(0, 0, windows)
+        return self._poller.statistics(windows)
+
     def __repr__(self) -> str:
         return (
-            f"<AsyncOffloadingWorker {self._state.value} backend={self.backend} "
+            f"<AsyncOffloadingWorker {self._lifecycle.state.value} backend={self.backend} "
             f"chunks={self.num_cpu_chunks} in_flight: {self._core.describe_in_flight()}>"
         )
 
     # -- submitting ---------------------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> TransferFuture:
-        """Enqueue a GPU -> host copy and return its future at once."""
+        """Enqueue a GPU -> host copy and return its future at once.
+
+        Raises:
+            InvalidSpec: bad input (nothing was enqueued); ``DuplicateJob`` for an id in flight.
+            QueueFull: ``max_in_flight`` jobs are in flight already.
+            WorkerClosed: the worker is not open, or closed.
+            UsageError: called off the loop thread that opened the worker, or the sync
+                adapter owns it.
+            WorkerBroken: the device failed under the worker.
+        """
         return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False, after: Any = None
     ) -> TransferFuture:
-        """Enqueue a host -> GPU copy; ``expedited`` loads never wait behind ordinary ones."""
+        """Enqueue a host -> GPU copy; ``expedited`` loads never wait behind ordinary ones.
+        Raises what ``submit_store`` raises."""
         return self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
-        self.check_submittable()
-        check_job_id(job_id)  # before it is looked up: a list would raise TypeError there
-        if job_id in self._futures:
-            if self._core.holds(job_id):
-                raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
-            # Finished in this poll (a done callback of another job runs first).
-            raise DuplicateJob(f"job {job_id} finished but its future is not resolved yet; reuse it after")
-        job = self._core.submit(direction, job_id, src, dst, after)
+        self._check_caller()
+        job = self._core.submit(direction, job_id, src, dst, after, reserved=self._futures)
         future = TransferFuture(job.job_id)
         self._futures[job.job_id] = future
         assert self._poller is not None
         self._poller.wake()
         return future
 
-    def check_submittable(self, after: Any = None) -> None:
-        """Raise what ``submit_*`` would raise for this worker's state, the calling thread,
-        or ``after`` (checked without recording anything)."""
-        if self._state is not _State.OPEN:
-            raise WorkerClosed(
-                "the worker is closed; create a new one"
-                if self._state is _State.CLOSED
-                else "the worker is not open yet: use `async with worker:` before submitting"
-            )
+    def _check_caller(self) -> None:
+        """The lifecycle and the thread: everything else is the core's to check."""
+        self._lifecycle.check_open(Face.ASYNC)
         if threading.get_ident() != self._loop_thread:
-            raise InvalidSpec(
+            raise UsageError(
                 "submit_* must be called on the event loop thread that opened the worker; "
                 "engine threads use SyncOffloadingWorker"
             )
+
+    def check_submittable(self, after: Any = None) -> None:
+        """Raise what ``submit_*`` would raise for this worker's state, the calling thread,
+        or ``after`` (checked without recording anything)."""
+        self._check_caller()
         self._core.check_healthy()
         if after is not None:
             self._core.backend.check_after(after)
+
+    async def wait_for_room(self) -> None:
+        """Return once a submit would pass the ``max_in_flight`` bound (at once, past a
+        checkpoint, when it would already or no bound is set). Cancellable; raises
+        ``WorkerClosed`` if the worker closes meanwhile."""
+        self._check_caller()
+        core = self._core
+        if core.has_room():
+            await anyio.lowlevel.checkpoint()
+            return
+        while not core.has_room():
+            if self._room is None:
+                self._room = loop_event()
+            await self._room.wait()
+            self._lifecycle.check_open(Face.ASYNC)
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
         if not done:
             return 0
+        self._forecast.saw(done)
         escaped = self._resolve(done)
         if escaped is not None:
             raise escaped
         return len(done)
+
+    def _settle(self) -> None:
+        self._core.settle()
+        self._forecast.learn()
+
+    def _expected_wait(self) -> float | None:
+        return self._forecast.expected_wait(self._core.heads())
 
     def _resolve(self, done: list[Job]) -> BaseException | None:
         """Resolve every popped job's future (the core has forgotten them already), even if
         a done callback raises a BaseException (Exceptions are logged by the future); the
         first such exception is returned."""
         escaped: BaseException | None = None
+        armed = self._armed
         for job in done:
             assert job.result is not None
+            if armed:
+                armed.pop(job, None)
             future = self._futures.pop(job.job_id)
             try:
                 future._resolve(job.result, job.error)
             except BaseException as exc:
                 escaped = escaped or exc
+        room = self._room
+        if room is not None:  # tasks waiting for room re-check the bound
+            self._room = None
+            room.set()
         return escaped
 
     def _arm_heads(self) -> bool:
@@ -205,41 +262,40 @@ class AsyncOffloadingWorker:
         assert bell is not None
         armed = True
         for job in self._core.heads():
-            if job.bell_armed is False:  # asked once: None means it cannot ring
-                job.bell_armed = True if job.completion.ring_when_done(bell) else None
-            armed = armed and job.bell_armed is True
+            state = self._armed.get(job, False)
+            if state is False:  # asked once: None means it cannot ring
+                state = self._armed[job] = True if job.completion.ring_when_done(bell) else None
+            armed = armed and state is True
         return armed
 
     # -- lifetime -----------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncOffloadingWorker:
-        if self._state is _State.OPEN:
-            raise RuntimeError("this worker is already open; enter it once")
-        if self._state is _State.CLOSED:
-            raise WorkerClosed("this worker was closed; create a new one")
-        opts = self._core.options
-        self._bell = Doorbell() if opts.doorbell and Doorbell.supported() else None
-        self._poller = Poller(
-            self._complete_finished,
-            lambda: len(self._futures),
-            expected_wait=self._core.expected_wait,
-            settle=self._core.settle,
-            bell=self._bell,
-            arm=self._arm_heads if self._bell is not None else None,
-            spin_seconds=opts.spin_seconds,
-            poll_interval=opts.poll_interval,
-        )
-        self._task_group = anyio.create_task_group()
+        self._lifecycle.open(Face.ASYNC)
         try:
+            opts = self._core.options
+            self._bell = Doorbell() if opts.doorbell and Doorbell.supported() else None
+            self._poller = Poller(
+                self._complete_finished,
+                lambda: len(self._futures),
+                expected_wait=self._expected_wait,
+                settle=self._settle,
+                bell=self._bell,
+                arm=self._arm_heads if self._bell is not None else None,
+                spin_seconds=opts.spin_seconds,
+                poll_interval=opts.poll_interval,
+            )
+            self._task_group = anyio.create_task_group()
             await self._task_group.__aenter__()
         except BaseException:
             self._close_bell()
+            self._lifecycle.begin_close(Face.ASYNC)
+            self._core.close()
             raise
         self._poller_scope = anyio.CancelScope()
         self._task_group.start_soon(self._run_poller, self._poller, self._poller_scope)
         self._opener = anyio.get_current_task().id
         self._loop_thread = threading.get_ident()
-        self._state = _State.OPEN
         return self
 
     @staticmethod
@@ -251,40 +307,44 @@ class AsyncOffloadingWorker:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, drain_timeout: float | None = None) -> None:
         """Wait for every job in flight, stop the poller and free host memory. Idempotent.
 
         Any task on the opener's loop may call it (another thread must hand it to that
-        loop: it raises ``InvalidSpec`` there unless closed already); the drain is
-        shielded, so cancelling the closing task does not abandon copies that still write
-        host memory. The task that opened the worker also leaves its task group here
-        (``async with`` exit does so), so that task must call it outside any cancel scope
-        it entered after opening.
+        loop: it raises ``UsageError`` there unless closed already). The drain is shielded
+        from anyio cancel scopes, so cancelling the closing task does not abandon copies
+        that still write host memory; but it ends: once no job has ended for
+        ``drain_timeout`` seconds (default ``WorkerOptions.drain_timeout``, 30 s), or on a
+        KeyboardInterrupt or an asyncio cancellation of the task itself (the first Ctrl-C
+        under ``asyncio.run``), the jobs still in flight are abandoned: a warning names
+        them, their futures fail with ``WorkerClosed``, and the host pool is kept (not
+        freed) since their copies may still write it. The task that opened the worker
+        also leaves its task group here (``async with`` exit does so), so that task must
+        call it outside any cancel scope it entered after opening.
         """
-        if self._state is _State.NEW:
-            self._state = _State.CLOSED
-            self._core.close()
-            self._closed.set()
+        lifecycle = self._lifecycle
+        if lifecycle.owner is Face.SYNC or (lifecycle.state is State.NEW and self._loop_thread is None):
+            before = lifecycle.begin_close(Face.ASYNC)  # raises if the sync adapter owns it
+            if before is State.NEW:
+                self._core.close()
             return
-        if self._state is _State.OPEN and self._task_group is None:
-            raise RuntimeError("a SyncOffloadingWorker owns this worker: call its shutdown() instead")
         if threading.get_ident() != self._loop_thread:
-            if self._closed.is_set():
+            if lifecycle.closed.is_set():
                 return  # closed already: nothing left on the opener's loop
             # Its poller, futures and doorbell belong to the opener's loop: a drain from
             # another thread's loop would resolve them off their loop.
-            raise InvalidSpec(
+            raise UsageError(
                 "aclose() must run on the event loop thread that opened the worker; from another "
                 "thread, hand it to that loop (e.g. anyio.from_thread.run with the loop's token)"
             )
         try:
-            if self._state is _State.CLOSED:
-                with anyio.CancelScope(shield=True):  # another task is closing: wait for it
-                    while not self._closed.is_set():
-                        await anyio.sleep(self._drain_nap())
+            if lifecycle.begin_close(Face.ASYNC) is State.OPEN:
+                timeout = self._core.options.drain_timeout if drain_timeout is None else drain_timeout
+                await self._drain_and_free(timeout)
             else:
-                self._state = _State.CLOSED  # no new submits while draining
-                await self._drain_and_free()
+                with anyio.CancelScope(shield=True):  # another task is closing: wait for it
+                    while not lifecycle.closed.is_set():
+                        await anyio.sleep(self._drain_nap())
         finally:
             await self._leave_task_group()  # also when the drain raised
 
@@ -294,31 +354,51 @@ class AsyncOffloadingWorker:
         much (2 s for a job that ended after 50 ms, at ``poll_interval=2``)."""
         return min(self._core.options.poll_interval, _MAX_DRAIN_NAP)
 
-    async def _drain_and_free(self) -> None:
+    async def _drain_and_free(self, idle_timeout: float) -> None:
         escaped: BaseException | None = None
+        why = "the drain was interrupted"
         try:
             with anyio.CancelScope(shield=True):
+                last_end = time.monotonic()
                 while self._futures:
                     done = self._core.poll()  # if this raises, the drain ends here
                     # A done callback's exception waits until every job is resolved.
                     raised = self._resolve(done)
                     escaped = escaped or raised
-                    if not done:
+                    if done:
+                        last_end = time.monotonic()
+                    elif time.monotonic() - last_end >= idle_timeout:
+                        why = f"no job ended for {idle_timeout:g} s of the drain (drain_timeout)"
+                        break
+                    else:
                         await anyio.sleep(self._drain_nap())
             if escaped is not None:
                 raise escaped
         finally:
+            self._free(why)
+
+    def _free(self, why: str) -> None:
+        """Stop the poller, close the core (abandoning what never ended) and resolve the
+        futures that are left; never waits for a copy."""
+        abandoned: list[Job] = []
+        try:
             try:
-                try:
-                    if self._poller_scope is not None:
-                        self._poller_scope.cancel()  # it stops at its next await
-                    if self._poller is not None:  # it must not watch the bell once closed
-                        self._poller.release_bell()
-                finally:
-                    self._core.close()  # lanes let pending rings run before they go
-                self._close_bell()  # not if that failed: a lane may still ring it
+                if self._poller_scope is not None:
+                    self._poller_scope.cancel()  # it stops at its next await
+                if self._poller is not None:  # it must not watch the bell once closed
+                    self._poller.release_bell()
             finally:
-                self._closed.set()
+                finished, abandoned = self._core.close(why)  # lanes let pending rings run
+                escaped = self._resolve(finished + abandoned)
+            if not abandoned:
+                self._close_bell()  # not otherwise: an abandoned copy may still ring it
+            if escaped is not None:
+                raise escaped
+        finally:
+            room = self._room
+            if room is not None:
+                self._room = None
+                room.set()
 
     async def _leave_task_group(self) -> None:
         """Only the opening task can leave the group (anyio scopes are per task); another
@@ -332,3 +412,4 @@ class AsyncOffloadingWorker:
     def _close_bell(self) -> None:
         if self._bell is not None:
             self._bell.close()
+

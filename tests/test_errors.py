@@ -19,6 +19,7 @@ from aiokv import (
     GPULoadStoreSpec,
     InvalidSpec,
     TransferFailed,
+    UsageError,
     WorkerBroken,
     WorkerClosed,
 )
@@ -134,8 +135,9 @@ async def test_closed_and_unopened_workers_refuse_work() -> None:
 async def test_entering_twice_is_an_error() -> None:
     kv = make_layers(num_blocks=8)
     async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
-        with pytest.raises(RuntimeError, match="already open"):
+        with pytest.raises(UsageError, match="already open; enter it once"):
             await worker.__aenter__()
+        assert (await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))).success
 
 
 async def test_submit_from_another_thread_is_refused() -> None:
@@ -152,7 +154,7 @@ async def test_submit_from_another_thread_is_refused() -> None:
         t = threading.Thread(target=other)
         t.start()
         t.join()
-        assert len(caught) == 1 and isinstance(caught[0], InvalidSpec)
+        assert len(caught) == 1 and type(caught[0]) is UsageError
         assert "SyncOffloadingWorker" in str(caught[0])
 
 
@@ -396,7 +398,7 @@ async def test_a_future_awaited_on_another_thread_says_so_instead_of_hanging() -
             return await fut
 
         try:
-            with pytest.raises(RuntimeError, match="another thread"):
+            with pytest.raises(UsageError, match="another thread"):
                 await anyio.to_thread.run_sync(lambda: asyncio.run(asyncio.wait_for(wait_there(), 5)))
         finally:
             latch.set()
@@ -572,7 +574,7 @@ async def test_aclose_from_another_thread_is_refused_and_the_worker_stays_whole(
             thread = threading.Thread(target=close_elsewhere, args=(worker,))
             thread.start()
             await anyio.to_thread.run_sync(thread.join)
-            assert len(caught) == 1 and isinstance(caught[0], InvalidSpec)
+            assert len(caught) == 1 and type(caught[0]) is UsageError
             assert "event loop thread" in str(caught[0])
             assert (await fut).success  # still open: the refusal touched nothing
             assert (await worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))).success

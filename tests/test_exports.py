@@ -13,7 +13,9 @@ def test_public_names_are_pinned() -> None:
         "LookupResult", "OffloadCache", "OffloadCacheStats", "OffloadResult",
         "available_admissions", "available_policies", "register_admission", "register_policy",
         # the rest of the error tree (aiokv.errors)
-        "CudaCallFailed", "HostMemoryError", "TierError", "UsageError",
+        "CudaCallFailed", "HostMemoryError", "QueueFull", "TierError", "UsageError",
+        # what the async face's poller did (for the bench)
+        "PollerStatistics",
     }
     for name in aiokv.__all__:
         assert getattr(aiokv, name) is not None
@@ -28,6 +30,7 @@ def test_errors_derive_from_the_builtins_callers_catch() -> None:
     assert issubclass(aiokv.KeyNotLoadable, aiokv.InvalidSpec)
     assert issubclass(aiokv.HostMemoryError, MemoryError)
     assert issubclass(aiokv.TierError, OSError)
+    assert issubclass(aiokv.QueueFull, aiokv.UsageError)
     for cls in (aiokv.InvalidSpec, aiokv.WorkerClosed, aiokv.WorkerBroken, aiokv.TransferFailed,
                 aiokv.UsageError, aiokv.HostMemoryError, aiokv.CudaCallFailed, aiokv.TierError):
         assert issubclass(cls, aiokv.AiokvError)

@@ -75,29 +75,78 @@ class _Pending:
 
 
 class _Lane:
+    next = None
+
     def launch(self, plan, dependency):
-        return _Pending()
+        return self.next if self.next is not None else _Pending()
 
 
-def test_handler_reads_a_slightly_late_job_as_due_and_a_very_late_one_as_stale() -> None:
+class _Done(_Pending):
+    """A completion that ended after ``elapsed`` seconds on the device."""
+
+    def __init__(self, elapsed: float | None) -> None:
+        self.elapsed = elapsed
+
+    def query(self) -> bool:
+        return True
+
+
+def _finished(h, job_id: int, nbytes: int, elapsed: float | None):
+    from types import SimpleNamespace
+
+    h.lane.next = _Done(elapsed)
+    h.submit(job_id, SimpleNamespace(total_bytes=nbytes), None)
+    return h.pop_finished()
+
+
+def test_forecast_reads_a_slightly_late_job_as_due_and_a_very_late_one_as_stale() -> None:
     from types import SimpleNamespace
 
     from aiokv.handler import Handler
+    from aiokv.poller import CompletionForecast
     from aiokv.specs import Direction
 
     h = Handler(Direction.STORE, _Lane())
-    assert h.expected_wait(0.0) is None  # nothing in flight
+    forecast = CompletionForecast()
+    assert forecast.expected_wait([], 0.0) is None  # nothing in flight
+    h.lane.next = _Pending()
     job = h.submit(1, SimpleNamespace(total_bytes=8 << 20), None)
-    assert h.expected_wait(job.submitted_at) is None  # rate not learned yet
-    h._rate = 1e9  # 8 MiB at 1 GB/s: predicted to take ~8.4 ms
+    assert forecast.expected_wait([job], job.submitted_at) is None  # rate not learned yet
+    # Learn 1 GB/s from a finished 8 MiB job whose device time is known; small jobs teach nothing.
+    other = Handler(Direction.STORE, _Lane())
+    forecast.saw(_finished(other, 2, 8 << 20, (8 << 20) / 1e9))
+    forecast.saw(_finished(other, 3, 4096, 1.0))
+    forecast.learn()
+    forecast._last_done.clear()  # as if the earlier jobs ended long ago
     start = job.submitted_at
-    span = (8 << 20) / 1e9
-    assert h.expected_wait(start) == pytest.approx(span)
-    assert h.expected_wait(start + span + 1e-3) == 0.0  # 1 ms late: under the 2 ms slack
-    assert h.expected_wait(start + span + 3e-3) == pytest.approx(-3e-3)  # stale
+    span = (8 << 20) / 1e9  # predicted to take ~8.4 ms
+    assert forecast.expected_wait([job], start) == pytest.approx(span)
+    assert forecast.expected_wait([job], start + span + 1e-3) == 0.0  # 1 ms late: under the 2 ms slack
+    assert forecast.expected_wait([job], start + span + 3e-3) == pytest.approx(-3e-3)  # stale
     # A backend stamp of when the copies were handed over (after planning) moves the end.
     job.completion.started_at = start + 5e-3
-    assert h.expected_wait(start) == pytest.approx(span + 5e-3)
+    assert forecast.expected_wait([job], start) == pytest.approx(span + 5e-3)
+    # A load head has no rate of its own yet: the store's prediction stays the soonest.
+    load = Handler(Direction.LOAD, _Lane())
+    load.lane.next = _Pending()
+    load_job = load.submit(4, SimpleNamespace(total_bytes=1 << 30), None)
+    assert forecast.expected_wait([job, load_job], start) == pytest.approx(span + 5e-3)
+
+
+def test_forecast_falls_back_on_the_host_clock_span_and_records_detect_windows() -> None:
+    from aiokv.handler import Handler
+    from aiokv.poller import CompletionForecast
+    from aiokv.specs import Direction
+
+    h = Handler(Direction.LOAD, _Lane())
+    forecast = CompletionForecast()
+    (job,) = _finished(h, 1, 4 << 20, None)  # no device time: the host-clock span teaches
+    forecast.saw([job])
+    forecast.learn()
+    span = job.noticed_at - job.started_at
+    assert forecast._rate[Direction.LOAD] == pytest.approx((4 << 20) / span)
+    (window,) = forecast.detect_windows
+    assert window == job.noticed_at - job.running_seen_at and 0 <= window < 1.0
 
 
 def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:

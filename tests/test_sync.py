@@ -22,8 +22,10 @@ from aiokv import (
     InvalidSpec,
     OffloadingWorker,
     SyncOffloadingWorker,
+    UsageError,
     WorkerClosed,
 )
+from aiokv.lifecycle import State
 from tests.conftest import make_layers, same_bytes
 
 
@@ -196,12 +198,12 @@ def test_an_open_async_worker_cannot_be_wrapped() -> None:
     kv = make_layers(num_blocks=8)
     w = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
     first = SyncOffloadingWorker(w)
-    with pytest.raises(WorkerClosed, match="another SyncOffloadingWorker"):
+    with pytest.raises(UsageError, match="already owned by another SyncOffloadingWorker"):
         SyncOffloadingWorker(w)
     first.shutdown()
     with pytest.raises(WorkerClosed):
         SyncOffloadingWorker(w)
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidSpec, match="expected an AsyncOffloadingWorker"):
         SyncOffloadingWorker("worker")  # type: ignore[arg-type]
 
 
@@ -211,7 +213,7 @@ def test_the_async_face_of_an_adapted_worker_defers_to_the_adapter() -> None:
     async def close_it() -> None:
         await worker._worker.aclose()
 
-    with pytest.raises(RuntimeError, match="call its shutdown"):
+    with pytest.raises(UsageError, match="call its shutdown"):
         anyio.run(close_it)
     worker.shutdown()
 
@@ -246,7 +248,7 @@ def test_get_finished_does_not_block_while_shutdown_drains() -> None:
     worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
     closer = threading.Thread(target=worker.shutdown)
     closer.start()
-    while not worker._closing:  # the drain has begun (job 2 waits on the latch)
+    while worker._lifecycle.state is State.OPEN:  # the drain has begun (job 2 waits on the latch)
         closer.join(0.001)
     with pytest.raises(WorkerClosed):
         worker.submit_store(3, GPULoadStoreSpec([3]), CPULoadStoreSpec([4]))

@@ -245,7 +245,7 @@ async def test_by_default_a_long_wait_naps_on_the_doorbell(kv4: KV) -> None:
         await anyio.sleep(0.1)
         assert 1 <= worker._poller.sleeps <= 30
         (job,) = worker._core.heads()
-        assert job.bell_armed
+        assert worker._armed[job] is True
         worker._poller._max_nap = 60.0  # from the next nap on, only the ring can end it
         await anyio.sleep(0.03)
         latch.set()
@@ -265,7 +265,7 @@ async def test_a_job_that_cannot_ring_is_asked_once_and_timer_naps_take_over(
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         await anyio.sleep(0.1)
         (job,) = worker._core.heads()
-        assert len(asked) == 1 and job.bell_armed is None
+        assert len(asked) == 1 and worker._armed[job] is None
         assert worker._poller.sleeps >= 20  # ~1 ms timer naps, not a spin on its own ring
         latch.set()
         assert (await fut).success
@@ -291,6 +291,6 @@ async def test_without_the_doorbell_a_long_wait_polls_on_a_timer(kv4: KV) -> Non
         await anyio.sleep(0.1)
         assert worker._poller.sleeps >= 40
         (job,) = worker._core.heads()
-        assert not job.bell_armed
+        assert job not in worker._armed  # never asked: no bell to ring
         latch.set()
         assert (await fut).success

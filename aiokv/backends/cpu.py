@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..doorbell import Doorbell
-from ..errors import InvalidSpec
+from ..errors import HostMemoryError, InvalidSpec
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
@@ -62,7 +62,13 @@ class CpuCompletion(Completion):
 
 class CpuHostPool(HostPool):
     def __init__(self, nbytes: int) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as exc:  # torch says "DefaultCPUAllocator: can't allocate"
+            raise HostMemoryError(
+                f"could not allocate a host pool of {nbytes} bytes ({nbytes / 2**30:.3g} GiB): {exc}; "
+                "ask for fewer chunks or bytes"
+            ) from exc
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -90,6 +96,8 @@ class CpuLane(Lane):
         self._device = [flat_bytes(t.tensor) for t in kv.tensors]
         self._host = pool.tensor.numpy()
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        # The ``after`` event the thread waits on now, if any (see ``abandon``).
+        self._waiting_on: threading.Event | None = None
         self._thread = threading.Thread(target=self._run, name=f"aiokv-cpu-{direction.value}", daemon=True)
         self._thread.start()
 
@@ -110,16 +118,19 @@ class CpuLane(Lane):
         # Waited for, up to a bound: a thread still ending as the interpreter shut down
         # dropped the lane's torch-backed arrays then, which aborted the process
         # ("terminate called without an active exception") when a script exited just
-        # after dropping an unclosed worker. A lane whose queue waits on an ``after``
-        # event nobody sets is left to its thread.
-        if threading.current_thread() is not self._thread:
+        # after dropping an unclosed worker. A lane whose thread waits on an ``after``
+        # event nobody set is left to its thread at once: the wait would only delay.
+        waiting_on = self._waiting_on
+        if threading.current_thread() is not self._thread and (waiting_on is None or waiting_on.is_set()):
             self._thread.join(_ABANDON_WAIT_SECONDS)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             plan, completion, dependency = item
             if dependency is not None:
+                self._waiting_on = dependency
                 dependency.wait()
+                self._waiting_on = None
             start = completion._started = time.perf_counter()
             try:
                 self._copy(plan)

@@ -409,7 +409,7 @@ async def _wakeups(
         i2 = _issued(worker)[2]
         if i < 10:
             continue
-        window = stores.detect_windows[-1]
+        window = worker.poller_statistics().detect_windows[-1]
         subs.append(t1 - t0)
         trips.append(t2 - t0)
         hop = t2 - resolved[0] if resolved else 0.0
