@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -9,8 +10,10 @@ import anyio
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, WorkerClosed
-from tests.conftest import make_layers
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed, WorkerClosed
+from aiokv.lifecycle import State
+from aiokv.specs import Direction
+from tests.conftest import make_layers, same_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -139,3 +142,85 @@ async def test_another_task_may_close_the_worker_without_cancelling_the_opener()
             tg.start_soon(closer)
     assert events == ["closer: drained=True", "opener body ran on", "opener exited"]
     assert futures[0].result().success
+
+
+def _host_chunk(worker: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
+    return worker.host_pool[chunk * worker.chunk_bytes : (chunk + 1) * worker.chunk_bytes].clone()
+
+
+async def test_a_drain_that_never_ends_gives_up_names_the_job_and_keeps_the_pool() -> None:
+    """An ``after=`` event nobody sets used to hang the exit for good."""
+    kv = make_layers(num_blocks=8)
+    never = threading.Event()
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": 0.2})
+    with pytest.warns(RuntimeWarning, match=r"2 job\(s\) still in flight .*drain_timeout.*"
+                                            r"store job 7, store job 8"), anyio.fail_after(10):
+        async with worker:
+            done = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            await done
+            stuck = worker.submit_store(7, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]), after=never)
+            behind = worker.submit_store(8, GPULoadStoreSpec([3]), CPULoadStoreSpec([3]))
+            pool = worker.host_pool
+    assert worker._core.closed
+    for fut in (stuck, behind):
+        with pytest.raises(TransferFailed) as info:
+            fut.result()
+        assert isinstance(info.value.__cause__, WorkerClosed) and "abandoned" in str(info.value.__cause__)
+    assert done.result().success
+    # The copies were abandoned, not the memory they write: once the event is set they
+    # land in the pool that is still there, byte-exact.
+    lane = worker._core.handlers[Direction.STORE].lane
+    never.set()
+    lane._thread.join(10)
+    assert not lane._thread.is_alive()
+    chunk = pool[2 * worker.chunk_bytes : 3 * worker.chunk_bytes]
+    want = torch.cat([p[2] for p in sorted((t.tensor for t in kv.kv.tensors), key=lambda t: t.data_ptr())])
+    assert same_bytes(chunk[: want.numel()], want)
+
+
+async def test_a_keyboard_interrupt_in_the_drain_ends_it_the_first_time() -> None:
+    """The shielded drain swallowed the first Ctrl-C and then blocked in a wait for the
+    copy. An interrupt in the drain now abandons what is in flight and propagates."""
+    kv = make_layers(num_blocks=8)
+    never = threading.Event()
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": math.inf})
+    naps = []
+    real_nap = worker._drain_nap
+
+    def nap() -> float:
+        naps.append(1)
+        if len(naps) == 3:
+            raise KeyboardInterrupt  # where a signal lands: between two polls of the drain
+        return real_nap()
+
+    with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="interrupted.*store job 1"):
+        async with worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+            worker._drain_nap = nap  # type: ignore[method-assign]
+    assert worker._core.closed and fut.done() and not fut._result.success
+    never.set()
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], indirect=True)
+async def test_an_asyncio_cancellation_of_the_closing_task_ends_the_drain() -> None:
+    """Under ``asyncio.run`` the first Ctrl-C cancels the main task: the drain must end."""
+    import asyncio
+
+    kv = make_layers(num_blocks=8)
+    never = threading.Event()
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": math.inf})
+
+    async def main() -> None:
+        async with worker:
+            worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+
+    task = asyncio.ensure_future(main())
+    while worker._core.lifecycle.state is not State.CLOSING:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02)  # well into the drain
+    with pytest.warns(RuntimeWarning, match="interrupted"):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert worker._core.closed
+    never.set()

@@ -17,6 +17,7 @@ from aiokv import (
     CPULoadStoreSpec,
     DuplicateJob,
     GPULoadStoreSpec,
+    HostMemoryError,
     InvalidSpec,
     TransferFailed,
     UsageError,
@@ -630,3 +631,101 @@ async def test_two_groups_storing_into_one_chunk_are_refused() -> None:
         assert worker.statistics().in_flight["store"] == 0
         apart = GPULoadStoreSpec([0, 1], group_sizes=[1, 1], block_indices=[0, 1])
         assert (await worker.submit_store(2, apart, CPULoadStoreSpec([3, 4]))).success
+
+
+class CPULoadStoreSpecLike:
+    """An engine's host spec (vLLM names its classes so): ids by attribute."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.block_ids = np.asarray(ids, dtype=np.int32)
+
+
+class GPULoadStoreSpecLike(CPULoadStoreSpecLike):
+    pass
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["ours", "engine's"])
+async def test_specs_swapped_between_source_and_destination_are_refused(ours: bool) -> None:
+    """A store given (CPU spec, GPU spec) used to copy host chunks 0, 1 into blocks 3, 7."""
+    gpu_spec, cpu_spec = (GPULoadStoreSpec, CPULoadStoreSpec) if ours else (GPULoadStoreSpecLike,
+                                                                            CPULoadStoreSpecLike)
+    kv = make_layers(num_blocks=8)
+    before = [t.clone() for t in kv.layers]
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        with pytest.raises(InvalidSpec, match="swapped"):
+            worker.submit_store(1, cpu_spec([0, 1]), gpu_spec([3, 7]))
+        with pytest.raises(InvalidSpec, match=r"GPU side of a load got a CPULoadStoreSpec"):
+            worker.submit_load(2, cpu_spec([0, 1]), cpu_spec([3, 7]))
+        with pytest.raises(InvalidSpec, match=r"CPU side of a expedited_load got a GPU"):
+            worker.submit_load(3, gpu_spec([0, 1]), gpu_spec([3, 7]), expedited=True)
+        assert worker.statistics().in_flight == {"store": 0, "load": 0, "expedited_load": 0}
+        assert (await worker.submit_store(1, gpu_spec([3, 7]), cpu_spec([0, 1]))).success
+        assert (await worker.submit_load(2, cpu_spec([0, 1]), gpu_spec([4, 5]))).success
+    assert all(same_bytes(a[:, :4], b[:, :4]) and same_bytes(a[:, 6:], b[:, 6:])
+               for a, b in zip(kv.layers, before))
+    assert all(same_bytes(a[:, 4:6], b[:, [3, 7]]) for a, b in zip(kv.layers, before))
+
+
+async def test_numpy_integer_job_ids_and_sizes_are_accepted_bools_are_not() -> None:
+    kv = make_layers(num_blocks=8)
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=np.int64(8), blocks_per_chunk=np.int32(1),
+                                   options={"max_in_flight": np.int64(4)})
+    assert type(worker.num_cpu_chunks) is int and worker.num_cpu_chunks == 8
+    assert AsyncOffloadingWorker(kv.kv, cpu_bytes=np.uint64(3 * worker.chunk_bytes + 1)).num_cpu_chunks == 3
+    async with worker:
+        fut = worker.submit_store(np.int64(5), GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        result = await fut
+        assert result.job_id == 5 and type(result.job_id) is int and fut.job_id == 5
+        with pytest.raises(InvalidSpec, match="job_id must be an int"):
+            worker.submit_store(True, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        with pytest.raises(InvalidSpec, match="job_id must be an int"):
+            worker.submit_store(np.bool_(True), GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        with pytest.raises(InvalidSpec, match="job_id must be an int"):
+            worker.submit_store(5.0, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    with pytest.raises(InvalidSpec, match="positive int"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=np.float64(8))
+
+
+def test_a_pool_larger_than_the_host_memory_is_a_host_memory_error() -> None:
+    from aiokv.core import available_host_memory
+
+    kv = make_layers(num_blocks=8)
+    available = available_host_memory()
+    assert available is not None and available > 0
+    with pytest.raises(HostMemoryError, match=r"10+ chunks .* but only .* GiB of host memory is available"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=10**12)
+    with pytest.raises(HostMemoryError, match="available"):
+        AsyncOffloadingWorker(kv.kv, cpu_bytes=available + (1 << 30))
+
+
+def test_an_allocation_that_fails_anyway_is_a_host_memory_error(monkeypatch) -> None:
+    """With the memory check passed (here: unknown), torch's raw allocation error becomes
+    ``HostMemoryError`` too, and the backend is released."""
+    import aiokv.core
+    from aiokv.backends.cpu import CpuBackend
+
+    released: list[bool] = []
+    monkeypatch.setattr(aiokv.core, "available_host_memory", lambda: None)
+    monkeypatch.setattr(CpuBackend, "close", lambda self: released.append(True))
+    with pytest.raises(HostMemoryError, match="could not allocate a host pool") as info:
+        AsyncOffloadingWorker(make_layers(num_blocks=8).kv, cpu_bytes=1 << 62)
+    assert isinstance(info.value.__cause__, RuntimeError) and released == [True]
+
+
+async def test_the_async_face_refuses_a_worker_the_sync_adapter_owns() -> None:
+    from aiokv import SyncOffloadingWorker
+
+    kv = make_layers(num_blocks=8)
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    adapter = SyncOffloadingWorker(worker)
+    with pytest.raises(UsageError, match="a SyncOffloadingWorker owns this worker") as info:
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    assert not isinstance(info.value, WorkerClosed)
+    with pytest.raises(UsageError, match="SyncOffloadingWorker owns"):
+        async with worker:
+            pass
+    assert adapter.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    adapter.shutdown()
+    with pytest.raises(WorkerClosed, match="closed"):
+        async with worker:
+            pass

@@ -146,3 +146,28 @@ def test_a_permuted_view_of_dense_pages_moves_each_page_as_its_bytes() -> None:
     anyio.run(round_trip)
     assert torch.equal(raw[:, 3], raw[:, 1]) and torch.equal(raw[:, 4], raw[:, 6])
     assert torch.equal(nhd[:, 3].view(torch.int16), nhd[:, 1].view(torch.int16))  # the model's view too
+
+
+def test_a_kv_split_without_block_dim_is_refused_not_read_as_two_blocks() -> None:
+    """``(2, num_blocks, ...)`` with the old default ``block_dim=0`` moved K and V as two
+    blocks of a cache of 2; the mistake surfaced later as a range error with no hint."""
+    layers = [torch.randn(2, 16, 4, 8) for _ in range(3)]
+    with pytest.raises(InvalidSpec, match=r"pass block_dim=1 for a \(2, num_blocks, \.\.\.\) K/V layout"):
+        CanonicalKVCaches.from_tensors(layers)
+    kv = CanonicalKVCaches.from_tensors(layers, block_dim=1)
+    assert len(kv.tensors) == 6 and all(t.tensor.shape[0] == 16 for t in kv.tensors)
+    two_blocks = CanonicalKVCaches.from_tensors(layers, block_dim=0)  # said out loud: 2 blocks
+    assert all(t.tensor.shape[0] == 2 for t in two_blocks.tensors)
+    # Without a 2 in front, the default is still dimension 0.
+    assert CanonicalKVCaches.from_tensors([torch.randn(16, 4, 8)]).tensors[0].tensor.shape == (16, 128)
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", True, None.__class__])
+def test_a_block_dim_that_is_no_int_is_invalid_spec(bad: object) -> None:
+    with pytest.raises(InvalidSpec, match="block_dim must be an int"):
+        CanonicalKVCaches.from_tensors([torch.randn(2, 16, 4)], block_dim=bad)  # type: ignore[arg-type]
+
+
+def test_a_numpy_block_dim_is_accepted() -> None:
+    kv = CanonicalKVCaches.from_tensors([torch.randn(2, 16, 4)], block_dim=np.int64(1))
+    assert [t.tensor.shape for t in kv.tensors] == [(16, 16), (16, 16)]

@@ -359,3 +359,74 @@ def test_a_worker_shut_down_does_not_warn() -> None:
         del worker
         gc.collect()
     assert not [w for w in seen if "aiokv worker" in str(w.message)]
+
+
+def test_with_max_in_flight_a_submit_blocks_until_a_job_ends_and_keeps_its_result() -> None:
+    kv = make_layers(num_layers=2, num_blocks=16, page_shape=(2, 2, 8))
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=16,
+                                                        options={"max_in_flight": 2}))
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+    returned = threading.Event()
+    submitter = threading.Thread(target=lambda: returned.set() if worker.submit_load(
+        3, CPULoadStoreSpec([2]), GPULoadStoreSpec([9])) else None)
+    submitter.start()
+    assert not returned.wait(0.1), "a submit past the bound did not wait"
+    assert worker.statistics().in_flight == {"store": 2, "load": 0, "expedited_load": 0}
+    latch.set()
+    assert returned.wait(10)
+    submitter.join()
+    worker.wait({3})
+    results = worker.get_finished()
+    assert sorted(r.job_id for r in results) == [1, 2, 3] and all(r.success for r in results)
+    pages = [t.tensor for t in kv.kv.tensors]
+    assert all(same_bytes(p[9], p[2]) for p in pages)
+    worker.shutdown()
+
+
+def test_a_shutdown_whose_drain_never_ends_gives_up_and_reports_the_job_failed() -> None:
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    never = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.submit_load(4, CPULoadStoreSpec([1]), GPULoadStoreSpec([2]), after=never)
+    with pytest.warns(RuntimeWarning, match=r"1 job\(s\) still in flight \(no job ended for 0.1 s.*"
+                                            r"load job 4"):
+        worker.shutdown(drain_timeout=0.1)
+    assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [(1, True), (4, False)]
+    with pytest.raises(WorkerClosed):
+        worker.submit_store(5, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    never.set()
+
+
+def test_a_keyboard_interrupt_in_shutdown_abandons_the_drain(monkeypatch) -> None:
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    never = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+
+    def interrupted(idle_timeout: float) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker._core, "drain", interrupted)
+    with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="interrupted.*store job 1"):
+        worker.shutdown()
+    assert worker._core.closed
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+    worker.shutdown()  # closed: returns at once
+    never.set()
+
+
+@pytest.mark.parametrize("use", ["never opened", "opened, nothing submitted"])
+def test_a_dropped_worker_says_what_is_true(use: str) -> None:
+    """A worker that never ran a copy used to warn that nothing waited for its copies."""
+    gc.collect()
+    kv = make_layers(num_blocks=8)
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    if use != "never opened":
+        worker = SyncOffloadingWorker(worker)  # type: ignore[assignment]
+    with pytest.warns(ResourceWarning) as seen:
+        del worker
+        gc.collect()
+    (message,) = [str(w.message) for w in seen if "aiokv worker" in str(w.message)]
+    assert "copies" not in message.replace("no copies", "") and "freed" in message
+    assert ("never opened" in message) == (use == "never opened")

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from aiokv import (
+    AsyncOffloadingWorker,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    PollerStatistics,
+    QueueFull,
+    TransferResult,
+    WorkerClosed,
+)
 from tests.conftest import KV, make_layers, make_two_groups, random_bytes_, same_bytes
 
 pytestmark = pytest.mark.anyio
@@ -294,3 +302,72 @@ async def test_without_the_doorbell_a_long_wait_polls_on_a_timer(kv4: KV) -> Non
         assert job not in worker._armed  # never asked: no bell to ring
         latch.set()
         assert (await fut).success
+
+
+async def test_max_in_flight_refuses_past_the_bound_and_wait_for_room_waits_for_a_slot(kv4: KV) -> None:
+    """A tight loop used to queue thousands of jobs; with a bound it is told to wait."""
+    latch = threading.Event()
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"max_in_flight": 3}) as worker:
+        await worker.wait_for_room()  # room: returns at once
+        held = [worker.submit_store(i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]),
+                                    after=latch if i == 0 else None) for i in range(3)]
+        with pytest.raises(QueueFull, match="max_in_flight=3"):
+            worker.submit_load(9, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))
+        assert worker.statistics().in_flight == {"store": 3, "load": 0, "expedited_load": 0}
+        with anyio.move_on_after(0.05) as scope:  # cancellable while full
+            await worker.wait_for_room()
+        assert scope.cancelled_caught
+        threading.Timer(0.05, latch.set).start()
+        with anyio.fail_after(10):
+            await worker.wait_for_room()
+        assert held[0].done()
+        fut = worker.submit_load(9, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))
+        assert (await fut).success and all(f.done() and f.result().success for f in held)
+        assert same_bytes(kv4.kv.tensors[0].tensor[5], kv4.kv.tensors[0].tensor[1])
+        # A tight producer paced by wait_for_room never sees QueueFull.
+        for i in range(20, 60):
+            await worker.wait_for_room()
+            worker.submit_store(i, GPULoadStoreSpec([i % 32]), CPULoadStoreSpec([i % 8 if i % 8 else 1]))
+            assert worker.statistics().in_flight["store"] <= 3
+
+
+async def test_a_task_waiting_for_room_is_told_when_the_worker_closes(kv4: KV) -> None:
+    latch = threading.Event()
+    outcome: list[BaseException] = []
+    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8, options={"max_in_flight": 1})
+
+    async def waiter() -> None:
+        try:
+            await worker.wait_for_room()
+        except WorkerClosed as exc:
+            outcome.append(exc)
+
+    with pytest.raises(WorkerClosed):
+        await worker.wait_for_room()  # not open yet
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async with worker:
+                worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                threading.Timer(0.05, latch.set).start()
+    # The slot freed while the exit drained: the waiter woke and found the worker closing.
+    assert len(outcome) == 1 and "closed" in str(outcome[0])
+
+
+async def test_poller_statistics_report_a_detect_window_per_job(kv4: KV) -> None:
+    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8)
+    assert worker.poller_statistics() == PollerStatistics(0, 0, ())
+    latch = threading.Event()
+    async with worker:
+        fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+        await anyio.sleep(0.03)
+        latch.set()
+        await fut
+        for i in range(2, 6):
+            await worker.submit_store(i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]))
+        stats = worker.poller_statistics()
+    assert len(stats.detect_windows) == 5 and all(0 <= w < 5 for w in stats.detect_windows)
+    assert stats.polls >= 5 and stats.naps >= 1  # the held job was napped through
+    with pytest.raises(AttributeError):
+        stats.polls = 0  # type: ignore[misc]

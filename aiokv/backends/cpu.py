@@ -120,9 +120,14 @@ class CpuLane(Lane):
         # ("terminate called without an active exception") when a script exited just
         # after dropping an unclosed worker. A lane whose thread waits on an ``after``
         # event nobody set is left to its thread at once: the wait would only delay.
-        waiting_on = self._waiting_on
-        if threading.current_thread() is not self._thread and (waiting_on is None or waiting_on.is_set()):
-            self._thread.join(_ABANDON_WAIT_SECONDS)
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + _ABANDON_WAIT_SECONDS
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            waiting_on = self._waiting_on
+            if waiting_on is not None and not waiting_on.is_set():
+                return
+            self._thread.join(0.01)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
