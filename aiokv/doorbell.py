@@ -3,9 +3,9 @@
 Backends ring it when a job they were asked about is over. The CUDA backend rings it
 without Python: ``cuLaunchHostFunc`` runs libc's ``fclose`` on a ``FILE`` that wraps a dup
 of the write end and holds one buffered byte (``deferred_ring``), so the driver's callback
-thread writes that byte with no GIL to take. On the H200 the byte was readable 15-140 us
-(p50) after the copy's event (probes/probe_doorbell.py), where an asyncio timer nap
-overshoots by a millisecond or more.
+thread writes that byte with no GIL to take. The byte is readable within a fraction of a
+millisecond of the copy's event, where an asyncio timer nap overshoots by a millisecond or
+more (docs/performance.md, "Doorbell").
 
 Event loops only time naps to the millisecond (asyncio rounds every timeout up to the next
 whole one), so the bell also carries a precise alarm: a ``timerfd`` watched together with

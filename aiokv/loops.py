@@ -51,8 +51,8 @@ def loop_library() -> str | None:
 
 def loop_yield() -> Callable[[], Awaitable[None]]:
     """The running loop's own zero-length yield. ``anyio.lowlevel.checkpoint`` looks the
-    loop up on every call: on asyncio it took 6.0-9.8 us against 2.2-3.7 us for
-    ``asyncio.sleep(0)`` on the H200's host (probes/probe_completion.py, runs 35-36)."""
+    loop up on every call, which makes it two to three times dearer on asyncio than
+    ``asyncio.sleep(0)`` on a path taken once per poll (docs/performance.md, "Completion")."""
     library = loop_library()
     if library == "asyncio":
         return lambda: asyncio.sleep(0)

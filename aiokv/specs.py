@@ -192,8 +192,9 @@ class TransferResult:
     added (its statistics group transfers by it).
 
     The worker reads the device time after the awaiting task was woken, not before (on the
-    CUDA backend that read and the events' return to their pool cost 7-10 us per job, see
-    docs/performance-history.md), so ``transfer_time`` may be computed on first access.
+    CUDA backend that read and the events' return to their pool cost microseconds per job
+    the wake-up need not wait for; docs/performance.md, "Completion"), so
+    ``transfer_time`` may be computed on first access.
     """
 
     job_id: int
