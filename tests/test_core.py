@@ -68,7 +68,8 @@ def test_a_round_trip_through_the_core_is_byte_exact_per_direction_in_order() ->
     for p in pages:
         p[blocks] = 0
     core.submit(Direction.LOAD, 20, CPULoadStoreSpec(list(range(5))), GPULoadStoreSpec(blocks[:5]))
-    core.submit(Direction.EXPEDITED_LOAD, 21, CPULoadStoreSpec(list(range(5, 10))), GPULoadStoreSpec(blocks[5:]))
+    core.submit(Direction.EXPEDITED_LOAD, 21, CPULoadStoreSpec(list(range(5, 10))),
+                GPULoadStoreSpec(blocks[5:]))
     done = _drain(core)
     assert sorted(j.job_id for j in done) == [20, 21]
     assert all(same_bytes(p[blocks], w) for p, w in zip(pages, want))
@@ -86,7 +87,8 @@ def test_every_rejection_happens_before_anything_is_enqueued() -> None:
     core.submit(Direction.STORE, 1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), latch)
     bad = [
         (DuplicateJob, "still in flight", (1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {}),
-        (DuplicateJob, "not resolved yet", (7, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {"reserved": {7}}),
+        (DuplicateJob, "not resolved yet", (7, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])),
+         {"reserved": {7}}),
         (InvalidSpec, "swapped", (2, CPULoadStoreSpec([2]), GPULoadStoreSpec([2])), {}),
         (InvalidSpec, "job_id must be an int", ([2], GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {}),
         (InvalidSpec, r"\[0, 32\)", (2, GPULoadStoreSpec([40]), CPULoadStoreSpec([2])), {}),

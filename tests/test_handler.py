@@ -74,9 +74,11 @@ def test_the_bytes_land_where_the_plan_says() -> None:
     h.submit(1, rig.plan([5, 9], [0, 3]), None)
     rig.wait_done()
     (job,) = h.pop_finished()
+    assert job.result is not None and job.result.success
     pool = rig.pool.tensor
     for block, chunk in ((5, 0), (9, 3)):
-        want = torch.cat([t.tensor[block] for t in sorted(rig.kv.kv.tensors, key=lambda t: t.tensor.data_ptr())])
+        by_address = sorted(rig.kv.kv.tensors, key=lambda t: t.tensor.data_ptr())
+        want = torch.cat([t.tensor[block] for t in by_address])
         got = pool[chunk * rig.layout.chunk_bytes : chunk * rig.layout.chunk_bytes + want.numel()]
         assert same_bytes(got, want)
     rig.close()
