@@ -80,6 +80,11 @@ class CompletionForecast:
         self._to_learn: list[tuple[Job, float]] = []
         self.detect_windows: deque[float] = deque(maxlen=_WINDOWS_KEPT)
 
+    @property
+    def has_rate(self) -> bool:
+        """Whether any direction's rate is known (else nothing can be predicted)."""
+        return bool(self._rate)
+
     def saw(self, done: Iterable[Job]) -> None:
         """Note jobs just popped (in submission order per direction)."""
         for job in done:

@@ -233,7 +233,10 @@ class AsyncOffloadingWorker:
         self._forecast.learn()
 
     def _expected_wait(self) -> float | None:
-        return self._forecast.expected_wait(self._core.heads())
+        forecast = self._forecast
+        if not forecast.has_rate:  # nothing learned yet: skip the heads' lookup
+            return None
+        return forecast.expected_wait(self._core.heads())
 
     def _resolve(self, done: list[Job]) -> BaseException | None:
         """Resolve every popped job's future (the core has forgotten them already), even if

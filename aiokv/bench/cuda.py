@@ -377,7 +377,7 @@ async def _wakeups(
 
     Wake-up (device end -> the awaiting coroutine runs again) is bounded from above two
     ways, and the smaller bound is reported per job: (a) from the last poll that found the
-    job not done (or its launch) to the await returning (``Handler.detect_windows`` plus the
+    job not done (or its launch) to the await returning (``PollerStatistics.detect_windows`` plus the
     hop from the poller resolving the future to the task resuming), tight when the poller
     spins; (b) from when the copies were handed to the device (``Job.started_at``, after planning)
     to the await returning, minus their device time, tight when the poller napped and the
