@@ -20,6 +20,9 @@ from .worker import AsyncOffloadingWorker
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
 
+# How often a submit blocked at the ``max_in_flight`` bound looks at the worker's state.
+_ROOM_CHECK_SECONDS = 0.05
+
 
 class OffloadingWorker(abc.ABC):
     """The worker-side interface engines drive from their step loop (vLLM's shape)."""
@@ -96,9 +99,10 @@ class SyncOffloadingWorker(OffloadingWorker):
                     return
                 pending = core.pending()
             # At the max_in_flight bound: wait (without the lock, so get_finished() and
-            # shutdown() go on) for the oldest job to end, then pop what ended.
+            # shutdown() go on) for the oldest job to end, then pop what ended. In slices,
+            # so a shutdown meanwhile is seen (WorkerClosed) even if that job never ends.
             if pending:
-                min(pending, key=lambda j: j.submitted_at).completion.wait()
+                min(pending, key=lambda j: j.submitted_at).completion.wait(_ROOM_CHECK_SECONDS)
             with self._lock:
                 self._unreported.extend(job.result for job in core.poll() if job.result is not None)
 

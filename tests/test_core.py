@@ -166,3 +166,23 @@ def test_an_async_owned_worker_refuses_the_sync_face_and_a_second_entry() -> Non
     with pytest.raises(UsageError, match="open on an event loop"):
         core.lifecycle.check_open(Face.SYNC)
     core.close()
+
+
+def test_a_wait_with_a_timeout_bounds_the_whole_wait() -> None:
+    """Three jobs ending 0.15 s apart: a 0.2 s wait for all of them must say not yet (a
+    timeout applied to each job in turn would wait 0.45 s and say done)."""
+    from types import SimpleNamespace
+
+    from aiokv.core import _wait_jobs
+
+    events = [threading.Event() for _ in range(3)]
+    timers = [threading.Timer(0.15 * (i + 1), e.set) for i, e in enumerate(events)]
+    for t in timers:
+        t.start()
+    try:
+        jobs = [SimpleNamespace(completion=SimpleNamespace(wait=e.wait)) for e in events]
+        assert _wait_jobs(jobs, 0.2) is False  # type: ignore[arg-type]
+        assert _wait_jobs(jobs, None) is True  # type: ignore[arg-type]
+    finally:
+        for t in timers:
+            t.cancel()

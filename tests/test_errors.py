@@ -598,26 +598,6 @@ def test_a_pool_that_cannot_be_allocated_still_releases_the_backend(monkeypatch)
     assert released == [True]
 
 
-def test_a_wait_with_a_timeout_bounds_the_whole_wait() -> None:
-    """Three jobs ending 0.15 s apart: a 0.2 s wait for all of them must say not yet (a
-    timeout applied to each job in turn would wait 0.45 s and say done)."""
-    from types import SimpleNamespace
-
-    from aiokv.core import _wait_jobs
-
-    events = [threading.Event() for _ in range(3)]
-    timers = [threading.Timer(0.15 * (i + 1), e.set) for i, e in enumerate(events)]
-    for t in timers:
-        t.start()
-    try:
-        jobs = [SimpleNamespace(completion=SimpleNamespace(wait=e.wait)) for e in events]
-        assert _wait_jobs(jobs, 0.2) is False  # type: ignore[arg-type]
-        assert _wait_jobs(jobs, None) is True  # type: ignore[arg-type]
-    finally:
-        for t in timers:
-            t.cancel()
-
-
 async def test_two_groups_storing_into_one_chunk_are_refused() -> None:
     """Each group's blocks start at byte 0 of their chunk, so group 0 at sub-block 0 and group
     1 at sub-block 1 of one chunk would overwrite each other: refused, nothing enqueued."""

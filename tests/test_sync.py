@@ -430,3 +430,29 @@ def test_a_dropped_worker_says_what_is_true(use: str) -> None:
     (message,) = [str(w.message) for w in seen if "aiokv worker" in str(w.message)]
     assert "copies" not in message.replace("no copies", "") and "freed" in message
     assert ("never opened" in message) == (use == "never opened")
+
+
+def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> None:
+    kv = make_layers(num_layers=1, num_blocks=8)
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
+                                                        options={"max_in_flight": 1, "drain_timeout": 0.1}))
+    never = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    caught: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+        except BaseException as exc:
+            caught.append(exc)
+
+    blocked = threading.Thread(target=submit)
+    blocked.start()
+    blocked.join(0.1)
+    assert blocked.is_alive()
+    with pytest.warns(RuntimeWarning, match="store job 1"):
+        worker.shutdown()
+    blocked.join(10)
+    assert not blocked.is_alive() and len(caught) == 1 and isinstance(caught[0], WorkerClosed)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+    never.set()
