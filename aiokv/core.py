@@ -345,7 +345,7 @@ def _abandoned(handlers: list[Handler], pool: HostPool, backend: str, lifecycle:
     else:
         what = "no copies were in flight"
     memory = ("its host memory is freed with it" if backend == "cpu"
-              else "its pinned host memory stays allocated until the process exits")
+              else "its pinned memory leaks (kept until the process exits: the device may write it)")
     warnings.warn(
         f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(); {what}; {memory}",
         ResourceWarning, stacklevel=1,  # a finalizer has no caller to point at
