@@ -10,6 +10,7 @@ every check of what a call passes happens here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -225,7 +226,9 @@ class OffloadCore:
         for job in sorted(self.pending(), key=lambda j: j.submitted_at):
             if job.completion.query():
                 continue
-            if not job.completion.wait(max(0.0, last_end + idle_timeout - time.monotonic())):
+            if math.isinf(idle_timeout):  # no bound (a wait cannot take an infinite timeout)
+                job.completion.wait()
+            elif not job.completion.wait(max(0.0, last_end + idle_timeout - time.monotonic())):
                 return False
             last_end = time.monotonic()
         return True

@@ -93,9 +93,16 @@ class WorkerOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if not _seconds(self.drain_timeout) or not self.drain_timeout > 0:
+        self.drain_timeout_or(None)
+
+    def drain_timeout_or(self, given: Any) -> float:
+        """``given`` (an ``aclose`` / ``shutdown`` argument) if not None, else the option;
+        raises ``InvalidSpec`` unless it is a number of seconds > 0 (``math.inf`` too)."""
+        value = self.drain_timeout if given is None else given
+        if not _seconds(value) or not value > 0:
             raise InvalidSpec(f"drain_timeout must be a number of seconds > 0 (math.inf: no bound), "
-                              f"got {self.drain_timeout!r}")
+                              f"got {value!r}")
+        return float(value)
 
     def with_strategy(self, strategy: str) -> WorkerOptions:
         """A copy with another copy strategy (validated)."""

@@ -132,11 +132,11 @@ class SyncOffloadingWorker(OffloadingWorker):
         waits at most for the memory to be freed; a second ``shutdown()`` waits for the
         first.
         """
+        timeout = self._core.options.drain_timeout_or(drain_timeout)
         with self._shutdown_lock:
             with self._lock:
                 if self._lifecycle.begin_close(Face.SYNC) is not State.OPEN:
                     return  # closed (or closing) already
-            timeout = self._core.options.drain_timeout if drain_timeout is None else drain_timeout
             why = "the drain was interrupted"
             try:
                 if not self._core.drain(timeout):

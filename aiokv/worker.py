@@ -326,6 +326,7 @@ class AsyncOffloadingWorker:
         call it outside any cancel scope it entered after opening.
         """
         lifecycle = self._lifecycle
+        timeout = self._core.options.drain_timeout_or(drain_timeout)
         if lifecycle.owner is Face.SYNC or (lifecycle.state is State.NEW and self._loop_thread is None):
             before = lifecycle.begin_close(Face.ASYNC)  # raises if the sync adapter owns it
             if before is State.NEW:
@@ -342,7 +343,6 @@ class AsyncOffloadingWorker:
             )
         try:
             if lifecycle.begin_close(Face.ASYNC) is State.OPEN:
-                timeout = self._core.options.drain_timeout if drain_timeout is None else drain_timeout
                 await self._drain_and_free(timeout)
             else:
                 with anyio.CancelScope(shield=True):  # another task is closing: wait for it

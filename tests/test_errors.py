@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import traceback
@@ -709,3 +710,22 @@ async def test_the_async_face_refuses_a_worker_the_sync_adapter_owns() -> None:
     with pytest.raises(WorkerClosed, match="closed"):
         async with worker:
             pass
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "30", True])
+async def test_a_drain_timeout_that_is_no_positive_number_is_invalid_spec(bad: object) -> None:
+    from aiokv import SyncOffloadingWorker
+
+    kv = make_layers(num_blocks=8)
+    with pytest.raises(InvalidSpec, match="drain_timeout must be"):
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4, options={"drain_timeout": bad})
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(InvalidSpec, match="drain_timeout must be"):
+            await worker.aclose(drain_timeout=bad)  # type: ignore[arg-type]
+        assert (await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))).success
+    sync = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4))
+    with pytest.raises(InvalidSpec, match="drain_timeout must be"):
+        sync.shutdown(drain_timeout=bad)  # type: ignore[arg-type]
+    assert sync.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    sync.shutdown(drain_timeout=math.inf)
+    assert [r.success for r in sync.get_finished()] == [True]
