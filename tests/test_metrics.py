@@ -15,6 +15,7 @@ from aiokv import (
     CPULoadStoreSpec,
     Direction,
     GPULoadStoreSpec,
+    InvalidSpec,
     SyncOffloadingWorker,
     TransferResult,
 )
@@ -97,8 +98,10 @@ def test_observe_skips_failures_and_rejects_unknown_directions() -> None:
     metrics.observe(TransferResult(8, True, 4096, 0.002), "load")
     assert registry.get_sample_value("aiokv_transfer_seconds_count", {"direction": "load"}) == 1
     assert registry.get_sample_value("aiokv_transfer_size_bytes_sum", {"direction": "load"}) == 4096
-    with pytest.raises(ValueError, match="direction must be one of"):
+    with pytest.raises(InvalidSpec, match="direction must be one of"):
         metrics.observe(TransferResult(9, True, 1, 0.1), "upload")
+    with pytest.raises(InvalidSpec, match="expected a worker with statistics"):
+        WorkerCollector(object())  # type: ignore[arg-type]
 
 
 def test_track_observes_async_futures() -> None:
@@ -170,9 +173,9 @@ def test_several_workers_share_one_registry_under_their_own_labels() -> None:
             assert sample("aiokv_transferred_bytes_total", rank, direction="store") == blocks * block_bytes
             assert sample("aiokv_host_pool_chunks", rank) == chunks
             assert sample("aiokv_transfer_size_bytes_sum", rank, direction="store") == blocks * block_bytes
-        with pytest.raises(ValueError, match="exported here already"):
+        with pytest.raises(InvalidSpec, match="exported here already"):
             OffloadMetrics(workers[0], registry=registry, labels={"rank": "0"})
-        with pytest.raises(ValueError, match="same label names"):
+        with pytest.raises(InvalidSpec, match="same label names"):
             OffloadMetrics(workers[0], registry=registry, labels={"host": "a"})
         ranks[0].unregister()
         ranks[0].unregister()  # idempotent
