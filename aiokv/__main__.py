@@ -91,7 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("aiokv bench: --plot needs matplotlib: pip install 'aiokv[plot]'", file=sys.stderr)
+            print("aiokv bench: --plot needs matplotlib: pip install matplotlib (or the plot extra)",
+                  file=sys.stderr)
             return 2
     if args.what == "cache":
         from .bench.cache import run_cache_bench
