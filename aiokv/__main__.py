@@ -22,8 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto uses CUDA when usable, else the CPU backend")
     b.add_argument("--quick", action="store_true", help="smaller jobs and fewer repetitions")
-    b.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio", help="event loop (CPU bench)")
-    b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    b.add_argument("--loop", choices=["asyncio", "trio"], default=None,
+                   help="transfer: event loop of the CPU bench (default asyncio)")
+    b.add_argument("--json", metavar="FILE",
+                   help="also write the rows as JSON; '-' writes them to stdout "
+                        "(the table then goes to stderr)")
     b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling")
     b.add_argument("--trace", metavar="PATH", action="append",
                    help="cache: Mooncake-format trace (repeatable; default: $AIOKV_TRACE_DIR, "
@@ -44,12 +47,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _bench(args)
 
 
+# Options only one kind of run reads: given to the other kind they would be ignored
+# silently, and a user would read figures that are not what they asked for.
+_CACHE_ONLY = (("--trace", "trace"), ("--capacity", "capacity"), ("--policy", "policy"))
+_TRANSFER_ONLY = (("--loop", "loop"), ("--plot", "plot"))
+
+
+def _misplaced_option(args: argparse.Namespace) -> str | None:
+    """The first option given that this kind of run would ignore, as a usage message."""
+    own, other = ("cache", "transfer") if args.what == "cache" else ("transfer", "cache")
+    for flag, attr in _TRANSFER_ONLY if own == "cache" else _CACHE_ONLY:
+        if getattr(args, attr) is not None:
+            return f"aiokv bench {own}: {flag} is an option of `aiokv bench {other}`; drop it or run that"
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .backends import cuda_usable
     from .bench import bench_meta, format_table, progress_printer, run_bench, write_json
 
     say = progress_printer()
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+    if (message := _misplaced_option(args)) is not None:
+        print(message, file=sys.stderr)
+        return 2
+    json_to_stdout = args.json == "-"
+    for flag, path in (("--json", None if json_to_stdout else args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
         if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             print(f"aiokv bench: {flag} {path}: {folder} is not a folder this user can write to",
@@ -61,17 +83,16 @@ def _bench(args: argparse.Namespace) -> int:
     if args.backend == "cuda" and not cuda_usable():
         print("aiokv bench: --backend cuda needs a usable CUDA device and cuda-python", file=sys.stderr)
         return 2
-    if args.what != "cache" and args.loop != "asyncio" and importlib.util.find_spec(args.loop) is None:
-        print(f"aiokv bench: --loop {args.loop} needs {args.loop} installed", file=sys.stderr)
-        return 2
-    if args.plot and args.what == "cache":
-        print("aiokv bench cache: --plot draws the transfer benchmark only", file=sys.stderr)
+    loop = args.loop or "asyncio"
+    if args.what != "cache" and loop != "asyncio" and importlib.util.find_spec(loop) is None:
+        print(f"aiokv bench: --loop {loop} needs {loop} installed", file=sys.stderr)
         return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("aiokv bench: --plot needs matplotlib: pip install 'aiokv[plot]'", file=sys.stderr)
+            print("aiokv bench: --plot needs matplotlib: pip install matplotlib (or the plot extra)",
+                  file=sys.stderr)
             return 2
     if args.what == "cache":
         from .bench.cache import run_cache_bench
@@ -88,10 +109,13 @@ def _bench(args: argparse.Namespace) -> int:
         if backend == "auto":
             backend = "cuda" if cuda_usable() else "cpu"
         say(f"transfer benchmark on the {backend} backend{' (quick)' if args.quick else ''}")
-        rows = run_bench(backend, quick=args.quick, loop=args.loop, progress=say)
+        rows = run_bench(backend, quick=args.quick, loop=loop, progress=say)
         meta = bench_meta(backend)
-    print(format_table(rows))
-    if args.json:
+    # With --json - stdout carries the JSON alone, so a pipe into a JSON reader works.
+    print(format_table(rows), file=sys.stderr if json_to_stdout else sys.stdout)
+    if json_to_stdout:
+        write_json(sys.stdout, rows, meta)
+    elif args.json:
         write_json(args.json, rows, meta)
         say(f"wrote {os.path.abspath(args.json)}")
     if args.plot:

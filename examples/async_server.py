@@ -1,20 +1,21 @@
 """An async HTTP service that offloads finished requests' KV and restores prefix hits.
 
 A toy model (a few attention layers standing in for an LLM) serves prompts that share
-long prefixes (system prompts). Each prompt is cut into blocks of 16 tokens; each block's
-K/V lives in a paged KV cache on the device. When a request finishes, its new full blocks
-are offloaded to host memory with ``await worker.submit_store(...)`` and indexed by a hash
-of the prefix they end. A later request that starts with the same prefix ``await``s a
-load of those blocks instead of recomputing them. The forward runs in a worker thread,
-one at a time; the event loop meanwhile accepts requests and submits and awaits other
-requests' transfers.
+long prefixes (system prompts). Each prompt is cut into blocks of 16 tokens whose K/V live
+in a paged KV cache on the device; each full block is named by a hash of the prefix it
+ends. aiokv's ``OffloadCache`` does the rest over an ``AsyncOffloadingWorker``:
 
-The bookkeeping is deliberately small: a dict from prefix hash to host chunk (in LRU
-order), a free list of chunks, and a free list of device blocks. A failed load degrades
-to a miss (the blocks are recomputed), never to wrong KV.
+- ``cache.lookup(hashes)``: how many leading blocks of this prompt host memory holds;
+- ``await cache.restore(hashes[:n], blocks[:n])``: load them instead of recomputing
+  (``False`` is a miss: a failed load is recomputed, never used);
+- ``await cache.offload(hashes, blocks)``: after the response, store the blocks it does not
+  hold yet (what to store and what to evict is the cache's policy).
 
-Both ways need ``pip install 'aiokv[examples]'`` (fastapi, httpx, uvicorn). Run the
-simulation (no network)::
+The forward runs in a worker thread, one at a time; the event loop meanwhile accepts
+requests and awaits other requests' transfers.
+
+Both ways need ``python3 -m pip install -e '.[examples]'`` (fastapi, httpx, uvicorn). Run
+the simulation (no network)::
 
     python examples/async_server.py --requests 64
 
@@ -30,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import math
 import random
 import string
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -49,13 +48,7 @@ from fastapi import BackgroundTasks, FastAPI, HTTPException, Response
 from pydantic import BaseModel
 from torch import nn
 
-from aiokv import (
-    AsyncOffloadingWorker,
-    CanonicalKVCaches,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    TransferFailed,
-)
+from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, OffloadCache
 
 # -- the model -----------------------------------------------------------------------------
 
@@ -162,29 +155,25 @@ class ServerStats:
     prompt_blocks: int = 0  # full blocks, the ones a cache can hold
     hit_blocks: int = 0  # restored from host memory
     computed_blocks: int = 0  # includes each prompt's last (partial) block
-    failed_loads: int = 0
-    stored_blocks: int = 0
-    evicted_blocks: int = 0
     compute_seconds: float = 0.0
-    load_seconds: float = 0.0  # time requests spent awaiting loads
+    load_seconds: float = 0.0  # time requests spent awaiting restores
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
-
-    @property
-    def time_saved(self) -> float:
-        """Estimate: restored blocks at the measured mean compute time per block, minus the
-        time spent waiting for their loads."""
+    def as_dict(self, cache: OffloadCache) -> dict[str, Any]:
+        st = cache.stats()
         per_block = self.compute_seconds / self.computed_blocks if self.computed_blocks else 0.0
-        return self.hit_blocks * per_block - self.load_seconds
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate, "time_saved_seconds": self.time_saved}
+        return {
+            **asdict(self),
+            "hit_rate": self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0,
+            # Restored blocks at the mean compute time per block, less the time spent loading.
+            "time_saved_seconds": self.hit_blocks * per_block - self.load_seconds,
+            "stored_blocks": st.stored_keys,
+            "evicted_blocks": st.evictions,
+            "failed_loads": st.failed_loads,
+        }
 
 
 @dataclass
-class _Finished:
+class Finished:
     """A request whose KV waits to be offloaded; it owns its device blocks until then."""
 
     blocks: list[int]
@@ -193,10 +182,10 @@ class _Finished:
 
 
 class PrefixCacheServer:
-    """Owns the model, its paged KV cache, the offloading worker and the prefix index.
+    """The model, its paged KV cache, the worker and the ``OffloadCache`` over it.
 
     Use as ``async with server:`` (the app's lifespan does it). ``generate`` serves one
-    prompt; ``offload`` stores a finished request's new blocks.
+    prompt; ``offload`` stores a finished request's blocks and frees them.
     """
 
     def __init__(
@@ -206,6 +195,7 @@ class PrefixCacheServer:
         num_gpu_blocks: int = 256,
         num_cpu_chunks: int = 1024,
         device: str | None = None,
+        policy: str | None = None,
         metrics_registry: Any = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -214,13 +204,9 @@ class PrefixCacheServer:
         self.kv = self.model.new_kv_cache(num_gpu_blocks, self.device)
         kv = CanonicalKVCaches.from_tensors(self.kv, block_dim=1)
         self.worker = AsyncOffloadingWorker(kv, num_cpu_chunks=num_cpu_chunks)  # backend follows self.kv
+        self.cache = OffloadCache(self.worker, policy=policy)  # None: the recommended policy
         self.num_gpu_blocks = num_gpu_blocks
-        self._free_blocks = list(range(num_gpu_blocks))
-        self._free_chunks = list(range(num_cpu_chunks))
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> chunk, oldest first
-        self._pinned: dict[int, int] = {}  # chunk -> loads reading it (never evicted meanwhile)
-        self._storing: set[bytes] = set()
-        self._job_ids = itertools.count()
+        self._free_blocks = list(range(num_gpu_blocks))  # the engine's own device allocator
         self._blocks_freed: anyio.Condition | None = None
         self._compute_limiter: anyio.CapacityLimiter | None = None
         self.stats = ServerStats()
@@ -239,9 +225,7 @@ class PrefixCacheServer:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.worker.aclose()
 
-    # -- serving ---------------------------------------------------------------------------
-
-    async def generate(self, prompt: str) -> tuple[dict[str, Any], _Finished]:
+    async def generate(self, prompt: str) -> tuple[dict[str, Any], Finished]:
         tokens = tokenize(prompt, self.device)
         if tokens.numel() == 0:
             raise HTTPException(400, "empty prompt")
@@ -252,24 +236,32 @@ class PrefixCacheServer:
         hashes = prefix_hashes(tokens, bs)
         blocks = await self._allocate(num_blocks)
         try:
-            hits = await self._restore(hashes, blocks, max_hits=(tokens.numel() - 1) // bs)
-            # The forward runs in a thread, so the loop keeps serving other requests (and
-            # their loads and stores) meanwhile. One forward at a time: a real server would
-            # batch requests into one forward instead.
+            # The last token is always computed (its hidden state is the answer).
+            hits = self.cache.lookup(hashes[: (tokens.numel() - 1) // bs])
+            if hits:
+                start = time.perf_counter()
+                # Shielded: a request cancelled meanwhile (a client gone) still waits out the
+                # copy, so its blocks are not handed to another request while it writes them.
+                with anyio.CancelScope(shield=True):
+                    restored = await self.cache.restore(hashes[:hits], blocks[:hits])
+                self.stats.load_seconds += time.perf_counter() - start
+                hits = hits if restored else 0  # a miss: the blocks are recomputed
+            # One forward at a time in a thread, so the loop keeps serving other requests'
+            # transfers; a real server would batch requests into one forward instead.
             out, ready, seconds = await anyio.to_thread.run_sync(
                 self._compute, tokens, blocks, hits, limiter=self._compute_limiter
             )
         except BaseException:
             await self._release(blocks)
             raise
-        computed = num_blocks - hits
         self.stats.requests += 1
         self.stats.prompt_blocks += len(hashes)
         self.stats.hit_blocks += hits
-        self.stats.computed_blocks += computed
+        self.stats.computed_blocks += num_blocks - hits
         self.stats.compute_seconds += seconds
-        body = {**out, "prompt_tokens": tokens.numel(), "hit_blocks": hits, "computed_blocks": computed}
-        return body, _Finished(blocks, hashes, ready)
+        body = {**out, "prompt_tokens": tokens.numel(), "hit_blocks": hits,
+                "computed_blocks": num_blocks - hits}
+        return body, Finished(blocks, hashes, ready)
 
     def _compute(
         self, tokens: torch.Tensor, blocks: list[int], first: int
@@ -285,88 +277,13 @@ class PrefixCacheServer:
             ready.record()
         return out, ready, seconds
 
-    async def _restore(self, hashes: list[bytes], blocks: list[int], max_hits: int) -> int:
-        """Load the longest cached prefix into ``blocks``; returns how many blocks it covers."""
-        chunks = []
-        for h in hashes[:max_hits]:
-            chunk = self._index.get(h)
-            if chunk is None:
-                break
-            self._index.move_to_end(h)
-            chunks.append(chunk)
-        if not chunks:
-            return 0
-        for c in chunks:
-            self._pinned[c] = self._pinned.get(c, 0) + 1
-        start = time.perf_counter()
+    async def offload(self, done: Finished) -> None:
+        """Offer the request's full blocks to the cache, then free its device blocks."""
         try:
-            fut = self.worker.submit_load(
-                next(self._job_ids), CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks[: len(chunks)])
-            )
-            if self.metrics is not None:
-                self.metrics.track(fut, "load")
-            # Shielded: a request cancelled meanwhile (a client gone) still waits out the
-            # copy, so its chunks stay pinned and its blocks stay its own until the load is
-            # over. Cancelling the await alone would not stop the copy.
-            with anyio.CancelScope(shield=True):
-                await fut
-        except TransferFailed:
-            self.stats.failed_loads += 1
-            return 0  # a miss: the blocks are recomputed over whatever the load left
-        finally:
-            self.stats.load_seconds += time.perf_counter() - start
-            for c in chunks:
-                self._pinned[c] -= 1
-                if not self._pinned[c]:
-                    del self._pinned[c]
-        return len(chunks)
-
-    async def offload(self, done: _Finished) -> None:
-        """Store the request's full blocks that nobody cached yet, then free its blocks."""
-        try:
-            todo = [
-                (b, h)
-                for b, h in zip(done.blocks, done.hashes)
-                if h not in self._index and h not in self._storing
-            ]
-            chunks = self._take_chunks(len(todo))
-            todo = todo[: len(chunks)]
-            if not todo:
-                return
-            keys = [h for _, h in todo]
-            self._storing.update(keys)
-            try:
-                fut = self.worker.submit_store(
-                    next(self._job_ids),
-                    GPULoadStoreSpec([b for b, _ in todo]),
-                    CPULoadStoreSpec(chunks),
-                    after=done.ready,
-                )
-                if self.metrics is not None:
-                    self.metrics.track(fut, "store")
-                with anyio.CancelScope(shield=True):  # the blocks are freed below: not mid-copy
-                    await fut
-            except TransferFailed:
-                self._free_chunks.extend(chunks)  # nothing indexed: later requests miss
-            else:
-                self._index.update(zip(keys, chunks))
-                self.stats.stored_blocks += len(keys)
-            finally:
-                self._storing.difference_update(keys)
+            with anyio.CancelScope(shield=True):  # the blocks are freed below: never mid-copy
+                await self.cache.offload(done.hashes, done.blocks[: len(done.hashes)], after=done.ready)
         finally:
             await self._release(done.blocks)
-
-    def _take_chunks(self, n: int) -> list[int]:
-        """Free chunks first, then evict least recently used ones that no load is reading."""
-        while len(self._free_chunks) < n:
-            victim = next((h for h, c in self._index.items() if c not in self._pinned), None)
-            if victim is None:
-                break
-            self._free_chunks.append(self._index.pop(victim))
-            self.stats.evicted_blocks += 1
-        taken = self._free_chunks[:n]
-        del self._free_chunks[:n]
-        return taken
 
     async def _allocate(self, n: int) -> list[int]:
         assert self._blocks_freed is not None, "use `async with server:` first"
@@ -408,7 +325,7 @@ def create_app(server: PrefixCacheServer) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        return {**server.stats.as_dict(), "worker": asdict(server.worker.statistics())}
+        return {**server.stats.as_dict(server.cache), "worker": asdict(server.worker.statistics())}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -29,6 +29,68 @@ def test_quick_cpu_bench_writes_rows_beside_ceilings(tmp_path, capsys) -> None:
     for row in gbps:
         assert row["value"] > 0 and row["ceiling"] > 0
         assert row["ratio"] == pytest.approx(row["value"] / row["ceiling"])
+        # The ceiling is the best contiguous copy of the same bytes, of every kind, timed
+        # before and after the jobs (a median of one kind let ratios read 1.54).
+        ceilings = row["extra"]["ceilings_gbps"]
+        d = row["extra"]["direction"]
+        assert set(ceilings) == {f"{d}, {kind}, {when}" for kind in ("one copy", "page pieces")
+                                 for when in ("start", "end")}
+        assert row["ceiling"] == max(ceilings.values())
+
+
+@pytest.mark.parametrize("page_bytes", [4096, 5000, 1 << 20])
+def test_cpu_ceiling_copies_move_every_byte(page_bytes: int) -> None:
+    """A ceiling copy that skipped bytes would read fast and make the ratios lie."""
+    import torch
+
+    from aiokv.bench.transfer import _contiguous_copies
+
+    gen = torch.Generator().manual_seed(3)
+    nbytes = 3 * page_bytes + 17  # a last piece shorter than a page
+    kinds = ("store, one copy", "store, page pieces", "load, one copy", "load, page pieces")
+    for kind in kinds:
+        host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        want = (dev if kind.startswith("store") else host).clone()
+        copies = _contiguous_copies(host, dev, "cpu", page_bytes)
+        assert set(copies) == set(kinds)
+        copies[kind]()
+        assert torch.equal(host, want) and torch.equal(dev, want), kind
+
+
+def test_json_dash_writes_json_to_stdout_and_the_table_to_stderr(tmp_path, capsys, monkeypatch) -> None:
+    import aiokv.bench
+
+    rows = [BenchRow("throughput", "store x", 5.0, "GB/s", 10.0, extra={"direction": "store"}),
+            BenchRow("completion", "p50", 40.0, "us")]
+    monkeypatch.setattr(aiokv.bench, "run_bench", lambda *a, **k: rows)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--backend", "cpu", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)  # stdout is the JSON alone
+    assert [(r["name"], r["value"], r["ratio"]) for r in payload["rows"]] == [
+        ("store x", 5.0, 0.5), ("p50", 40.0, None)]
+    assert payload["meta"]["backend"] == "cpu"
+    assert "== throughput ==" in captured.err and "store x" in captured.err
+    assert list(tmp_path.iterdir()) == []  # no file named "-"
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--trace", "t.jsonl"],
+    ["bench", "transfer", "--capacity", "100"],
+    ["bench", "--backend", "cpu", "--quick", "--policy", "lru"],
+    ["bench", "cache", "--loop", "trio"],
+])
+def test_options_of_the_other_bench_are_refused_before_running(argv, capsys, monkeypatch) -> None:
+    import aiokv.bench
+    import aiokv.bench.cache
+
+    monkeypatch.setattr(aiokv.bench, "run_bench", lambda *a, **k: pytest.fail("transfer bench ran"))
+    monkeypatch.setattr(aiokv.bench.cache, "run_cache_bench", lambda *a, **k: pytest.fail("cache bench ran"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flag = next(a for a in argv if a.startswith("--") and a not in ("--backend", "--quick"))
+    assert f"{flag} is an option of `aiokv bench " in err
 
 
 def test_bad_arguments_exit_with_a_message(capsys) -> None:
@@ -41,7 +103,7 @@ def test_bad_arguments_exit_with_a_message(capsys) -> None:
 def test_plot_with_the_cache_bench_is_refused_before_running(tmp_path, capsys) -> None:
     missing = tmp_path / "no_such_trace.jsonl"  # would fail later: the refusal must come first
     assert main(["bench", "cache", "--plot", str(tmp_path / "x.png"), "--trace", str(missing)]) == 2
-    assert "--plot draws the transfer benchmark only" in capsys.readouterr().err
+    assert "--plot is an option of `aiokv bench transfer`" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
 

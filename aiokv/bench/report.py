@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["BenchRow", "format_table", "write_json"]
 
@@ -52,7 +52,13 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
-def write_json(path: str, rows: Sequence[BenchRow], meta: dict[str, Any]) -> None:
+def write_json(target: str | TextIO, rows: Sequence[BenchRow], meta: dict[str, Any]) -> None:
+    """Write ``{"meta": ..., "rows": [...]}`` to a file path or an open text stream."""
     payload = {"meta": meta, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
-    with open(path, "w") as fh:
+    if not isinstance(target, str):
+        json.dump(payload, target, indent=2)
+        target.write("\n")
+        target.flush()
+        return
+    with open(target, "w") as fh:
         json.dump(payload, fh, indent=2)
