@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from cuda.bindings import driver as cu
 
-from aiokv.backends.cuda import Driver, _translate
+from aiokv.backends.cuda.driver import Driver, _translate
+from aiokv.backends.cuda.host_pool import PinnedHostPool
 from aiokv.errors import WorkerBroken
-from aiokv.host_pool import PinnedHostPool
 from tests.conftest import mapped
 
 

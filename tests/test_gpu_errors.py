@@ -39,7 +39,8 @@ def _kv() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
 def test_driver_codes_translate_to_aiokv_errors() -> None:
     from cuda.bindings import driver as cu
 
-    from aiokv.backends.cuda import CudaCallFailed, _translate
+    from aiokv.backends.cuda.driver import _translate
+    from aiokv.errors import CudaCallFailed
 
     bad = _translate(int(cu.CUresult.CUDA_ERROR_INVALID_VALUE), "cuX")
     assert isinstance(bad, InvalidSpec) and "CUDA_ERROR_INVALID_VALUE" in str(bad)

@@ -300,7 +300,7 @@ class _Contiguous:
 
 def _baselines(setup: _Setup, reps: int, ceiling: dict[str, float]) -> list[BenchRow]:
     """What a user would otherwise write: one memcpy per page, or one batched call per job."""
-    from ..backends.cuda import Driver
+    from ..backends.cuda.driver import Driver
     from ..plan import HostLayout, map_blocks, plan_copies
 
     drv = Driver(torch.cuda.current_device())
