@@ -3,22 +3,28 @@ dedicated streams, with the copy strategy ``WorkerOptions.strategy`` picks."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from ...errors import AiokvError, InvalidSpec
+from ...errors import AiokvError, InvalidSpec, WorkerBroken
 from ...layout import CanonicalKVCaches
 from ...options import STRATEGIES, WorkerOptions
 from ...plan import HostLayout
 from ...specs import Direction
 from ..base import Backend, HostPool, Lane
+from .dma import DmaCopy
 from .driver import Driver
 from .host_pool import PinnedHostPool
+from .kernel import KernelCopy
 from .lane import CudaLane, Dependency
-from .strategy import CopyContext, make_strategy
+from .staged import StagedCopy
+from .strategy import CopyContext, CopyStrategy
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "make_strategy"]
+
+_log = logging.getLogger("aiokv")
 
 # torch's raw-handle lookup (what its compiler uses) costs a few microseconds, where
 # ``torch.cuda.current_stream(index)`` costs tens, a large share of a small job's submit.
@@ -163,3 +169,30 @@ class CudaBackend(Backend):
         if self._capture_stream is not None:
             self.driver.destroy_stream(self._capture_stream)
         self.driver.close()
+
+
+def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
+    """Build the named strategy for one lane (``auto`` resolves here)."""
+    if name == "auto":
+        # Staged where the piece kernel loads and staging is allowed: under GEMM load, small
+        # pages move near the ceiling that way where one DMA per page loses a third of it
+        # (docs/performance.md, "Copy strategies"); jobs of large pieces still go straight
+        # to DMA there.
+        if ctx.staging_bytes > 0:
+            try:
+                return StagedCopy(ctx, only_where_it_gains=True)
+            except AiokvError as exc:  # e.g. the driver cannot compile the kernel for this GPU
+                if isinstance(exc, WorkerBroken):
+                    raise
+                _log.warning("staged copies unavailable (%s); using dma", exc)
+        name = "dma"
+    if name == "dma":
+        return DmaCopy(ctx)
+    if name == "kernel":
+        return KernelCopy(ctx)
+    if name == "staged":
+        if ctx.staging_bytes <= 0:
+            raise InvalidSpec("strategy='staged' needs staging_bytes > 0")
+
+        return StagedCopy(ctx)
+    raise InvalidSpec(f"unknown strategy {name!r}")

@@ -10,8 +10,9 @@
 
 Strategies never import cuda-python: they drive the device through ``driver.Driver`` and
 torch ops on external streams. This module holds what they share: ``CopyContext`` (the
-addresses of one lane's tensors and pool), the ``CopyStrategy`` interface, ``make_strategy``
-and the small numpy helpers that cut jobs into slices and rows.
+addresses of one lane's tensors and pool), the ``CopyStrategy`` interface and the small
+numpy helpers that cut jobs into slices and rows. ``backend.make_strategy`` picks one (it
+sits above the strategies, so that no strategy module imports back into this one).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ...errors import AiokvError, InvalidSpec, WorkerBroken
 from ...layout import CanonicalKVCaches
 from ...plan import CopyPlan, HostLayout
 from ...specs import Direction
@@ -34,7 +34,7 @@ from .pitched import PitchedPlan, PitchedRun, pitched_runs
 if TYPE_CHECKING:
     from .driver import Driver
 
-__all__ = ["CopyContext", "CopyStrategy", "byte_splits", "copy_unit", "expand_rows", "make_strategy"]
+__all__ = ["CopyContext", "CopyStrategy", "byte_splits", "copy_unit", "expand_rows"]
 
 _log = logging.getLogger("aiokv")
 
@@ -172,38 +172,3 @@ def expand_rows(offsets: np.ndarray, counts: np.ndarray, unit: int) -> np.ndarra
     starts = np.repeat(offsets // unit, counts)
     firsts = np.repeat(np.cumsum(counts) - counts, counts)
     return starts + (np.arange(total, dtype=np.int64) - firsts)
-
-
-def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
-    """Build the named strategy for one lane (``auto`` resolves here)."""
-    if name == "auto":
-        # Staged where the piece kernel loads and staging is allowed: under GEMM load, small
-        # pages move near the ceiling that way where one DMA per page loses a third of it
-        # (docs/performance.md, "Copy strategies"); jobs of large pieces still go straight
-        # to DMA there.
-        if ctx.staging_bytes > 0:
-            from .staged import StagedCopy
-
-            try:
-                return StagedCopy(ctx, only_where_it_gains=True)
-            except AiokvError as exc:  # e.g. the driver cannot compile the kernel for this GPU
-                if isinstance(exc, WorkerBroken):
-                    raise
-                _log.warning("staged copies unavailable (%s); using dma", exc)
-        name = "dma"
-    if name == "dma":
-        from .dma import DmaCopy
-
-        return DmaCopy(ctx)
-    if name == "kernel":
-        from .kernel import KernelCopy
-
-        return KernelCopy(ctx)
-    if name == "staged":
-        from .staged import StagedCopy
-
-        if ctx.staging_bytes <= 0:
-            raise InvalidSpec("strategy='staged' needs staging_bytes > 0")
-
-        return StagedCopy(ctx)
-    raise InvalidSpec(f"unknown strategy {name!r}")
