@@ -6,6 +6,7 @@ fails the job, never both and never neither."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -85,9 +86,13 @@ class FakeDriver:
 class FakeStrategy:
     name = "fake"
     main_stream = 0
+    pitched_jobs = 0
+    staged_jobs = 0
 
     def __init__(self, driver: FakeDriver) -> None:
         self.driver = driver
+        self.ctx = SimpleNamespace(runs=())
+        self.hold_gil: bool | None = None
         self.fail_prepare: BaseException | None = None
         self.fail_enqueue: BaseException | None = None
 
@@ -182,6 +187,37 @@ def test_small_job_on_an_idle_lane_is_enqueued_by_the_caller() -> None:
     assert c.query() and lane.issued_later == 0
     c2 = lane.launch(plan(LONG), None)
     assert c2.wait(10) and lane.issued_later == 1
+    lane.close()
+
+
+def test_only_the_issuer_thread_keeps_the_gil_through_its_batched_copies() -> None:
+    lane, _, strategy = make_lane()
+    assert lane.launch(plan(1024), None).query()
+    assert strategy.hold_gil is None  # the caller's thread: the driver decides by batch size
+    assert lane.launch(plan(LONG), None).wait(10)
+    assert strategy.hold_gil is True  # the issuer thread keeps it for the whole job
+    assert lane.launch(plan(1024), None).query()
+    assert strategy.hold_gil is None
+    lane.close()
+
+
+def test_statistics_report_the_strategy_and_the_issuer_threads_work() -> None:
+    from aiokv.backends.base import LaneStatistics
+    from aiokv.backends.cuda.pitched import PitchedRun
+
+    lane, _, strategy = make_lane()
+    strategy.ctx = SimpleNamespace(runs=(PitchedRun(0, (0, 1, 2), 96), PitchedRun(0, (3,), 64),
+                                         PitchedRun(0, (4, 5, 6), 96)))
+    strategy.pitched_jobs, strategy.staged_jobs = 3, 2
+    first = lane.statistics()
+    assert first == LaneStatistics(strategy="fake", pitched_jobs=3, pitched_heights=(1, 3), staged_jobs=2)
+    lo = time.perf_counter()
+    assert lane.launch(plan(1024), None).query()
+    assert lane.launch(plan(LONG), None).wait(10)
+    stats = lane.statistics()
+    assert stats.issued_later == 1 and stats.issue_seconds > 0 and stats.issue_cpu_seconds >= 0
+    assert stats.last_started_at is not None and lo <= stats.last_started_at <= time.perf_counter()
+    assert first.issued_later == 0  # a snapshot: frozen, never updated in place
     lane.close()
 
 
