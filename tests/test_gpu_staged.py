@@ -20,8 +20,7 @@ pytestmark = gpu
 
 def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, int]:
     """Jobs each lane sent through its ring, by lane (store, load, expedited_load)."""
-    inner = worker._worker if isinstance(worker, SyncOffloadingWorker) else worker
-    return {lane.direction.value: lane._strategy.staged_jobs for lane in inner._core.backend._lanes}
+    return {direction: lane.staged_jobs for direction, lane in worker.statistics().lanes.items()}
 
 
 @pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
