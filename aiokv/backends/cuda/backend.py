@@ -10,7 +10,7 @@ import torch
 
 from ...errors import AiokvError, InvalidSpec, WorkerBroken
 from ...layout import CanonicalKVCaches
-from ...options import STRATEGIES, WorkerOptions
+from ...options import WorkerOptions
 from ...plan import HostLayout
 from ...specs import Direction
 from ..base import Backend, HostPool, Lane
@@ -54,17 +54,8 @@ class CudaBackend(Backend):
         dev = next(iter(devices))
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.torch_device = torch.device("cuda", index)
-        if self.options.strategy not in STRATEGIES:
-            raise InvalidSpec(f"strategy must be one of {STRATEGIES}, got {self.options.strategy!r}")
-        if self.options.submit_threads < 0:
-            raise InvalidSpec("submit_threads must be >= 0 (0 submits from the calling thread)")
-        if self.options.streams_per_direction < 0:
-            raise InvalidSpec("streams_per_direction must be >= 0 (0 picks a default)")
-        torch.cuda.init()
-        try:
-            self.driver = Driver(self.torch_device.index)
-        except AiokvError:
-            raise
+        torch.cuda.init()  # WorkerOptions checked the options already
+        self.driver = Driver(self.torch_device.index)
         self._lanes: list[CudaLane] = []
         self._capture_stream: Any = None  # where a caller's event is waited on (see capture)
 
