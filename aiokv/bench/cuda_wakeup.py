@@ -2,8 +2,8 @@
 device finishes the awaiting coroutine runs again, the round trip, and the CPU spent while
 awaiting, on asyncio and (where installed) uvloop and trio.
 
-Reads only documented records: ``AsyncOffloadingWorker.poller_statistics()`` (the poll
-windows) and ``WorkerStatistics.lanes`` (when the copies were handed to the device, and
+Reads only documented records: ``AsyncOffloadingWorker.poller_statistics()`` (polls and
+poll windows) and ``WorkerStatistics.lanes`` (when the copies were handed to the device, and
 the issuer threads' CPU).
 """
 
@@ -55,11 +55,6 @@ def _p(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else float("nan")
 
 
-def _polls(worker: Any) -> int | None:
-    """Polls so far, where the poller's record counts them (None: not reported)."""
-    return getattr(worker.poller_statistics(), "polls", None)
-
-
 async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dict[str, float]:
     """One store at a time: submit time, round trip, wake-up and CPU spent while awaiting.
 
@@ -76,7 +71,6 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
     cpu = wall = 0.0
     resolved: list[float] = []
     polls = 0
-    counted = True  # whether the poller reports its polls
     issuing = 0.0  # CPU the lanes' issuer threads spent enqueueing (submit work, moved)
     for i in range(iters + 10):
         resolved.clear()
@@ -84,7 +78,7 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         # and the await. Nothing polls in between: the poller runs on this loop, which only
         # gets control back at the await.
         i1 = issued(worker)[2]
-        p1 = _polls(worker)
+        p1 = worker.poller_statistics().polls
         t0 = time.perf_counter()
         fut = submit(i)
         t1 = time.perf_counter()
@@ -97,7 +91,8 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         i2 = sum(lane.issue_cpu_seconds for lane in stats.lanes.values())
         if i < 10:
             continue
-        window = worker.poller_statistics().detect_windows[-1]
+        poller = worker.poller_statistics()
+        window = poller.detect_windows[-1]
         started = stats.lanes["store"].last_started_at
         subs.append(t1 - t0)
         trips.append(t2 - t0)
@@ -106,11 +101,7 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         bound = window + hop
         wakes.append(min(bound, t2 - started - device) if device and started is not None else bound)
         windows.append(window)
-        p2 = _polls(worker)
-        if p1 is None or p2 is None:
-            counted = False
-        else:
-            polls += p2 - p1
+        polls += poller.polls - p1
         dev.append(res.transfer_time or 0.0)
         cpu += c2 - c1 - (i2 - i1)
         issuing += i2 - i1
@@ -119,7 +110,7 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
         "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
         "window50": _p(windows, 50),
-        "polls": polls / max(1, len(trips)) if counted else float("nan"),
+        "polls": polls / max(1, len(trips)),
         "cpu_wait": cpu / wall if wall else float("nan"),
         "cpu_job": cpu / max(1, len(trips)), "await": wall / max(1, len(trips)),
         "issue_job": issuing / max(1, len(trips)),
@@ -193,10 +184,9 @@ def wakeup_rows(per_layer: BenchSetup, big: BenchSetup, quick: bool) -> list[Ben
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
         ]
         if not label.endswith(beside):  # there, the process CPU is mostly the busy thread's
-            polls = f"; {w['polls']:.0f} polls per job" if w["polls"] == w["polls"] else ""
             note = (f"process CPU between submit return and await return, less the issuer thread's "
                     f"{w['issue_job'] * 1e6:.0f} us: {w['cpu_job'] * 1e6:.0f} us "
-                    f"per job over a {w['await'] * 1e6:.0f} us await{polls}")
+                    f"per job over a {w['await'] * 1e6:.0f} us await; {w['polls']:.0f} polls per job")
             cpu = 100 * w["cpu_wait"]
             rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
     return rows
