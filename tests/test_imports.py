@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent / "aiokv"
 # Lowest first. A name matches the module itself; "name.*" matches everything under it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("aiokv.errors",)),
-    # The transfer vocabulary, the worker options, and the doorbell: an OS pipe that a
-    # completion rings (a leaf primitive of the standard library, used by backends and the
-    # async face alike).
-    ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell")),
+    # The transfer vocabulary, the worker options, the doorbell (an OS pipe that a
+    # completion rings: a leaf primitive of the standard library, used by backends and the
+    # async face alike) and the worker's lifecycle states (the core and both faces read
+    # them; added by the faces' branch).
+    ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle")),
     ("layout", ("aiokv.layout",)),
     ("plan", ("aiokv.plan",)),
     ("backend interfaces", ("aiokv.backends.base",)),
