@@ -1,5 +1,6 @@
 """aiokv: awaitable KV-cache offloading between GPU memory and pinned host memory."""
 
+from .backends.base import LaneStatistics
 from .cache import (
     AdmissionPolicy,
     CacheStats,
@@ -55,6 +56,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidSpec",
     "KeyNotLoadable",
+    "LaneStatistics",
     "LoadStoreSpec",
     "LookupResult",
     "OffloadCache",

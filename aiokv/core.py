@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import resolve_backend
-from .backends.base import HostPool, Lane
+from .backends.base import HostPool, Lane, LaneStatistics
 from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
 from .handler import Handler, Job
 from .layout import CanonicalKVCaches
@@ -46,6 +46,8 @@ class WorkerStatistics:
     completed: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
     bytes_moved: dict[str, int] = field(default_factory=dict)
+    # Per direction: the lane's strategy and its counters (``LaneStatistics``).
+    lanes: dict[str, LaneStatistics] = field(default_factory=dict)
 
 
 class OffloadCore:
@@ -320,6 +322,7 @@ class OffloadCore:
             completed={d.value: h.completed for d, h in hs},
             failed={d.value: h.failed for d, h in hs},
             bytes_moved={d.value: h.bytes_moved for d, h in hs},
+            lanes={d.value: h.lane.statistics() for d, h in hs},
         )
 
     def describe_in_flight(self) -> str:

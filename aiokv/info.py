@@ -63,13 +63,11 @@ def collect_info() -> dict[str, Any]:
         "cpu cores": os.cpu_count(),
     }
     if cuda_usable():
-        from .backends import cuda
+        from .backends.cuda.device import device_facts
 
-        facts = getattr(cuda, "device_facts", None)
         info["device"] = torch.cuda.get_device_name(0)
         info["torch CUDA"] = torch.version.cuda
-        if facts is not None:
-            info.update(facts())
+        info.update(device_facts())
     else:
         info["device"] = "none usable (CPU backend: device tensors are CPU tensors)"
     return info

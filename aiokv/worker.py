@@ -20,6 +20,7 @@ from .layout import CanonicalKVCaches
 from .lifecycle import Face, State
 from .loops import LoopEvent, loop_event
 from .options import WorkerOptions
+from .plan import HostLayout
 from .poller import CompletionForecast, Poller, PollerStatistics
 from .specs import Direction
 
@@ -121,6 +122,13 @@ class AsyncOffloadingWorker:
     def chunk_bytes(self) -> int:
         """Bytes of one host chunk: ``blocks_per_chunk`` blocks of every KV tensor."""
         return self._core.layout.chunk_bytes
+
+    @property
+    def host_layout(self) -> HostLayout:
+        """Where each page of a chunk lies in the host pool (read-only). Lower cache tiers
+        use it to write blocks in the layout's own page order, which is the same on every
+        worker of one layout, rather than in this pool's order."""
+        return self._core.layout
 
     @property
     def backend(self) -> str:

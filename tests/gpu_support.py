@@ -122,10 +122,9 @@ def clone_kv(
     return CanonicalKVCaches(new, kv.group_data_refs), cpu
 
 
-def dma_copies(worker: SyncOffloadingWorker) -> list[Any]:
-    """The DMA strategies of a CUDA worker's lanes (to see which path a job took)."""
-    return [lane._strategy for lane in worker._worker._core.backend._lanes
-            if getattr(lane._strategy, "name", "") == "dma"]
+def pitched_jobs(worker: SyncOffloadingWorker) -> int:
+    """Jobs a CUDA worker's lanes sent as pitched (2D) copies (to see which path a job took)."""
+    return sum(lane.pitched_jobs for lane in worker.statistics().lanes.values())
 
 
 def sync_pair(

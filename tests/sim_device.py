@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from aiokv.copy.pieces import PAGE_COLUMNS, ROWS_PER_LAUNCH
+from aiokv.backends.cuda.pieces import PAGE_COLUMNS, ROWS_PER_LAUNCH
 
 # The piece kernel's scalar parameters, in order (pieces.PieceKernel.launch), then the
 # launch's device rows.

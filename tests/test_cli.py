@@ -183,7 +183,7 @@ def test_bench_bursts_split_first_submit_from_back_to_back() -> None:
 
     import numpy as np
 
-    from aiokv.bench import cuda as bench
+    from aiokv.bench import cuda_rows as bench
 
     clock = iter(range(10**6))
     calls: list[tuple[str, int]] = []
@@ -212,7 +212,7 @@ def test_bench_bursts_split_first_submit_from_back_to_back() -> None:
     worker = SimpleNamespace(submit_store=submit("store"), submit_load=submit("load"))
     blocks = [np.arange(3) + k for k in range(4)]
     setup = SimpleNamespace(jobs=[(b, b) for b in blocks], jobs_in_runs=[])
-    warm, cold = asyncio.run(bench._bursts(worker, setup, False, bench._JobIds(), bursts=3, size=4,
+    warm, cold = asyncio.run(bench.bursts(worker, setup, False, bench.JobIds(), bursts=3, size=4,
                                            clock=lambda: next(clock)))
     assert calls == [("load", k) for k in range(4)] * 3
     assert awaited == [True] * 12

@@ -1,6 +1,6 @@
-"""The CUDA driver wrapper and the pinned pool without a GPU: which error codes break the
-worker, what binds where the bindings are older than the driver, and that pinned memory the
-device may still write is never unmapped."""
+"""The CUDA driver facade without a GPU: which error codes break the worker, what binds
+where the bindings are older than the driver, that a pin refused for lack of memory says
+what to ask for, and that a dropped worker hands its pool over before it warns."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from typing import Any
 import pytest
 from cuda.bindings import driver as cu
 
-from aiokv.backends.cuda import Driver, _translate
-from aiokv.errors import WorkerBroken
-from aiokv.host_pool import PinnedHostPool
-from tests.conftest import mapped
+from aiokv.backends.cuda.driver import Driver, _translate
+from aiokv.errors import CudaCallFailed, HostMemoryError, WorkerBroken
 
 
 @pytest.mark.parametrize("name", ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_CONTAINED",
@@ -70,58 +68,28 @@ def test_threads_building_the_copy_attributes_at_once_all_pass_the_kept_one(monk
     assert seen == [id(kept)] * 4
 
 
-class _Registrations:
-    """Registers ranges as the driver does: an overlapping one is refused."""
-
-    def __init__(self) -> None:
-        self.broken: Any = None
-        self.ranges: dict[int, int] = {}
-
-    def ensure_context(self) -> None:
-        pass
-
-    def host_register(self, address: int, nbytes: int) -> int:
-        if any(a < address + nbytes and address < a + n for a, n in self.ranges.items()):
-            raise RuntimeError("CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED")
-        self.ranges[address] = nbytes
-        return address
-
-    def host_unregister(self, address: int) -> None:
-        del self.ranges[address]
-
-
-@pytest.mark.parametrize("how", ["abandoned", "closed after the context died"])
-def test_pinned_memory_the_device_may_write_staysmapped(how: str) -> None:
-    """Unmapped while registered, the range could be mapped again for something else, which
-    the device would then write (seen on the H200: a dropped pool's bytes arrived in a new
-    mapping at its address), and the new range would fail to register."""
-    drv = _Registrations()
-    pool = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
-    address = pool.address
-    pool.tensor.fill_(0x22)
-    if how == "abandoned":
-        pool.abandon()
-    else:
-        drv.broken = WorkerBroken("context lost")
-        pool.close()
-    del pool
-    gc.collect()
-    assert mapped(address) and address in drv.ranges
+@pytest.mark.parametrize(("code", "raised"), [
+    (cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, HostMemoryError),
+    (cu.CUresult.CUDA_ERROR_NOT_PERMITTED, CudaCallFailed),
+])
+def test_a_pin_refused_for_lack_of_memory_raises_host_memory_error(monkeypatch, code, raised) -> None:
+    drv = object.__new__(Driver)
     drv.broken = None
-    again = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
-    assert again.address != address
-    again.close()
-    assert again.address not in drv.ranges
+    calls: list[tuple[int, int]] = []
 
+    def register(address: int, nbytes: int, flags: Any) -> tuple[Any]:
+        calls.append((address, nbytes))
+        return (code,)
 
-def test_a_closed_pool_is_unregistered_and_unmapped() -> None:
-    drv = _Registrations()
-    pool = PinnedHostPool(8 << 20, drv)  # type: ignore[arg-type]
-    address = pool.address
-    pool.close()
-    del pool
-    gc.collect()
-    assert not drv.ranges and not mapped(address)
+    monkeypatch.setattr(cu, "cuMemHostRegister", register)
+    with pytest.raises(raised) as info:
+        drv.host_register(0x10000, 3 << 30)
+    assert calls == [(0x10000, 3 << 30)]
+    if raised is HostMemoryError:
+        message = str(info.value)
+        assert str(3 << 30) in message and "fewer chunks" in message and "ulimit -l" in message
+        assert "CUDA_ERROR_OUT_OF_MEMORY" in str(info.value.__cause__)
+        assert isinstance(info.value, MemoryError)  # what a caller may already catch
 
 
 def test_a_dropped_worker_hands_its_pool_over_before_it_warns(monkeypatch) -> None:

@@ -7,7 +7,7 @@ def test_public_names_are_pinned() -> None:
         "CanonicalKVCacheTensor", "CanonicalKVCaches", "Direction", "DuplicateJob",
         "GPULoadStoreSpec", "InvalidSpec", "LoadStoreSpec", "OffloadingWorker",
         "SyncOffloadingWorker", "TransferFailed", "TransferFuture", "TransferResult",
-        "WorkerBroken", "WorkerClosed", "WorkerOptions", "WorkerStatistics",
+        "WorkerBroken", "WorkerClosed", "WorkerOptions", "WorkerStatistics", "LaneStatistics",
         # the cache face and its vocabulary
         "AdmissionPolicy", "CacheStats", "ChunkManager", "EvictionPolicy", "KeyNotLoadable",
         "LookupResult", "OffloadCache", "OffloadCacheStats", "OffloadResult",

@@ -39,7 +39,8 @@ def _kv() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
 def test_driver_codes_translate_to_aiokv_errors() -> None:
     from cuda.bindings import driver as cu
 
-    from aiokv.backends.cuda import CudaCallFailed, _translate
+    from aiokv.backends.cuda.driver import _translate
+    from aiokv.errors import CudaCallFailed
 
     bad = _translate(int(cu.CUresult.CUDA_ERROR_INVALID_VALUE), "cuX")
     assert isinstance(bad, InvalidSpec) and "CUDA_ERROR_INVALID_VALUE" in str(bad)
@@ -246,7 +247,7 @@ DEAD_CONTEXT_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("mode", ["idle", "midcopy"])
 def test_a_context_that_dies_never_reports_a_copy_done_that_did_not_land(mode: str) -> None:
     # No health check runs before a job is reported done: the done event's query reports
-    # the dead context itself (probes/probe_health.py). A copy running when the context
+    # the dead context itself (docs/performance.md, "Completion"). A copy running when the context
     # dies may have landed whole (then success is right) or not (then it must fail); with
     # nothing in flight, the next submit must raise and enqueue nothing.
     proc = subprocess.run(
@@ -259,8 +260,8 @@ def test_a_context_that_dies_never_reports_a_copy_done_that_did_not_land(mode: s
         assert "FIRST True" in out and "SURFACED" in out, out
     else:
         # Only meaningful if the poison went in while the copy (~40 ms) still ran: the
-        # driver saw the error ~14 ms after it was enqueued in probe_health.py (run 65),
-        # and the job failed there, though its bytes went on landing.
+        # driver has been seen to notice the error ~14 ms after it was enqueued, and the
+        # job then failed, though its bytes went on landing.
         assert float(out.split("ENQUEUED_MS", 1)[1].split()[0]) < 10, out
         assert "RESULT False" in out or "RESULT True TAIL True LANDED True" in out, out
         assert "HANG" not in out, out
@@ -375,7 +376,7 @@ def test_a_held_job_is_napped_for_on_the_doorbell(backend: str) -> None:
                 held_ms = (time.perf_counter() - began) * 1e3
             assert w._poller.polls - polls < 60  # woken by the bell, not a busy loop
         # The loop stayed free: a 1 ms ticker ticked at least once per 8 ms of the hold (a
-        # blocked loop ticks about once; run 58 counted 36 on trio, on a slow host). Counted
+        # blocked loop ticks about once; a slow host has counted 36 on trio). Counted
         # against the hold, which the GPU's clock sets.
         assert held_ms > 30 and ticks >= held_ms / 8, (ticks, held_ms)
 

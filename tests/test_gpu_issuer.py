@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import aiokv.backends.cuda as cuda_backend
+import aiokv.backends.cuda.lane as cuda_lane
 from aiokv import (
     AsyncOffloadingWorker,
     CPULoadStoreSpec,
@@ -40,10 +40,10 @@ ISSUER = {"issue_thread": True}  # off by default
 @pytest.fixture
 def issue_everything_later(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every job, however small, goes through the lane's issuer thread."""
-    monkeypatch.setattr(cuda_backend, "ISSUE_THREAD_BYTES", 0)
+    monkeypatch.setattr(cuda_lane, "ISSUE_THREAD_BYTES", 0)
 
 
-def _lanes(worker: AsyncOffloadingWorker, to_host: bool) -> list[cuda_backend.CudaLane]:
+def _lanes(worker: AsyncOffloadingWorker, to_host: bool) -> list[cuda_lane.CudaLane]:
     return [lane for lane in worker._core.backend._lanes if lane.direction.to_host == to_host]
 
 

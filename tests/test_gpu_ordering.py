@@ -7,7 +7,7 @@ import anyio
 import pytest
 import torch
 
-import aiokv.backends.cuda as cuda_backend
+import aiokv.backends.cuda.lane as cuda_lane
 from aiokv import (
     AsyncOffloadingWorker,
     CanonicalKVCaches,
@@ -39,7 +39,7 @@ def test_store_waits_for_pending_write_on_current_stream(
 ) -> None:
     """Also with every job enqueued later, by the lane's issuer thread."""
     if issuer:
-        monkeypatch.setattr(cuda_backend, "ISSUE_THREAD_BYTES", 0)
+        monkeypatch.setattr(cuda_lane, "ISSUE_THREAD_BYTES", 0)
     tensors, kv = ones_kv()
     w = _sync(kv, strategy, {"issue_thread": issuer})
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, InvalidSpec, SyncOffloadingWorker
-from aiokv.copy import pieces
+from aiokv.backends.cuda import pieces
 
 from .gpu_support import check_same, describe, drain, gpu, layouts, random_like, run_jobs, sync_pair
 
@@ -20,8 +20,7 @@ pytestmark = gpu
 
 def _staged(worker: SyncOffloadingWorker | AsyncOffloadingWorker) -> dict[str, int]:
     """Jobs each lane sent through its ring, by lane (store, load, expedited_load)."""
-    inner = worker._worker if isinstance(worker, SyncOffloadingWorker) else worker
-    return {lane.direction.value: lane._strategy.staged_jobs for lane in inner._core.backend._lanes}
+    return {direction: lane.staged_jobs for direction, lane in worker.statistics().lanes.items()}
 
 
 @pytest.mark.parametrize("layout", ["kv_split", "kv_pages", "cross_layer"])
@@ -194,8 +193,8 @@ def test_staged_needs_staging_memory() -> None:
 
 
 def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog) -> None:
-    import aiokv.copy.staged as staged
-    from aiokv.backends.cuda import CudaCallFailed
+    import aiokv.backends.cuda.staged as staged
+    from aiokv.errors import CudaCallFailed
 
     def refuse(self, driver, device) -> None:
         raise CudaCallFailed("CUDA call failed: CUDA_ERROR_NO_BINARY_FOR_GPU (cuModuleLoadData)", 209)

@@ -1,5 +1,5 @@
-"""Backend selection. ``cuda.py`` (the only module that calls cuda-python) loads lazily,
-so ``import aiokv`` works on machines without CUDA."""
+"""Backend selection. The ``cuda`` package (whose ``driver`` module is the only one that
+imports cuda-python) loads lazily, so ``import aiokv`` works on machines without CUDA."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 from ..errors import InvalidSpec
 from ..layout import CanonicalKVCaches
-from .base import Backend, Completion, HostPool, Lane
+from .base import Backend, Completion, HostPool, Lane, LaneStatistics
 
-__all__ = ["Backend", "Completion", "HostPool", "Lane", "cuda_usable", "resolve_backend"]
+__all__ = ["Backend", "Completion", "HostPool", "Lane", "LaneStatistics", "cuda_usable", "resolve_backend"]
 
 BACKENDS = ("auto", "cpu", "cuda")
 
@@ -21,7 +21,7 @@ def cuda_usable() -> bool:
 
         if not torch.cuda.is_available():
             return False
-        import cuda.bindings.driver  # noqa: F401
+        from .cuda import driver  # noqa: F401  (imports cuda-python)
     except Exception:
         return False
     return True
@@ -40,6 +40,6 @@ def resolve_backend(name: str, kv: CanonicalKVCaches, options: Any = None) -> Ba
         return CpuBackend()
     if not cuda_usable():
         raise InvalidSpec("backend='cuda' needs a usable CUDA device and cuda-python")
-    from .cuda import CudaBackend
+    from .cuda.backend import CudaBackend
 
     return CudaBackend(kv, options)

@@ -4,6 +4,7 @@ direction whose launches hand back completions. Nothing here knows about event l
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,7 +14,36 @@ from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
 
-__all__ = ["Backend", "Completion", "HostPool", "Lane"]
+__all__ = ["Backend", "Completion", "HostPool", "Lane", "LaneStatistics"]
+
+
+@dataclass(frozen=True)
+class LaneStatistics:
+    """What one lane did so far (counters only grow): the record the bench and tools read.
+
+    Attributes:
+        strategy: the copy strategy the lane runs ("dma", "kernel", "staged"); None where
+            the backend has no strategies (the CPU).
+        pitched_jobs: jobs sent as pitched (2D) copies, one per block and run of pages.
+        pitched_heights: pages per run that a pitched copy may move in this layout (empty:
+            no uniform device pitch, so no job can go pitched).
+        staged_jobs: jobs gathered through the staging ring (the rest went as plain DMA).
+        issued_later: jobs the lane's issuer thread enqueued after ``submit`` returned
+            (``WorkerOptions.issue_thread``).
+        issue_seconds: host seconds the issuer thread spent enqueueing those jobs.
+        issue_cpu_seconds: CPU seconds the issuer thread spent doing so.
+        last_started_at: ``time.perf_counter()`` just before the latest job's copies were
+            handed to the device (None before the first, or where unknown).
+    """
+
+    strategy: str | None = None
+    pitched_jobs: int = 0
+    pitched_heights: tuple[int, ...] = ()
+    staged_jobs: int = 0
+    issued_later: int = 0
+    issue_seconds: float = 0.0
+    issue_cpu_seconds: float = 0.0
+    last_started_at: float | None = None
 
 
 class Completion(abc.ABC):
@@ -89,6 +119,10 @@ class Lane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Free the lane's resources. Only called once every completion is done."""
+
+    def statistics(self) -> LaneStatistics:
+        """A snapshot of what the lane did (a lane without strategies reports no counters)."""
+        return LaneStatistics()
 
     def abandon(self) -> None:
         """The worker was dropped without a close: free what is safe to free without

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiokv.copy.pieces import fits
-from aiokv.copy.staged import StagedJob, block_job, piece_job
+from aiokv.backends.cuda.pieces import fits
+from aiokv.backends.cuda.staged import StagedJob, block_job, piece_job
 
 SLOTS_AT = 1 << 22  # staging slots live here in the replayed address space
 

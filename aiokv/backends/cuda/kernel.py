@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..plan import CopyPlan
-from . import CopyContext, CopyStrategy, copy_unit, expand_rows
+from ...plan import CopyPlan
 from .dma import DmaBatch, MultiStreamDma
+from .strategy import CopyContext, CopyStrategy, copy_unit, expand_rows
 
 __all__ = ["KernelCopy", "RowViews"]
 
@@ -132,13 +132,14 @@ class KernelCopy(CopyStrategy):
             return self.fallback.split(*self.ctx.pointers(plan))
         return row_plan(plan, plan.host_offset, unit)
 
-    def enqueue(self, prepared: RowPlan | DmaBatch, dependency: Any, start: Any, stop: Any) -> None:
+    def enqueue(self, prepared: RowPlan | DmaBatch, dependency: Any, start: Any, stop: Any, *,
+                hold_gil: bool | None = None) -> None:
         drv, main = self.ctx.driver, self.main_stream
         if dependency is not None:
             drv.stream_wait(main, dependency)
         drv.record(start, main)
         if isinstance(prepared, DmaBatch):
-            self.fallback.issue(prepared)
+            self.fallback.issue(prepared, hold_gil=hold_gil)
         else:
             with torch.cuda.stream(self.torch_stream):
                 self._run(prepared)

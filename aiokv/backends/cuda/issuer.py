@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .errors import WorkerClosed
+from ...errors import WorkerClosed
 
 __all__ = ["Issuer"]
 

@@ -6,12 +6,15 @@ fails the job, never both and never neither."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from aiokv.backends.cuda import CudaCompletion, CudaLane, _Dependency, _Events
+from aiokv.backends.cuda.completion import CudaCompletion
+from aiokv.backends.cuda.driver import JobEvents
+from aiokv.backends.cuda.lane import CudaLane, Dependency
 from aiokv.errors import WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
 
@@ -24,12 +27,11 @@ class FakeDriver:
     def __init__(self, rings: bool = True) -> None:
         self.broken: WorkerBroken | None = None
         self.recorded: set[int] = set()
-        self.given_jobs: list[_Events] = []
+        self.given_jobs: list[JobEvents] = []
         self.given_sync: list[Any] = []
         self.armed: list[Any] = []
         self.rings = rings
         self.next = 0
-        self._local = threading.local()
 
     def _handle(self) -> int:
         self.next += 1
@@ -51,10 +53,10 @@ class FakeDriver:
     def stream_synchronize(self, stream: Any) -> None:
         pass
 
-    def take_job_events(self) -> _Events:
-        return _Events(self._handle(), self._handle())
+    def take_job_events(self) -> JobEvents:
+        return JobEvents(self._handle(), self._handle())
 
-    def give_job_events(self, events: _Events) -> None:
+    def give_job_events(self, events: JobEvents) -> None:
         self.given_jobs.append(events)
 
     def give_sync_event(self, event: Any) -> None:
@@ -84,9 +86,13 @@ class FakeDriver:
 class FakeStrategy:
     name = "fake"
     main_stream = 0
+    pitched_jobs = 0
+    staged_jobs = 0
 
     def __init__(self, driver: FakeDriver) -> None:
         self.driver = driver
+        self.ctx = SimpleNamespace(runs=())
+        self.hold_gil: bool | None = None
         self.fail_prepare: BaseException | None = None
         self.fail_enqueue: BaseException | None = None
 
@@ -95,7 +101,9 @@ class FakeStrategy:
             raise self.fail_prepare
         return plan
 
-    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any) -> None:
+    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any, *,
+                hold_gil: bool | None = None) -> None:
+        self.hold_gil = hold_gil
         self.driver.record(start, self.main_stream)
         if self.fail_enqueue is not None:
             raise self.fail_enqueue
@@ -118,9 +126,9 @@ class Bell:
 
 def make_lane(issue_thread: bool = True, rings: bool = True) -> tuple[CudaLane, FakeDriver, FakeStrategy]:
     driver = FakeDriver(rings)
-    backend = SimpleNamespace(driver=driver, options=SimpleNamespace(issue_thread=issue_thread))
     strategy = FakeStrategy(driver)
-    return CudaLane(backend, Direction.STORE, strategy), driver, strategy  # type: ignore[arg-type]
+    lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread)  # type: ignore[arg-type]
+    return lane, driver, strategy
 
 
 def plan(nbytes: int) -> Any:
@@ -147,7 +155,7 @@ def test_a_job_not_yet_issued_is_not_done_and_its_bell_rings_once_it_is() -> Non
     lane, driver, _ = make_lane()
     gate = hold(lane)
     try:
-        c = lane.launch(plan(1024), _Dependency("dep"))  # small, but queued behind the held work
+        c = lane.launch(plan(1024), Dependency("dep"))  # small, but queued behind the held work
         assert isinstance(c, CudaCompletion)
         assert not c.query() and not c.wait(0.02)
         bell = Bell()
@@ -182,12 +190,43 @@ def test_small_job_on_an_idle_lane_is_enqueued_by_the_caller() -> None:
     lane.close()
 
 
+def test_only_the_issuer_thread_keeps_the_gil_through_its_batched_copies() -> None:
+    lane, _, strategy = make_lane()
+    assert lane.launch(plan(1024), None).query()
+    assert strategy.hold_gil is None  # the caller's thread: the driver decides by batch size
+    assert lane.launch(plan(LONG), None).wait(10)
+    assert strategy.hold_gil is True  # the issuer thread keeps it for the whole job
+    assert lane.launch(plan(1024), None).query()
+    assert strategy.hold_gil is None
+    lane.close()
+
+
+def test_statistics_report_the_strategy_and_the_issuer_threads_work() -> None:
+    from aiokv.backends.base import LaneStatistics
+    from aiokv.backends.cuda.pitched import PitchedRun
+
+    lane, _, strategy = make_lane()
+    strategy.ctx = SimpleNamespace(runs=(PitchedRun(0, (0, 1, 2), 96), PitchedRun(0, (3,), 64),
+                                         PitchedRun(0, (4, 5, 6), 96)))
+    strategy.pitched_jobs, strategy.staged_jobs = 3, 2
+    first = lane.statistics()
+    assert first == LaneStatistics(strategy="fake", pitched_jobs=3, pitched_heights=(1, 3), staged_jobs=2)
+    lo = time.perf_counter()
+    assert lane.launch(plan(1024), None).query()
+    assert lane.launch(plan(LONG), None).wait(10)
+    stats = lane.statistics()
+    assert stats.issued_later == 1 and stats.issue_seconds > 0 and stats.issue_cpu_seconds >= 0
+    assert stats.last_started_at is not None and lo <= stats.last_started_at <= time.perf_counter()
+    assert first.issued_later == 0  # a snapshot: frozen, never updated in place
+    lane.close()
+
+
 @pytest.mark.parametrize("issue_thread", [True, False])
 def test_a_plan_that_fails_on_the_callers_thread_raises_and_gives_everything_back(issue_thread: bool) -> None:
     lane, driver, strategy = make_lane(issue_thread)
     strategy.fail_prepare = ValueError("no plan")
     with pytest.raises(ValueError, match="no plan"):
-        lane.launch(plan(1024), _Dependency("dep"))
+        lane.launch(plan(1024), Dependency("dep"))
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
     lane.close()
 
@@ -195,7 +234,7 @@ def test_a_plan_that_fails_on_the_callers_thread_raises_and_gives_everything_bac
 def test_a_plan_that_fails_on_the_issuer_thread_fails_the_job_in_order() -> None:
     lane, driver, strategy = make_lane()
     strategy.fail_prepare = ValueError("no plan")
-    c = lane.launch(plan(LONG), _Dependency("dep"))  # raises nothing: the caller has gone on
+    c = lane.launch(plan(LONG), Dependency("dep"))  # raises nothing: the caller has gone on
     assert c.wait(10)
     assert isinstance(c.error, ValueError)
     assert driver.given_sync == ["dep"]
@@ -218,7 +257,7 @@ def test_a_sticky_error_on_the_callers_thread_raises_worker_broken() -> None:
     lane, driver, strategy = make_lane()
     broken = WorkerBroken("context lost")
 
-    def die(*_: Any) -> None:
+    def die(*_: Any, **__: Any) -> None:
         driver.broken = broken
         raise RuntimeError("sticky")
 
@@ -242,7 +281,7 @@ def test_launch_on_a_closed_lane_raises_worker_closed_and_gives_events_back() ->
     lane, driver, _ = make_lane()
     lane.close()
     with pytest.raises(WorkerClosed):
-        lane.launch(plan(1024), _Dependency("dep"))
+        lane.launch(plan(1024), Dependency("dep"))
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
 
 
@@ -256,7 +295,7 @@ def test_an_issuer_thread_that_cannot_start_gives_the_events_back_once() -> None
     threading.Thread.start = refuse  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="start new thread"):
-            lane.launch(plan(LONG), _Dependency("dep"))  # deferred: it needs the thread
+            lane.launch(plan(LONG), Dependency("dep"))  # deferred: it needs the thread
     finally:
         threading.Thread.start = real  # type: ignore[method-assign]
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]

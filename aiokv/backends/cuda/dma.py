@@ -16,28 +16,27 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import CopyPlan, plan_pitched
-from . import DEFAULT_DMA_STREAMS, MIN_PITCHED_HEIGHT, CopyContext, CopyStrategy, byte_splits
+from ...plan import CopyPlan
+from .pitched import plan_pitched
+from .strategy import DEFAULT_DMA_STREAMS, MIN_PITCHED_HEIGHT, CopyContext, CopyStrategy, byte_splits
 
 __all__ = ["DmaCopy", "MultiStreamDma", "stream_parts"]
 
 # A slice smaller than this is not worth its own stream (fork/join cost ~10 us of device time).
 MIN_SLICE_BYTES = 2 << 20
 # Nor is a job slice of fewer descriptors: each stream's batch call and fork/join edges cost
-# tens of microseconds of host time, and a few large copies keep an engine busy anyway. On
-# the H200, 128 copies of 2 MiB moved at the same rate on 1, 2, 4 or 16 streams. Both
-# directions at once: 0.86 on one stream in run 23 (0.98 in run 31), 0.90-0.99 on two or
-# more in both; host submit 358 / 406 / 507 us on 1 / 2 / 4 streams (run 31). Beside a busy
-# Python thread each batch call (it drops the GIL) costs a switch interval (5 ms). So 128
-# copies of 2 MiB go as one call on one stream: in run 70 (against 2 streams) submit 261-268
-# against 302-346 us, 5.4-5.5 against 10.7 ms beside a busy thread, both directions 0.96.
+# tens of microseconds of host time, and a few large copies keep an engine busy anyway
+# (128 copies of 2 MiB move at the same rate on 1 or 16 streams). Beside a busy Python
+# thread each batch call (it drops the GIL) costs a switch interval (5 ms). So 128 copies
+# of 2 MiB go as one call on one stream: a shorter submit, half as long beside a busy
+# thread, and the same rate both directions at once (docs/performance.md, "Submit threads").
 MIN_SLICE_DESCRIPTORS = 128
 # Below this many descriptors a thread handoff costs more than the driver call it spreads.
 MIN_THREADED_DESCRIPTORS = 1024
-# Pitched jobs are few, large ops: one engine already ran them at 0.92 of the ceiling
-# (probe_pitch, run 1), and each extra stream is another batch call (beside a busy Python
-# thread, another switch interval) and a fork and a join. Run 71, one stream against four:
-# the same round trip idle, submit 5.6 against 21.4 ms beside a busy thread.
+# Pitched jobs are few, large ops: one engine already runs them near the ceiling, and each
+# extra stream is another batch call (beside a busy Python thread, another switch interval)
+# and a fork and a join: one stream gives the same round trip idle as four, and a submit a
+# quarter as long beside a busy thread (docs/performance.md, "Copy strategies").
 PITCHED_STREAMS = 1
 
 
@@ -108,23 +107,27 @@ class MultiStreamDma:
         return PitchedBatch(ops, byte_splits(nbytes, parts))
 
     def _put(
-        self, batch: DmaBatch | PitchedBatch, lo: int, hi: int, stream: Any, stream_ordered: bool
+        self, batch: DmaBatch | PitchedBatch, lo: int, hi: int, stream: Any, stream_ordered: bool,
+        hold_gil: bool | None,
     ) -> None:
         if isinstance(batch, PitchedBatch):
-            self.driver.memcpy_pitched(batch.ops[lo:hi], stream)
+            self.driver.memcpy_pitched(batch.ops[lo:hi], stream, hold_gil=hold_gil)
         else:
             self.driver.memcpy_batch(batch.dst[lo:hi], batch.src[lo:hi], batch.sizes[lo:hi], stream,
-                                     stream_ordered=stream_ordered, to_host=self.to_host)
+                                     stream_ordered=stream_ordered, to_host=self.to_host, hold_gil=hold_gil)
 
-    def issue(self, batch: DmaBatch | PitchedBatch, *, stream_ordered: bool = True, fork: Any = None) -> None:
+    def issue(self, batch: DmaBatch | PitchedBatch, *, stream_ordered: bool = True, fork: Any = None,
+              hold_gil: bool | None = None) -> None:
         """Enqueue the batch behind everything already on ``home``; ``home`` waits for it.
 
         ``fork``: an event the caller just recorded on ``home`` (saves recording another).
+        ``hold_gil``: passed to the driver's batched calls (``CopyStrategy``), except those
+        of the submit threads, which drop it to run side by side.
         """
         drv, bounds = self.driver, batch.bounds
         nparts = len(bounds) - 1
         if nparts <= 1 or not self.subs:
-            self._put(batch, 0, bounds[-1], self.home, stream_ordered)
+            self._put(batch, 0, bounds[-1], self.home, stream_ordered, hold_gil)
             return
         if fork is None:
             fork = self.fork
@@ -140,7 +143,7 @@ class MultiStreamDma:
                 sub = self.subs[i]
                 drv.stream_wait(sub, fork)
                 issued = i + 1
-                self._put(batch, lo, hi, sub, stream_ordered)
+                self._put(batch, lo, hi, sub, stream_ordered, hold_gil)
         finally:
             # Join every stream that may hold work, even after a failure, so the home
             # stream's next event still covers it.
@@ -184,7 +187,7 @@ class DmaCopy(CopyStrategy):
 
     def __init__(self, ctx: CopyContext) -> None:
         self.ctx = ctx
-        self.pitched_jobs = 0  # jobs that went as pitched copies (tests and the bench read it)
+        self.pitched_jobs = 0  # jobs that went as pitched copies (``Lane.statistics``)
         self.main_stream = ctx.driver.create_stream()
         try:
             self.dma = MultiStreamDma(ctx, self.main_stream, ctx.streams or DEFAULT_DMA_STREAMS)
@@ -202,12 +205,13 @@ class DmaCopy(CopyStrategy):
                 return self.dma.split_pitched(*ctx.pitched(pitched))
         return self.dma.split(*ctx.pointers(plan), min_descriptors=MIN_SLICE_DESCRIPTORS)
 
-    def enqueue(self, prepared: DmaBatch | PitchedBatch, dependency: Any, start: Any, stop: Any) -> None:
+    def enqueue(self, prepared: DmaBatch | PitchedBatch, dependency: Any, start: Any, stop: Any, *,
+                hold_gil: bool | None = None) -> None:
         drv, main = self.ctx.driver, self.main_stream
         if dependency is not None:
             drv.stream_wait(main, dependency)
         drv.record(start, main)
-        self.dma.issue(prepared, fork=start)
+        self.dma.issue(prepared, fork=start, hold_gil=hold_gil)
         drv.record(stop, main)
 
     def close(self) -> None:

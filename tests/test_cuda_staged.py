@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv.copy import CopyContext
-from aiokv.copy import dma as dma_module
-from aiokv.copy.dma import MultiStreamDma
-from aiokv.copy.staged import StagedCopy, StagedJob
+from aiokv.backends.cuda import dma as dma_module
+from aiokv.backends.cuda.dma import MultiStreamDma
+from aiokv.backends.cuda.staged import StagedCopy, StagedJob
+from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, map_blocks, plan_copies
 

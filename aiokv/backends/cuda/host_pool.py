@@ -6,7 +6,8 @@ to a page) that the driver registers. It is built under an undo stack, so a fail
 part-way unregisters and unmaps what was done, and it is released only by ``close``,
 which the worker calls after every copy that may touch it has completed. A pool whose
 worker was dropped unclosed, or whose context died, stays registered and mapped for the
-rest of the process.
+rest of the process. A mapping or a registration that fails for lack of memory raises
+``HostMemoryError``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .backends.base import HostPool
-from .errors import InvalidSpec
+from ...errors import HostMemoryError, InvalidSpec
+from ..base import HostPool
 
 if TYPE_CHECKING:
-    from .backends.cuda import Driver
+    from .driver import Driver
 
 __all__ = ["PinnedHostPool"]
 
@@ -47,7 +48,10 @@ class PinnedHostPool(HostPool):
             try:
                 self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             except (OSError, OverflowError) as exc:
-                raise InvalidSpec(f"could not map {nbytes} bytes of host memory: {exc}") from exc
+                raise HostMemoryError(
+                    f"could not map {nbytes} bytes of host memory ({exc}): ask for fewer chunks "
+                    "(num_cpu_chunks= or cpu_bytes=)"
+                ) from exc
             undo.callback(self._close_map)
             array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
             self.address = int(array.ctypes.data)

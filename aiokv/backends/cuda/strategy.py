@@ -1,4 +1,4 @@
-"""Copy strategies: how one lane executes a ``CopyPlan`` on its streams.
+"""Copy strategies: how one lane executes a ``CopyPlan`` on its streams, and what they share.
 
 - ``dma``: batched memcpy on the copy engines, one job spread over several streams that
   fork from and join back into the lane's main stream (no SMs; holds up under compute).
@@ -6,11 +6,13 @@
 - ``staged``: one kernel launch gathers a slice of the job into a staging slot laid out
   like the host chunks, then a few large DMAs move it (the reverse for loads).
 - ``auto``: ``staged`` (jobs of large pieces go straight to DMA there), or ``dma`` where
-  the kernel cannot load or ``staging_bytes`` is 0; from measurements on the H200
-  (docs/performance-history.md).
+  the kernel cannot load or ``staging_bytes`` is 0 (docs/performance.md, "Copy strategies").
 
-Strategies never import cuda-python: they drive the device through
-``aiokv.backends.cuda.Driver`` and torch ops on external streams.
+Strategies never import cuda-python: they drive the device through ``driver.Driver`` and
+torch ops on external streams. This module holds what they share: ``CopyContext`` (the
+addresses of one lane's tensors and pool), the ``CopyStrategy`` interface and the small
+numpy helpers that cut jobs into slices and rows. ``backend.make_strategy`` picks one (it
+sits above the strategies, so that no strategy module imports back into this one).
 """
 
 from __future__ import annotations
@@ -23,17 +25,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import AiokvError, InvalidSpec, WorkerBroken
-from ..layout import CanonicalKVCaches
-from ..options import STRATEGIES
-from ..plan import CopyPlan, HostLayout, PitchedPlan, PitchedRun, pitched_runs
-from ..specs import Direction
+from ...layout import CanonicalKVCaches
+from ...plan import CopyPlan, HostLayout
+from ...specs import Direction
+from ..base import HostPool
+from .pitched import PitchedPlan, PitchedRun, pitched_runs
 
 if TYPE_CHECKING:
-    from ..backends.base import HostPool
-    from ..backends.cuda import Driver
+    from .driver import Driver
 
-__all__ = ["STRATEGIES", "CopyContext", "CopyStrategy", "make_strategy"]
+__all__ = ["CopyContext", "CopyStrategy", "byte_splits", "copy_unit", "expand_rows"]
 
 _log = logging.getLogger("aiokv")
 
@@ -112,15 +113,24 @@ class CopyStrategy:
     ``enqueue`` waits on the dependency, records ``start`` and ``stop`` (timing events) on
     the device around the copies, and leaves the main stream behind every copy it issued;
     ``stop``, recorded last on the main stream, is also the job's completion event.
+
+    ``hold_gil`` is passed to the driver's batched copies: True keeps the GIL through every
+    one of them (a lane's issuer thread, docs/performance.md "Issue thread"); None lets the
+    driver decide by batch size.
     """
 
     name = "base"
     main_stream: Any
+    ctx: CopyContext
+    # Jobs that went as pitched (2D) copies, and through a staging ring (``LaneStatistics``).
+    pitched_jobs: int = 0
+    staged_jobs: int = 0
 
     def prepare(self, plan: CopyPlan) -> Any:
         raise NotImplementedError
 
-    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any) -> None:
+    def enqueue(self, prepared: Any, dependency: Any, start: Any, stop: Any, *,
+                hold_gil: bool | None = None) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -162,37 +172,3 @@ def expand_rows(offsets: np.ndarray, counts: np.ndarray, unit: int) -> np.ndarra
     starts = np.repeat(offsets // unit, counts)
     firsts = np.repeat(np.cumsum(counts) - counts, counts)
     return starts + (np.arange(total, dtype=np.int64) - firsts)
-
-
-def make_strategy(name: str, ctx: CopyContext) -> CopyStrategy:
-    """Build the named strategy for one lane (``auto`` resolves here)."""
-    if name == "auto":
-        # Staged where the piece kernel loads and staging is allowed: 32 KiB pages moved at
-        # 0.85-1.02 of the ceiling under the GEMM loads where one DMA per page moved
-        # 0.61-0.70 (bench, runs 74-76); jobs of large pieces still go straight to DMA there.
-        if ctx.staging_bytes > 0:
-            from .staged import StagedCopy
-
-            try:
-                return StagedCopy(ctx, only_where_it_gains=True)
-            except AiokvError as exc:  # e.g. the driver cannot compile the kernel for this GPU
-                if isinstance(exc, WorkerBroken):
-                    raise
-                _log.warning("staged copies unavailable (%s); using dma", exc)
-        name = "dma"
-    if name == "dma":
-        from .dma import DmaCopy
-
-        return DmaCopy(ctx)
-    if name == "kernel":
-        from .kernel import KernelCopy
-
-        return KernelCopy(ctx)
-    if name == "staged":
-        from .staged import StagedCopy
-
-        if ctx.staging_bytes <= 0:
-            raise InvalidSpec("strategy='staged' needs staging_bytes > 0")
-
-        return StagedCopy(ctx)
-    raise ValueError(f"unknown strategy {name!r}")

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..plan import CopyPlan
-from . import DEFAULT_DMA_STREAMS, CopyContext, CopyStrategy
+from ...plan import CopyPlan
 from .dma import MIN_SLICE_DESCRIPTORS, DmaBatch, MultiStreamDma
 from .pieces import PieceKernel, fits
+from .strategy import DEFAULT_DMA_STREAMS, CopyContext, CopyStrategy
 
 __all__ = ["StagedCopy"]
 
@@ -41,10 +41,9 @@ DIRECT_PIECE_BYTES = 1 << 20
 # Below this many pieces a job is a few descriptors: one batched call beats a launch.
 MIN_STAGED_PIECES = 64
 # A slot's runs go as one batched call that drops the GIL above 16 descriptors, as every
-# batched call does. Keeping it up to 64 took the submit beside a busy Python thread from
-# 26.7 ms (run 74) to 6.0-6.3 ms (runs 75-76), but a GEMM loop launched from another Python
-# thread slowed by +3.3 to +5.8% beside staged jobs there against +2.0 to +2.4% in run 74:
-# the thread launching model kernels comes first.
+# batched call does. Keeping it up to 64 made the submit beside a busy Python thread a
+# quarter as long, but slowed a GEMM loop launched from another Python thread beside staged
+# jobs: the thread launching model kernels comes first (docs/performance.md, "GIL").
 
 
 @dataclass
@@ -184,7 +183,7 @@ class StagedCopy(CopyStrategy):
         self.slot_bytes = ctx.staging_bytes // SLOTS // 512 * 512  # slots stay 512-byte aligned
         drv = ctx.driver
         self.kernel = PieceKernel(drv, ctx.device)
-        self.staged_jobs = 0  # jobs that went through the ring (tests and the bench read it)
+        self.staged_jobs = 0  # jobs that went through the ring (``Lane.statistics``)
         self.full = [drv.create_event() for _ in range(SLOTS)]  # events go with the driver
         self.free = [drv.create_event() for _ in range(SLOTS)]
         self.joined = drv.create_event()
@@ -265,13 +264,14 @@ class StagedCopy(CopyStrategy):
             return False
         return True
 
-    def enqueue(self, job: StagedJob | DmaBatch, dependency: Any, start: Any, stop: Any) -> None:
+    def enqueue(self, job: StagedJob | DmaBatch, dependency: Any, start: Any, stop: Any, *,
+                hold_gil: bool | None = None) -> None:
         drv, main = self.ctx.driver, self.main_stream
         if isinstance(job, DmaBatch):
             if dependency is not None:
                 drv.stream_wait(main, dependency)
             drv.record(start, main)
-            self.dma.issue(job, fork=start)
+            self.dma.issue(job, fork=start, hold_gil=hold_gil)
             drv.record(stop, main)
             return
         assert self.staging is not None
@@ -316,11 +316,11 @@ class StagedCopy(CopyStrategy):
                     launch(table, pages, rows, at, step, longest, False, k)
                     record(full[slot], k)
                     wait(d, full[slot])
-                    move(job, s, at, d)
+                    move(job, s, at, d, hold_gil)
                     record(free[slot], d)
                 else:
                     wait(d, free[slot])
-                    move(job, s, at, d)
+                    move(job, s, at, d, hold_gil)
                     record(full[slot], d)
                     wait(k, full[slot])
                     if s == 0 and dependency is not None:
@@ -334,7 +334,7 @@ class StagedCopy(CopyStrategy):
             raise
         drv.record(stop, main)
 
-    def _move(self, job: StagedJob, s: int, at: int, stream: Any) -> None:
+    def _move(self, job: StagedJob, s: int, at: int, stream: Any, hold_gil: bool | None = None) -> None:
         """Slice ``s``'s DMA runs between the slot at ``at`` and the host chunks. One run
         (neighbouring chunks) goes as a plain copy, cheaper to enqueue than a batch of one.
         A batch takes pointers into the job's run table and into ``slot_at``, where the
@@ -356,9 +356,9 @@ class StagedCopy(CopyStrategy):
             table = job.runs_at = runs.ctypes.data
         host, sizes, slot = table + 8 * lo, table + 2 * runs.strides[0] + 8 * lo, self._slot_at_ptr
         if to_host:
-            drv.memcpy_batch_at(host, slot, sizes, n, stream, to_host=True)
+            drv.memcpy_batch_at(host, slot, sizes, n, stream, to_host=True, hold_gil=hold_gil)
         else:
-            drv.memcpy_batch_at(slot, host, sizes, n, stream, to_host=False)
+            drv.memcpy_batch_at(slot, host, sizes, n, stream, to_host=False, hold_gil=hold_gil)
 
     def abandon(self) -> None:
         self.kernel.abandon()

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv.copy import pieces
-from aiokv.copy.pieces import ROWS_PER_LAUNCH, TILE_BYTES, PieceKernel
+from aiokv.backends.cuda import pieces
+from aiokv.backends.cuda.pieces import ROWS_PER_LAUNCH, TILE_BYTES, PieceKernel
 
 from .sim_device import launch_values
 

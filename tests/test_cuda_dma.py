@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 
-from aiokv.copy import byte_splits
-from aiokv.copy.dma import MIN_SLICE_BYTES, MIN_SLICE_DESCRIPTORS, stream_parts
+from aiokv.backends.cuda.dma import MIN_SLICE_BYTES, MIN_SLICE_DESCRIPTORS, stream_parts
+from aiokv.backends.cuda.strategy import byte_splits
 
 
 def test_small_pages_use_every_stream_large_pages_a_few() -> None:

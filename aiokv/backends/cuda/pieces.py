@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ..backends.cuda import Driver
+    from .driver import Driver
 
 __all__ = ["PAGE_COLUMNS", "PieceKernel", "fits"]
 
@@ -39,10 +39,8 @@ THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
 MAX_TILES = (1 << 31) - 1
 # CTAs per launch (>= 1); None launches one per tile. Fewer CTAs, each looping over tiles,
-# were meant to leave a GEMM beside the copy more SMs, but did not: in run 82
-# (probes/probe_ctas.py) 32-264 CTAs slowed the copies under the GEMMs (loads 0.72-0.96
-# against 0.95-0.96 under the 8192^3 one) and the medium GEMMs more (+3.5 to +7.1% against
-# +2.9 to +4.0%).
+# were meant to leave a GEMM beside the copy more SMs, but did not: they slowed both the
+# copies under the GEMMs and the GEMMs themselves (docs/performance.md, "Copy strategies").
 MAX_CTAS: int | None = None
 ALIGN = 16
 MIN_TABLE_BYTES = 64 << 10

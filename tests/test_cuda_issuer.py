@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from aiokv.backends.cuda.issuer import Issuer
 from aiokv.errors import WorkerClosed
-from aiokv.issuer import Issuer
 
 
 class Recorder:

@@ -1,0 +1,200 @@
+"""One direction's ordered lane on the device: a strategy's main stream, whose job end
+events mark completion in order, and optionally an issuer thread that enqueues long jobs
+after ``submit`` has returned (``WorkerOptions.issue_thread``)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from ...plan import CopyPlan
+from ...specs import Direction
+from ..base import Completion, Lane, LaneStatistics
+from .completion import CudaCompletion
+from .driver import Driver, JobEvents
+from .issuer import Issuer
+from .strategy import CopyStrategy
+
+__all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
+
+# With ``WorkerOptions.issue_thread``, jobs of at least this many bytes (~0.15 ms on PCIe 5)
+# are enqueued by the lane's issuer thread, so ``submit`` returns after planning; smaller
+# ones, whose issue is short and whose latency a thread hand-off would add to, are enqueued
+# by the caller when the lane is idle.
+ISSUE_THREAD_BYTES = 8 << 20
+# An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
+# job, not once per call: each retake waits for the loop thread or the other lanes' issuers
+# to let go (beside a pure-Python thread, for a switch interval). Dropping it there made
+# round trips beside a busy Python thread twice as long, and one issuer thread shared by the
+# lanes did no better; even so the thread slows GEMMs launched from another Python thread
+# more than issuing on the caller does, which is why ``issue_thread`` is off by default
+# (docs/performance.md, "Issue thread").
+ISSUE_THREAD_KEEPS_GIL = True
+
+
+class Dependency:
+    """What a copy waits for: a pooled event recorded at submit time, ours to give back."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+
+class CudaLane(Lane):
+    """One direction: a main stream whose job end events mark completion, in order.
+
+    With ``issue_thread``, jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one)
+    are enqueued by the lane's issuer thread: ``launch`` returns once the job is planned
+    and its dependency captured.
+    """
+
+    def __init__(self, driver: Driver, direction: Direction, strategy: CopyStrategy, *,
+                 issue_thread: bool = False) -> None:
+        self.direction = direction
+        self._driver = driver
+        self._strategy = strategy
+        self.strategy_name: str = strategy.name
+        self.stream = strategy.main_stream
+        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if issue_thread else None
+        # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
+        # seconds doing so (the bench reports them beside the caller's submit time).
+        self.issued_later = 0
+        self.issue_seconds = 0.0
+        self.issue_cpu_seconds = 0.0
+        # Host clock just before the latest job's copies were handed to the device.
+        self.last_started_at: float | None = None
+        # Where completion doorbells wait on job end events (see Driver.ring_after).
+        try:
+            self.bell_stream = self._driver.create_stream()
+        except BaseException:
+            strategy.close()
+            raise
+
+    def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
+        drv = self._driver
+        dep: Dependency | None = dependency
+        events = None
+        issuer = self._issuer
+        defer = issuer is not None and plan.total_bytes >= ISSUE_THREAD_BYTES
+        try:
+            drv.ensure_context()
+            drv.check_usable()
+            events = drv.take_job_events()
+        except BaseException:
+            self._give_back(events, dep)
+            raise
+        completion = CudaCompletion(drv, events, None, self.bell_stream, issued_later=issuer is not None)
+        work = functools.partial(self._issue, plan, dep, completion, events)
+        if issuer is None:
+            work()
+            return completion
+        ran = False
+
+        def run_once() -> None:
+            nonlocal ran
+            ran = True  # from here on ``_issue`` owns the events, failures included
+            work()
+
+        try:
+            issuer.run(run_once, defer)
+        except BaseException:
+            if not ran:  # closed since the core's check, or no thread to queue it on
+                self._give_back(events, dep)
+            raise
+        return completion
+
+    def _issue(self, plan: CopyPlan, dep: Dependency | None, completion: CudaCompletion,
+               events: JobEvents) -> None:
+        """Prepare and enqueue one job, on the caller's thread or the issuer's, never both
+        at once (the strategies' state is theirs alone). On the caller's thread a failure
+        before anything was enqueued, or a sticky one, raises; otherwise it is the job's,
+        reported once what was enqueued is over."""
+        drv = self._driver
+        later = self._issuer is not None and self._issuer.on_own_thread()
+        error: BaseException | None = None
+        cpu = time.thread_time() if later else 0.0
+        began = started = time.perf_counter()
+        enqueuing = False
+        hold_gil = True if later and ISSUE_THREAD_KEEPS_GIL else None
+        try:
+            drv.ensure_context()
+            drv.check_usable()
+            prepared = self._strategy.prepare(plan)
+            enqueuing = True
+            started = time.perf_counter()  # the start event is recorded after this
+            # The strategy records ``stop`` behind every copy: that is the job's end.
+            dep_event = dep.event if dep is not None else None
+            self._strategy.enqueue(prepared, dep_event, events.start, events.stop, hold_gil=hold_gil)
+        except BaseException as exc:
+            if not later and (not enqueuing or drv.broken is not None):
+                self._give_back(events if drv.broken is None else None, dep)
+                if drv.broken is not None and drv.broken is not exc:
+                    raise drv.broken from exc
+                raise
+            if not later and not isinstance(exc, Exception):
+                raise
+            error = exc
+            if drv.broken is None:
+                try:
+                    drv.record(events.done, self.stream)  # ends after the part enqueued
+                except Exception:
+                    # The event's last record is not this job's: wait out what was
+                    # enqueued here, so the failure is not reported while copies still run.
+                    try:
+                        drv.stream_synchronize(self.stream)
+                    except Exception:
+                        pass  # a broken context fails every job anyway
+        if dep is not None:
+            drv.give_sync_event(dep.event)
+        self.last_started_at = started
+        completion.mark_issued(started, error)
+        if later:
+            self.issued_later += 1
+            self.issue_seconds += time.perf_counter() - began
+            self.issue_cpu_seconds += time.thread_time() - cpu
+
+    def statistics(self) -> LaneStatistics:
+        strategy = self._strategy
+        return LaneStatistics(
+            strategy=self.strategy_name,
+            pitched_jobs=strategy.pitched_jobs,
+            pitched_heights=tuple(sorted({len(run.refs) for run in strategy.ctx.runs})),
+            staged_jobs=strategy.staged_jobs,
+            issued_later=self.issued_later,
+            issue_seconds=self.issue_seconds,
+            issue_cpu_seconds=self.issue_cpu_seconds,
+            last_started_at=self.last_started_at,
+        )
+
+    def _give_back(self, events: JobEvents | None, dep: Dependency | None) -> None:
+        """Return a job's pooled events when nothing of it was enqueued."""
+        if events is not None:
+            self._driver.give_job_events(events)
+        if dep is not None:
+            self._driver.give_sync_event(dep.event)
+
+    def abandon(self) -> None:
+        """Dropped unclosed: keep what queued copies may still read, and let the issuer
+        thread end after its queue."""
+        self._strategy.abandon()
+        if self._issuer is not None:
+            self._issuer.stop()
+
+    def close(self) -> None:
+        # Pending rings run before the stream goes (the doorbell is closed after this). A
+        # dead context runs no host functions: their FILEs and descriptors are leaked.
+        if self._issuer is not None:
+            self._issuer.close()
+        try:
+            try:
+                self._driver.stream_synchronize(self.bell_stream)
+                # Every job's copies end on the main stream, also those of one that a
+                # KeyboardInterrupt cut short mid-enqueue, which no job tracks.
+                self._driver.stream_synchronize(self.stream)
+            except Exception:
+                pass
+            self._driver.destroy_stream(self.bell_stream)
+        finally:
+            self._strategy.close()

@@ -1,0 +1,192 @@
+"""The CUDA benchmark's completion rows: one job in flight at a time, how long after the
+device finishes the awaiting coroutine runs again, the round trip, and the CPU spent while
+awaiting, on asyncio and (where installed) uvloop and trio.
+
+Reads only documented records: ``AsyncOffloadingWorker.poller_statistics()`` (polls and
+poll windows) and ``WorkerStatistics.lanes`` (when the copies were handed to the device, and
+the issuer threads' CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+import torch
+
+from .. import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
+from .cuda_rows import issued
+from .cuda_setup import BenchSetup, BusyThread, JobIds, submit_job
+from .report import BenchRow
+
+__all__ = ["OTHER_LOOPS", "loop_available", "run_on_loop", "wakeup_rows"]
+
+T = TypeVar("T")
+
+# Loops the wake-up rows also run on besides asyncio: uvloop is what uvicorn picks when it
+# is installed, and trio is the other loop the async face supports.
+OTHER_LOOPS = ("uvloop", "trio")
+
+
+def loop_available(loop: str) -> bool:
+    """Whether ``loop`` ("asyncio", "uvloop" or "trio") can be run here."""
+    return loop == "asyncio" or importlib.util.find_spec(loop) is not None
+
+
+def run_on_loop(loop: str, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``fn()`` to completion on a fresh event loop of the named kind."""
+    if loop == "asyncio":
+        return asyncio.run(fn())
+    if loop == "uvloop":
+        return anyio.run(fn, backend="asyncio", backend_options={"use_uvloop": True})
+    if loop == "trio":
+        return anyio.run(fn, backend="trio")
+    raise ValueError(f"unknown event loop {loop!r}")
+
+
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q)) if values else float("nan")
+
+
+async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dict[str, float]:
+    """One store at a time: submit time, round trip, wake-up and CPU spent while awaiting.
+
+    Wake-up (device end -> the awaiting coroutine runs again) is bounded from above two
+    ways, and the smaller bound is reported per job: (a) from the last poll that found the
+    job not done (or its launch) to the await returning (the poller's latest detect window,
+    ``PollerStatistics.detect_windows``, plus the hop from the poller resolving the future
+    to the task resuming), tight when the poller spins; (b) from when the copies were
+    handed to the device (``LaneStatistics.last_started_at``, after planning) to the await
+    returning, minus their device time, tight when the poller napped and the doorbell woke
+    it. ``worker`` is an open ``AsyncOffloadingWorker``.
+    """
+    subs, trips, wakes, windows, dev = [], [], [], [], []
+    cpu = wall = 0.0
+    resolved: list[float] = []
+    polls = 0
+    issuing = 0.0  # CPU the lanes' issuer threads spent enqueueing (submit work, moved)
+    for i in range(iters + 10):
+        resolved.clear()
+        # Snapshots before the submit, so that none of their cost lands between the submit
+        # and the await. Nothing polls in between: the poller runs on this loop, which only
+        # gets control back at the await.
+        i1 = issued(worker)[2]
+        p1 = worker.poller_statistics().polls
+        t0 = time.perf_counter()
+        fut = submit(i)
+        t1 = time.perf_counter()
+        fut.add_done_callback(lambda _f: resolved.append(time.perf_counter()))
+        c1 = time.process_time()
+        res = await fut
+        t2 = time.perf_counter()
+        c2 = time.process_time()
+        stats = worker.statistics()
+        i2 = sum(lane.issue_cpu_seconds for lane in stats.lanes.values())
+        if i < 10:
+            continue
+        poller = worker.poller_statistics()
+        window = poller.detect_windows[-1]
+        started = stats.lanes["store"].last_started_at
+        subs.append(t1 - t0)
+        trips.append(t2 - t0)
+        hop = t2 - resolved[0] if resolved else 0.0
+        device = res.transfer_time or 0.0
+        bound = window + hop
+        wakes.append(min(bound, t2 - started - device) if device and started is not None else bound)
+        windows.append(window)
+        polls += poller.polls - p1
+        dev.append(res.transfer_time or 0.0)
+        cpu += c2 - c1 - (i2 - i1)
+        issuing += i2 - i1
+        wall += t2 - t1
+    return {
+        "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
+        "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
+        "window50": _p(windows, 50),
+        "polls": polls / max(1, len(trips)),
+        "cpu_wait": cpu / wall if wall else float("nan"),
+        "cpu_job": cpu / max(1, len(trips)), "await": wall / max(1, len(trips)),
+        "issue_job": issuing / max(1, len(trips)),
+    }
+
+
+async def _tiny_wakeups(iters: int) -> dict[str, float]:
+    t = torch.randn(64, 1024, device="cuda").view(torch.uint8)
+    kv = CanonicalKVCaches.from_tensors([t])
+    async with AsyncOffloadingWorker(kv, num_cpu_chunks=64, backend="cuda") as w:
+        return await _wakeups(
+            w, lambda i: w.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64])), iters
+        )
+
+
+async def _long_wakeups(
+    setup: BenchSetup, iters: int, doorbell: bool = True, busy: bool = False, issue_thread: bool = False,
+    in_runs: bool = False,
+) -> dict[str, float]:
+    ids = JobIds()
+    async with setup.worker("auto", doorbell=doorbell, issue_thread=issue_thread) as w:
+        with BusyThread() if busy else contextlib.nullcontext():
+            return await _wakeups(w, lambda i: submit_job(w, setup, True, i, ids, in_runs), iters)
+
+
+def wakeup_rows(per_layer: BenchSetup, big: BenchSetup, quick: bool) -> list[BenchRow]:
+    """Wake-up, round trip and CPU rows for a 4 KiB job, a per-layer (32 KiB-page) job and
+    a 2 MiB-page job, with and without the doorbell, beside a busy Python thread, and on the
+    other event loops."""
+    rows: list[BenchRow] = []
+    sec = "completion wake-up (one job in flight; asyncio unless the row names its loop)"
+    long_iters = 50 if quick else 200
+    tiny_iters = 100 if quick else 400
+    beside = ", a busy Python thread beside"
+    wake_runs: list[tuple[str, Callable[[], Any]]] = [
+        ("4 KiB job", lambda: _tiny_wakeups(tiny_iters)),
+        ("32 KiB-page job (default worker)", lambda: _long_wakeups(per_layer, long_iters)),
+        ("2 MiB-page job (default worker)", lambda: _long_wakeups(big, long_iters)),
+        ("32 KiB-page job, no doorbell", lambda: _long_wakeups(per_layer, long_iters, doorbell=False)),
+        ("2 MiB-page job, no doorbell", lambda: _long_wakeups(big, long_iters, doorbell=False)),
+        ("2 MiB-page job" + beside, lambda: _long_wakeups(big, long_iters // 2, busy=True)),
+        ("32 KiB-page job" + beside, lambda: _long_wakeups(per_layer, long_iters // 2, busy=True)),
+        ("32 KiB-page job, issuer thread" + beside,
+         lambda: _long_wakeups(per_layer, long_iters // 2, busy=True, issue_thread=True)),
+        ("32 KiB-page job, chunks in runs" + beside,
+         lambda: _long_wakeups(per_layer, long_iters // 2, busy=True, in_runs=True)),
+    ]
+    for loop in OTHER_LOOPS:
+        wake_runs += [
+            (f"4 KiB job on {loop}", functools.partial(_tiny_wakeups, tiny_iters)),
+            (f"2 MiB-page job on {loop}", functools.partial(_long_wakeups, big, long_iters)),
+        ]
+    for label, run in wake_runs:
+        loop = next((name for name in OTHER_LOOPS if label.endswith(f" on {name}")), "asyncio")
+        if not loop_available(loop):
+            rows.append(BenchRow(sec, f"{label}: skipped", 0.0, "", None, f"{loop} is not installed"))
+            continue
+        try:
+            w = run_on_loop(loop, run)
+        except Exception as exc:
+            rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
+            continue
+        rows += [
+            BenchRow(sec, f"{label}: wake-up p50", w["wake50"] * 1e6, "us", None,
+                     "upper bound: min(last poll that saw it running -> await returns, "
+                     "enqueue -> await returns - device time); "
+                     f"median poll window {w['window50'] * 1e6:.0f} us"),
+            BenchRow(sec, f"{label}: wake-up p99", w["wake99"] * 1e6, "us"),
+            BenchRow(sec, f"{label}: round trip p50", w["trip50"] * 1e6, "us", None,
+                     f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
+            BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
+        ]
+        if not label.endswith(beside):  # there, the process CPU is mostly the busy thread's
+            note = (f"process CPU between submit return and await return, less the issuer thread's "
+                    f"{w['issue_job'] * 1e6:.0f} us: {w['cpu_job'] * 1e6:.0f} us "
+                    f"per job over a {w['await'] * 1e6:.0f} us await; {w['polls']:.0f} polls per job")
+            cpu = 100 * w["cpu_wait"]
+            rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
+    return rows
