@@ -1,0 +1,361 @@
+"""A cache tier in Redis (or Valkey): one shared store that several servers read and write.
+
+Each block is one Redis string, ``header + payload`` (``codec``), under a key named by the
+layout fingerprint, the tenant's ``namespace`` and a digest of the block's key, so two models
+or two tenants never exchange bytes; a value that does not verify reads as a miss and counts
+as corrupt. Batches travel as pipelines (one round trip per group of keys; a cluster splits
+them per node). Any I/O trouble (a timeout, a lost connection, a restarted server) is a miss
+or a dropped write, counted in ``statistics().errors``; redis-py reopens connections on the
+next call, so the tier recovers by itself. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+
+from ...errors import InvalidSpec, UsageError
+from ...loops import loop_library
+from . import codec
+from .base import Tier, TierStatistics
+from .redis_client import AsyncioRedis, Op, ThreadRedis, split_url
+
+__all__ = ["RedisTier"]
+
+_HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
+# Checksums and copies of a group at least this large run on a worker thread, not the loop.
+_OFFLOAD_BYTES = 256 << 10
+_EXISTS_PER_ROUND_TRIP = 4096
+
+
+class RedisTier(Tier):
+    """Blocks in a Redis server or cluster shared by every process that names the same URL,
+    layout and namespace.
+
+    Args:
+        url: ``redis://[user:pass@]host:port/db`` (AUTH through the URL), ``rediss://...``
+            for TLS (``?ssl_ca_certs=...&ssl_cert_reqs=required`` as redis-py reads them),
+            ``unix:///path``; ``redis+cluster://host:port`` or ``rediss+cluster://`` (or
+            ``cluster=True``) for a Redis Cluster, found from any one node.
+        namespace: a tenant's name, folded into every key and header: tiers of different
+            namespaces never read each other's blocks.
+        capacity_bytes: a bound on the KV bytes *this process* keeps in the store. The tier
+            remembers what it wrote (least recently used first) and deletes its own oldest
+            blocks to stay under it. None: no bound from this side; bound the server instead
+            (``maxmemory`` with ``maxmemory-policy allkeys-lru``), which is the right bound
+            for a store that several processes share.
+        write_through: the cache also writes every block it stores here at once.
+        timeout: seconds allowed for connecting and for each socket operation.
+        ttl: seconds a block lives in the store (SET EX), or None to keep it until evicted.
+        cluster: force cluster mode on (True) or check it is off (False); None: from the URL.
+        client: "asyncio" (redis-py's asyncio client, on asyncio loops only), "thread"
+            (its blocking client on worker threads, any loop) or "auto" (asyncio's client on
+            asyncio, threads elsewhere, e.g. trio).
+        threads: worker threads (and connections) of the thread client, and threads that
+            checksum large values for the asyncio client.
+        group_bytes: value bytes per round trip; larger blocks go one per round trip, which
+            read fastest on loopback (batching 2 MiB values into one reply halved the rate).
+    """
+
+    name = "redis"
+    remote = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str | bytes | None = None,
+        capacity_bytes: int | None = None,
+        write_through: bool = False,
+        timeout: float = 5.0,
+        ttl: float | None = None,
+        cluster: bool | None = None,
+        client: Literal["auto", "asyncio", "thread"] = "auto",
+        threads: int = 4,
+        group_bytes: int = 1 << 20,
+    ) -> None:
+        self._url, self.cluster = split_url(url, cluster)
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
+            raise InvalidSpec(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        if not timeout > 0:
+            raise InvalidSpec(f"timeout must be positive seconds, got {timeout!r}")
+        if ttl is not None and not ttl > 0:
+            raise InvalidSpec(f"ttl must be positive seconds or None, got {ttl!r}")
+        if client not in ("auto", "asyncio", "thread"):
+            raise InvalidSpec(f"client must be 'auto', 'asyncio' or 'thread', got {client!r}")
+        if threads < 1 or group_bytes < 1:
+            raise InvalidSpec(f"threads and group_bytes must be positive, got {threads}, {group_bytes}")
+        self.namespace = namespace
+        self.capacity_bytes = capacity_bytes
+        self.write_through = bool(write_through)
+        self.timeout = float(timeout)
+        self._ttl = None if ttl is None else max(1, round(ttl))
+        self._client_kind = client
+        self._threads = threads
+        self._group_bytes = group_bytes
+        self._fp = b""
+        self._prefix = b""
+        self._io: AsyncioRedis | ThreadRedis | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._closed = False
+        self._held: OrderedDict[bytes, int] | None = OrderedDict() if capacity_bytes else None
+        self._held_bytes = 0
+        self._n = dict.fromkeys(("reads", "read_hits", "read_bytes", "writes", "write_bytes",
+                                 "errors", "corrupt", "evictions"), 0)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def open(self, fingerprint: bytes) -> None:
+        """Name this layout's key space and build the client for the calling loop (it
+        connects on first use: a server that is down at open is a miss later, not an error)."""
+        if self._io is not None or self._closed:
+            raise UsageError("RedisTier.open() is called once, before any other call")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) < codec.FINGERPRINT_BYTES:
+            raise InvalidSpec(f"fingerprint must be {codec.FINGERPRINT_BYTES}+ bytes from "
+                              "codec.layout_fingerprint")
+        self._fp = codec.namespaced(fingerprint, self.namespace)
+        self._prefix = b"aiokv:" + hashlib.blake2b(self._fp, digest_size=16).hexdigest().encode() + b":"
+        kind = self._client_kind
+        if kind == "auto":
+            kind = "asyncio" if loop_library() == "asyncio" else "thread"
+        elif kind == "asyncio" and loop_library() != "asyncio":
+            raise UsageError("RedisTier(client='asyncio') runs on an asyncio loop only; use 'auto'")
+        if kind == "asyncio":
+            self._io = AsyncioRedis(self._url, self.cluster, self.timeout, self._threads)
+            self._limiter = anyio.CapacityLimiter(self._threads)
+        else:
+            thread_io = ThreadRedis(self._url, self.cluster, self.timeout, self._threads)
+            self._io, self._limiter = thread_io, thread_io.limiter
+
+    async def aclose(self) -> None:
+        """Close the client's connections; idempotent."""
+        io, self._io, self._closed = self._io, None, True
+        if io is not None:
+            with anyio.CancelScope(shield=True):
+                await io.aclose()
+
+    # -- the contract ---------------------------------------------------------------------
+
+    def holds(self, key: bytes) -> bool:
+        """Always False: only a round trip can say (``exists``)."""
+        return False
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a tier key in this layout and namespace (tests and tools)."""
+        self._check_open()
+        return self._prefix + hashlib.blake2b(bytes(key), digest_size=20).hexdigest().encode()
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the store holds (unverified: a read may still miss), by pipelined
+        EXISTS; a failure answers False for the keys it covered."""
+        self._check_open()
+        answers = [False] * len(keys)
+        for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
+            chunk = range(lo, min(lo + _EXISTS_PER_ROUND_TRIP, len(keys)))
+            replies = await self._round_trip([("exists", self.redis_key(keys[i])) for i in chunk])
+            if replies is None:
+                break
+            for i, reply in zip(chunk, replies):
+                answers[i] = reply == 1
+        return answers
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Fill ``out[i]`` with the verified payload of ``keys[i]``; False is a miss."""
+        self._check_open()
+        if len(keys) != len(out):
+            raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
+        views = [_byte_view(o) for o in out]
+        status = [_MISS] * len(keys)
+        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        assert self._io is not None
+        if isinstance(self._io, ThreadRedis):
+            failures = await self._io.run(lambda: self._read_blocking(keys, views, groups, status))
+        else:
+            failures = await self._read_async(keys, views, groups, status)
+        self._n["errors"] += failures
+        return self._account_reads(keys, views, status)
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store each payload (SET, EX ttl if given) under its key; False: not stored."""
+        self._check_open()
+        if len(keys) != len(payloads):
+            raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
+        views = [_byte_view(p) for p in payloads]
+        stored = [False] * len(keys)
+        wanted = self._fitting([len(v) for v in views])
+        assert self._io is not None and self._limiter is not None
+        values = await anyio.to_thread.run_sync(
+            lambda: [self._encode(keys[i], views[i]) for i in wanted], limiter=self._limiter)
+        ops: list[Op] = [("set", self.redis_key(keys[i]), value, self._ttl)
+                         for i, value in zip(wanted, values)]
+        evict = self._make_room([keys[i] for i in wanted], [len(views[i]) for i in wanted])
+        for group in self._groups([len(v) for v in values]):
+            replies = await self._round_trip([ops[j] for j in group])
+            if replies is None:
+                break
+            for j, reply in zip(group, replies):
+                if isinstance(reply, Exception):
+                    self._n["errors"] += 1  # a per-command error (NOAUTH, OOM)
+                elif reply is True:
+                    i = wanted[j]
+                    stored[i] = True
+                    self._n["writes"] += 1
+                    self._n["write_bytes"] += len(views[i])
+                    self._remember(keys[i], len(views[i]))
+        if evict:
+            await self._round_trip([("del", self.redis_key(k)) for k in evict])
+        return stored
+
+    def statistics(self) -> TierStatistics:
+        """Counters since open; ``blocks``/``bytes_held`` count what this process wrote and
+        still holds when ``capacity_bytes`` is set, else -1 (a shared store cannot say)."""
+        held = self._held
+        return TierStatistics(
+            name=self.name,
+            blocks=-1 if held is None else len(held),
+            bytes_held=-1 if held is None else self._held_bytes,
+            **self._n,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._io is None:
+            raise UsageError("RedisTier is closed" if self._closed else "call await open() first")
+
+    def _groups(self, sizes: Sequence[int]) -> list[list[int]]:
+        """Indices cut into round trips of at most ``group_bytes`` (at least one key each)."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        total = 0
+        for i, size in enumerate(sizes):
+            if current and total + size > self._group_bytes:
+                groups.append(current)
+                current, total = [], 0
+            current.append(i)
+            total += size
+        if current:
+            groups.append(current)
+        return groups
+
+    async def _round_trip(self, ops: list[Op]) -> list[object] | None:
+        """One pipeline; None (and one error counted) if it failed as a whole."""
+        io = self._io
+        try:
+            if isinstance(io, ThreadRedis):
+                return await io.run(lambda: io.round_trip_blocking(ops))
+            assert io is not None
+            return await io.round_trip(ops)
+        except Exception:  # any client failure (timeout, refused, cluster down) is a miss
+            self._n["errors"] += 1
+            return None
+
+    def _read_blocking(self, keys: Sequence[bytes], views: list[memoryview],
+                       groups: list[list[int]], status: list[int]) -> int:
+        """Fetch, verify and copy every group on this worker thread; failed round trips."""
+        io = self._io
+        assert isinstance(io, ThreadRedis)
+        for group in groups:
+            try:
+                replies = io.round_trip_blocking([("get", self.redis_key(keys[i])) for i in group])
+            except Exception:  # the rest of the batch would wait out the same dead server
+                return 1
+            self._land(keys, views, group, replies, status)
+        return 0
+
+    async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
+                          groups: list[list[int]], status: list[int]) -> int:
+        assert isinstance(self._io, AsyncioRedis) and self._limiter is not None
+        for group in groups:
+            try:
+                replies = await self._io.round_trip([("get", self.redis_key(keys[i])) for i in group])
+            except Exception:  # as in _read_blocking
+                return 1
+            if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
+                await anyio.to_thread.run_sync(self._land, keys, views, group, replies, status,
+                                               limiter=self._limiter)
+            else:
+                self._land(keys, views, group, replies, status)
+        return 0
+
+    def _land(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
+              replies: list[object], status: list[int]) -> None:
+        """Verify each reply and copy its payload into the caller's buffer."""
+        for i, reply in zip(group, replies):
+            if reply is None:
+                status[i] = _MISS
+            elif not isinstance(reply, bytes):
+                status[i] = _FAILED  # a per-command error (e.g. WRONGTYPE)
+            else:
+                value = memoryview(reply)
+                size = codec.header_size(keys[i])
+                payload = value[size:]
+                if (len(value) == size + len(views[i])
+                        and codec.verify(self._fp, keys[i], value[:size], payload)):
+                    views[i][:] = payload
+                    status[i] = _HIT
+                else:
+                    status[i] = _CORRUPT
+
+    def _account_reads(self, keys: Sequence[bytes], views: list[memoryview],
+                       status: list[int]) -> list[bool]:
+        n = self._n
+        n["reads"] += len(keys)
+        hits = [s == _HIT for s in status]
+        for i, hit in enumerate(hits):
+            if hit:
+                n["read_hits"] += 1
+                n["read_bytes"] += len(views[i])
+                if self._held is not None and keys[i] in self._held:
+                    self._held.move_to_end(keys[i])
+        n["corrupt"] += status.count(_CORRUPT)
+        n["errors"] += status.count(_FAILED)
+        return hits
+
+    def _encode(self, key: bytes, payload: memoryview) -> bytes:
+        return b"".join((codec.encode(self._fp, key, payload), payload))
+
+    def _fitting(self, sizes: list[int]) -> list[int]:
+        """The payloads of one batch that fit ``capacity_bytes`` together (all without it)."""
+        if self.capacity_bytes is None:
+            return list(range(len(sizes)))
+        fitting, total = [], 0
+        for i, size in enumerate(sizes):
+            if total + size <= self.capacity_bytes:
+                fitting.append(i)
+                total += size
+        return fitting
+
+    def _make_room(self, keys: list[bytes], sizes: list[int]) -> list[bytes]:
+        """This process's least recently used blocks to delete so ``keys`` fit."""
+        if self._held is None or self.capacity_bytes is None:
+            return []
+        incoming = set(keys)
+        need = sum(sizes) - sum(self._held.get(k, 0) for k in incoming)
+        victims: list[bytes] = []
+        for key in list(self._held):
+            if self._held_bytes + need <= self.capacity_bytes:
+                break
+            if key not in incoming:
+                self._held_bytes -= self._held.pop(key)
+                victims.append(key)
+        self._n["evictions"] += len(victims)
+        return victims
+
+    def _remember(self, key: bytes, size: int) -> None:
+        if self._held is None:
+            return
+        self._held_bytes += size - self._held.pop(key, 0)
+        self._held[key] = size
+
+
+def _byte_view(buffer: memoryview) -> memoryview:
+    view = memoryview(buffer)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
