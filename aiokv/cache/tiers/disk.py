@@ -24,14 +24,24 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ...errors import InvalidSpec, UsageError
+from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from .base import Tier, TierStatistics
-from .disk_io import BlockFiles, ReadStatus, file_size, probe_direct, raw_read_ceiling
+from .disk_io import (
+    BlockFiles,
+    FileEntry,
+    ReadStatus,
+    file_size,
+    probe_direct,
+    raw_read_ceiling,
+)
 
 __all__ = ["DiskTier", "raw_read_ceiling"]
 
 T = TypeVar("T")
+
+MAX_KEY_BYTES = 1 << 16
+"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
 
 class DiskTier(Tier):
@@ -122,6 +132,17 @@ class DiskTier(Tier):
             return None
         return file_size(b"", self._block_bytes)
 
+    async def read_ceiling(self, count: int = 64, *, rounds: int = 3) -> float:
+        """GB/s of plain reads of ``count`` block-sized files in this tier's directory, with
+        this tier's mode, I/O size and threads (``raw_read_ceiling``): what a restore from
+        this tier is measured against. Runs in a thread; needs the block size known."""
+        files = self._opened()
+        if self._block_bytes is None:
+            raise UsageError("the block size is known once a block was stored or found")
+        return await anyio.to_thread.run_sync(partial(
+            raw_read_ceiling, files.directory, self._block_bytes, count, self.io_size,
+            direct=files.direct, threads=self.io_threads, rounds=rounds))
+
     async def open(self, fingerprint: bytes) -> None:
         """Create or reopen this layout's directory, probe direct I/O and rebuild the index
         from the files there (dropping temporary files and files that do not verify)."""
@@ -135,14 +156,24 @@ class DiskTier(Tier):
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
 
-        def prepare() -> BlockFiles:
+        def prepare() -> tuple[BlockFiles, list[FileEntry], int, int]:
             os.makedirs(directory, exist_ok=True)
             direct = probe_direct(directory) if want is None else bool(want)
-            return BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
-                              delay=self._latency)
+            files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
+                               delay=self._latency)
+            if not files.lock():
+                raise UsageError(f"another DiskTier (in this or another process) is using "
+                                 f"{directory}; give each cache its own directory")
+            try:
+                return (files, *files.scan())
+            except BaseException:
+                files.unlock()
+                raise
 
-        files = await self._run(prepare)
-        entries, temps, bad = await self._run(files.scan)
+        try:
+            files, entries, temps, bad = await self._run(prepare)
+        except OSError as exc:
+            raise TierError(f"cannot open the disk tier at {directory}: {exc}") from exc
         self._files = files
         self.temp_files_removed = temps
         self._counts["corrupt"] += bad
@@ -164,8 +195,13 @@ class DiskTier(Tier):
             await self._run(self._remove_files, doomed)
 
     async def aclose(self) -> None:
-        """Stop serving; the files stay for the next tier opened on this directory."""
+        """Stop serving and unlock the directory; the files stay for the next tier opened
+        on it. Reads and writes still in flight finish in their threads."""
+        if self._closed:
+            return
         self._closed = True
+        if self._files is not None:
+            self._files.unlock()
 
     # -- the Tier contract -----------------------------------------------------------------
 
@@ -383,6 +419,8 @@ class DiskTier(Tier):
     def _check_key(key: object) -> None:
         if not isinstance(key, bytes):
             raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
+        if len(key) > MAX_KEY_BYTES:
+            raise InvalidSpec(f"disk tier keys are at most {MAX_KEY_BYTES} bytes, got {len(key)}")
 
     @staticmethod
     def _byte_view(buffer: object, *, writable: bool) -> memoryview:

@@ -28,6 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one tier per directory is then up to the user
+    fcntl = None  # type: ignore[assignment]
+
 from . import codec
 
 __all__ = [
@@ -47,6 +52,7 @@ ALIGN = 4096
 """Alignment of offsets, lengths and buffers for direct I/O (covers 512 B and 4 KiB sectors)."""
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
+LOCK_NAME = "lock"
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -164,6 +170,31 @@ class BlockFiles:
         self.fsync = fsync
         self.delay = delay
         self._bounce = _Bounce()
+        self._lock_fd = -1
+
+    def lock(self) -> bool:
+        """Take the directory's lock (an flock the kernel drops if the process dies);
+        False if another tier holds it. Two tiers in one directory would each count only
+        their own blocks and delete each other's files in flight."""
+        if fcntl is None:
+            return True
+        fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        return True
+
+    def unlock(self) -> None:
+        """Release the directory's lock (closing the file drops the flock)."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def path(self, key: bytes) -> str:
         """Where the block of ``key`` lives (a digest: keys may hold any bytes)."""
