@@ -17,7 +17,7 @@ from aiokv.cache.policies import available_policies
 from aiokv.cache.tiers.codec import layout_fingerprint
 from aiokv.cache.tiers.disk import DiskTier, raw_read_ceiling
 from aiokv.cache.tiers.disk_io import ALIGN, TEMP_PREFIX, BlockFiles, probe_direct
-from aiokv.errors import InvalidSpec, UsageError
+from aiokv.errors import InvalidSpec, TierError, UsageError
 
 pytestmark = pytest.mark.anyio
 
@@ -117,6 +117,19 @@ async def test_one_tier_per_directory_at_a_time(tmp_path: Path) -> None:
     await first.aclose()
     second = await opened(tmp_path)
     assert second.holds(keys_of(1)[0])
+
+
+async def test_an_unusable_directory_or_a_cancelled_open(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    with pytest.raises(TierError):
+        await opened(blocker)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await opened(tmp_path)
+    assert scope.cancelled_caught
+    tier = await opened(tmp_path)  # nothing left locked by the cancelled open
+    assert await tier.write(keys_of(1), payloads(1)) == [True]
 
 
 async def test_another_layout_never_reads_these_blocks(tmp_path: Path) -> None:

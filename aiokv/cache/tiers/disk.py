@@ -155,6 +155,7 @@ class DiskTier(Tier):
         self._limiter = anyio.CapacityLimiter(self.io_threads)
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
+        locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
 
         def prepare() -> tuple[BlockFiles, list[FileEntry], int, int]:
             os.makedirs(directory, exist_ok=True)
@@ -164,16 +165,17 @@ class DiskTier(Tier):
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
                                  f"{directory}; give each cache its own directory")
-            try:
-                return (files, *files.scan())
-            except BaseException:
-                files.unlock()
-                raise
+            locked.append(files)
+            return (files, *files.scan())
 
         try:
             files, entries, temps, bad = await self._run(prepare)
-        except OSError as exc:
-            raise TierError(f"cannot open the disk tier at {directory}: {exc}") from exc
+        except BaseException as exc:
+            for files in locked:
+                files.unlock()
+            if isinstance(exc, OSError):
+                raise TierError(f"cannot open the disk tier at {directory}: {exc}") from exc
+            raise
         self._files = files
         self.temp_files_removed = temps
         self._counts["corrupt"] += bad

@@ -425,6 +425,8 @@ def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
 
 # -- the raw ceiling the bench compares the tier with ---------------------------------------
 
+_CEILING_BUFFER_BYTES = 256 << 20
+
 
 def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | None = None, *,
                      direct: bool | None = None, threads: int = 1, rounds: int = 3) -> float:
@@ -456,32 +458,52 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
                 f.write(data)
         flags = os.O_RDONLY | _O_BINARY | (_O_DIRECT if direct else 0)
 
+        # Each thread reads into a few distinct buffers in turn, as a restore fills distinct
+        # host chunks: one reused buffer would stay in the CPU cache and flatter the ceiling.
+        slots = max(1, min(16, _CEILING_BUFFER_BYTES // threads // _round_up(io_size)))
+
         def read_files(mine: list[str]) -> None:
-            buf = mmap.mmap(-1, _round_up(io_size, mmap.PAGESIZE))
+            buf = mmap.mmap(-1, slots * _round_up(io_size))
+            view = memoryview(buf)
             try:
-                view = memoryview(buf)[:io_size]
-                for path in mine:
+                for j, path in enumerate(mine):
+                    base = (j % slots) * _round_up(io_size)
                     fd = os.open(path, flags)
                     try:
                         offset = 0
                         while offset < size:
-                            offset += os.preadv(fd, [view[: min(io_size, size - offset)]], offset)
+                            step = min(io_size, size - offset)
+                            got = os.preadv(fd, [view[base:base + step]], offset)
+                            if got <= 0:
+                                raise OSError(errno.EIO, f"{path} is shorter than {size} bytes")
+                            offset += got
                     finally:
                         os.close(fd)
             finally:
                 view.release()
                 buf.close()
 
+        failures: list[BaseException] = []
+
+        def run(mine: list[str]) -> None:
+            try:
+                read_files(mine)
+            except BaseException as exc:  # reported by the caller's thread below
+                failures.append(exc)
+
         best = 0.0
         for _ in range(rounds):
             groups = [paths[t::threads] for t in range(threads)]
-            workers = [threading.Thread(target=read_files, args=(g,)) for g in groups if g]
+            workers = [threading.Thread(target=run, args=(g,)) for g in groups if g]
             start = time.perf_counter()
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
-            best = max(best, count * nbytes / (time.perf_counter() - start) / 1e9)
+            elapsed = time.perf_counter() - start
+            if failures:
+                raise failures[0]
+            best = max(best, count * nbytes / elapsed / 1e9)
         return best
     finally:
         for path in paths:
