@@ -1,0 +1,184 @@
+"""Restoring through the tiers: lower-tier reads into staging chunks, pipelined with the
+copies of earlier batches to the GPU.
+
+A restore walks its keys in batches. Keys the host holds are pinned in place; the others
+are read from the nearest tier holding them into staging chunks (a range of the cache's
+chunks the host bookkeeping never hands out, so nothing else writes them). Each batch's
+load is submitted as soon as its reads are verified and the next batch's reads start while
+it copies. The first key that no tier returns ends the restore: the keys before it arrive,
+the rest are misses, never wrong bytes. Pins and staging chunks go back in the load's done
+callback, or at once if the batch never reached a submit (cancelled, refused, or a miss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import anyio
+import numpy as np
+
+from ..errors import TransferFailed
+from ..future import TransferFuture
+from ..specs import CPULoadStoreSpec
+from .cascade import Cascade, TierLink
+from .manager import ChunkManager
+from .records import RestoreResult
+
+__all__ = ["BATCH_BYTES", "Staging", "restore_through_tiers"]
+
+BATCH_BYTES = 8 << 20
+"""Bytes one pipelined batch reads from the tiers: large enough to keep a disk or a Redis
+connection busy, small enough that the first copy to the GPU starts early."""
+BATCH_KEYS = 64
+
+Submit = Callable[[CPULoadStoreSpec, list[int]], TransferFuture]
+
+
+class Staging:
+    """The staging chunks of one cache: taken by a batch, given back when its load is over."""
+
+    def __init__(self, chunks: range) -> None:
+        self.chunks = chunks
+        self.free: list[int] = list(chunks)
+        self._freed = anyio.Event()
+
+    def take(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def give(self, chunks: Sequence[int]) -> None:
+        if chunks:
+            self.free.extend(chunks)
+            self._freed.set()
+
+    async def wait(self) -> None:
+        """Until some chunk is given back."""
+        if self._freed.is_set():
+            self._freed = anyio.Event()
+        await self._freed.wait()
+
+
+class _Load:
+    def __init__(self, future: TransferFuture, count: int, from_host: int,
+                 sources: list[TierLink | None]) -> None:
+        self.future = future
+        self.count = count
+        self.from_host = from_host
+        self.sources = sources
+
+
+async def restore_through_tiers(
+    keys: Sequence[Hashable],
+    blocks: list[int],
+    *,
+    mgr: ChunkManager,
+    cascade: Cascade,
+    staging: Staging,
+    pool: np.ndarray,
+    host_start: int,
+    submit: Submit,
+) -> tuple[RestoreResult, int]:
+    """Bring ``keys`` into ``blocks`` from the host and the tiers; the result and the number
+    of loads that failed on the device."""
+    bb = cascade.block_bytes
+    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // bb))
+    loads: list[_Load] = []
+    pos = 0
+    while pos < len(keys):
+        batch = list(keys[pos : pos + per_batch])
+        in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
+        need = in_host.count(False)
+        while need and not staging.free:
+            await staging.wait()
+            in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # the wait let others run
+            need = in_host.count(False)
+        taken = staging.take(need)
+        if len(taken) < need:  # cut the batch before the first key without a staging chunk
+            cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
+            batch, in_host = batch[:cut], in_host[:cut]
+        host_keys = [k for k, h in zip(batch, in_host) if h]
+        host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
+        staged = [i for i, h in enumerate(in_host) if not h]
+        src = [0] * len(batch)
+        for i, chunk in zip(staged, taken):
+            src[i] = chunk
+        for i, h in enumerate(in_host):
+            if h:
+                src[i] = host_start + next(host_chunks)
+        try:
+            found = await _read(cascade, pool, [batch[i] for i in staged], taken) if staged else []
+        except BaseException:
+            mgr.complete_load(host_keys)
+            staging.give(taken)
+            raise
+        sources: list[TierLink | None] = [None] * len(batch)
+        end = len(batch)
+        for i, link in zip(staged, found):
+            if link is None:
+                end = i
+                break
+            sources[i] = link
+        kept_host = [k for k, h in zip(batch[:end], in_host[:end]) if h]
+        kept_staging = [src[i] for i in staged if i < end]
+        mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
+        staging.give([src[i] for i in staged if i >= end])
+        if end:
+            try:
+                future = submit(CPULoadStoreSpec(src[:end]), blocks[pos : pos + end])
+            except BaseException:
+                mgr.complete_load(kept_host)
+                staging.give(kept_staging)
+                raise
+
+            def release(_fut: TransferFuture, kept_host: list[Hashable] = kept_host,
+                        kept_staging: list[int] = kept_staging) -> None:
+                mgr.complete_load(kept_host)
+                staging.give(kept_staging)
+
+            future.add_done_callback(release)
+            loads.append(_Load(future, end, len(kept_host), sources[:end]))
+        pos += end
+        if end < len(batch) or not batch:
+            break
+    return await _settle(loads, len(keys), bb)
+
+
+async def _read(cascade: Cascade, pool: np.ndarray, keys: list[Hashable],
+                chunks: list[int]) -> list[TierLink | None]:
+    """Read ``keys`` into the staging ``chunks``: in place when the host keeps pages in
+    portable order, else through a buffer whose pages are then put where the host wants."""
+    pages = cascade.pages
+    if pages.identity:
+        bb = pages.chunk_bytes
+        views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
+        return await cascade.read(keys, views)
+    rows = np.empty((len(keys), pages.payload_bytes), dtype=np.uint8)
+    found = await cascade.read(keys, [memoryview(r.data) for r in rows])
+    hit = [i for i, f in enumerate(found) if f is not None]
+    pages.scatter(pool, [chunks[i] for i in hit], rows[hit])
+    return found
+
+
+async def _settle(loads: list[_Load], requested: int, block_bytes: int) -> tuple[RestoreResult, int]:
+    """Await the loads in order; the leading run of successful ones is what was restored."""
+    restored = from_host = from_tiers = failed = 0
+    leading = True
+    for load in loads:
+        try:
+            res = await load.future
+            ok = res.success
+        except TransferFailed:
+            ok = False
+        if not ok:
+            failed += 1
+            leading = False
+        if not leading:
+            continue
+        restored += load.count
+        from_host += load.from_host
+        for link in load.sources:
+            if link is not None:
+                link.restored_keys += 1
+                link.restored_bytes += block_bytes
+                from_tiers += 1
+    return RestoreResult(restored, requested, from_host=from_host, from_tiers=from_tiers), failed
