@@ -21,7 +21,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
         yield started
 
 
-@pytest.fixture(params=["auto", "asyncio", "thread"])
+@pytest.fixture(params=["thread", "asyncio"])
 def client(request: pytest.FixtureRequest, anyio_backend: tuple[str, dict]) -> str:
     if request.param == "asyncio" and anyio_backend[0] != "asyncio":
         pytest.skip("redis-py's asyncio client runs on asyncio loops only")

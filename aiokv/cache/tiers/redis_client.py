@@ -1,10 +1,12 @@
 """The Redis side of ``RedisTier``: clients built from a URL, and the two ways to drive them.
 
-``AsyncioRedis`` uses redis-py's asyncio client on the caller's asyncio loop (sockets stay
-non-blocking; checksums and copies of large values go to worker threads). ``ThreadRedis``
-runs redis-py's blocking client in a bounded pool of worker threads (anyio ``to_thread``
-with a ``CapacityLimiter``), for trio and any other loop anyio drives: each batch is one
-thread call that fetches, verifies and copies, so the loop thread only waits.
+``ThreadRedis`` (the default on every loop) runs redis-py's blocking client in a bounded
+pool of worker threads (anyio ``to_thread`` with a ``CapacityLimiter``): each stripe of a
+batch is one thread call that fetches, verifies and copies, so the loop thread only waits,
+and on a standalone server GET replies land straight in the caller's buffers
+(``redis_wire``). ``AsyncioRedis`` uses redis-py's asyncio client on the caller's asyncio
+loop (checksums and copies of large values go to worker threads); it parses replies on the
+loop thread and restored 2-3x slower on loopback, so it is opt-in (``client="asyncio"``).
 
 Both send every batch as a pipeline (one round trip per group of keys; a cluster client
 splits a pipeline per node, since one MGET may not span slots on several nodes) and bound
@@ -23,6 +25,7 @@ import anyio
 import anyio.to_thread
 
 from ...errors import InvalidSpec
+from .redis_wire import read_into
 
 try:
     import redis
@@ -127,12 +130,19 @@ class ThreadRedis:
         else:
             self._client = redis.Redis.from_url(url, max_connections=threads, **options)
         self.limiter = anyio.CapacityLimiter(threads)
+        # Standalone servers: GET replies read straight into the caller's buffers.
+        self.direct = not cluster
 
     def round_trip_blocking(self, ops: Sequence[Op]) -> list[Any]:
         """One group as a pipeline, on the calling (worker) thread."""
         pipe = self._client.pipeline(transaction=False)
         _queue(pipe, ops)
         return list(pipe.execute(raise_on_error=False))
+
+    def read_into_blocking(self, names: Sequence[bytes], header_sizes: Sequence[int],
+                           views: Sequence[memoryview]) -> list[object]:
+        """Pipelined GETs whose payloads land in ``views`` (``redis_wire.read_into``)."""
+        return read_into(self._client, names, header_sizes, views)
 
     async def run(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` on a worker thread. Not abandoned on cancellation: the socket

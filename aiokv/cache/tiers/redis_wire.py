@@ -1,0 +1,134 @@
+"""GET replies read straight into the caller's buffers (standalone servers, worker threads).
+
+redis-py's parsers copy a large bulk reply several times (socket buffer, hiredis' buffer,
+a new ``bytes``) before the tier checksums it and copies it once more into pinned host
+memory. Here the tier sends pipelined GETs on a connection borrowed from redis-py's pool
+(which owns connecting, AUTH, TLS and the timeouts) and reads each reply itself: the
+header into a small buffer, the payload with ``recv_into`` into the caller's view, so the
+bytes cross user space once. Anything unexpected drops the connection (the pool opens a
+fresh one next time) and raises, which the tier counts as an error and a miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+__all__ = ["WRONG_LENGTH", "read_into"]
+
+WRONG_LENGTH = object()  # a value of another length: never this layout's block, a miss
+_LINE_READ = 256
+
+
+class _Reader:
+    """Reads RESP from one socket, keeping what a line read took beyond the line."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.pending = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(_LINE_READ)
+        if not chunk:
+            raise RedisConnectionError("the Redis server closed the connection")
+        self.pending += chunk
+
+    def line(self) -> bytes:
+        while True:
+            end = self.pending.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self.pending[:end])
+                del self.pending[: end + 2]
+                return line
+            if len(self.pending) > 1 << 16:
+                raise RedisConnectionError("a reply line without an end: not a RESP stream")
+            self._fill()
+
+    def into(self, view: memoryview) -> None:
+        taken = min(len(self.pending), len(view))
+        if taken:
+            view[:taken] = self.pending[:taken]
+            del self.pending[:taken]
+        while taken < len(view):
+            got = self.sock.recv_into(view[taken:])
+            if got == 0:
+                raise RedisConnectionError("the Redis server closed the connection mid-value")
+            taken += got
+
+    def skip(self, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+        while nbytes > 0:
+            step = scratch[: min(nbytes, len(scratch))]
+            self.into(step)
+            nbytes -= len(step)
+
+
+def read_into(client: Any, names: Sequence[bytes], header_sizes: Sequence[int],
+              views: Sequence[memoryview]) -> list[object]:
+    """Pipelined ``GET names[i]`` whose payloads land in ``views[i]``.
+
+    Returns per key: None (absent), the header ``bytearray`` (the payload is in the view,
+    still unverified), ``WRONG_LENGTH``, or a ``ResponseError`` (e.g. WRONGTYPE). Raises
+    for connection trouble; a pooled connection the server dropped (a restart) is retried
+    once on a fresh one. Timeouts are not retried.
+    """
+    pool = client.connection_pool
+    for attempt in (0, 1):
+        conn = pool.get_connection()
+        try:
+            return _exchange(conn, names, header_sizes, views)
+        except (RedisConnectionError, ConnectionError):
+            conn.disconnect()
+            if attempt:
+                raise
+        except BaseException:
+            conn.disconnect()  # a timeout or cancellation mid-reply leaves the stream unusable
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")
+
+
+def _exchange(conn: Any, names: Sequence[bytes], header_sizes: Sequence[int],
+              views: Sequence[memoryview]) -> list[object]:
+    conn.send_packed_command(conn.pack_commands([(b"GET", name) for name in names]))
+    sock = conn._sock  # redis-py keeps the connected (TLS-wrapped) socket here
+    if sock is None:
+        raise RedisConnectionError("the connection has no socket")
+    reader = _Reader(sock)
+    replies = [_one_reply(reader, size, view) for size, view in zip(header_sizes, views)]
+    if reader.pending:
+        raise RedisConnectionError("bytes after the last reply: the stream is out of step")
+    return replies
+
+
+def _one_reply(reader: _Reader, header_size: int, view: memoryview) -> object:
+    line = reader.line()
+    kind, rest = line[:1], line[1:]
+    if kind == b"-":
+        return ResponseError(rest.decode(errors="replace"))
+    if kind == b"_":  # RESP3's null (redis-py may speak RESP3)
+        return None
+    if kind == b"!":  # RESP3's blob error
+        message = bytearray(int(rest) + 2)
+        reader.into(memoryview(message))
+        return ResponseError(bytes(message[:-2]).decode(errors="replace"))
+    if kind != b"$":
+        raise RedisConnectionError(f"unexpected reply type {kind!r} to GET")
+    length = int(rest)
+    if length < 0:
+        return None
+    if length != header_size + len(view):
+        reader.skip(length + 2)
+        return WRONG_LENGTH
+    header = bytearray(header_size)
+    reader.into(memoryview(header))
+    reader.into(view)
+    crlf = bytearray(2)
+    reader.into(memoryview(crlf))
+    if crlf != b"\r\n":
+        raise RedisConnectionError("a bulk reply did not end with CRLF")
+    return header
