@@ -19,6 +19,7 @@ import anyio.abc
 import numpy as np
 
 from ..errors import InvalidSpec
+from .manager import ChunkManager
 from .pages import PageMap
 from .records import TierCacheStats
 from .tiers.base import Tier
@@ -145,6 +146,33 @@ class Cascade:
             if link.tier.holds(tk):
                 return link
         return None
+
+    def local_run(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """Leading keys held in the host or a local tier (no I/O), and how many of them
+        the host holds; each tier's hits are counted."""
+        n = host = 0
+        for key in keys:
+            if mgr.count_leading_hits((key,)):
+                host += 1
+            elif (holder := self.local_holder(key)) is not None:
+                holder.hits += 1
+            else:
+                break
+            n += 1
+        return n, host
+
+    async def remote_run(self, keys: Sequence[Hashable]) -> int:
+        """Leading keys held in a remote tier (one batched ``exists`` per remote tier)."""
+        if not keys or not any(link.tier.remote for link in self.links):
+            await anyio.lowlevel.checkpoint()
+            return 0
+        n = 0
+        for link in await self.remote_leading(keys):
+            if link is None:
+                break
+            link.hits += 1
+            n += 1
+        return n
 
     # -- writing down ---------------------------------------------------------------------
 

@@ -35,14 +35,15 @@ import numpy as np
 
 from ..errors import DuplicateJob, InvalidSpec, KeyNotLoadable, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
 from .admission import AdmissionPolicy
 from .cascade import DEFAULT_QUEUE_BYTES, Cascade
+from .counters import Counters
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
 from .manager import ChunkManager
 from .pages import page_map_of
 from .policies import EvictionPolicy
-from .protocol import CacheWorker
+from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
 from .restore import Staging, Submit, restore_through_tiers
 from .tiers.base import Tier
@@ -52,11 +53,6 @@ __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult
 
 DEFAULT_POLICY = "adaptive"
 """The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
-
-DEFAULT_STAGING_CHUNKS = 64
-"""Chunks a cache with tiers keeps aside to bring lower-tier blocks up to the GPU."""
-
-_FOLD_AT = 256  # results kept before their device times are summed (bounds the lists)
 
 
 class _Shared:
@@ -108,23 +104,10 @@ class OffloadCache:
         fingerprint: bytes | None = None,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
-        _check_worker(worker)
-        chunks = range(worker.num_cpu_chunks) if chunks is None else chunks
-        if not isinstance(chunks, range) or chunks.step != 1 or not 0 <= chunks.start < chunks.stop <= (
-            worker.num_cpu_chunks
-        ):
-            raise InvalidSpec(f"chunks must be a non-empty range(start, stop) within "
-                              f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
+        check_worker(worker)
         tiers = list(tiers)
         cascade = Cascade(tiers, pages=page_map_of(worker), queue_bytes=queue_bytes) if tiers else None
-        host = chunks
-        staging = range(0)
-        if cascade is not None:
-            n = min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4) if staging_chunks is None else staging_chunks
-            if not 1 <= n < len(chunks):
-                raise InvalidSpec(f"staging_chunks must be in [1, {len(chunks)}) for a cache of "
-                                  f"{len(chunks)} chunks with tiers, got {n}")
-            host, staging = range(chunks.start, chunks.stop - n), range(chunks.stop - n, chunks.stop)
+        chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         shared = _SHARED.setdefault(worker, _Shared())
         for other in shared.caches:
             both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
@@ -152,15 +135,7 @@ class OffloadCache:
         )
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: np.ndarray | None = None
-        self._hits = self._misses = self._host_hits = 0
-        self._offered = self._stored = self._skipped = self._failed_stores = 0
-        self._restores = self._restored = self._restore_misses = self._failed_loads = 0
-        self._store_bytes = self._load_bytes = 0
-        self._store_seconds = self._load_seconds = 0.0
-        # Results whose device time is not summed yet: reading it in the done callback
-        # would put the CUDA timing read back before the awaiting task wakes (_fold_times).
-        self._untimed_stores: list[TransferResult] = []
-        self._untimed_loads: list[TransferResult] = []
+        self._n = Counters()
 
     @property
     def manager(self) -> ChunkManager:
@@ -236,8 +211,9 @@ class OffloadCache:
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
-            total += self._tier_run(keys[n:])
-        self._count_hits(len(keys), n, total)
+            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            total, n = total + run, n + host
+        self._n.count_hits(len(keys), n, total)
         return total
 
     async def alookup(self, keys: Sequence[Hashable]) -> int:
@@ -248,19 +224,12 @@ class OffloadCache:
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
-            total += self._tier_run(keys[n:])
-            rest = keys[total:]
-            if rest and any(link.tier.remote for link in self._cascade.links):
-                for link in await self._cascade.remote_leading(rest):
-                    if link is None:
-                        break
-                    link.hits += 1
-                    total += 1
-            else:
-                await anyio.lowlevel.checkpoint()
+            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            total, n = total + run, n + host
+            total += await self._cascade.remote_run(keys[total:])
         else:
             await anyio.lowlevel.checkpoint()
-        self._count_hits(len(keys), n, total)
+        self._n.count_hits(len(keys), n, total)
         return total
 
     async def offload(
@@ -278,7 +247,7 @@ class OffloadCache:
         self._check_entered()
         blocks = as_block_ids(keys, gpu_block_ids)
         self._worker.check_submittable(after)
-        self._fold_times()
+        self._n.fold()
         block_of: dict[Hashable, int] = {}
         try:
             for key, block in zip(keys, blocks):
@@ -292,7 +261,7 @@ class OffloadCache:
         self._drop_events()
         if plan is None:
             held = sum(1 for k in block_of if k in self._mgr)
-            self._count_offer(len(block_of), held)
+            self._n.count_offer(len(block_of), held)
             await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
             return OffloadResult(0, held, len(block_of) - held, 0)
         if plan.evicted and self._cascade is not None and self._pool is not None:
@@ -303,7 +272,7 @@ class OffloadCache:
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
         if not stored:
-            self._count_offer(len(block_of), skipped)
+            self._n.count_offer(len(block_of), skipped)
             await anyio.lowlevel.checkpoint()
             return OffloadResult(0, skipped, rest, len(plan.evicted))
         host_chunks = [self._host.start + c for c in plan.chunk_ids]
@@ -314,21 +283,21 @@ class OffloadCache:
         except BaseException:
             self._mgr.complete_store(stored, success=False, counted=False)
             raise  # refused (bad block ids among them): not counted as an offer
-        self._count_offer(len(block_of), skipped)
+        self._n.count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
             self._in_flight.pop(fut.job_id, None)
-            res = _result_or_none(fut)
+            res = result_or_none(fut)
             self._mgr.complete_store(stored, success=res is not None)
             self._drop_events()
             if res is not None:
-                self._stored += len(stored)
-                self._store_bytes += res.transfer_size or 0
-                self._untimed_stores.append(res)
+                self._n.stored += len(stored)
+                self._n.store_bytes += res.transfer_size or 0
+                self._n.untimed_stores.append(res)
                 if self._cascade is not None and self._pool is not None:
                     self._cascade.write_through(self._pool, stored, host_chunks)
             else:
-                self._failed_stores += len(stored)
+                self._n.failed_stores += len(stored)
 
         future.add_done_callback(finish)
         try:
@@ -363,9 +332,9 @@ class OffloadCache:
         self._worker.check_submittable(after)
         if len(set(blocks)) != len(blocks):  # before prepare_load counts a use of the keys
             raise InvalidSpec("a GPU block appears twice, so one load would write it twice")
-        self._fold_times()
+        self._n.fold()
         if not keys:
-            self._restores += 1
+            self._n.restores += 1
             await anyio.lowlevel.checkpoint()
             return RestoreResult(0, 0)
         try:
@@ -379,15 +348,15 @@ class OffloadCache:
             raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
                               f"{[b for b in blocks if not 0 <= b < limit][:5]}")
         assert self._pool is not None
-        self._restores += 1
+        self._n.restores += 1
         result, failed = await restore_through_tiers(
             keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
             pool=self._pool, host_start=self._host.start, submit=self._load_submitter(expedited, after),
         )
-        self._restored += result.restored
-        self._failed_loads += failed
+        self._n.restored += result.restored
+        self._n.failed_loads += failed
         if result.restored == 0:
-            self._restore_misses += 1
+            self._n.restore_misses += 1
         return result
 
     async def _restore_from_host(self, keys: Sequence[Hashable], blocks: list[int], expedited: bool,
@@ -400,8 +369,8 @@ class OffloadCache:
                     hash(key)
             except TypeError as exc:
                 raise unhashable(exc) from exc
-            self._restores += 1
-            self._restore_misses += 1
+            self._n.restores += 1
+            self._n.restore_misses += 1
             await anyio.lowlevel.checkpoint()
             return RestoreResult(0, len(keys))
         pinned = list(keys)
@@ -411,14 +380,14 @@ class OffloadCache:
         except BaseException:
             self._mgr.complete_load(pinned)
             raise  # refused (bad block ids among them): not counted as a restore
-        self._restores += 1
+        self._n.restores += 1
 
         def finish(fut: TransferFuture) -> None:
             self._mgr.complete_load(pinned)
-            if _result_or_none(fut) is None:
-                self._failed_loads += 1
+            if result_or_none(fut) is None:
+                self._n.failed_loads += 1
             else:
-                self._restored += len(pinned)
+                self._n.restored += len(pinned)
 
         future.add_done_callback(finish)
         try:
@@ -449,19 +418,8 @@ class OffloadCache:
         return self._mgr.take_events()
 
     def stats(self) -> OffloadCacheStats:
-        self._fold_times(0)
-        mgr = self._mgr.stats()
-        return OffloadCacheStats(
-            hits=self._hits, misses=self._misses, offered_keys=self._offered,
-            stored_keys=self._stored, skipped_keys=self._skipped, failed_stores=self._failed_stores,
-            restores=self._restores, restored_keys=self._restored,
-            restore_misses=self._restore_misses, failed_loads=self._failed_loads,
-            evictions=mgr.evictions, store_bytes=self._store_bytes,
-            store_seconds=self._store_seconds, load_bytes=self._load_bytes,
-            load_seconds=self._load_seconds, in_flight=len(self._in_flight), manager=mgr,
-            host_hits=self._host_hits,
-            tiers=tuple(link.stats() for link in self._cascade.links) if self._cascade else (),
-        )
+        tiers = [link.stats() for link in self._cascade.links] if self._cascade else []
+        return self._n.snapshot(self._mgr.stats(), len(self._in_flight), tiers)
 
     # -- internals ----------------------------------------------------------------------
 
@@ -470,27 +428,6 @@ class OffloadCache:
             return self._mgr.count_leading_hits(keys)
         except TypeError as exc:
             raise unhashable(exc) from exc
-
-    def _tier_run(self, keys: Sequence[Hashable]) -> int:
-        """Leading keys held in the host or a local tier (the host's run already counted)."""
-        assert self._cascade is not None
-        n = 0
-        for key in keys:
-            if self._mgr.count_leading_hits((key,)):
-                self._host_hits += 1
-                n += 1
-                continue
-            holder = self._cascade.local_holder(key)
-            if holder is None:
-                break
-            holder.hits += 1
-            n += 1
-        return n
-
-    def _count_hits(self, total: int, host: int, hits: int) -> None:
-        self._hits += hits
-        self._host_hits += host
-        self._misses += total - hits
 
     def _load_submitter(self, expedited: bool, after: Any) -> Submit:
         def submit(src: CPULoadStoreSpec, blocks: list[int]) -> TransferFuture:
@@ -501,10 +438,10 @@ class OffloadCache:
 
             def timed(fut: TransferFuture) -> None:
                 self._in_flight.pop(fut.job_id, None)
-                res = _result_or_none(fut)
+                res = result_or_none(fut)
                 if res is not None:
-                    self._load_bytes += res.transfer_size or 0
-                    self._untimed_loads.append(res)
+                    self._n.load_bytes += res.transfer_size or 0
+                    self._n.untimed_loads.append(res)
 
             future.add_done_callback(timed)
             return future
@@ -523,57 +460,6 @@ class OffloadCache:
             return future
         raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
 
-    def _fold_times(self, at_least: int = _FOLD_AT) -> None:
-        """Sum the device times of finished copies once ``at_least`` wait (a new call's
-        entry, or ``stats()``: never a done callback, which runs before the wake-up)."""
-        if len(self._untimed_stores) >= at_least:
-            self._store_seconds += _device_seconds(self._untimed_stores)
-        if len(self._untimed_loads) >= at_least:
-            self._load_seconds += _device_seconds(self._untimed_loads)
-
-    def _count_offer(self, offered: int, skipped: int) -> None:
-        self._offered += offered
-        self._skipped += skipped
-
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
-
-
-def _check_worker(worker: Any) -> None:
-    """Refuse what is not the async face, before anything else reads it."""
-    from ..sync import SyncOffloadingWorker
-
-    if isinstance(worker, SyncOffloadingWorker) or not isinstance(worker, CacheWorker):
-        raise UsageError(
-            f"OffloadCache needs an AsyncOffloadingWorker (awaitable submits on an event loop); "
-            f"got {type(worker).__name__}. Step-loop engines keep their own bookkeeping with "
-            f"ChunkManager and a SyncOffloadingWorker"
-        )
-    if worker.blocks_per_chunk != 1:
-        raise InvalidSpec(
-            f"OffloadCache keeps one key per chunk and needs a worker with blocks_per_chunk=1, "
-            f"got {worker.blocks_per_chunk}"
-        )
-    if worker.num_groups != 1:
-        raise InvalidSpec(
-            f"OffloadCache keys one block per chunk of a single KV-cache group; this worker's "
-            f"layout has {worker.num_groups} groups. Use the worker's submit_store/submit_load "
-            f"with group_sizes for hybrid layouts"
-        )
-
-
-def _device_seconds(results: list[TransferResult]) -> float:
-    """Sum and forget the results' device times."""
-    total = sum(r.transfer_time or 0.0 for r in results)
-    results.clear()
-    return total
-
-
-def _result_or_none(fut: TransferFuture) -> TransferResult | None:
-    """The result of a done future if its copy succeeded, else None."""
-    try:
-        res = fut.result()
-    except TransferFailed:
-        return None
-    return res if res.success else None
