@@ -434,8 +434,8 @@ def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.Mo
     from aiokv.errors import UsageError
 
     monkeypatch.setitem(sys.modules, "redis", None)
-    for name in ("aiokv.cache.tiers.redis", "aiokv.cache.tiers.redis_client"):
-        if name in sys.modules:
-            monkeypatch.delitem(sys.modules, name)
+    for name in ("redis", "redis_client", "redis_wire"):  # as if never imported
+        monkeypatch.delitem(sys.modules, f"aiokv.cache.tiers.{name}", raising=False)
+        monkeypatch.delattr(tiers, name, raising=False)
     with pytest.raises(UsageError, match=r"pip install 'aiokv\[redis\]'"):
         tiers.RedisTier("redis://127.0.0.1:6379/0")

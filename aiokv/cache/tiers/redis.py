@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 import anyio.to_thread
@@ -23,10 +24,11 @@ from ...errors import InvalidSpec, UsageError
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics
-from .redis_client import AsyncioRedis, Op, ThreadRedis, split_url
-from .redis_wire import WRONG_LENGTH
 
-__all__ = ["RedisTier"]
+if TYPE_CHECKING:
+    from .redis_client import AsyncioRedis, Op, ThreadRedis
+
+__all__ = ["RedisTier", "raw_get_ceiling"]
 
 _HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
 # Checksums and copies of a group at least this large run on a worker thread, not the loop.
@@ -82,7 +84,8 @@ class RedisTier(Tier):
         threads: int = 4,
         group_bytes: int = 1 << 20,
     ) -> None:
-        self._url, self.cluster = split_url(url, cluster)
+        self._client_module = _client_module()
+        self._url, self.cluster = self._client_module.split_url(url, cluster)
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
             raise InvalidSpec(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
         if not timeout > 0:
@@ -127,10 +130,12 @@ class RedisTier(Tier):
         if kind == "asyncio" and loop_library() != "asyncio":
             raise UsageError("RedisTier(client='asyncio') runs on an asyncio loop only; use 'auto'")
         if kind == "asyncio":
-            self._io = AsyncioRedis(self._url, self.cluster, self.timeout, self._threads)
+            self._io = self._client_module.AsyncioRedis(self._url, self.cluster, self.timeout,
+                                                        self._threads)
             self._limiter = anyio.CapacityLimiter(self._threads)
         else:
-            thread_io = ThreadRedis(self._url, self.cluster, self.timeout, self._threads)
+            thread_io = self._client_module.ThreadRedis(self._url, self.cluster, self.timeout,
+                                                        self._threads)
             self._io, self._limiter = thread_io, thread_io.limiter
 
     async def aclose(self) -> None:
@@ -180,8 +185,10 @@ class RedisTier(Tier):
 
         async def stripe(s: int) -> None:
             io = self._io
-            if isinstance(io, ThreadRedis):
-                failures[s] = await io.run(lambda: self._read_blocking(keys, views, stripes[s], status))
+            if io is not None and io.threaded:
+                work = stripes[s]
+                failures[s] = await cast("ThreadRedis", io).run(
+                    lambda: self._read_blocking(keys, views, work, status))
             else:
                 failures[s] = await self._read_async(keys, views, stripes[s], status)
 
@@ -261,10 +268,10 @@ class RedisTier(Tier):
         """One pipeline; None (and one error counted) if it failed as a whole."""
         io = self._io
         try:
-            if isinstance(io, ThreadRedis):
-                return await io.run(lambda: io.round_trip_blocking(ops))
-            assert io is not None
-            return await io.round_trip(ops)
+            if io is not None and io.threaded:
+                thread_io = cast("ThreadRedis", io)
+                return await thread_io.run(lambda: thread_io.round_trip_blocking(ops))
+            return await cast("AsyncioRedis", io).round_trip(ops)
         except Exception:  # any client failure (timeout, refused, cluster down) is a miss
             self._n["errors"] += 1
             return None
@@ -272,8 +279,7 @@ class RedisTier(Tier):
     def _read_blocking(self, keys: Sequence[bytes], views: list[memoryview],
                        groups: list[list[int]], status: list[int]) -> int:
         """Fetch, verify and copy every group on this worker thread; failed round trips."""
-        io = self._io
-        assert isinstance(io, ThreadRedis)
+        io = cast("ThreadRedis", self._io)
         for group in groups:
             try:
                 if io.direct:
@@ -297,17 +303,17 @@ class RedisTier(Tier):
             elif isinstance(reply, bytearray):
                 ok = codec.verify(self._fp, keys[i], memoryview(reply), views[i])
                 status[i] = _HIT if ok else _CORRUPT
-            elif reply is WRONG_LENGTH:
+            elif reply is self._client_module.WRONG_LENGTH:
                 status[i] = _CORRUPT
             else:
                 status[i] = _FAILED
 
     async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
                           groups: list[list[int]], status: list[int]) -> int:
-        assert isinstance(self._io, AsyncioRedis) and self._limiter is not None
+        io = cast("AsyncioRedis", self._io)
         for group in groups:
             try:
-                replies = await self._io.round_trip([("get", self.redis_key(keys[i])) for i in group])
+                replies = await io.round_trip([("get", self.redis_key(keys[i])) for i in group])
             except Exception:  # as in _read_blocking
                 return 1
             if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
@@ -393,3 +399,21 @@ def _byte_view(buffer: memoryview) -> memoryview:
     if view.format == "B" and view.ndim == 1:
         return view
     return view.cast("B")
+
+
+def _client_module() -> ModuleType:
+    """``redis_client``, which imports the optional ``redis`` package: only when a tier is
+    built, so ``import aiokv`` neither needs nor pays for it."""
+    try:
+        from . import redis_client
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in ("redis", "hiredis"):
+            raise
+        raise UsageError("RedisTier needs the optional redis package: pip install 'aiokv[redis]'") from exc
+    return redis_client
+
+
+async def raw_get_ceiling(url: str, nbytes: int, count: int, **options: Any) -> float:
+    """GB/s of plain redis-py GETs of ``count`` values of ``nbytes`` from the server at
+    ``url`` (``redis_client.raw_get_ceiling``): the bench's ceiling for RedisTier restores."""
+    return float(await _client_module().raw_get_ceiling(url, nbytes, count, **options))

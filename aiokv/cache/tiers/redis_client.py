@@ -25,7 +25,7 @@ import anyio
 import anyio.to_thread
 
 from ...errors import InvalidSpec
-from .redis_wire import read_into
+from .redis_wire import WRONG_LENGTH, read_into
 
 try:
     import redis
@@ -38,7 +38,8 @@ try:
 except ImportError as exc:  # the tier's package turns this into an install hint
     raise ImportError(f"RedisTier needs the redis package: {exc}", name="redis") from exc
 
-__all__ = ["AsyncioRedis", "Batch", "ThreadRedis", "client_options", "raw_get_ceiling", "split_url"]
+__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "raw_get_ceiling",
+           "split_url"]
 
 # Bytes a hiredis reader takes from the socket per read: redis-py's 64 KiB reads a 2 MiB
 # value in 32 feeds; 1 MiB reads it in a few and doubled the GET rate on loopback.
@@ -99,6 +100,8 @@ def _queue(pipe: Any, ops: Sequence[Op]) -> None:
 class AsyncioRedis:
     """redis-py's asyncio client (standalone or cluster) on the loop that opened the tier."""
 
+    threaded = False
+
     def __init__(self, url: str, cluster: bool, timeout: float, max_connections: int) -> None:
         options = client_options(timeout, asyncio=True)
         self._timeout = timeout
@@ -121,6 +124,8 @@ class AsyncioRedis:
 
 class ThreadRedis:
     """redis-py's blocking client driven from at most ``threads`` worker threads."""
+
+    threaded = True
 
     def __init__(self, url: str, cluster: bool, timeout: float, threads: int) -> None:
         options = client_options(timeout)
