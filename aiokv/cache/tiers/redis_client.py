@@ -135,8 +135,8 @@ class ThreadRedis:
         else:
             self._client = redis.Redis.from_url(url, max_connections=threads, **options)
         self.limiter = anyio.CapacityLimiter(threads)
-        # Standalone servers: GET replies read straight into the caller's buffers.
-        self.direct = not cluster
+        self.cluster = cluster
+        self.direct = True  # GET replies read straight into the caller's buffers
 
     def round_trip_blocking(self, ops: Sequence[Op]) -> list[Any]:
         """One group as a pipeline, on the calling (worker) thread."""
@@ -146,8 +146,30 @@ class ThreadRedis:
 
     def read_into_blocking(self, names: Sequence[bytes], header_sizes: Sequence[int],
                            views: Sequence[memoryview]) -> list[object]:
-        """Pipelined GETs whose payloads land in ``views`` (``redis_wire.read_into``)."""
-        return read_into(self._client, names, header_sizes, views)
+        """Pipelined GETs whose payloads land in ``views`` (``redis_wire.read_into``); on a
+        cluster one pipeline per node, so a node that is down costs only its own keys (an
+        exception in their places) and a MOVED reply refreshes the slot map."""
+        if not self.cluster:
+            return read_into(self._client, names, header_sizes, views)
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for j, name in enumerate(names):
+            node = self._client.get_node_from_key(name)
+            by_node.setdefault(node.name, (node, []))[1].append(j)
+        landed: list[object] = [None] * len(names)
+        moved = False
+        for node, picks in by_node.values():
+            try:
+                replies = read_into(self._client.get_redis_connection(node), [names[j] for j in picks],
+                                    [header_sizes[j] for j in picks], [views[j] for j in picks])
+            except Exception as exc:  # this node's keys fail; the others still land
+                replies = [exc] * len(picks)
+            for j, reply in zip(picks, replies):
+                landed[j] = reply
+                moved = moved or (isinstance(reply, redis.ResponseError)
+                                  and str(reply).startswith(("MOVED", "ASK")))
+        if moved:  # slots changed hands (a reshard or failover): reload the map for next time
+            self._client.nodes_manager.initialize()
+        return landed
 
     async def run(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` on a worker thread. Not abandoned on cancellation: the socket
