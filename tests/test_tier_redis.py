@@ -379,6 +379,34 @@ async def test_capacity_bounds_what_this_process_keeps(server: RedisServer) -> N
 
 
 @pytest.mark.anyio
+async def test_a_full_server_drops_writes_and_an_lru_server_evicts(tmp_path: Path) -> None:
+    """maxmemory with noeviction: writes past it are refused (False, counted) and what was
+    stored still reads; with allkeys-lru the server evicts old blocks, which read as plain
+    misses, never as corrupt."""
+    need_redis()
+    args = ("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    with running(RedisServer(tmp_path / "full", args=args)) as srv:
+        assert isinstance(srv, RedisServer)
+        tier = await opened(srv.url, namespace="full")
+        try:
+            keys, data = keys_of(400, "full"), payloads(400)
+            stored = await tier.write(keys, [memoryview(d) for d in data])
+            assert 0 < sum(stored) < 400
+            assert tier.statistics().errors >= 400 - sum(stored)
+            kept = [i for i, ok in enumerate(stored) if ok]
+            out = buffers(len(kept))
+            assert await tier.read([keys[i] for i in kept], out) == [True] * len(kept)
+            assert [bytes(o) for o in out] == [data[i] for i in kept]
+            srv.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [True] * 400
+            hits = await tier.read(keys, buffers(400))
+            assert 0 < sum(hits) < 400
+            assert tier.statistics().corrupt == 0
+        finally:
+            await tier.aclose()
+
+
+@pytest.mark.anyio
 async def test_misuse_raises_and_io_trouble_does_not(server: RedisServer, anyio_backend: tuple) -> None:
     from aiokv.cache.tiers.redis import RedisTier
     from aiokv.errors import InvalidSpec, UsageError
