@@ -272,3 +272,26 @@ async def test_unstable_keys_are_refused_with_tiers() -> None:
             await cache.offload(["a", (1, 2.5)], [0, 1])
         assert cache.lookup(["a"]) == 0
         settled(cache)
+
+
+async def test_blocks_the_host_turns_away_spill_to_the_tier(local_tier: Tier) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, seed=3)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4 + STAGING) as worker:
+        cache = OffloadCache(worker, policy="lru", admission="second-offer", tiers=[local_tier],
+                             staging_chunks=STAGING)
+        async with cache:
+            randomize(kv, range(3), seed=11)
+            expected = [gpu_block(kv, i) for i in range(3)]
+            res = await cache.offload(["s0", "s1", "s2"], [0, 1, 2])
+            # First offers: the host admits none; two staging chunks carry two to the tier.
+            assert res.stored == 0 and res.spilled == 2 and res.not_stored == 3
+            await cache.drain()
+            assert cache.lookup(["s0", "s1", "s2"]) == 2 and len(cache.manager) == 0
+            result = await cache.restore(["s0", "s1", "s2"], [10, 11, 12])
+            assert result.restored == 2 and result.from_tiers == 2
+            for i in range(2):
+                assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 10 + i), expected[i]))
+            st = cache.stats().tiers[0]
+            assert st.demoted == 2 and st.demotions_dropped == 1
+            settled(cache)
+            assert sorted(cache._staging.free) == list(cache._staging.chunks)

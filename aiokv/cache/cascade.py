@@ -188,6 +188,15 @@ class Cascade:
             pairs = [(tk, c) for tk, c in pairs if not link.tier.holds(tk)]
         self._enqueue(link, pool, pairs, through=False)
 
+    def wants_spill(self, key: Hashable) -> bool:
+        """Whether a key the host turned away should go to the demotion tier (not held there)."""
+        link = self._demote_to
+        return link is not None and (link.tier.remote or not link.tier.holds(self.tier_key(key)))
+
+    def count_spill_dropped(self, n: int) -> None:
+        if n and self._demote_to is not None:
+            self._demote_to.dropped += n
+
     def write_through(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
         """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier."""
         if not self._through or not keys:

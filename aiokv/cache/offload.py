@@ -259,29 +259,27 @@ class OffloadCache:
                 self._cascade.tier_key(key)
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
-        if plan is None:
-            held = sum(1 for k in block_of if k in self._mgr)
-            self._n.count_offer(len(block_of), held)
-            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
-            return OffloadResult(0, held, len(block_of) - held, 0)
-        if plan.evicted and self._cascade is not None and self._pool is not None:
+        evicted = len(plan.evicted) if plan is not None else 0
+        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
             # Before the store below reuses the evicted chunks.
             evicted_at = [self._host.start + c for c in plan.evicted_chunks]
             self._cascade.demote(self._pool, plan.evicted, evicted_at)
-        stored = plan.keys_to_store
+        stored = plan.keys_to_store if plan is not None else []
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
-        if not stored:
+        spill, spill_chunks = self._spill_plan(block_of)
+        if not stored and not spill:
             self._n.count_offer(len(block_of), skipped)
-            await anyio.lowlevel.checkpoint()
-            return OffloadResult(0, skipped, rest, len(plan.evicted))
-        host_chunks = [self._host.start + c for c in plan.chunk_ids]
-        src = GPULoadStoreSpec([block_of[k] for k in stored])
-        dst = CPULoadStoreSpec(host_chunks)
+            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
+            return OffloadResult(0, skipped, rest, evicted)
+        host_chunks = [self._host.start + c for c in plan.chunk_ids] if plan is not None else []
+        src = GPULoadStoreSpec([block_of[k] for k in [*stored, *spill]])
+        dst = CPULoadStoreSpec(host_chunks + spill_chunks)
         try:
             future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
             self._mgr.complete_store(stored, success=False, counted=False)
+            self._staging.give(spill_chunks)
             raise  # refused (bad block ids among them): not counted as an offer
         self._n.count_offer(len(block_of), skipped)
 
@@ -296,15 +294,27 @@ class OffloadCache:
                 self._n.untimed_stores.append(res)
                 if self._cascade is not None and self._pool is not None:
                     self._cascade.write_through(self._pool, stored, host_chunks)
+                    self._cascade.demote(self._pool, spill, spill_chunks)
             else:
                 self._n.failed_stores += len(stored)
+            self._staging.give(spill_chunks)
 
         future.add_done_callback(finish)
         try:
             await future
         except TransferFailed:
-            return OffloadResult(0, skipped, rest + len(stored), len(plan.evicted), failed=True)
-        return OffloadResult(len(stored), skipped, rest, len(plan.evicted))
+            return OffloadResult(0, skipped, rest + len(stored), evicted, failed=True)
+        return OffloadResult(len(stored), skipped, rest, evicted, spilled=len(spill))
+
+    def _spill_plan(self, block_of: dict[Hashable, int]) -> tuple[list[Hashable], list[int]]:
+        """Offered keys the host turned away that the nearest tier should get straight from
+        the GPU, and the staging chunks their copy passes through (none free: none spill)."""
+        if self._cascade is None or self._pool is None:
+            return [], []
+        wanted = [k for k in block_of if k not in self._mgr and self._cascade.wants_spill(k)]
+        chunks = self._staging.take(len(wanted))
+        self._cascade.count_spill_dropped(len(wanted) - len(chunks))
+        return wanted[: len(chunks)], chunks
 
     async def restore(
         self,

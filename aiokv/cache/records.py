@@ -16,7 +16,8 @@ class OffloadResult:
 
     ``stored`` keys are loadable now; ``skipped`` were already held or being stored by
     another task; ``not_stored`` were turned away (admission, no evictable room, or a
-    failed copy: then ``failed`` is True). ``int(result)`` is ``stored``.
+    failed copy: then ``failed`` is True). With tiers, ``spilled`` of the keys the host
+    turned away were copied for the nearest tier instead. ``int(result)`` is ``stored``.
     """
 
     stored: int
@@ -24,6 +25,7 @@ class OffloadResult:
     not_stored: int
     evicted: int
     failed: bool = False
+    spilled: int = 0
 
     def __int__(self) -> int:
         return self.stored
@@ -58,7 +60,8 @@ class TierCacheStats:
 
     ``hits`` are keys that ``lookup``/``alookup`` counted from this tier; ``restored_keys``
     and ``restored_bytes`` came back through it; ``demoted`` blocks were written after the
-    host evicted them (``write_throughs`` as they were stored); ``demotions_dropped`` were
+    host evicted them or turned them away (``write_throughs`` as they were stored);
+    ``demotions_dropped`` were
     not written because the tier's queue was full (it fell behind) or it refused them;
     ``read_misses`` are reads of keys it was asked for that failed (absent, I/O, corrupt).
     """
