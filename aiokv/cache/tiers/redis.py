@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -178,27 +178,7 @@ class RedisTier(Tier):
         views = [_byte_view(o) for o in out]
         status = [_MISS] * len(keys)
         groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
-        # Round trips run on up to ``threads`` connections at once, so one stripe's
-        # checksums and copies overlap another's transfer.
-        stripes = [groups[s::self._threads] for s in range(min(self._threads, len(groups)))]
-        failures = [0] * len(stripes)
-
-        async def stripe(s: int) -> None:
-            io = self._io
-            if io is not None and io.threaded:
-                work = stripes[s]
-                failures[s] = await cast("ThreadRedis", io).run(
-                    lambda: self._read_blocking(keys, views, work, status))
-            else:
-                failures[s] = await self._read_async(keys, views, stripes[s], status)
-
-        if len(stripes) == 1:
-            await stripe(0)
-        else:
-            async with anyio.create_task_group() as tg:
-                for s in range(len(stripes)):
-                    tg.start_soon(stripe, s)
-        self._n["errors"] += sum(failures)
+        await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
         return self._account_reads(keys, views, status)
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
@@ -207,30 +187,85 @@ class RedisTier(Tier):
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
         views = [_byte_view(p) for p in payloads]
-        stored = [False] * len(keys)
         wanted = self._fitting([len(v) for v in views])
-        assert self._io is not None and self._limiter is not None
-        values = await anyio.to_thread.run_sync(
-            lambda: [self._encode(keys[i], views[i]) for i in wanted], limiter=self._limiter)
-        ops: list[Op] = [("set", self.redis_key(keys[i]), value, self._ttl)
-                         for i, value in zip(wanted, values)]
         evict = self._make_room([keys[i] for i in wanted], [len(views[i]) for i in wanted])
-        for group in self._groups([len(v) for v in values]):
-            replies = await self._round_trip([ops[j] for j in group])
-            if replies is None:
-                break
-            for j, reply in zip(group, replies):
-                if isinstance(reply, Exception):
-                    self._n["errors"] += 1  # a per-command error (NOAUTH, OOM)
-                elif reply is True:
-                    i = wanted[j]
-                    stored[i] = True
-                    self._n["writes"] += 1
-                    self._n["write_bytes"] += len(views[i])
-                    self._remember(keys[i], len(views[i]))
+        keys = [keys[i] for i in wanted]
+        views = [views[i] for i in wanted]
+        replies: list[object] = [None] * len(keys)
+        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        await self._striped(groups, lambda stripe: self._write_stripe(keys, views, stripe, replies))
+        stored = [False] * len(payloads)
+        for pos, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                self._n["errors"] += 1  # a per-command error (NOAUTH, OOM) or a dead node
+            elif reply is True:
+                stored[wanted[pos]] = True
+                self._n["writes"] += 1
+                self._n["write_bytes"] += len(views[pos])
+                self._remember(keys[pos], len(views[pos]))
         if evict:
             await self._round_trip([("del", self.redis_key(k)) for k in evict])
         return stored
+
+    async def _striped(self, groups: list[list[int]],
+                       run: Callable[[list[list[int]]], Awaitable[int]]) -> None:
+        """Run the groups as up to ``threads`` stripes at once (one connection each), so one
+        stripe's checksums and copies overlap another's transfer; count failed round trips."""
+        stripes = [groups[s::self._threads] for s in range(min(self._threads, len(groups)))]
+        failures = [0] * len(stripes)
+
+        async def one(s: int) -> None:
+            failures[s] = await run(stripes[s])
+
+        if len(stripes) == 1:
+            await one(0)
+        elif stripes:
+            async with anyio.create_task_group() as tg:
+                for s in range(len(stripes)):
+                    tg.start_soon(one, s)
+        self._n["errors"] += sum(failures)
+
+    async def _read_stripe(self, keys: Sequence[bytes], views: list[memoryview],
+                           groups: list[list[int]], status: list[int]) -> int:
+        io = self._io
+        if io is not None and io.threaded:
+            thread_io = cast("ThreadRedis", io)
+            return int(await thread_io.run(lambda: self._read_blocking(keys, views, groups, status)))
+        return await self._read_async(keys, views, groups, status)
+
+    async def _write_stripe(self, keys: list[bytes], views: list[memoryview],
+                            groups: list[list[int]], replies: list[object]) -> int:
+        """Send one stripe's groups; the number of round trips that failed as a whole."""
+        io = self._io
+        if io is not None and io.threaded:
+            thread_io = cast("ThreadRedis", io)
+            return int(await thread_io.run(
+                lambda: self._write_blocking(thread_io, keys, views, groups, replies)))
+        async_io = cast("AsyncioRedis", io)
+        for group in groups:
+            values = await anyio.to_thread.run_sync(self._encode_all, keys, views, group,
+                                                    limiter=self._limiter)
+            try:
+                answers = await async_io.round_trip(
+                    [("set", self.redis_key(keys[j]), v, self._ttl) for j, v in zip(group, values)])
+            except Exception:  # as in _read_blocking
+                return 1
+            for j, answer in zip(group, answers):
+                replies[j] = answer
+        return 0
+
+    def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
+                        groups: list[list[int]], replies: list[object]) -> int:
+        for group in groups:
+            headers = [codec.encode(self._fp, keys[j], views[j]) for j in group]
+            try:
+                answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
+                                                 [views[j] for j in group], self._ttl)
+            except Exception:  # the rest would wait out the same dead server
+                return 1
+            for j, answer in zip(group, answers):
+                replies[j] = answer
+        return 0
 
     def statistics(self) -> TierStatistics:
         """Counters since open; ``blocks``/``bytes_held`` count what this process wrote and
@@ -282,16 +317,12 @@ class RedisTier(Tier):
         io = cast("ThreadRedis", self._io)
         for group in groups:
             try:
-                if io.direct:
-                    landed = io.read_into_blocking(
-                        [self.redis_key(keys[i]) for i in group],
-                        [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
-                    self._check_landed(keys, views, group, landed, status)
-                    continue
-                replies = io.round_trip_blocking([("get", self.redis_key(keys[i])) for i in group])
+                landed = io.read_into_blocking(
+                    [self.redis_key(keys[i]) for i in group],
+                    [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
             except Exception:  # the rest of the batch would wait out the same dead server
                 return 1
-            self._land(keys, views, group, replies, status)
+            self._check_landed(keys, views, group, landed, status)
         return 0
 
     def _check_landed(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
@@ -357,8 +388,9 @@ class RedisTier(Tier):
         n["errors"] += status.count(_FAILED)
         return hits
 
-    def _encode(self, key: bytes, payload: memoryview) -> bytes:
-        return b"".join((codec.encode(self._fp, key, payload), payload))
+    def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
+        """Header + payload as one value per key (the asyncio client sends whole values)."""
+        return [b"".join((codec.encode(self._fp, keys[j], views[j]), views[j])) for j in group]
 
     def _fitting(self, sizes: list[int]) -> list[int]:
         """The payloads of one batch that fit ``capacity_bytes`` together (all without it)."""

@@ -25,7 +25,7 @@ import anyio
 import anyio.to_thread
 
 from ...errors import InvalidSpec
-from .redis_wire import WRONG_LENGTH, read_into
+from .redis_wire import WRONG_LENGTH, read_into, write_from
 
 try:
     import redis
@@ -136,7 +136,6 @@ class ThreadRedis:
             self._client = redis.Redis.from_url(url, max_connections=threads, **options)
         self.limiter = anyio.CapacityLimiter(threads)
         self.cluster = cluster
-        self.direct = True  # GET replies read straight into the caller's buffers
 
     def round_trip_blocking(self, ops: Sequence[Op]) -> list[Any]:
         """One group as a pipeline, on the calling (worker) thread."""
@@ -146,30 +145,43 @@ class ThreadRedis:
 
     def read_into_blocking(self, names: Sequence[bytes], header_sizes: Sequence[int],
                            views: Sequence[memoryview]) -> list[object]:
-        """Pipelined GETs whose payloads land in ``views`` (``redis_wire.read_into``); on a
-        cluster one pipeline per node, so a node that is down costs only its own keys (an
-        exception in their places) and a MOVED reply refreshes the slot map."""
+        """Pipelined GETs whose payloads land in ``views`` (``redis_wire.read_into``)."""
+        return self._per_node(names, lambda client, picks: read_into(
+            client, [names[j] for j in picks], [header_sizes[j] for j in picks],
+            [views[j] for j in picks]))
+
+    def write_from_blocking(self, names: Sequence[bytes], headers: Sequence[bytes],
+                            payloads: Sequence[memoryview], ttl: int | None) -> list[object]:
+        """Pipelined SETs sent from the callers' buffers (``redis_wire.write_from``)."""
+        return self._per_node(names, lambda client, picks: write_from(
+            client, [names[j] for j in picks], [headers[j] for j in picks],
+            [payloads[j] for j in picks], ttl))
+
+    def _per_node(self, names: Sequence[bytes],
+                  exchange: Callable[[Any, list[int]], list[object]]) -> list[object]:
+        """``exchange`` on the server, or on a cluster once per node with the keys in its
+        slots, so a node that is down costs only its own keys (an exception in their
+        places); a MOVED/ASK reply reloads the slot map for the next call."""
         if not self.cluster:
-            return read_into(self._client, names, header_sizes, views)
+            return exchange(self._client, list(range(len(names))))
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for j, name in enumerate(names):
             node = self._client.get_node_from_key(name)
             by_node.setdefault(node.name, (node, []))[1].append(j)
-        landed: list[object] = [None] * len(names)
+        replies: list[object] = [None] * len(names)
         moved = False
         for node, picks in by_node.values():
             try:
-                replies = read_into(self._client.get_redis_connection(node), [names[j] for j in picks],
-                                    [header_sizes[j] for j in picks], [views[j] for j in picks])
-            except Exception as exc:  # this node's keys fail; the others still land
-                replies = [exc] * len(picks)
-            for j, reply in zip(picks, replies):
-                landed[j] = reply
-                moved = moved or (isinstance(reply, redis.ResponseError)
-                                  and str(reply).startswith(("MOVED", "ASK")))
-        if moved:  # slots changed hands (a reshard or failover): reload the map for next time
+                answers = exchange(self._client.get_redis_connection(node), picks)
+            except Exception as exc:  # this node's keys fail; the others still go through
+                answers = [exc] * len(picks)
+            for j, answer in zip(picks, answers):
+                replies[j] = answer
+                moved = moved or (isinstance(answer, redis.ResponseError)
+                                  and str(answer).startswith(("MOVED", "ASK")))
+        if moved:  # slots changed hands (a reshard or failover)
             self._client.nodes_manager.initialize()
-        return landed
+        return replies
 
     async def run(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` on a worker thread. Not abandoned on cancellation: the socket

@@ -1,23 +1,25 @@
-"""GET replies read straight into the caller's buffers (standalone servers, worker threads).
+"""GETs read straight into the caller's buffers, SETs sent straight from them (worker threads).
 
 redis-py's parsers copy a large bulk reply several times (socket buffer, hiredis' buffer,
 a new ``bytes``) before the tier checksums it and copies it once more into pinned host
-memory. Here the tier sends pipelined GETs on a connection borrowed from redis-py's pool
-(which owns connecting, AUTH, TLS and the timeouts) and reads each reply itself: the
-header into a small buffer, the payload with ``recv_into`` into the caller's view, so the
-bytes cross user space once. Anything unexpected drops the connection (the pool opens a
-fresh one next time) and raises, which the tier counts as an error and a miss.
+memory; a SET joins header and payload and packs the command, two more copies. Here the
+tier borrows a connection from redis-py's pool (which owns connecting, AUTH, TLS and the
+timeouts) and speaks the few commands itself: a GET reply's header goes into a small
+buffer and its payload with ``recv_into`` into the caller's view; a SET sends the header
+and the caller's payload view as they are. The bytes cross user space once. Anything
+unexpected drops the connection (the pool opens a fresh one next time) and raises, which
+the tier counts as an error and a miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["WRONG_LENGTH", "read_into"]
+__all__ = ["WRONG_LENGTH", "read_into", "write_from"]
 
 WRONG_LENGTH = object()  # a value of another length: never this layout's block, a miss
 _LINE_READ = 256
@@ -72,14 +74,29 @@ def read_into(client: Any, names: Sequence[bytes], header_sizes: Sequence[int],
 
     Returns per key: None (absent), the header ``bytearray`` (the payload is in the view,
     still unverified), ``WRONG_LENGTH``, or a ``ResponseError`` (e.g. WRONGTYPE). Raises
-    for connection trouble; a pooled connection the server dropped (a restart) is retried
-    once on a fresh one. Timeouts are not retried.
+    for connection trouble.
     """
+    return _on_connection(client, lambda conn: _exchange(conn, names, header_sizes, views))
+
+
+def write_from(client: Any, names: Sequence[bytes], headers: Sequence[bytes],
+               payloads: Sequence[memoryview], ttl: int | None) -> list[object]:
+    """Pipelined ``SET names[i] headers[i]+payloads[i] [EX ttl]``, sent from the caller's
+    buffers as they are (no joined copy of header and payload, no packed command).
+
+    Returns per key True or a ``ResponseError`` (e.g. OOM). Raises for connection trouble.
+    """
+    return _on_connection(client, lambda conn: _send_sets(conn, names, headers, payloads, ttl))
+
+
+def _on_connection(client: Any, exchange: Callable[[Any], list[object]]) -> list[object]:
+    """Run ``exchange`` on a connection borrowed from the client's pool. A pooled connection
+    the server dropped (a restart) is retried once on a fresh one; timeouts are not."""
     pool = client.connection_pool
     for attempt in (0, 1):
         conn = pool.get_connection()
         try:
-            return _exchange(conn, names, header_sizes, views)
+            return exchange(conn)
         except (RedisConnectionError, ConnectionError):
             conn.disconnect()
             if attempt:
@@ -92,12 +109,52 @@ def read_into(client: Any, names: Sequence[bytes], header_sizes: Sequence[int],
     raise AssertionError("unreachable")
 
 
-def _exchange(conn: Any, names: Sequence[bytes], header_sizes: Sequence[int],
-              views: Sequence[memoryview]) -> list[object]:
-    conn.send_packed_command(conn.pack_commands([(b"GET", name) for name in names]))
+def _socket(conn: Any) -> Any:
     sock = conn._sock  # redis-py keeps the connected (TLS-wrapped) socket here
     if sock is None:
         raise RedisConnectionError("the connection has no socket")
+    return sock
+
+
+def _send_sets(conn: Any, names: Sequence[bytes], headers: Sequence[bytes],
+               payloads: Sequence[memoryview], ttl: int | None) -> list[object]:
+    sock = _socket(conn)
+    tail = b"\r\n"
+    if ttl is not None:
+        seconds = str(int(ttl)).encode()
+        tail += b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(seconds), seconds)
+    pending = b""
+    for name, header, payload in zip(names, headers, payloads):
+        command = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+            3 if ttl is None else 5, len(name), name, len(header) + len(payload))
+        sock.sendall(pending + command + header)
+        sock.sendall(payload)
+        pending = tail
+    sock.sendall(pending)
+    reader = _Reader(sock)
+    replies = [_status_reply(reader) for _ in names]
+    if reader.pending:
+        raise RedisConnectionError("bytes after the last reply: the stream is out of step")
+    return replies
+
+
+def _status_reply(reader: _Reader) -> object:
+    line = reader.line()
+    if line == b"+OK":
+        return True
+    if line[:1] == b"-":
+        return ResponseError(line[1:].decode(errors="replace"))
+    if line[:1] == b"!":
+        message = bytearray(int(line[1:]) + 2)
+        reader.into(memoryview(message))
+        return ResponseError(bytes(message[:-2]).decode(errors="replace"))
+    raise RedisConnectionError(f"unexpected reply {line[:40]!r} to SET")
+
+
+def _exchange(conn: Any, names: Sequence[bytes], header_sizes: Sequence[int],
+              views: Sequence[memoryview]) -> list[object]:
+    conn.send_packed_command(conn.pack_commands([(b"GET", name) for name in names]))
+    sock = _socket(conn)
     reader = _Reader(sock)
     replies = [_one_reply(reader, size, view) for size, view in zip(header_sizes, views)]
     if reader.pending:
