@@ -210,6 +210,22 @@ async def test_open_drops_temp_files_and_files_that_do_not_verify(tmp_path: Path
     assert [bytes(o) for o in out] == [bytes(d) for d in data[:2]]
 
 
+async def test_long_keys_survive_a_reopen(tmp_path: Path) -> None:
+    """A key longer than a page pushes the payload to the next aligned offset."""
+    keys = [os.urandom(5000), os.urandom(3 * ALIGN)]
+    data = payloads(2)
+    tier = await opened(tmp_path)
+    assert await tier.write(keys, data) == [True, True]
+    await tier.aclose()
+    again = await opened(tmp_path)
+    assert [again.holds(k) for k in keys] == [True, True]
+    out = buffers(2)
+    assert await again.read(keys, out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    with pytest.raises(InvalidSpec):
+        await again.write([bytes(1 << 17)], payloads(1))
+
+
 async def test_capacity_counts_payload_bytes_and_evicts_by_policy(tmp_path: Path) -> None:
     n = 4
     # Headers and padding take more than BLOCK - 1 bytes per file, yet n blocks fit.
@@ -328,7 +344,7 @@ async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(
 
 
 async def test_io_runs_on_worker_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, set[int]] = {"read": set(), "write": set(), "scan": set()}
+    seen: dict[str, set[int]] = {"read": set(), "write": set(), "list": set(), "check": set()}
 
     def spy(kind: str, fn):  # type: ignore[no-untyped-def]
         def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -336,13 +352,16 @@ async def test_io_runs_on_worker_threads(tmp_path: Path, monkeypatch: pytest.Mon
             return fn(*args, **kwargs)
         return wrapper
 
-    for kind, name in (("read", "read_one"), ("write", "write_one"), ("scan", "scan")):
+    for kind, name in (("read", "read_one"), ("write", "write_one"), ("list", "list_blocks"),
+                       ("check", "check_blocks")):
         monkeypatch.setattr(BlockFiles, name, spy(kind, getattr(BlockFiles, name)))
     loop_thread = threading.get_ident()
     tier = await opened(tmp_path, io_threads=2)
     keys = keys_of(6)
-    await tier.write(keys, payloads(6))
-    await tier.read(keys, buffers(6))
+    assert await tier.write(keys, payloads(6)) == [True] * 6
+    await tier.aclose()
+    again = await opened(tmp_path, io_threads=2)  # the scan checks real files
+    assert await again.read(keys, buffers(6)) == [True] * 6
     assert all(seen.values()), seen
     assert loop_thread not in set().union(*seen.values())
 

@@ -28,6 +28,7 @@ from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from .base import Tier, TierStatistics
 from .disk_io import (
+    MAX_KEY_BYTES,
     BlockFiles,
     FileEntry,
     ReadStatus,
@@ -39,9 +40,6 @@ from .disk_io import (
 __all__ = ["DiskTier", "raw_read_ceiling"]
 
 T = TypeVar("T")
-
-MAX_KEY_BYTES = 1 << 16
-"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
 
 class DiskTier(Tier):
@@ -157,7 +155,7 @@ class DiskTier(Tier):
         want = self._direct_wanted
         locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
 
-        def prepare() -> tuple[BlockFiles, list[FileEntry], int, int]:
+        def prepare() -> tuple[BlockFiles, list[str], int]:
             os.makedirs(directory, exist_ok=True)
             direct = probe_direct(directory) if want is None else bool(want)
             files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
@@ -166,10 +164,23 @@ class DiskTier(Tier):
                 raise UsageError(f"another DiskTier (in this or another process) is using "
                                  f"{directory}; give each cache its own directory")
             locked.append(files)
-            return (files, *files.scan())
+            return (files, *files.list_blocks())
 
+        entries: list[FileEntry] = []
         try:
-            files, entries, temps, bad = await self._run(prepare)
+            files, names, temps = await self._run(prepare)
+            # Checking headers costs a few syscalls per file: spread them over the threads.
+            parts = max(1, min(self.io_threads, len(names) // 256))
+            bads = [0] * parts
+
+            async def check(part: int) -> None:
+                bads[part] = await self._run(files.check_blocks, names[part::parts], entries)
+
+            async with anyio.create_task_group() as tg:
+                for part in range(parts):
+                    tg.start_soon(check, part)
+            bad = sum(bads)
+            entries.sort(key=lambda e: e.mtime_ns)
         except BaseException as exc:
             for files in locked:
                 files.unlock()

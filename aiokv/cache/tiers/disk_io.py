@@ -37,6 +37,7 @@ from . import codec
 
 __all__ = [
     "ALIGN",
+    "MAX_KEY_BYTES",
     "BLOCK_SUFFIX",
     "TEMP_PREFIX",
     "BlockFiles",
@@ -53,6 +54,8 @@ ALIGN = 4096
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = "lock"
+MAX_KEY_BYTES = 1 << 16
+"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -358,42 +361,75 @@ class BlockFiles:
     # -- the index at start ----------------------------------------------------------------
 
     def scan(self) -> tuple[list[FileEntry], int, int]:
-        """Verify every file's header and length (not the payload's checksum: reads check
-        it) and remove temporary files and files that fail.
+        """``list_blocks`` then ``check_blocks`` in this thread (``DiskTier.open`` spreads
+        the checks over its threads instead).
 
         Returns:
             (entries oldest first, temporary files removed, bad files removed).
         """
+        names, temps = self.list_blocks()
         entries: list[FileEntry] = []
-        temps = bad = 0
-        with os.scandir(self.directory) as it:
-            for item in it:
-                name = item.name
-                if name.startswith(TEMP_PREFIX):
-                    temps += self._unlink(item.path)
-                    continue
-                if not name.endswith(BLOCK_SUFFIX) or not item.is_file(follow_symlinks=False):
-                    continue
-                entry = self._check(item)
-                if entry is None:
-                    bad += self._unlink(item.path)
-                else:
-                    entries.append(entry)
+        bad = self.check_blocks(names, entries)
         entries.sort(key=lambda e: e.mtime_ns)
         return entries, temps, bad
 
-    def _check(self, item: os.DirEntry[str]) -> FileEntry | None:
+    def list_blocks(self) -> tuple[list[str], int]:
+        """Names of the block files here, after removing temporary files (writes a crash
+        interrupted; no live writer can own them while this tier holds the lock).
+
+        Returns:
+            (block file names, temporary files removed).
+        """
+        names: list[str] = []
+        temps = 0
+        with os.scandir(self.directory) as it:
+            for item in it:
+                if item.name.startswith(TEMP_PREFIX):
+                    temps += self._unlink(item.path)
+                elif item.name.endswith(BLOCK_SUFFIX):
+                    names.append(item.name)
+        return names, temps
+
+    def check_blocks(self, names: Sequence[str], entries: list[FileEntry]) -> int:
+        """Verify each file's header and length (not the payload's checksum: reads check
+        it), appending good ones to ``entries`` and removing bad ones.
+
+        A file that cannot be read now (an I/O error) is neither indexed nor removed.
+
+        Returns:
+            bad files removed.
+        """
+        bad = 0
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                entry = self._check(path)
+            except OSError:
+                continue
+            if entry is None:
+                bad += self._unlink(path)
+            else:
+                entries.append(entry)
+        return bad
+
+    def _check(self, path: str) -> FileEntry | None:
         try:
-            st = item.stat(follow_symlinks=False)
-            with open(item.path, "rb") as f:
-                head = f.read(ALIGN)
-                header = codec.parse_header(head)
-                if header is not None and header.size > len(head):
-                    header = codec.parse_header(head + f.read(header.size - len(head)))
+            fd = os.open(path, os.O_RDONLY | _O_BINARY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise
         except OSError:
-            return None
+            return None  # not a regular file we can open (a symlink, a directory): not ours
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, ALIGN, 0)
+            header = codec.parse_header(head)
+            if header is None and st.st_size > ALIGN:  # perhaps a long key
+                longest = min(st.st_size, codec.HEADER_FIXED_BYTES + MAX_KEY_BYTES)
+                header = codec.parse_header(os.pread(fd, longest, 0))
+        finally:
+            os.close(fd)
         if (header is None or not header.matches(self.fingerprint)
-                or self.path(header.key) != item.path
+                or self.path(header.key) != path
                 or st.st_size != file_size(header.key, header.payload_len)):
             return None
         return FileEntry(header.key, header.payload_len, st.st_mtime_ns)
