@@ -27,6 +27,7 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from .base import Tier, TierStatistics
+from .disk_ceiling import raw_read_ceiling
 from .disk_io import (
     MAX_KEY_BYTES,
     BlockFiles,
@@ -34,7 +35,6 @@ from .disk_io import (
     ReadStatus,
     file_size,
     probe_direct,
-    raw_read_ceiling,
 )
 
 __all__ = ["DiskTier", "raw_read_ceiling"]

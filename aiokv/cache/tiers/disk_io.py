@@ -37,6 +37,8 @@ from . import codec
 
 __all__ = [
     "ALIGN",
+    "BINARY_FLAG",
+    "DIRECT_FLAG",
     "MAX_KEY_BYTES",
     "BLOCK_SUFFIX",
     "TEMP_PREFIX",
@@ -46,7 +48,7 @@ __all__ = [
     "file_size",
     "header_span",
     "probe_direct",
-    "raw_read_ceiling",
+    "round_up",
 ]
 
 ALIGN = 4096
@@ -57,8 +59,10 @@ LOCK_NAME = "lock"
 MAX_KEY_BYTES = 1 << 16
 """Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_BINARY = getattr(os, "O_BINARY", 0)
+DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
+"""``os.O_DIRECT`` where the platform has it, else 0."""
+BINARY_FLAG = getattr(os, "O_BINARY", 0)
+"""``os.O_BINARY`` on Windows, else 0."""
 
 
 class ReadStatus:
@@ -79,18 +83,19 @@ class FileEntry:
     mtime_ns: int
 
 
-def _round_up(n: int, align: int = ALIGN) -> int:
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
     return -(-n // align) * align
 
 
 def header_span(key: bytes) -> int:
     """Offset of the payload in a block file: the header rounded up to ``ALIGN``."""
-    return _round_up(codec.header_size(key))
+    return round_up(codec.header_size(key))
 
 
 def file_size(key: bytes, payload_len: int) -> int:
     """Length of a complete block file (a shorter one is truncated, a longer one foreign)."""
-    return _round_up(header_span(key) + payload_len)
+    return round_up(header_span(key) + payload_len)
 
 
 def _address(view: memoryview) -> int:
@@ -115,7 +120,7 @@ class _Bounce(threading.local):
                     self.buf.close()
                 except BufferError:  # a view of it is still alive; let it go with the view
                     pass
-            self.buf = mmap.mmap(-1, _round_up(size, mmap.PAGESIZE))
+            self.buf = mmap.mmap(-1, round_up(size, mmap.PAGESIZE))
         return memoryview(self.buf)[:size]
 
 
@@ -125,13 +130,13 @@ def probe_direct(directory: str) -> bool:
     tmpfs refuses ``O_DIRECT`` at open (EINVAL); some filesystems accept the flag and fail
     the first I/O instead, so this writes and reads one aligned page back.
     """
-    if not _O_DIRECT:
+    if not DIRECT_FLAG:
         return False
     path = os.path.join(directory, f"{TEMP_PREFIX}probe-{secrets.token_hex(8)}")
     buf = mmap.mmap(-1, ALIGN)
     try:
         buf.write(secrets.token_bytes(ALIGN))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | DIRECT_FLAG, 0o600)
         try:
             if os.pwritev(fd, [buf], 0) != ALIGN:
                 return False
@@ -224,7 +229,7 @@ class BlockFiles:
         span = header_span(key)
         length = out.nbytes
         size = file_size(key, length)
-        flags = os.O_RDONLY | _O_BINARY | (_O_DIRECT if self.direct else 0)
+        flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
@@ -261,15 +266,6 @@ class BlockFiles:
         finally:
             os.close(fd)
 
-    def payload_len(self, key: bytes) -> int | None:
-        """The payload length a block file's header claims, or None if unreadable."""
-        try:
-            with open(self.path(key), "rb") as f:
-                header = codec.parse_header(f.read(header_span(key)))
-        except OSError:
-            return None
-        return None if header is None else header.payload_len
-
     @staticmethod
     def _drop(path: str) -> int:
         try:
@@ -281,12 +277,9 @@ class BlockFiles:
     # -- writes ----------------------------------------------------------------------------
 
     def write_many(self, keys: Sequence[bytes], payloads: Sequence[memoryview],
-                   stored: list[bool | None], index: Sequence[int],
-                   doomed: Sequence[bytes] = ()) -> None:
-        """Remove ``doomed`` keys' files, then write ``keys[i]`` for ``i`` in ``index``,
-        setting ``stored[i]``. Removing first frees the room the new blocks take."""
-        for key in doomed:
-            self.remove(key)
+                   stored: list[bool | None], index: Sequence[int]) -> None:
+        """Write ``keys[i]`` for each ``i`` in ``index``, setting ``stored[i]`` (shared with
+        the caller like ``read_many``'s status)."""
         if self.delay:
             time.sleep(self.delay)
         for i in index:
@@ -301,7 +294,7 @@ class BlockFiles:
         span = header_span(key)
         length = payload.nbytes
         size = file_size(key, length)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | (_O_DIRECT if self.direct else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
         fd = -1
         try:
             fd = os.open(temp, flags, 0o644)
@@ -414,7 +407,7 @@ class BlockFiles:
 
     def _check(self, path: str) -> FileEntry | None:
         try:
-            fd = os.open(path, os.O_RDONLY | _O_BINARY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(path, os.O_RDONLY | BINARY_FLAG | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise
         except OSError:
@@ -457,97 +450,3 @@ def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-
-
-# -- the raw ceiling the bench compares the tier with ---------------------------------------
-
-_CEILING_BUFFER_BYTES = 256 << 20
-
-
-def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | None = None, *,
-                     direct: bool | None = None, threads: int = 1, rounds: int = 3) -> float:
-    """GB/s of plain reads of ``count`` files of ``nbytes`` from ``directory``: no header, no
-    checksum, no index, ``io_size`` bytes per read call, ``threads`` files read at once.
-
-    What a disk tier's restore is measured against: the same directory, the same mode
-    (``direct=None`` probes it as ``DiskTier`` does), the same I/O size (``DiskTier.io_size``)
-    and the same threads (``DiskTier.io_threads``). The files are written first (random
-    bytes) and removed after; buffered reads come from the page cache like the tier's would.
-    The best of ``rounds`` passes is returned.
-    """
-    if nbytes <= 0 or count <= 0 or threads <= 0 or rounds <= 0:
-        raise ValueError("nbytes, count, threads and rounds must be positive")
-    io_size = nbytes if io_size is None else io_size
-    if direct is None:
-        direct = probe_direct(directory)
-    size = _round_up(nbytes) if direct else nbytes
-    io_size = _round_up(io_size) if direct else io_size
-    if io_size <= 0:
-        raise ValueError("io_size must be positive")
-    work = os.path.join(directory, f"{TEMP_PREFIX}ceiling-{secrets.token_hex(6)}")
-    os.makedirs(work)
-    paths = [os.path.join(work, str(i)) for i in range(count)]
-    try:
-        data = os.urandom(size)
-        for path in paths:
-            with open(path, "wb") as f:
-                f.write(data)
-        flags = os.O_RDONLY | _O_BINARY | (_O_DIRECT if direct else 0)
-
-        # Each thread reads into a few distinct buffers in turn, as a restore fills distinct
-        # host chunks: one reused buffer would stay in the CPU cache and flatter the ceiling.
-        slots = max(1, min(16, _CEILING_BUFFER_BYTES // threads // _round_up(io_size)))
-
-        def read_files(mine: list[str]) -> None:
-            buf = mmap.mmap(-1, slots * _round_up(io_size))
-            view = memoryview(buf)
-            try:
-                for j, path in enumerate(mine):
-                    base = (j % slots) * _round_up(io_size)
-                    fd = os.open(path, flags)
-                    try:
-                        offset = 0
-                        while offset < size:
-                            step = min(io_size, size - offset)
-                            got = os.preadv(fd, [view[base:base + step]], offset)
-                            if got <= 0:
-                                raise OSError(errno.EIO, f"{path} is shorter than {size} bytes")
-                            offset += got
-                    finally:
-                        os.close(fd)
-            finally:
-                view.release()
-                buf.close()
-
-        failures: list[BaseException] = []
-
-        def run(mine: list[str]) -> None:
-            try:
-                read_files(mine)
-            except BaseException as exc:  # reported by the caller's thread below
-                failures.append(exc)
-
-        best = 0.0
-        for _ in range(rounds):
-            groups = [paths[t::threads] for t in range(threads)]
-            workers = [threading.Thread(target=run, args=(g,)) for g in groups if g]
-            start = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            elapsed = time.perf_counter() - start
-            if failures:
-                raise failures[0]
-            best = max(best, count * nbytes / elapsed / 1e9)
-        return best
-    finally:
-        for path in paths:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        try:
-            os.rmdir(work)
-        except OSError:
-            pass
