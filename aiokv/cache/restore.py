@@ -26,7 +26,7 @@ from .records import RestoreResult
 
 __all__ = ["BATCH_BYTES", "Staging", "restore_through_tiers"]
 
-BATCH_BYTES = 8 << 20
+BATCH_BYTES = 16 << 20
 """Bytes one pipelined batch reads from the tiers: large enough to keep a disk or a Redis
 connection busy, small enough that the first copy to the GPU starts early."""
 BATCH_KEYS = 64
