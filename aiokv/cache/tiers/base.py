@@ -81,7 +81,8 @@ class Tier(abc.ABC):
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
         """Fill ``out[i]`` (exactly ``block_bytes`` long) with the verified payload of
         ``keys[i]``. False is a miss (absent, failed, corrupt, timed out) and leaves
-        ``out[i]`` undefined. Never raises for I/O problems."""
+        ``out[i]`` undefined. Never raises for I/O problems. Nothing writes ``out`` once
+        this returns or is cancelled: the cache hands the buffers to other work then."""
 
     @abc.abstractmethod
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
