@@ -16,6 +16,7 @@ the next ``open`` (bad header or length) or at its first read (bad checksum). Wi
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
@@ -450,17 +451,19 @@ class DiskTier(Tier):
         # so the call returns only once its threads are done with them.
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def _spread(self, work: Callable[[list[int]], None], todo: list[int]) -> None:
-        """Run ``work(index_slice)`` over ``todo`` split across the I/O threads."""
+    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int]) -> None:
+        """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
+        ``todo`` (each thread takes the next index when it is free)."""
         if not todo:
             return
+        queue = deque(todo)
         parts = min(self.io_threads, len(todo))
         if parts == 1:
-            await self._run(work, todo)
+            await self._run(work, queue)
             return
         async with anyio.create_task_group() as tg:
-            for p in range(parts):
-                tg.start_soon(self._run, work, todo[p::parts])
+            for _ in range(parts):
+                tg.start_soon(self._run, work, queue)
 
     def _remove_files(self, keys: list[bytes]) -> None:
         assert self._files is not None

@@ -8,11 +8,13 @@ checksums or an index: what the filesystem gives, so a tier's figure reads as a 
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import secrets
 import threading
 import time
+from collections import deque
 
 from .disk_io import BINARY_FLAG, DIRECT_FLAG, TEMP_PREFIX, probe_direct, round_up
 
@@ -49,17 +51,25 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
         for path in paths:
             with open(path, "wb") as f:
                 f.write(data)
+                # Written back now: a direct read of dirty pages would wait for writeback
+                # first and understate the ceiling (the tier's own direct writes are done).
+                f.flush()
+                os.fsync(f.fileno())
         flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if direct else 0)
 
         # Each thread reads into a few distinct buffers in turn, as a restore fills distinct
         # host chunks: one reused buffer would stay in the CPU cache and flatter the ceiling.
         slots = max(1, min(16, _CEILING_BUFFER_BYTES // threads // round_up(io_size)))
 
-        def read_files(mine: list[str]) -> None:
+        def read_files(queue: deque[str]) -> None:
             buf = mmap.mmap(-1, slots * round_up(io_size))
             view = memoryview(buf)
             try:
-                for j, path in enumerate(mine):
+                for j in itertools.count():
+                    try:
+                        path = queue.popleft()
+                    except IndexError:
+                        return
                     base = (j % slots) * round_up(io_size)
                     fd = os.open(path, flags)
                     try:
@@ -78,16 +88,17 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
 
         failures: list[BaseException] = []
 
-        def run(mine: list[str]) -> None:
+        def run(queue: deque[str]) -> None:
             try:
-                read_files(mine)
+                read_files(queue)
             except BaseException as exc:  # reported by the caller's thread below
                 failures.append(exc)
 
         best = 0.0
         for _ in range(rounds):
-            groups = [paths[t::threads] for t in range(threads)]
-            workers = [threading.Thread(target=run, args=(g,)) for g in groups if g]
+            # One shared queue, as DiskTier's threads share one per call.
+            queue = deque(paths)
+            workers = [threading.Thread(target=run, args=(queue,)) for _ in range(min(threads, count))]
             start = time.perf_counter()
             for w in workers:
                 w.start()

@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -212,15 +213,21 @@ class BlockFiles:
     # -- reads -----------------------------------------------------------------------------
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                  status: list[int], index: Sequence[int]) -> None:
-        """Read ``keys[i]`` into ``outs[i]`` for each ``i`` in ``index``, setting ``status[i]``.
+                  status: list[int], todo: deque[int]) -> None:
+        """Read ``keys[i]`` into ``outs[i]`` for each ``i`` taken from ``todo``, setting
+        ``status[i]``.
 
-        The status list is shared with the caller, so what finished is known even if the
-        awaiting task was cancelled meanwhile.
+        Several threads share one ``todo`` queue, so one that drew slow files does not hold
+        the whole call back while the others idle. The status list is shared with the
+        caller, so what finished is known even if the awaiting task was cancelled meanwhile.
         """
         if self.delay:
             time.sleep(self.delay)
-        for i in index:
+        while True:
+            try:
+                i = todo.popleft()
+            except IndexError:
+                return
             status[i] = self.read_one(keys[i], outs[i])
 
     def read_one(self, key: bytes, out: memoryview) -> int:
@@ -277,12 +284,16 @@ class BlockFiles:
     # -- writes ----------------------------------------------------------------------------
 
     def write_many(self, keys: Sequence[bytes], payloads: Sequence[memoryview],
-                   stored: list[bool | None], index: Sequence[int]) -> None:
-        """Write ``keys[i]`` for each ``i`` in ``index``, setting ``stored[i]`` (shared with
-        the caller like ``read_many``'s status)."""
+                   stored: list[bool | None], todo: deque[int]) -> None:
+        """Write ``keys[i]`` for each ``i`` taken from ``todo``, setting ``stored[i]``
+        (the queue and list are shared as in ``read_many``)."""
         if self.delay:
             time.sleep(self.delay)
-        for i in index:
+        while True:
+            try:
+                i = todo.popleft()
+            except IndexError:
+                return
             stored[i] = self.write_one(keys[i], payloads[i])
 
     def write_one(self, key: bytes, payload: memoryview) -> bool:
