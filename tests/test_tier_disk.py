@@ -335,7 +335,7 @@ async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(
     held = [k for k, ok in zip(keys, stored) if ok]
     assert [tier.holds(k) for k in keys] == stored
     assert tier.statistics().errors == stored.count(False)
-    assert not temp_files(tier)
+    assert not temp_files(tier) and len(block_files(tier)) == len(held)
     out = buffers(len(held), size)
     assert await tier.read(held, out) == [True] * len(held)
     want = [bytes(d) for d, ok in zip(data, stored) if ok]
@@ -393,6 +393,9 @@ async def test_misuse_raises(tmp_path: Path) -> None:
         DiskTier(tmp_path, capacity_bytes=0)
     with pytest.raises(InvalidSpec):
         DiskTier(tmp_path, capacity_bytes=BLOCK, io_threads=0)
+    with pytest.raises(InvalidSpec):
+        DiskTier(tmp_path, capacity_bytes=BLOCK, simulated_latency=-1)
+    assert DiskTier(tmp_path, capacity_bytes=BLOCK, write_through=True).write_through
     tier = DiskTier(tmp_path, capacity_bytes=8 * BLOCK)
     with pytest.raises(UsageError):
         await tier.read(keys_of(1), buffers(1))

@@ -11,6 +11,12 @@ place, and every read verifies the header (layout, key, length) and the payload'
 A crash therefore never leaves a half-written block that reads as whole: it is dropped at
 the next ``open`` (bad header or length) or at its first read (bad checksum). With
 ``fsync=True`` each block is also on stable storage before ``write`` reports it stored.
+
+Threads: every file operation runs in a thread bounded by ``io_threads``; a call's blocks
+are shared out among them. Calls carry no timeout of their own and a cancelled call waits
+for its threads: a read thread writes into the caller's buffers, so abandoning it would let
+the caller reuse memory that is still being filled. A local disk answers or fails with an
+error; ``simulated_latency`` models a slow one in tests.
 """
 
 from __future__ import annotations
