@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 import anyio
+import anyio.to_thread
 import numpy as np
 
 from ..errors import TransferFailed
@@ -82,81 +83,118 @@ async def restore_through_tiers(
     of loads that failed on the device."""
     bb = cascade.block_bytes
     per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // bb))
-    loads: list[_Load] = []
+    slots: list[_Slot] = []
     pos = 0
-    while pos < len(keys):
-        batch = list(keys[pos : pos + per_batch])
-        in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
-        need = in_host.count(False)
-        while need and not staging.free:
-            await staging.wait()
-            in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # the wait let others run
+    async with anyio.create_task_group() as tg:
+        while pos < len(keys):
+            batch = list(keys[pos : pos + per_batch])
+            in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
             need = in_host.count(False)
-        taken = staging.take(need)
-        if len(taken) < need:  # cut the batch before the first key without a staging chunk
-            cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
-            batch, in_host = batch[:cut], in_host[:cut]
-        host_keys = [k for k, h in zip(batch, in_host) if h]
-        host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
-        staged = [i for i, h in enumerate(in_host) if not h]
-        src = [0] * len(batch)
-        for i, chunk in zip(staged, taken):
-            src[i] = chunk
-        for i, h in enumerate(in_host):
-            if h:
-                src[i] = host_start + next(host_chunks)
-        try:
-            found = await _read(cascade, pool, [batch[i] for i in staged], taken) if staged else []
-        except BaseException:
-            mgr.complete_load(host_keys)
-            staging.give(taken)
-            raise
-        sources: list[TierLink | None] = [None] * len(batch)
-        end = len(batch)
-        for i, link in zip(staged, found):
-            if link is None:
-                end = i
-                break
-            sources[i] = link
-        kept_host = [k for k, h in zip(batch[:end], in_host[:end]) if h]
-        kept_staging = [src[i] for i in staged if i < end]
-        mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
-        staging.give([src[i] for i in staged if i >= end])
-        if end:
+            while need and not staging.free:
+                await staging.wait()
+                in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # others ran meanwhile
+                need = in_host.count(False)
+            taken = staging.take(need)
+            if len(taken) < need:  # cut the batch before the first key without a staging chunk
+                cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
+                batch, in_host = batch[:cut], in_host[:cut]
+            host_keys = [k for k, h in zip(batch, in_host) if h]
+            host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
+            staged = [i for i, h in enumerate(in_host) if not h]
+            src = [0] * len(batch)
+            for i, chunk in zip(staged, taken):
+                src[i] = chunk
+            for i, h in enumerate(in_host):
+                if h:
+                    src[i] = host_start + next(host_chunks)
             try:
-                future = submit(CPULoadStoreSpec(src[:end]), blocks[pos : pos + end])
+                found, rows = await _read(cascade, pool, [batch[i] for i in staged], taken)
             except BaseException:
-                mgr.complete_load(kept_host)
-                staging.give(kept_staging)
+                mgr.complete_load(host_keys)
+                staging.give(taken)
                 raise
+            sources: list[TierLink | None] = [None] * len(batch)
+            end = len(batch)
+            for i, link in zip(staged, found):
+                if link is None:
+                    end = i
+                    break
+                sources[i] = link
+            mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
+            staging.give([src[i] for i in staged if i >= end])
+            if end:
+                slot = _Slot(
+                    src[:end], blocks[pos : pos + end], [k for k, h in zip(batch[:end], in_host[:end]) if h],
+                    [src[i] for i in staged if i < end], sources[:end],
+                )
+                slots.append(slot)
+                if rows is None:
+                    slot.submit(mgr, staging, submit)
+                else:  # put the pages in host order off the loop while the next batch reads
+                    hit = len(slot.staged)
+                    tg.start_soon(_place_and_submit, slot, cascade, pool, rows[:hit], mgr, staging, submit)
+            pos += end
+            if end < len(batch) or not batch:
+                break
+    for slot in slots:
+        if slot.error is not None:
+            raise slot.error
+    return await _settle([s.load for s in slots if s.load is not None], len(keys), bb)
 
-            def release(_fut: TransferFuture, kept_host: list[Hashable] = kept_host,
-                        kept_staging: list[int] = kept_staging) -> None:
-                mgr.complete_load(kept_host)
-                staging.give(kept_staging)
 
-            future.add_done_callback(release)
-            loads.append(_Load(future, end, len(kept_host), sources[:end]))
-        pos += end
-        if end < len(batch) or not batch:
-            break
-    return await _settle(loads, len(keys), bb)
+class _Slot:
+    """One batch on its way to the GPU: its chunks, pins and, once submitted, its load."""
+
+    def __init__(self, src: list[int], blocks: list[int], pinned: list[Hashable], staged: list[int],
+                 sources: list[TierLink | None]) -> None:
+        self.src, self.blocks, self.pinned, self.staged, self.sources = src, blocks, pinned, staged, sources
+        self.load: _Load | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, mgr: ChunkManager, staging: Staging, submit: Submit) -> None:
+        """Submit the load; its pins and staging chunks go back when it is over (or now, if
+        the worker refuses it)."""
+        try:
+            future = submit(CPULoadStoreSpec(self.src), self.blocks)
+        except BaseException:
+            self.release(mgr, staging)
+            raise
+        future.add_done_callback(lambda _fut: self.release(mgr, staging))
+        self.load = _Load(future, len(self.src), len(self.pinned), self.sources)
+
+    def release(self, mgr: ChunkManager, staging: Staging) -> None:
+        mgr.complete_load(self.pinned)
+        staging.give(self.staged)
+
+
+async def _place_and_submit(slot: _Slot, cascade: Cascade, pool: np.ndarray, rows: np.ndarray,
+                            mgr: ChunkManager, staging: Staging, submit: Submit) -> None:
+    try:
+        # Not abandoned on cancel: the thread writes staging chunks, which return only after.
+        await anyio.to_thread.run_sync(cascade.pages.scatter, pool, slot.staged, rows)
+    except BaseException:
+        slot.release(mgr, staging)
+        raise
+    try:
+        slot.submit(mgr, staging, submit)
+    except Exception as exc:  # raised by the restore, not as a task group's exception group
+        slot.error = exc
 
 
 async def _read(cascade: Cascade, pool: np.ndarray, keys: list[Hashable],
-                chunks: list[int]) -> list[TierLink | None]:
-    """Read ``keys`` into the staging ``chunks``: in place when the host keeps pages in
-    portable order, else through a buffer whose pages are then put where the host wants."""
+                chunks: list[int]) -> tuple[list[TierLink | None], np.ndarray | None]:
+    """Read ``keys``: straight into the staging ``chunks`` when the host keeps pages in
+    portable order, else into rows (returned, hits first) to be put in host order."""
+    if not keys:
+        return [], None
     pages = cascade.pages
     if pages.identity:
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
-        return await cascade.read(keys, views)
+        return await cascade.read(keys, views), None
     rows = np.empty((len(keys), pages.payload_bytes), dtype=np.uint8)
     found = await cascade.read(keys, [memoryview(r.data) for r in rows])
-    hit = [i for i, f in enumerate(found) if f is not None]
-    pages.scatter(pool, [chunks[i] for i in hit], rows[hit])
-    return found
+    return found, rows
 
 
 async def _settle(loads: list[_Load], requested: int, block_bytes: int) -> tuple[RestoreResult, int]:
