@@ -130,8 +130,7 @@ class RedisTier(Tier):
         if kind == "asyncio" and loop_library() != "asyncio":
             raise UsageError("RedisTier(client='asyncio') runs on an asyncio loop only; use 'auto'")
         if kind == "asyncio":
-            self._io = self._client_module.AsyncioRedis(self._url, self.cluster, self.timeout,
-                                                        self._threads)
+            self._io = self._client_module.AsyncioRedis(self._url, self.cluster, self.timeout)
             self._limiter = anyio.CapacityLimiter(self._threads)
         else:
             thread_io = self._client_module.ThreadRedis(self._url, self.cluster, self.timeout,

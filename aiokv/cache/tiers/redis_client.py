@@ -102,14 +102,16 @@ class AsyncioRedis:
 
     threaded = False
 
-    def __init__(self, url: str, cluster: bool, timeout: float, max_connections: int) -> None:
+    def __init__(self, url: str, cluster: bool, timeout: float) -> None:
         options = client_options(timeout, asyncio=True)
         self._timeout = timeout
         if cluster:
             self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(
                 url, **options)
         else:
-            self._client = redis.asyncio.Redis.from_url(url, max_connections=max_connections, **options)
+            # No connection cap: a capped pool refuses (not waits) past it, and concurrent
+            # batches would read as misses; the callers' own concurrency bounds it.
+            self._client = redis.asyncio.Redis.from_url(url, **options)
 
     async def round_trip(self, ops: Sequence[Op]) -> list[Any]:
         """Send one group as a pipeline; per-command errors come back in place."""
@@ -133,7 +135,7 @@ class ThreadRedis:
             self._client: Any = redis.cluster.RedisCluster.from_url(
                 url, **options)
         else:
-            self._client = redis.Redis.from_url(url, max_connections=threads, **options)
+            self._client = redis.Redis.from_url(url, **options)  # at most one per thread
         self.limiter = anyio.CapacityLimiter(threads)
         self.cluster = cluster
 
