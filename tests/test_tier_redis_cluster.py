@@ -96,6 +96,7 @@ async def test_a_dead_node_costs_only_its_own_keys(tmp_path: Path, anyio_backend
                 hits = await tier.read(keys, out)
             assert time.monotonic() - begin < 5
             assert hits == [not gone for gone in lost]
+            assert await tier.exists(keys) == hits  # the live nodes still answer
             assert all(bytes(o) == d for o, d, hit in zip(out, data, hits) if hit)
             assert tier.statistics().errors >= sum(lost)
             victim.start()

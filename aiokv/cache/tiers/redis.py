@@ -11,6 +11,7 @@ next call, so the tier recovers by itself. See docs/tiers.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -160,13 +161,24 @@ class RedisTier(Tier):
         EXISTS; a failure answers False for the keys it covered."""
         self._check_open()
         answers = [False] * len(keys)
+        io = self._io
         for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
             chunk = range(lo, min(lo + _EXISTS_PER_ROUND_TRIP, len(keys)))
-            replies = await self._round_trip([("exists", self.redis_key(keys[i])) for i in chunk])
+            names = [self.redis_key(keys[i]) for i in chunk]
+            replies: list[object] | None
+            if io is not None and io.threaded:
+                thread_io = cast("ThreadRedis", io)
+                try:
+                    replies = await thread_io.run(functools.partial(thread_io.exists_blocking, names))
+                except Exception:  # as in _round_trip
+                    self._n["errors"] += 1
+                    replies = None
+            else:
+                replies = await self._round_trip([("exists", name) for name in names])
             if replies is None:
                 break
             for i, reply in zip(chunk, replies):
-                answers[i] = reply == 1
+                answers[i] = reply is True or reply == 1
         return answers
 
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:

@@ -25,7 +25,7 @@ import anyio
 import anyio.to_thread
 
 from ...errors import InvalidSpec
-from .redis_wire import WRONG_LENGTH, read_into, write_from
+from .redis_wire import WRONG_LENGTH, exist, read_into, write_from
 
 try:
     import redis
@@ -158,6 +158,10 @@ class ThreadRedis:
         return self._per_node(names, lambda client, picks: write_from(
             client, [names[j] for j in picks], [headers[j] for j in picks],
             [payloads[j] for j in picks], ttl))
+
+    def exists_blocking(self, names: Sequence[bytes]) -> list[object]:
+        """Pipelined EXISTS, per node on a cluster (``redis_wire.exist``)."""
+        return self._per_node(names, lambda client, picks: exist(client, [names[j] for j in picks]))
 
     def _per_node(self, names: Sequence[bytes],
                   exchange: Callable[[Any, list[int]], list[object]]) -> list[object]:

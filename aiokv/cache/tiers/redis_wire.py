@@ -19,7 +19,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["WRONG_LENGTH", "read_into", "write_from"]
+__all__ = ["WRONG_LENGTH", "exist", "read_into", "write_from"]
 
 WRONG_LENGTH = object()  # a value of another length: never this layout's block, a miss
 _LINE_READ = 256
@@ -87,6 +87,28 @@ def write_from(client: Any, names: Sequence[bytes], headers: Sequence[bytes],
     Returns per key True or a ``ResponseError`` (e.g. OOM). Raises for connection trouble.
     """
     return _on_connection(client, lambda conn: _send_sets(conn, names, headers, payloads, ttl))
+
+
+def exist(client: Any, names: Sequence[bytes]) -> list[object]:
+    """Pipelined ``EXISTS names[i]``: per key True/False or a ``ResponseError``."""
+    return _on_connection(client, lambda conn: _ask_exists(conn, names))
+
+
+def _ask_exists(conn: Any, names: Sequence[bytes]) -> list[object]:
+    conn.send_packed_command(conn.pack_commands([(b"EXISTS", name) for name in names]))
+    reader = _Reader(_socket(conn))
+    replies: list[object] = []
+    for _ in names:
+        line = reader.line()
+        if line[:1] == b":":
+            replies.append(int(line[1:]) == 1)
+        elif line[:1] == b"-":
+            replies.append(ResponseError(line[1:].decode(errors="replace")))
+        else:
+            raise RedisConnectionError(f"unexpected reply {line[:40]!r} to EXISTS")
+    if reader.pending:
+        raise RedisConnectionError("bytes after the last reply: the stream is out of step")
+    return replies
 
 
 def _on_connection(client: Any, exchange: Callable[[Any], list[object]]) -> list[object]:
