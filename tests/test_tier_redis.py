@@ -429,6 +429,10 @@ async def test_misuse_raises_and_io_trouble_does_not(server: RedisServer, anyio_
     assert (await tier.read([], []), await tier.write([], []), await tier.exists([])) == ([], [], [])
     with pytest.raises(InvalidSpec):
         await tier.read(keys_of(2), buffers(1))
+    with pytest.raises(InvalidSpec):
+        await tier.read(keys_of(1), [memoryview(bytes(BLOCK))])  # read-only
+    with pytest.raises(InvalidSpec):
+        await tier.write(keys_of(1), [memoryview(bytearray(2 * BLOCK))[::2]])  # strided
     await tier.aclose()
     with pytest.raises(UsageError):
         await tier.write(keys_of(1), buffers(1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -25,6 +24,7 @@ from ...errors import InvalidSpec, UsageError
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics
+from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
     from .redis_client import AsyncioRedis, Op, ThreadRedis
@@ -58,7 +58,7 @@ class RedisTier(Tier):
         ttl: seconds a block lives in the store (SET EX), or None to keep it until evicted.
         cluster: force cluster mode on (True) or check it is off (False); None: from the URL.
         client: "thread" (redis-py's blocking client on worker threads, any loop; GET
-            replies land straight in the caller's buffers on a standalone server),
+            replies land straight in the caller's buffers, SETs go from them),
             "asyncio" (redis-py's asyncio client, asyncio loops only) or "auto" (the thread
             client: it restored 2-3x faster than the asyncio client on loopback, whose
             parser copies each value several times on the loop thread; docs/tiers.md).
@@ -110,8 +110,7 @@ class RedisTier(Tier):
         self._io: AsyncioRedis | ThreadRedis | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._closed = False
-        self._held: OrderedDict[bytes, int] | None = OrderedDict() if capacity_bytes else None
-        self._held_bytes = 0
+        self._quota = WriteQuota(capacity_bytes) if capacity_bytes else None
         self._n = dict.fromkeys(("reads", "read_hits", "read_bytes", "writes", "write_bytes",
                                  "errors", "corrupt", "evictions"), 0)
 
@@ -186,7 +185,7 @@ class RedisTier(Tier):
         self._check_open()
         if len(keys) != len(out):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
-        views = [_byte_view(o) for o in out]
+        views = [_byte_view(o, writable=True) for o in out]
         status = [_MISS] * len(keys)
         groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
         await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
@@ -198,8 +197,11 @@ class RedisTier(Tier):
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
         views = [_byte_view(p) for p in payloads]
-        wanted = self._fitting([len(v) for v in views])
-        evict = self._make_room([keys[i] for i in wanted], [len(views[i]) for i in wanted])
+        quota = self._quota
+        wanted = list(range(len(views))) if quota is None else quota.fitting([len(v) for v in views])
+        evict = [] if quota is None else quota.make_room([keys[i] for i in wanted],
+                                                         [len(views[i]) for i in wanted])
+        self._n["evictions"] += len(evict)
         keys = [keys[i] for i in wanted]
         views = [views[i] for i in wanted]
         replies: list[object] = [None] * len(keys)
@@ -213,7 +215,8 @@ class RedisTier(Tier):
                 stored[wanted[pos]] = True
                 self._n["writes"] += 1
                 self._n["write_bytes"] += len(views[pos])
-                self._remember(keys[pos], len(views[pos]))
+                if quota is not None:
+                    quota.remember(keys[pos], len(views[pos]))
         if evict:
             await self._round_trip([("del", self.redis_key(k)) for k in evict])
         return stored
@@ -281,11 +284,11 @@ class RedisTier(Tier):
     def statistics(self) -> TierStatistics:
         """Counters since open; ``blocks``/``bytes_held`` count what this process wrote and
         still holds when ``capacity_bytes`` is set, else -1 (a shared store cannot say)."""
-        held = self._held
+        quota = self._quota
         return TierStatistics(
             name=self.name,
-            blocks=-1 if held is None else len(held),
-            bytes_held=-1 if held is None else self._held_bytes,
+            blocks=-1 if quota is None else quota.blocks,
+            bytes_held=-1 if quota is None else quota.bytes_held,
             **self._n,
         )
 
@@ -393,8 +396,8 @@ class RedisTier(Tier):
             if hit:
                 n["read_hits"] += 1
                 n["read_bytes"] += len(views[i])
-                if self._held is not None and keys[i] in self._held:
-                    self._held.move_to_end(keys[i])
+                if self._quota is not None:
+                    self._quota.touch(keys[i])
         n["corrupt"] += status.count(_CORRUPT)
         n["errors"] += status.count(_FAILED)
         return hits
@@ -403,45 +406,18 @@ class RedisTier(Tier):
         """Header + payload as one value per key (the asyncio client sends whole values)."""
         return [b"".join((codec.encode(self._fp, keys[j], views[j]), views[j])) for j in group]
 
-    def _fitting(self, sizes: list[int]) -> list[int]:
-        """The payloads of one batch that fit ``capacity_bytes`` together (all without it)."""
-        if self.capacity_bytes is None:
-            return list(range(len(sizes)))
-        fitting, total = [], 0
-        for i, size in enumerate(sizes):
-            if total + size <= self.capacity_bytes:
-                fitting.append(i)
-                total += size
-        return fitting
 
-    def _make_room(self, keys: list[bytes], sizes: list[int]) -> list[bytes]:
-        """This process's least recently used blocks to delete so ``keys`` fit."""
-        if self._held is None or self.capacity_bytes is None:
-            return []
-        incoming = set(keys)
-        need = sum(sizes) - sum(self._held.get(k, 0) for k in incoming)
-        victims: list[bytes] = []
-        for key in list(self._held):
-            if self._held_bytes + need <= self.capacity_bytes:
-                break
-            if key not in incoming:
-                self._held_bytes -= self._held.pop(key)
-                victims.append(key)
-        self._n["evictions"] += len(victims)
-        return victims
-
-    def _remember(self, key: bytes, size: int) -> None:
-        if self._held is None:
-            return
-        self._held_bytes += size - self._held.pop(key, 0)
-        self._held[key] = size
-
-
-def _byte_view(buffer: memoryview) -> memoryview:
-    view = memoryview(buffer)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    return view.cast("B")
+def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
+    """A flat byte view of a caller's buffer; a buffer the tier cannot use is misuse."""
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
+    if not view.c_contiguous:
+        raise InvalidSpec("tier buffers must be contiguous")
+    if writable and view.readonly:
+        raise InvalidSpec("read() needs writable buffers to fill")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _client_module() -> ModuleType:
