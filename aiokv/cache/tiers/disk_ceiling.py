@@ -16,6 +16,8 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from .disk_io import BINARY_FLAG, DIRECT_FLAG, TEMP_PREFIX, probe_direct, round_up
 
 __all__ = ["raw_read_ceiling"]
@@ -46,6 +48,7 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
     work = os.path.join(directory, f"{TEMP_PREFIX}ceiling-{secrets.token_hex(6)}")
     os.makedirs(work)
     paths = [os.path.join(work, str(i)) for i in range(count)]
+    buffers: list[mmap.mmap] = []
     try:
         data = os.urandom(size)
         for path in paths:
@@ -59,10 +62,15 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
 
         # Each thread reads into a few distinct buffers in turn, as a restore fills distinct
         # host chunks: one reused buffer would stay in the CPU cache and flatter the ceiling.
-        slots = max(1, min(16, _CEILING_BUFFER_BYTES // threads // round_up(io_size)))
+        # They are touched before the clock starts, as a host pool's chunks are.
+        span = round_up(io_size)
+        slots = max(1, min(16, _CEILING_BUFFER_BYTES // threads // span))
+        workers_n = min(threads, count)
+        buffers = [mmap.mmap(-1, slots * span) for _ in range(workers_n)]
+        for buf in buffers:
+            np.frombuffer(buf, dtype=np.uint8)[:] = 1
 
-        def read_files(queue: deque[str]) -> None:
-            buf = mmap.mmap(-1, slots * round_up(io_size))
+        def read_files(queue: deque[str], buf: mmap.mmap) -> None:
             view = memoryview(buf)
             try:
                 for j in itertools.count():
@@ -70,7 +78,7 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
                         path = queue.popleft()
                     except IndexError:
                         return
-                    base = (j % slots) * round_up(io_size)
+                    base = (j % slots) * span
                     fd = os.open(path, flags)
                     try:
                         offset = 0
@@ -84,13 +92,12 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
                         os.close(fd)
             finally:
                 view.release()
-                buf.close()
 
         failures: list[BaseException] = []
 
-        def run(queue: deque[str]) -> None:
+        def run(queue: deque[str], buf: mmap.mmap) -> None:
             try:
-                read_files(queue)
+                read_files(queue, buf)
             except BaseException as exc:  # reported by the caller's thread below
                 failures.append(exc)
 
@@ -98,7 +105,7 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
         for _ in range(rounds):
             # One shared queue, as DiskTier's threads share one per call.
             queue = deque(paths)
-            workers = [threading.Thread(target=run, args=(queue,)) for _ in range(min(threads, count))]
+            workers = [threading.Thread(target=run, args=(queue, buf)) for buf in buffers]
             start = time.perf_counter()
             for w in workers:
                 w.start()
@@ -110,6 +117,8 @@ def raw_read_ceiling(directory: str, nbytes: int, count: int, io_size: int | Non
             best = max(best, count * nbytes / elapsed / 1e9)
         return best
     finally:
+        for buf in buffers:
+            buf.close()
         for path in paths:
             try:
                 os.unlink(path)
