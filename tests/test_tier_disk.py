@@ -132,6 +132,18 @@ async def test_an_unusable_directory_or_a_cancelled_open(tmp_path: Path) -> None
     assert await tier.write(keys_of(1), payloads(1)) == [True]
 
 
+async def test_direct_true_where_the_filesystem_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokv.cache.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
+    with pytest.raises(TierError, match="O_DIRECT"):
+        await opened(tmp_path, direct=True)
+    tier = await opened(tmp_path)  # the default falls back, and the lock was released
+    assert not tier.direct
+    assert await tier.write(keys_of(1), payloads(1)) == [True]
+
+
 async def test_another_layout_never_reads_these_blocks(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
     keys = keys_of(3)

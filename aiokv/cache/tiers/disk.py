@@ -61,7 +61,8 @@ class DiskTier(Tier):
             an unused ``EvictionPolicy`` instance.
         io_threads: worker threads doing file I/O at once (one batch is spread over them).
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
-            ``open`` and uses it where it works (tmpfs refuses it), False never does.
+            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it), False
+            never does, True requires it (``open`` raises ``TierError`` where it fails).
         fsync: make each block durable before ``write`` reports it (see module docs).
         simulated_latency: seconds each I/O batch sleeps in its thread before it starts, to
             model a slow device in tests and benchmarks; 0 in production.
@@ -164,7 +165,10 @@ class DiskTier(Tier):
 
         def prepare() -> tuple[BlockFiles, list[str], int]:
             os.makedirs(directory, exist_ok=True)
-            direct = probe_direct(directory) if want is None else bool(want)
+            direct = want is not False and probe_direct(directory)
+            if want and not direct:
+                raise TierError(f"direct=True, but the filesystem of {directory} refuses "
+                                f"O_DIRECT; pass direct=None to fall back to buffered I/O")
             files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
                                delay=self._latency)
             if not files.lock():
@@ -191,7 +195,7 @@ class DiskTier(Tier):
         except BaseException as exc:
             for files in locked:
                 files.unlock()
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, TierError):
                 raise TierError(f"cannot open the disk tier at {directory}: {exc}") from exc
             raise
         self._files = files
