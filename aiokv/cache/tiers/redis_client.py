@@ -106,8 +106,8 @@ class AsyncioRedis:
         options = client_options(timeout, asyncio=True)
         self._timeout = timeout
         if cluster:
-            self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(
-                url, **options)
+            options.pop("socket_read_size")  # redis-py 6's asyncio cluster client refuses it
+            self._client: Any = redis.asyncio.cluster.RedisCluster.from_url(url, **options)
         else:
             # No connection cap: a capped pool refuses (not waits) past it, and concurrent
             # batches would read as misses; the callers' own concurrency bounds it.
