@@ -565,7 +565,7 @@ async def test_caches_sharing_a_worker_share_its_job_ids() -> None:
                 tg.start_soon(second.offload, ["x"], [20])
                 await anyio.sleep(0.01)
                 # The next id of the worker's one counter: none of the first cache's skipped.
-                assert sorted(first._in_flight) == [1, 2, 3, 4] and list(second._in_flight) == [5]
+                assert sorted(first._jobs.in_flight) == [1, 2, 3, 4] and list(second._jobs.in_flight) == [5]
                 latch.set()
         finally:
             latch.set()

@@ -18,7 +18,7 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from ..errors import InvalidSpec
+from ..errors import InvalidSpec, UsageError
 from .manager import ChunkManager
 from .pages import PageMap
 from .records import TierCacheStats
@@ -256,9 +256,9 @@ class Cascade:
                 continue
             try:
                 got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
-            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
-                raise
-            except Exception:
+            except (UsageError, InvalidSpec):
+                raise  # misuse (a closed tier, a bad buffer) is the caller's to see
+            except Exception:  # a tier that broke its contract: a miss, not a crash
                 got = [False] * len(want)
             for i, ok in zip(want, got):
                 if ok:
@@ -280,7 +280,7 @@ class Cascade:
                 break
             try:
                 held = await link.tier.exists([self.tier_key(keys[i]) for i in want])
-            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit):
+            except (UsageError, InvalidSpec):
                 raise
             except Exception:
                 held = [False] * len(want)

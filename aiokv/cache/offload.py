@@ -26,26 +26,27 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import anyio
 import anyio.abc
 import numpy as np
 
-from ..errors import DuplicateJob, InvalidSpec, KeyNotLoadable, TransferFailed, UsageError
+from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
 from .admission import AdmissionPolicy
 from .cascade import DEFAULT_QUEUE_BYTES, Cascade
 from .counters import Counters
+from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
 from .manager import ChunkManager
 from .pages import page_map_of
 from .policies import EvictionPolicy
 from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
-from .restore import Staging, Submit, restore_through_tiers
+from .restore import Staging, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
 from .tiers.codec import layout_fingerprint
 
@@ -124,9 +125,7 @@ class OffloadCache:
         self.chunks: range = chunks
         self._host = host
         shared.caches.add(self)
-        self._job_ids = shared.job_ids
         self._keep_events = keep_events
-        self._in_flight: dict[int, TransferFuture] = {}
         self._cascade = cascade
         self._staging = Staging(staging)
         self._fingerprint = fingerprint or (
@@ -136,6 +135,7 @@ class OffloadCache:
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: np.ndarray | None = None
         self._n = Counters()
+        self._jobs = Jobs(worker, shared.job_ids, self._n)
 
     @property
     def manager(self) -> ChunkManager:
@@ -157,7 +157,7 @@ class OffloadCache:
         st = self._mgr.stats()
         return (
             f"<OffloadCache {type(self._mgr.policy).__name__} keys={st.keys}/{st.num_chunks} "
-            f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._in_flight)}"
+            f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._jobs.in_flight)}"
             f" tiers={[t.name for t in self.tiers]}>"
         )
 
@@ -276,7 +276,7 @@ class OffloadCache:
         src = GPULoadStoreSpec([block_of[k] for k in [*stored, *spill]])
         dst = CPULoadStoreSpec(host_chunks + spill_chunks)
         try:
-            future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
+            future = self._jobs.submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
             self._mgr.complete_store(stored, success=False, counted=False)
             self._staging.give(spill_chunks)
@@ -284,7 +284,6 @@ class OffloadCache:
         self._n.count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
-            self._in_flight.pop(fut.job_id, None)
             res = result_or_none(fut)
             self._mgr.complete_store(stored, success=res is not None)
             self._drop_events()
@@ -352,7 +351,9 @@ class OffloadCache:
         except TypeError as exc:
             raise unhashable(exc) from exc
         if ready == len(keys) or self._cascade is None:
-            return await self._restore_from_host(keys, blocks, expedited, after)
+            return await restore_from_host(keys, blocks, mgr=self._mgr, counters=self._n,
+                                           host_start=self._host.start,
+                                           submit=self._jobs.loader(expedited, after))
         limit = self._worker.num_gpu_blocks  # several submits: refuse bad ids before the first
         if any(not 0 <= b < limit for b in blocks):
             raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
@@ -361,7 +362,7 @@ class OffloadCache:
         self._n.restores += 1
         result, failed = await restore_through_tiers(
             keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
-            pool=self._pool, host_start=self._host.start, submit=self._load_submitter(expedited, after),
+            pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
         )
         self._n.restored += result.restored
         self._n.failed_loads += failed
@@ -369,55 +370,12 @@ class OffloadCache:
             self._n.restore_misses += 1
         return result
 
-    async def _restore_from_host(self, keys: Sequence[Hashable], blocks: list[int], expedited: bool,
-                                 after: Any) -> RestoreResult:
-        try:
-            chunks = self._mgr.prepare_load(keys)  # pins nothing unless every key is loadable
-        except KeyNotLoadable:
-            try:  # an unhashable key raises even behind a miss
-                for key in keys:
-                    hash(key)
-            except TypeError as exc:
-                raise unhashable(exc) from exc
-            self._n.restores += 1
-            self._n.restore_misses += 1
-            await anyio.lowlevel.checkpoint()
-            return RestoreResult(0, len(keys))
-        pinned = list(keys)
-        src = CPULoadStoreSpec([self._host.start + c for c in chunks])
-        try:
-            future = self._load_submitter(expedited, after)(src, blocks)
-        except BaseException:
-            self._mgr.complete_load(pinned)
-            raise  # refused (bad block ids among them): not counted as a restore
-        self._n.restores += 1
-
-        def finish(fut: TransferFuture) -> None:
-            self._mgr.complete_load(pinned)
-            if result_or_none(fut) is None:
-                self._n.failed_loads += 1
-            else:
-                self._n.restored += len(pinned)
-
-        future.add_done_callback(finish)
-        try:
-            await future
-        except TransferFailed:
-            return RestoreResult(0, len(keys))
-        return RestoreResult(len(keys), len(keys), from_host=len(keys))
-
     async def drain(self) -> None:
         """Wait until every copy this cache had started when called is over (also those whose
         awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request,
         and then until the tier writes queued by then are done. Copies started meanwhile
         are not waited for, so a busy server does not hold it."""
-        if not self._in_flight:
-            await anyio.lowlevel.checkpoint()
-        for future in list(self._in_flight.values()):
-            try:
-                await future
-            except TransferFailed:
-                pass  # its done callback has run and removed it
+        await self._jobs.wait()
         if self._cascade is not None:
             await self._cascade.drain()
 
@@ -429,7 +387,7 @@ class OffloadCache:
 
     def stats(self) -> OffloadCacheStats:
         tiers = [link.stats() for link in self._cascade.links] if self._cascade else []
-        return self._n.snapshot(self._mgr.stats(), len(self._in_flight), tiers)
+        return self._n.snapshot(self._mgr.stats(), len(self._jobs.in_flight), tiers)
 
     # -- internals ----------------------------------------------------------------------
 
@@ -438,37 +396,6 @@ class OffloadCache:
             return self._mgr.count_leading_hits(keys)
         except TypeError as exc:
             raise unhashable(exc) from exc
-
-    def _load_submitter(self, expedited: bool, after: Any) -> Submit:
-        def submit(src: CPULoadStoreSpec, blocks: list[int]) -> TransferFuture:
-            dst = GPULoadStoreSpec(blocks)
-            future = self._submit(
-                lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
-            )
-
-            def timed(fut: TransferFuture) -> None:
-                self._in_flight.pop(fut.job_id, None)
-                res = result_or_none(fut)
-                if res is not None:
-                    self._n.load_bytes += res.transfer_size or 0
-                    self._n.untimed_loads.append(res)
-
-            future.add_done_callback(timed)
-            return future
-
-        return submit
-
-    def _submit(self, submit: Callable[[int], TransferFuture]) -> TransferFuture:
-        """Submit under the next free job id (ids the caller uses on the same worker are skipped)."""
-        for _ in range(1024):
-            job_id = next(self._job_ids)
-            try:
-                future = submit(job_id)
-            except DuplicateJob:
-                continue
-            self._in_flight[job_id] = future
-            return future
-        raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
 
     def _drop_events(self) -> None:
         if not self._keep_events:

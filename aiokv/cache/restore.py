@@ -12,27 +12,29 @@ callback, or at once if the batch never reached a submit (cancelled, refused, or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
-from ..errors import TransferFailed
+from ..errors import KeyNotLoadable, TransferFailed
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec
 from .cascade import Cascade, TierLink
+from .counters import Counters
+from .jobs import Submit
+from .keys import unhashable
 from .manager import ChunkManager
+from .protocol import result_or_none
 from .records import RestoreResult
 
-__all__ = ["BATCH_BYTES", "Staging", "restore_through_tiers"]
+__all__ = ["BATCH_BYTES", "Staging", "restore_from_host", "restore_through_tiers"]
 
 BATCH_BYTES = 16 << 20
 """Bytes one pipelined batch reads from the tiers: large enough to keep a disk or a Redis
 connection busy, small enough that the first copy to the GPU starts early."""
 BATCH_KEYS = 64
-
-Submit = Callable[[CPULoadStoreSpec, list[int]], TransferFuture]
 
 
 class Staging:
@@ -66,6 +68,44 @@ class _Load:
         self.count = count
         self.from_host = from_host
         self.sources = sources
+
+
+async def restore_from_host(keys: Sequence[Hashable], blocks: list[int], *, mgr: ChunkManager,
+                            counters: Counters, host_start: int, submit: Submit) -> RestoreResult:
+    """All or nothing from the host: one load if every key is loadable, else a miss."""
+    try:
+        chunks = mgr.prepare_load(keys)  # pins nothing unless every key is loadable
+    except KeyNotLoadable:
+        try:  # an unhashable key raises even behind a miss
+            for key in keys:
+                hash(key)
+        except TypeError as exc:
+            raise unhashable(exc) from exc
+        counters.restores += 1
+        counters.restore_misses += 1
+        await anyio.lowlevel.checkpoint()
+        return RestoreResult(0, len(keys))
+    pinned = list(keys)
+    try:
+        future = submit(CPULoadStoreSpec([host_start + c for c in chunks]), blocks)
+    except BaseException:
+        mgr.complete_load(pinned)
+        raise  # refused (bad block ids among them): not counted as a restore
+    counters.restores += 1
+
+    def finish(fut: TransferFuture) -> None:
+        mgr.complete_load(pinned)
+        if result_or_none(fut) is None:
+            counters.failed_loads += 1
+        else:
+            counters.restored += len(pinned)
+
+    future.add_done_callback(finish)
+    try:
+        await future
+    except TransferFailed:
+        return RestoreResult(0, len(keys))
+    return RestoreResult(len(keys), len(keys), from_host=len(keys))
 
 
 async def restore_through_tiers(
