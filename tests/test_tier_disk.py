@@ -277,6 +277,44 @@ async def test_every_registered_policy_bounds_the_tier(tmp_path: Path, policy: s
     assert [bytes(o) for o in out] == [bytes(data[i]) for i in held]
 
 
+async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: Path) -> None:
+    """Many tasks write, read and evict over a small tier at once: every hit has its key's
+    bytes, and in the end the index, the policy, the counters and the files agree."""
+    import random
+
+    size = 2 * ALIGN + 77
+    tier = await opened(tmp_path, layout_fingerprint(block_bytes=size), capacity_bytes=6 * size,
+                        io_threads=3)
+    universe = keys_of(20)
+    value = {k: os.urandom(size) for k in universe}  # one value per key, as the contract says
+    wrong: list[bytes] = []
+
+    async def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(25):
+            keys = rng.sample(universe, rng.randint(1, 4))
+            if rng.random() < 0.5:
+                await tier.write(keys, [memoryview(value[k]) for k in keys])
+            else:
+                out = buffers(len(keys), size)
+                for key, view, hit in zip(keys, out, await tier.read(keys, out)):
+                    if hit and bytes(view) != value[key]:
+                        wrong.append(key)
+
+    async with anyio.create_task_group() as tg:
+        for seed in range(6):
+            tg.start_soon(worker, seed)
+    assert not wrong
+    held = [k for k in universe if tier.holds(k)]
+    stats = tier.statistics()
+    assert len(held) == stats.blocks <= 6 and stats.errors == 0 and stats.corrupt == 0
+    assert tier._policy is not None and len(tier._policy) == len(held)
+    names = {os.path.basename(tier._opened().path(k)) for k in held}
+    assert set(block_files(tier)) == names and not temp_files(tier)
+    assert not tier._pins and not tier._pending and not tier._removing
+    assert stats.writes - stats.evictions == len(held)
+
+
 async def test_reopening_with_less_capacity_keeps_the_newest(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
     keys = keys_of(5)
