@@ -322,3 +322,34 @@ async def test_restores_through_both_page_paths(portable_in_place: bool,
             assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 20 + i), expected[key]))
         settled(cache)
         assert sorted(cache._staging.free) == list(cache._staging.chunks)
+
+
+async def test_a_disk_far_slower_than_the_traffic_drops_and_the_loop_stays_live(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "slow", capacity_bytes=1 << 24, simulated_latency=1.0)
+    ticks = 0
+    stop = anyio.Event()
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        async with tiered([tier], queue_bytes=2 * 1024) as (kv, _w, cache):
+            with anyio.fail_after(5):
+                expected = await store_generations(kv, cache, 40)  # 36 evictions, room for 2
+            st = cache.stats().tiers[0]
+            # Every offload returned before the first (1 s) write did: none waited for one.
+            assert st.demoted == 0 and st.tier.writes == 0
+            assert st.demotions_dropped >= 30 and st.queued_blocks <= 2
+            assert ticks > 0
+            # Nothing is lost from the host tier: its four newest blocks are exact.
+            result = await cache.restore(["k36", "k37", "k38", "k39"], [40, 41, 42, 43])
+            assert result.restored == 4 and result.from_host == 4
+            for i, key in enumerate(["k36", "k37", "k38", "k39"]):
+                assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 40 + i), expected[key]))
+            await cache.drain()
+            assert cache.stats().tiers[0].demoted + cache.stats().tiers[0].demotions_dropped == 36
+        stop.set()
