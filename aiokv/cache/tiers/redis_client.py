@@ -74,13 +74,16 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
 def client_options(timeout: float, *, asyncio: bool = False) -> dict[str, Any]:
     """Connection options every client gets: the timeout on connect and on each socket
     operation, one immediate retry (a pooled connection the server dropped, e.g. after a
-    restart, is reopened once) and large socket reads."""
+    restart, is reopened once), large socket reads and RESP2."""
     return {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "socket_read_size": SOCKET_READ_BYTES,
         "retry": (AsyncRetry if asyncio else Retry)(NoBackoff(), 1),
         "health_check_interval": 0,
+        # RESP2: no push messages (RESP3's out-of-band replies) between the replies that
+        # redis_wire reads itself, and no HELLO for servers or proxies that lack it.
+        "protocol": 2,
     }
 
 
