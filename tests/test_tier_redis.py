@@ -384,7 +384,7 @@ async def test_a_full_server_drops_writes_and_an_lru_server_evicts(tmp_path: Pat
     stored still reads; with allkeys-lru the server evicts old blocks, which read as plain
     misses, never as corrupt."""
     need_redis()
-    args = ("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    args = ("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")  # ~1 MB is the base
     with running(RedisServer(tmp_path / "full", args=args)) as srv:
         assert isinstance(srv, RedisServer)
         tier = await opened(srv.url, namespace="full")
