@@ -14,6 +14,8 @@ from .cache import (
     register_policy,
 )
 from .cache.offload import OffloadCache, OffloadCacheStats, OffloadResult
+from .cache.records import RestoreResult, TierCacheStats
+from .cache.tiers import DiskTier, RedisTier, Tier, TierStatistics
 from .core import WorkerStatistics
 from .errors import (
     AiokvError,
@@ -39,6 +41,12 @@ from .worker import AsyncOffloadingWorker
 __version__ = "0.1.0"
 
 __all__ = [
+    "DiskTier",
+    "RedisTier",
+    "RestoreResult",
+    "Tier",
+    "TierCacheStats",
+    "TierStatistics",
     "AdmissionPolicy",
     "AiokvError",
     "AsyncOffloadingWorker",

@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
                    help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
     b.add_argument("--policy", default=None, help="cache: policy name (default: the recommended one)")
+    b.add_argument("--tiers", metavar="SPEC",
+                   help="cache: tiers under the host, e.g. host=2000,disk=32000[,redis=8000] (blocks): "
+                        "hit rate per tier and restore GB/s from each beside its ceiling")
+    b.add_argument("--redis-url", metavar="URL", help="cache --tiers: the Redis/Valkey server for redis=N")
+    b.add_argument("--tier-dir", metavar="DIR", help="cache --tiers: where the disk tier writes "
+                                                     "(default: the system's temporary folder)")
     return p
 
 
@@ -94,7 +100,19 @@ def _bench(args: argparse.Namespace) -> int:
             print("aiokv bench: --plot needs matplotlib: pip install matplotlib (or the plot extra)",
                   file=sys.stderr)
             return 2
-    if args.what == "cache":
+    if args.what == "cache" and args.tiers:
+        from .bench.cache import find_traces
+        from .bench.tiers import parse_tiers, run_tier_bench
+
+        try:
+            rows = run_tier_bench(find_traces(args.trace), parse_tiers(args.tiers), policy=args.policy,
+                                  redis_url=args.redis_url, quick=args.quick, tier_dir=args.tier_dir,
+                                  progress=say)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"aiokv bench cache: {exc}", file=sys.stderr)
+            return 2
+        meta = bench_meta("cpu")
+    elif args.what == "cache":
         from .bench.cache import run_cache_bench
 
         try:

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
     from .future import TransferFuture
 
-__all__ = ["DEFAULT_SIZE_BUCKETS", "DEFAULT_TIME_BUCKETS", "OffloadMetrics", "WorkerCollector"]
+__all__ = [
+    "DEFAULT_SIZE_BUCKETS", "DEFAULT_TIME_BUCKETS", "CacheTierCollector", "OffloadMetrics", "WorkerCollector",
+]
 
 # Seconds a job's copies took on the device: tens of microseconds (a few pages) to seconds.
 DEFAULT_TIME_BUCKETS: tuple[float, ...] = (
@@ -135,6 +137,58 @@ class WorkerCollector:
             family = core.GaugeMetricFamily(f"{self._ns}_{name}", doc, labels=const_names)
             for values, stats in snapshots:
                 family.add_metric(list(values), value(stats))
+            yield family
+
+
+class _HasCacheStats(Protocol):
+    def stats(self) -> Any: ...
+
+
+# (metric name, help, kind, reads a TierCacheStats) for each per-tier series.
+_TIER_SERIES: tuple[tuple[str, str, str, Any], ...] = (
+    ("cache_tier_hits", "Keys lookups found in this tier.", "counter", lambda t: t.hits),
+    ("cache_tier_restored_bytes", "KV bytes restored from this tier.", "counter", lambda t: t.restored_bytes),
+    ("cache_tier_demoted_blocks", "Blocks written to this tier as the host let them go.", "counter",
+     lambda t: t.demoted),
+    ("cache_tier_write_through_blocks", "Blocks written through to this tier as they were stored.",
+     "counter", lambda t: t.write_throughs),
+    ("cache_tier_demotions_dropped", "Blocks not written: the tier fell behind or refused them.", "counter",
+     lambda t: t.demotions_dropped),
+    ("cache_tier_errors", "I/O errors, timeouts and lost connections (all became misses or drops).",
+     "counter", lambda t: t.tier.errors),
+    ("cache_tier_corrupt", "Values that failed verification (read as misses).", "counter",
+     lambda t: t.tier.corrupt),
+    ("cache_tier_held_bytes", "KV bytes the tier holds (-1: unknown).", "gauge", lambda t: t.tier.bytes_held),
+    ("cache_tier_queued_blocks", "Blocks waiting to be written to the tier.", "gauge",
+     lambda t: t.queued_blocks),
+)
+
+
+class CacheTierCollector:
+    """Exports an ``OffloadCache``'s per-tier statistics (hits, bytes, drops, errors) at
+    each scrape, labelled ``tier`` (the tier's name) plus any constant ``labels``."""
+
+    def __init__(self, cache: _HasCacheStats, *, namespace: str = "aiokv",
+                 labels: Mapping[str, str] | None = None) -> None:
+        _prometheus()
+        self._cache = cache
+        self._ns = namespace
+        self._labels = {k: str(v) for k, v in (labels or {}).items()}
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(()))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._cache.stats().tiers)
+
+    def _families(self, tiers: Any) -> Iterator[Metric]:
+        core = _prometheus().metrics_core
+        names = [*self._labels, "tier"]
+        for name, doc, kind, read in _TIER_SERIES:
+            family_type = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
+            family = family_type(f"{self._ns}_{name}", doc, labels=names)
+            for tier in tiers:
+                family.add_metric([*self._labels.values(), tier.name], read(tier))
             yield family
 
 

@@ -125,3 +125,45 @@ def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Pat
     assert hit.failed and "WRONG BYTES" in hit.note
     assert main(["bench", "cache", "--quick", "--capacity", "40", "--trace", str(trace)]) == 1
     assert "failed" in capsys.readouterr().err
+
+
+def test_tier_bench_rows_on_a_tiny_trace(tmp_path: Path) -> None:
+    from aiokv.bench.tiers import run_tier_bench
+
+    trace = tmp_path / "tiny_trace.jsonl"
+    rng = random.Random(5)
+    rows_in = [{"timestamp": i, "input_length": 512, "output_length": 1,
+                "hash_ids": [rng.randrange(30) for _ in range(4)]} for i in range(300)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows_in))
+    said: list[str] = []
+    rows = run_tier_bench([trace], [("host", 4), ("disk", 40)], policy="lru", quick=True,
+                          tier_dir=str(tmp_path), restore_blocks=8, progress=said.append)
+    by_name = {r.name: r for r in rows}
+    total, host = by_name["all tiers"], by_name["host tier, with tiers below"]
+    # The cascade holds at least what the host alone holds, and never more than LRU over 40.
+    assert by_name["lru @ 4"].value <= total.value <= by_name["lru @ 40"].value + 1e-9
+    # Tier hits let a run reach host blocks behind them: the host never serves less.
+    assert host.ratio is not None and host.ratio >= 1.0
+    assert total.value == pytest.approx(host.value + by_name["disk tier"].value)
+    restore = by_name["restore from disk"]
+    assert restore.value > 0 and restore.ceiling and restore.ceiling > 0 and not restore.failed
+    assert "bytes verified" in restore.note
+    assert by_name["p50 with a disk tier configured"].ceiling
+    assert not any(r.failed for r in rows) and said
+    assert not list(tmp_path.glob("aiokv-tier-bench-*"))  # the tier's folders are removed
+
+
+@pytest.mark.parametrize("spec", ["disk=100", "host=10", "host=10,tape=5", "host=10,disk=0",
+                                  "host=10,disk=x", "host=1,disk=2,disk=3"])
+def test_bad_tier_specs_are_refused_by_the_cli(spec: str, tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
+    assert main(["bench", "cache", "--trace", str(trace), "--tiers", spec]) == 2
+    assert "--tiers" in capsys.readouterr().err
+
+
+def test_a_redis_tier_needs_a_url(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
+    assert main(["bench", "cache", "--trace", str(trace), "--tiers", "host=4,redis=8"]) == 2
+    assert "--redis-url" in capsys.readouterr().err

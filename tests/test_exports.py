@@ -12,6 +12,8 @@ def test_public_names_are_pinned() -> None:
         "AdmissionPolicy", "CacheStats", "ChunkManager", "EvictionPolicy", "KeyNotLoadable",
         "LookupResult", "OffloadCache", "OffloadCacheStats", "OffloadResult",
         "available_admissions", "available_policies", "register_admission", "register_policy",
+        # tiers under the host pool
+        "DiskTier", "RedisTier", "RestoreResult", "Tier", "TierCacheStats", "TierStatistics",
         # the rest of the error tree (aiokv.errors)
         "CudaCallFailed", "HostMemoryError", "QueueFull", "TierError", "UsageError",
         # what the async face's poller did (for the bench)

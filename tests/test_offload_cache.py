@@ -432,15 +432,23 @@ async def test_prefix_reuse_workload_restores_what_was_computed(policy: str) -> 
         assert_settled(cache)
 
 
-async def test_bad_block_ids_evict_nothing_before_raising() -> None:
+async def test_bad_block_ids_are_refused_by_the_worker_and_leave_bookkeeping_consistent() -> None:
+    # The worker's submit is the one place block ids are range-checked; the cache's
+    # bookkeeping must come out of a refused submit with nothing pending or pinned.
     async with open_cache(num_chunks=4) as (_kv, _, cache):
         await cache.offload(["a", "b", "c", "d"], [1, 2, 3, 4])
         with pytest.raises(InvalidSpec, match=r"\[0, 32\)"):
             await cache.offload(["x", "y"], [999, 1000])
+        assert cache.lookup(["x"]) == 0 and "x" not in cache.manager and "y" not in cache.manager
+        held = [k for k in "abcd" if k in cache.manager]
+        assert len(held) == 2  # the refused offer's evictions stay done, and counted
+        assert cache.stats().evictions == 2
         with pytest.raises(InvalidSpec, match=r"\[0, 32\)"):
-            await cache.restore(["a"], [-1])
-        assert cache.lookup(["a", "b", "c", "d"]) == 4
-        assert cache.stats().evictions == 0 and cache.stats().manager.pinned_keys == 0
+            await cache.restore(held[:1], [-1])
+        st = cache.stats()
+        assert st.manager.pinned_keys == 0 and st.manager.pending_keys == 0
+        assert st.offered_keys == 4 and st.restores == 0
+        assert await cache.restore(held[:1], [5])
         assert_settled(cache)
 
 
@@ -557,7 +565,7 @@ async def test_caches_sharing_a_worker_share_its_job_ids() -> None:
                 tg.start_soon(second.offload, ["x"], [20])
                 await anyio.sleep(0.01)
                 # The next id of the worker's one counter: none of the first cache's skipped.
-                assert sorted(first._in_flight) == [1, 2, 3, 4] and list(second._in_flight) == [5]
+                assert sorted(first._jobs.in_flight) == [1, 2, 3, 4] and list(second._jobs.in_flight) == [5]
                 latch.set()
         finally:
             latch.set()

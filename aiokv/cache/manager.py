@@ -17,7 +17,7 @@ chunks, stores averaged 3.8-10.6 blocks per run and loads 1.2-9.2, against 1.3-6
 1.05-4.8 with a LIFO free list. Under the cache's default adaptive policy LIFO did better
 (stores 3.9-11.9 against 3.8-10.2, loads 1.7-11.2 against 1.7-8.9). At 32000 chunks the
 orders were alike but for one trace under LRU (6.6 against 5.6), and hit rates never
-changed (``probes/chunk_runs.py``).
+changed (docs/cache.md, "Which chunk a block gets").
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InvalidSpec, KeyNotLoadable
 from .admission import AdmissionPolicy, make_admission
@@ -53,11 +53,16 @@ class LookupResult(enum.Enum):
 
 @dataclass(frozen=True)
 class StorePlan:
-    """What to write: ``chunk_ids[i]`` receives ``keys_to_store[i]`` (a CPULoadStoreSpec's ids)."""
+    """What to write: ``chunk_ids[i]`` receives ``keys_to_store[i]`` (a CPULoadStoreSpec's ids).
+
+    ``evicted_chunks[i]`` held ``evicted[i]`` until this plan: a lower tier reads it from
+    there before the store reuses the chunk.
+    """
 
     keys_to_store: list[Hashable]
     chunk_ids: list[int]
     evicted: list[Hashable]
+    evicted_chunks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,7 @@ class ChunkManager:
         to_store = [k for k, ok in zip(new, flags) if ok]
         need = len(to_store) - len(self._free)
         victims: list[Hashable] = []
+        victim_chunks: list[int] = []
         if need > 0:
             protected = set(offer)
 
@@ -217,6 +223,7 @@ class ChunkManager:
         self._admission.on_offer(new, flags)
         self._rejected += len(new) - len(to_store)
         if victims:
+            victim_chunks = [entries[key].chunk for key in victims]
             for key in victims:
                 self._drop(key, evicted=True)
             self._evictions += len(victims)
@@ -227,7 +234,7 @@ class ChunkManager:
         self._pending += len(to_store)
         if to_store:
             self._policy.on_insert(to_store)
-        return StorePlan(to_store, chunks, victims)
+        return StorePlan(to_store, chunks, victims, victim_chunks)
 
     def complete_store(self, keys: Iterable[Hashable], success: bool = True, *, counted: bool = True) -> None:
         """Finish a store: make keys loadable, or on failure free their chunks.

@@ -1,4 +1,4 @@
-"""``OffloadCache``: a prefix KV cache in host memory for async servers.
+"""``OffloadCache``: a prefix KV cache in host memory, with optional tiers below it.
 
 It joins the scheduler-side bookkeeping (``ChunkManager``) to the bytes (an entered
 ``AsyncOffloadingWorker``): one key per GPU block, one host chunk per key. The rules that
@@ -12,32 +12,48 @@ keep KV correct:
 - Bookkeeping runs in the future's done callback, not after the ``await``: cancelling the
   awaiting task cancels the wait, never the copy, and can never leak a pinned or pending
   chunk.
-
 - A cache owns its chunks of the pool (all of them unless ``chunks=`` says which); caches
   sharing a worker must own disjoint ranges, and nothing else may write them.
+- With lower tiers (``tiers=``), blocks the host evicts are copied off their chunk before
+  the chunk is reused and written below in the background; restores read them back through
+  staging chunks that the host bookkeeping never hands out (``cascade.py``, ``restore.py``).
 
 Everything runs on the event-loop thread of the worker; no locks are needed because the
-only checkpoint in ``offload`` and ``restore`` is the final ``await``.
+only checkpoints in ``offload`` are the awaits of its copy.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import anyio
+import anyio.abc
 import numpy as np
 
-from ..errors import DuplicateJob, InvalidSpec, KeyNotLoadable, TransferFailed
+from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
 from .admission import AdmissionPolicy
-from .manager import CacheStats, ChunkManager
+from .cascade import DEFAULT_QUEUE_BYTES, Cascade
+from .counters import Counters
+from .jobs import Jobs
+from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
+from .manager import ChunkManager
+from .pages import page_map_of
 from .policies import EvictionPolicy
+from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
+from .records import OffloadCacheStats, OffloadResult, RestoreResult
+from .restore import Staging, restore_from_host, restore_through_tiers
+from .tiers.base import Tier
+from .tiers.codec import layout_fingerprint
+
+__all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult", "RestoreResult"]
+
+DEFAULT_POLICY = "adaptive"
+"""The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
 
 
 class _Shared:
@@ -50,74 +66,6 @@ class _Shared:
 
 
 _SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
-
-# Results kept before their device times are summed (bounds the lists between stats()).
-_FOLD_AT = 256
-
-__all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult"]
-
-DEFAULT_POLICY = "adaptive"
-"""The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
-
-
-@dataclass(frozen=True)
-class OffloadResult:
-    """What one ``offload`` did with the keys it was offered.
-
-    ``stored`` keys are loadable now; ``skipped`` were already held or being stored by
-    another task; ``not_stored`` were turned away (admission, no evictable room, or a
-    failed copy: then ``failed`` is True). ``int(result)`` is ``stored``.
-    """
-
-    stored: int
-    skipped: int
-    not_stored: int
-    evicted: int
-    failed: bool = False
-
-    def __int__(self) -> int:
-        return self.stored
-
-
-@dataclass(frozen=True)
-class OffloadCacheStats:
-    """Counters since construction. Hits and misses are keys, counted by ``lookup``
-    (leading hits and the rest); GB/s are bytes over summed device copy time. A call that
-    raised (bad input, or a submit the worker refused) counts in no offer, restore or hit
-    figure; evictions it made before the worker refused stay counted. Units:
-    ``failed_stores`` counts keys (of failed store copies), ``restores``,
-    ``restore_misses`` and ``failed_loads`` count ``restore`` calls."""
-
-    hits: int
-    misses: int
-    offered_keys: int
-    stored_keys: int
-    skipped_keys: int
-    failed_stores: int
-    restores: int
-    restored_keys: int
-    restore_misses: int
-    failed_loads: int
-    evictions: int
-    store_bytes: int
-    store_seconds: float
-    load_bytes: int
-    load_seconds: float
-    in_flight: int
-    manager: CacheStats
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    @property
-    def store_gbps(self) -> float:
-        return self.store_bytes / self.store_seconds / 1e9 if self.store_seconds > 0 else 0.0
-
-    @property
-    def load_gbps(self) -> float:
-        return self.load_bytes / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0
 
 
 class OffloadCache:
@@ -134,34 +82,33 @@ class OffloadCache:
             router's prefix index). Off by default, so an unread event list cannot grow.
         chunks: the host chunks this cache owns, a ``range`` (default: the whole pool).
             Caches sharing one worker must own disjoint ranges; nothing else may write them.
+        tiers: lower tiers, nearest first (``DiskTier``, ``RedisTier``). A cache with tiers
+            must be entered (``async with cache:``, inside the worker's block) and keeps the
+            last ``staging_chunks`` of its chunks for restores from the tiers.
+        staging_chunks: chunks kept aside for tier restores (default 64, at most a quarter).
+        fingerprint: names the KV layout for the tiers (``codec.layout_fingerprint``); the
+            default folds in the page sizes only, so pass one naming the model, dtype and
+            layers when tiers are shared between servers.
+        queue_bytes: per tier, bytes of blocks allowed to wait for writing; more are dropped.
     """
 
     def __init__(
         self,
-        worker: Any,
+        worker: CacheWorker,
         *,
         policy: str | EvictionPolicy | None = None,
         admission: str | AdmissionPolicy | None = None,
         keep_events: bool = False,
         chunks: range | None = None,
+        tiers: Sequence[Tier] = (),
+        staging_chunks: int | None = None,
+        fingerprint: bytes | None = None,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
-        if worker.blocks_per_chunk != 1:
-            raise InvalidSpec(
-                f"OffloadCache keeps one key per chunk and needs a worker with blocks_per_chunk=1, "
-                f"got {worker.blocks_per_chunk}"
-            )
-        if worker.num_groups != 1:
-            raise InvalidSpec(
-                f"OffloadCache keys one block per chunk of a single KV-cache group; this worker's "
-                f"layout has {worker.num_groups} groups. Use the worker's submit_store/submit_load "
-                f"with group_sizes for hybrid layouts"
-            )
-        chunks = range(worker.num_cpu_chunks) if chunks is None else chunks
-        if not isinstance(chunks, range) or chunks.step != 1 or not 0 <= chunks.start < chunks.stop <= (
-            worker.num_cpu_chunks
-        ):
-            raise InvalidSpec(f"chunks must be a non-empty range(start, stop) within "
-                              f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
+        check_worker(worker)
+        tiers = list(tiers)
+        cascade = Cascade(tiers, pages=page_map_of(worker), queue_bytes=queue_bytes) if tiers else None
+        chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         shared = _SHARED.setdefault(worker, _Shared())
         for other in shared.caches:
             both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
@@ -172,23 +119,23 @@ class OffloadCache:
                 )
         # After every check: the manager adopts a policy object, which then serves no other.
         self._mgr = ChunkManager(
-            len(chunks), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+            len(host), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
         )
         self._worker = worker
         self.chunks: range = chunks
+        self._host = host
         shared.caches.add(self)
-        self._job_ids = shared.job_ids
         self._keep_events = keep_events
-        self._in_flight: dict[int, TransferFuture] = {}
-        self._hits = self._misses = 0
-        self._offered = self._stored = self._skipped = self._failed_stores = 0
-        self._restores = self._restored = self._restore_misses = self._failed_loads = 0
-        self._store_bytes = self._load_bytes = 0
-        self._store_seconds = self._load_seconds = 0.0
-        # Results whose device time is not summed yet: reading it in the done callback
-        # would put the CUDA timing read back before the awaiting task wakes (_fold_times).
-        self._untimed_stores: list[TransferResult] = []
-        self._untimed_loads: list[TransferResult] = []
+        self._cascade = cascade
+        self._staging = Staging(staging)
+        self._fingerprint = fingerprint or (
+            layout_fingerprint(block_bytes=cascade.pages.payload_bytes, page_sizes=cascade.pages.sizes)
+            if cascade is not None else b""
+        )
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pool: np.ndarray | None = None
+        self._n = Counters()
+        self._jobs = Jobs(worker, shared.job_ids, self._n)
 
     @property
     def manager(self) -> ChunkManager:
@@ -196,8 +143,12 @@ class OffloadCache:
         return self._mgr
 
     @property
-    def worker(self) -> Any:
+    def worker(self) -> CacheWorker:
         return self._worker
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [link.tier for link in self._cascade.links] if self._cascade else []
 
     def __len__(self) -> int:
         return len(self._mgr)
@@ -206,40 +157,80 @@ class OffloadCache:
         st = self._mgr.stats()
         return (
             f"<OffloadCache {type(self._mgr.policy).__name__} keys={st.keys}/{st.num_chunks} "
-            f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._in_flight)}>"
+            f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._jobs.in_flight)}"
+            f" tiers={[t.name for t in self.tiers]}>"
         )
 
-    # -- the three calls a server makes -------------------------------------------------
+    # -- lifecycle (needed only with tiers) ---------------------------------------------
 
-    def _checked_blocks(self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray,
-                        after: Any) -> list[int]:
-        """Reject bad input before the manager evicts or pins anything."""
-        self._worker.check_submittable(after)
-        blocks = _as_block_list(gpu_block_ids)
-        if not all(map(_is_id, blocks)):
-            raise InvalidSpec(f"GPU block ids must be integers; got {[type(b).__name__ for b in blocks][:5]}")
-        # Plain ints: a 0-d tensor hashes by identity and a 0-d array not at all, which
-        # would slip past restore's duplicate check or break it.
-        blocks = [operator.index(b) for b in blocks]
-        if len(blocks) != len(keys):
-            raise InvalidSpec(f"got {len(keys)} keys but {len(blocks)} GPU block ids; pass one block per key")
-        limit = self._worker.num_gpu_blocks
-        bad = [b for b in blocks if not 0 <= b < limit]
-        if bad:
-            raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got {bad[:5]}")
-        return blocks
+    async def __aenter__(self) -> OffloadCache:
+        if self._tg is not None:
+            raise UsageError("this OffloadCache is entered already")
+        if self._cascade is None:
+            return self
+        self._pool = np.asarray(self._worker.host_pool.numpy()).reshape(-1)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        try:
+            await self._cascade.open(self._fingerprint, tg)
+        except BaseException as exc:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._tg = tg
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Wait for copies and tier writes in flight, stop the writers, close the tiers."""
+        if self._tg is None or self._cascade is None:
+            return
+        tg, self._tg = self._tg, None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.drain()
+        finally:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+            await self._cascade.aclose()
+
+    def _check_entered(self) -> None:
+        if self._cascade is not None and self._tg is None:
+            raise UsageError("an OffloadCache with tiers must be entered: `async with cache:` "
+                             "inside the worker's `async with`")
+
+    # -- the calls a server makes -------------------------------------------------------
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
-        """How many of ``keys``, from the first, are loadable now. Pure query: it does not
-        count as a use for eviction (``restore`` does), so schedulers may poll it."""
-        keys = _as_keys(keys)
-        try:
-            n = self._mgr.count_leading_hits(keys)
-        except TypeError as exc:
-            raise _unhashable(exc) from exc
-        self._hits += n
-        self._misses += len(keys) - n
-        return n
+        """How many of ``keys``, from the first, are loadable now from the host or a local
+        tier (no I/O). Pure query: it does not count as a use for eviction (``restore``
+        does), so schedulers may poll it."""
+        keys = as_keys(keys)
+        n = self._host_run(keys)
+        total = n
+        if self._cascade is not None and n < len(keys):
+            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            total, n = total + run, n + host
+        self._n.count_hits(len(keys), n, total)
+        return total
+
+    async def alookup(self, keys: Sequence[Hashable]) -> int:
+        """``lookup`` that also asks the remote tiers (one batched round trip each) about
+        the keys after the local run, so a server sees prefixes another server stored."""
+        keys = as_keys(keys)
+        self._check_entered()
+        n = self._host_run(keys)
+        total = n
+        if self._cascade is not None and n < len(keys):
+            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            total, n = total + run, n + host
+            total += await self._cascade.remote_run(keys[total:])
+        else:
+            await anyio.lowlevel.checkpoint()
+        self._n.count_hits(len(keys), n, total)
+        return total
 
     async def offload(
         self, keys: Sequence[Hashable], gpu_block_ids: Sequence[int] | np.ndarray, *, after: Any = None
@@ -248,61 +239,81 @@ class OffloadCache:
 
         Returns when the copy is over. The GPU blocks must not be overwritten before then;
         if the awaiting task is cancelled, the copy still runs to completion (see
-        ``drain``) and the keys become loadable (or are freed) when it does.
+        ``drain``) and the keys become loadable (or are freed) when it does. Blocks the
+        host evicts for room go to the first lower tier in the background.
         """
-        keys = _as_keys(keys)
-        if any(_is_tensor(k) or isinstance(k, np.ndarray) for k in keys):
-            raise InvalidSpec("keys must hash by value (ints, bytes, str, tuples); a tensor or array "
-                              "hashes by identity and would never hit: pass tensor.tolist()")
-        blocks = self._checked_blocks(keys, gpu_block_ids, after)
-        self._fold_times()
+        keys = as_keys(keys)
+        check_hashable_values(keys)
+        self._check_entered()
+        blocks = as_block_ids(keys, gpu_block_ids)
+        self._worker.check_submittable(after)
+        self._n.fold()
         block_of: dict[Hashable, int] = {}
         try:
             for key, block in zip(keys, blocks):
                 block_of.setdefault(key, block)
         except TypeError as exc:
-            raise _unhashable(exc) from exc
+            raise unhashable(exc) from exc
+        if self._cascade is not None:  # refuse keys without stable bytes before any bookkeeping
+            for key in block_of:
+                self._cascade.tier_key(key)
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
-        if plan is None:
-            held = sum(1 for k in block_of if k in self._mgr)
-            self._count_offer(len(block_of), held)
-            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
-            return OffloadResult(0, held, len(block_of) - held, 0)
-        stored = plan.keys_to_store
+        evicted = len(plan.evicted) if plan is not None else 0
+        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
+            # Before the store below reuses the evicted chunks.
+            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
+            self._cascade.demote(self._pool, plan.evicted, evicted_at)
+        stored = plan.keys_to_store if plan is not None else []
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
-        if not stored:
-            self._count_offer(len(block_of), skipped)
-            await anyio.lowlevel.checkpoint()
-            return OffloadResult(0, skipped, rest, len(plan.evicted))
-        src = GPULoadStoreSpec([block_of[k] for k in stored])
-        dst = CPULoadStoreSpec([self.chunks.start + c for c in plan.chunk_ids])
+        spill, spill_chunks = self._spill_plan(block_of)
+        if not stored and not spill:
+            self._n.count_offer(len(block_of), skipped)
+            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
+            return OffloadResult(0, skipped, rest, evicted)
+        host_chunks = [self._host.start + c for c in plan.chunk_ids] if plan is not None else []
+        src = GPULoadStoreSpec([block_of[k] for k in [*stored, *spill]])
+        dst = CPULoadStoreSpec(host_chunks + spill_chunks)
         try:
-            future = self._submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
+            future = self._jobs.submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
         except BaseException:
             self._mgr.complete_store(stored, success=False, counted=False)
-            raise  # refused: not counted as an offer, nor as a failed store
-        self._count_offer(len(block_of), skipped)
+            self._staging.give(spill_chunks)
+            raise  # refused (bad block ids among them): not counted as an offer
+        self._n.count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
-            self._in_flight.pop(fut.job_id, None)
-            res = _result_or_none(fut)
+            res = result_or_none(fut)
             self._mgr.complete_store(stored, success=res is not None)
             self._drop_events()
             if res is not None:
-                self._stored += len(stored)
-                self._store_bytes += res.transfer_size or 0
-                self._untimed_stores.append(res)
+                self._n.stored += len(stored)
+                self._n.store_bytes += res.transfer_size or 0
+                self._n.untimed_stores.append(res)
+                if self._cascade is not None and self._pool is not None:
+                    self._cascade.write_through(self._pool, stored, host_chunks)
+                    self._cascade.demote(self._pool, spill, spill_chunks)
             else:
-                self._failed_stores += len(stored)
+                self._n.failed_stores += len(stored)
+            self._staging.give(spill_chunks)
 
         future.add_done_callback(finish)
         try:
             await future
         except TransferFailed:
-            return OffloadResult(0, skipped, rest + len(stored), len(plan.evicted), failed=True)
-        return OffloadResult(len(stored), skipped, rest, len(plan.evicted))
+            return OffloadResult(0, skipped, rest + len(stored), evicted, failed=True)
+        return OffloadResult(len(stored), skipped, rest, evicted, spilled=len(spill))
+
+    def _spill_plan(self, block_of: dict[Hashable, int]) -> tuple[list[Hashable], list[int]]:
+        """Offered keys the host turned away that the nearest tier should get straight from
+        the GPU, and the staging chunks their copy passes through (none free: none spill)."""
+        if self._cascade is None or self._pool is None:
+            return [], []
+        wanted = [k for k in block_of if k not in self._mgr and self._cascade.wants_spill(k)]
+        chunks = self._staging.take(len(wanted))
+        self._cascade.count_spill_dropped(len(wanted) - len(chunks))
+        return wanted[: len(chunks)], chunks
 
     async def restore(
         self,
@@ -311,80 +322,62 @@ class OffloadCache:
         *,
         expedited: bool = False,
         after: Any = None,
-    ) -> bool:
-        """Load ``keys`` into ``gpu_block_ids``; True once the bytes are there.
+    ) -> RestoreResult:
+        """Load ``keys`` into ``gpu_block_ids``; see ``RestoreResult`` for what came back.
 
-        False, loading nothing, if any key is missing or still being stored (no waiting on
-        another task's store), or if the copy failed (then the blocks' contents are
-        undefined and must be recomputed). Chunks stay pinned until the copy is over, even
-        if the awaiting task is cancelled; the GPU blocks belong to the copy until then.
-        Raises ``WorkerClosed`` once the worker is closed (its host pool is gone, though
-        ``lookup`` still answers from the bookkeeping).
+        Without tiers it is all or nothing: nothing loads if any key is missing or still
+        being stored (no waiting on another task's store), or if the copy failed (then the
+        blocks' contents are undefined and must be recomputed). With tiers, keys the host
+        lacks are read from the nearest tier holding them into staging chunks, in batches
+        whose reads overlap the previous batch's copy to the GPU; the first key found in
+        no tier (or failing to verify) ends the restore there, and ``restored`` says how
+        many leading keys arrived. Chunks stay pinned until their copy is over, even if
+        the awaiting task is cancelled; the GPU blocks belong to the copies until then.
+        Raises ``WorkerClosed`` once the worker is closed.
         """
-        keys = _as_keys(keys)
-        blocks = self._checked_blocks(keys, gpu_block_ids, after)
+        keys = as_keys(keys)
+        self._check_entered()
+        blocks = as_block_ids(keys, gpu_block_ids)
+        self._worker.check_submittable(after)
         if len(set(blocks)) != len(blocks):  # before prepare_load counts a use of the keys
             raise InvalidSpec("a GPU block appears twice, so one load would write it twice")
-        self._fold_times()
+        self._n.fold()
         if not keys:
-            self._restores += 1
+            self._n.restores += 1
             await anyio.lowlevel.checkpoint()
-            return True
+            return RestoreResult(0, 0)
         try:
-            chunks = self._mgr.prepare_load(keys)  # pins nothing unless every key is loadable
+            ready = self._mgr.count_leading_hits(keys)
         except TypeError as exc:
-            raise _unhashable(exc) from exc
-        except KeyNotLoadable:
-            try:  # an unhashable key raises even behind a miss
-                for key in keys:
-                    hash(key)
-            except TypeError as exc:
-                raise _unhashable(exc) from exc
-            self._restores += 1
-            self._restore_misses += 1
-            await anyio.lowlevel.checkpoint()
-            return False
-        pinned = list(keys)
-        src = CPULoadStoreSpec([self.chunks.start + c for c in chunks])
-        dst = GPULoadStoreSpec(blocks)
-        try:
-            future = self._submit(
-                lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
-            )
-        except BaseException:
-            self._mgr.complete_load(pinned)
-            raise  # refused: not counted as a restore
-        self._restores += 1
-
-        def finish(fut: TransferFuture) -> None:
-            self._in_flight.pop(fut.job_id, None)
-            self._mgr.complete_load(pinned)
-            res = _result_or_none(fut)
-            if res is not None:
-                self._restored += len(pinned)
-                self._load_bytes += res.transfer_size or 0
-                self._untimed_loads.append(res)
-            else:
-                self._failed_loads += 1
-
-        future.add_done_callback(finish)
-        try:
-            await future
-        except TransferFailed:
-            return False
-        return True
+            raise unhashable(exc) from exc
+        if ready == len(keys) or self._cascade is None:
+            return await restore_from_host(keys, blocks, mgr=self._mgr, counters=self._n,
+                                           host_start=self._host.start,
+                                           submit=self._jobs.loader(expedited, after))
+        limit = self._worker.num_gpu_blocks  # several submits: refuse bad ids before the first
+        if any(not 0 <= b < limit for b in blocks):
+            raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
+                              f"{[b for b in blocks if not 0 <= b < limit][:5]}")
+        assert self._pool is not None
+        self._n.restores += 1
+        result, failed = await restore_through_tiers(
+            keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
+            pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
+        )
+        self._n.restored += result.restored
+        self._n.failed_loads += failed
+        if result.restored == 0:
+            self._n.restore_misses += 1
+        return result
 
     async def drain(self) -> None:
         """Wait until every copy this cache had started when called is over (also those whose
-        awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request.
-        Copies started meanwhile are not waited for, so a busy server does not hold it."""
-        if not self._in_flight:
-            await anyio.lowlevel.checkpoint()
-        for future in list(self._in_flight.values()):
-            try:
-                await future
-            except TransferFailed:
-                pass  # its done callback has run and removed it
+        awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request,
+        and then until the tier writes queued by then are done. Copies started meanwhile
+        are not waited for, so a busy server does not hold it."""
+        await self._jobs.wait()
+        if self._cascade is not None:
+            await self._cascade.drain()
 
     # -- inspection ---------------------------------------------------------------------
 
@@ -393,117 +386,17 @@ class OffloadCache:
         return self._mgr.take_events()
 
     def stats(self) -> OffloadCacheStats:
-        self._fold_times(0)
-        mgr = self._mgr.stats()
-        return OffloadCacheStats(
-            hits=self._hits,
-            misses=self._misses,
-            offered_keys=self._offered,
-            stored_keys=self._stored,
-            skipped_keys=self._skipped,
-            failed_stores=self._failed_stores,
-            restores=self._restores,
-            restored_keys=self._restored,
-            restore_misses=self._restore_misses,
-            failed_loads=self._failed_loads,
-            evictions=mgr.evictions,
-            store_bytes=self._store_bytes,
-            store_seconds=self._store_seconds,
-            load_bytes=self._load_bytes,
-            load_seconds=self._load_seconds,
-            in_flight=len(self._in_flight),
-            manager=mgr,
-        )
+        tiers = [link.stats() for link in self._cascade.links] if self._cascade else []
+        return self._n.snapshot(self._mgr.stats(), len(self._jobs.in_flight), tiers)
 
     # -- internals ----------------------------------------------------------------------
 
-    def _submit(self, submit: Any) -> TransferFuture:
-        """Submit under the next free job id (ids the caller uses on the same worker are skipped)."""
-        for _ in range(1024):
-            job_id = next(self._job_ids)
-            try:
-                future: TransferFuture = submit(job_id)
-            except DuplicateJob:
-                continue
-            self._in_flight[job_id] = future
-            return future
-        raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
-
-    def _fold_times(self, at_least: int = _FOLD_AT) -> None:
-        """Sum the device times of finished copies once ``at_least`` wait (a new call's
-        entry, or ``stats()``: never a done callback, which runs before the wake-up)."""
-        if len(self._untimed_stores) >= at_least:
-            self._store_seconds += _device_seconds(self._untimed_stores)
-        if len(self._untimed_loads) >= at_least:
-            self._load_seconds += _device_seconds(self._untimed_loads)
-
-    def _count_offer(self, offered: int, skipped: int) -> None:
-        self._offered += offered
-        self._skipped += skipped
+    def _host_run(self, keys: Sequence[Hashable]) -> int:
+        try:
+            return self._mgr.count_leading_hits(keys)
+        except TypeError as exc:
+            raise unhashable(exc) from exc
 
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
-
-
-def _as_keys(keys: Sequence[Hashable] | np.ndarray) -> Sequence[Hashable]:
-    """A numpy array's or a tensor's keys as plain values (its elements would hash by
-    identity, a tensor's, and never hit); any other sequence as it is, not copied:
-    ``lookup`` is polled, and returns at the first miss."""
-    if isinstance(keys, (str, bytes, bytearray)):
-        raise InvalidSpec(f"keys must be a sequence of keys; got one {type(keys).__name__} "
-                          "(it would be read as one key per element): wrap it in a list")
-    tolist = getattr(keys, "tolist", None)
-    if not callable(tolist):
-        if not isinstance(keys, Sequence):  # a generator: read once, then counted and indexed
-            return list(keys)
-        return cast(Sequence[Hashable], keys)
-    out = tolist()
-    if not isinstance(out, list) or (out and isinstance(out[0], list)):
-        shape = tuple(getattr(keys, "shape", ()))
-        raise InvalidSpec(f"keys must be a 1-D sequence; got an array of shape {shape}")
-    return out
-
-
-def _unhashable(exc: TypeError) -> InvalidSpec:
-    return InvalidSpec(f"keys must be hashable (ints, bytes, str, tuples): {exc}")
-
-
-def _is_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "tolist")
-
-
-def _as_block_list(ids: Sequence[int] | np.ndarray) -> list[Any]:
-    """Plain Python ids (numpy arrays' and torch tensors' become ints)."""
-    out = ids.tolist() if hasattr(ids, "tolist") else ids
-    if isinstance(out, (str, bytes)) or not isinstance(out, Iterable):
-        raise InvalidSpec(f"GPU block ids must be a sequence of integers, one per key; "
-                          f"got {type(ids).__name__}")
-    return list(out)
-
-
-def _is_id(value: Any) -> bool:
-    """An integer (numpy and 0-d torch ones included), not a bool or a float."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _device_seconds(results: list[TransferResult]) -> float:
-    """Sum and forget the results' device times."""
-    total = sum(r.transfer_time or 0.0 for r in results)
-    results.clear()
-    return total
-
-
-def _result_or_none(fut: TransferFuture) -> TransferResult | None:
-    """The result of a done future if its copy succeeded, else None."""
-    try:
-        res = fut.result()
-    except TransferFailed:
-        return None
-    return res if res.success else None

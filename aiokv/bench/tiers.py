@@ -1,0 +1,236 @@
+"""``aiokv bench cache --tiers host=N,disk=M[,redis=K]``: hit rates and restore rates per tier.
+
+Per trace it replays the requests through the cascade as ``OffloadCache`` runs it (host
+evictions and turned-away blocks go down, ``cache/tier_sim.py``), beside the host alone and
+LRU. Then, on a real ``OffloadCache`` over a real ``DiskTier`` (a temporary directory, or
+``tier_dir``) and ``RedisTier`` (``redis_url``), it restores blocks that live only in each
+tier and sets the GB/s beside that tier's ceiling measured in the same run: a plain read of
+the same bytes with the same I/O size from the same directory, and redis-py GETs of values
+of the same size from the same server. Last, a host-tier hit's latency with and without tiers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from ..cache.offload import DEFAULT_POLICY, OffloadCache
+from ..cache.tier_sim import SimTier, replay_tiers
+from ..cache.tiers.base import Tier
+from ..cache.trace import Request, load_trace, replay
+from ..layout import CanonicalKVCaches
+from ..worker import AsyncOffloadingWorker
+from .report import BenchRow
+
+__all__ = ["parse_tiers", "run_tier_bench"]
+
+Progress = Callable[[str], None]
+QUICK_REQUESTS = 3000
+PAGE_BYTES, LAYERS = 64 << 10, 8
+"""Restore blocks: 8 layers of 64 KiB K and V pages, 1 MiB a block."""
+HIT_PAGE_BYTES = 4 << 10
+"""Host-hit latency blocks: 8 layers of 4 KiB pages (64 KiB a block), as the face bench uses."""
+
+
+def parse_tiers(spec: str) -> list[tuple[str, int]]:
+    """``"host=2000,disk=32000"`` as ``[("host", 2000), ("disk", 32000)]``: host first, then
+    ``disk`` and/or ``redis`` once each, capacities in blocks."""
+    out: list[tuple[str, int]] = []
+    for part in spec.split(","):
+        name, _, value = part.strip().partition("=")
+        name = name.strip().lower()
+        try:
+            blocks = int(value)
+        except ValueError:
+            raise ValueError(f"--tiers: {part!r} is not NAME=BLOCKS") from None
+        if name not in ("host", "disk", "redis") or blocks < 1:
+            raise ValueError(f"--tiers: {part!r}: names are host, disk and redis, with positive block counts")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"--tiers: {name} appears twice")
+        out.append((name, blocks))
+    if not out or out[0][0] != "host" or len(out) < 2:
+        raise ValueError("--tiers starts with host=BLOCKS and names at least one lower tier, "
+                         "e.g. host=2000,disk=32000")
+    return out
+
+
+def run_tier_bench(
+    paths: Sequence[os.PathLike[str] | str],
+    tiers: Sequence[tuple[str, int]],
+    *,
+    policy: str | None = None,
+    redis_url: str | None = None,
+    quick: bool = False,
+    tier_dir: str | None = None,
+    restore_blocks: int | None = None,
+    progress: Progress | None = None,
+) -> list[BenchRow]:
+    """Hit rates per tier on each trace, then each tier's restore GB/s beside its ceiling."""
+    say = progress or (lambda _msg: None)
+    if any(name == "redis" for name, _ in tiers) and not redis_url:
+        raise ValueError("--tiers names redis: pass --redis-url redis://host:port")
+    name = DEFAULT_POLICY if policy is None else policy
+    rows: list[BenchRow] = []
+    for path in paths:
+        trace = load_trace(path, QUICK_REQUESTS if quick else None)
+        if not trace:
+            raise ValueError(f"trace {path} has no requests")
+        label = os.path.basename(os.fspath(path)).removesuffix(".jsonl").removesuffix("_trace")
+        rows += _hit_rows(trace, label, tiers, name, say)
+    count = restore_blocks or (64 if quick else 256)
+    for tier_name, _ in tiers[1:]:
+        rows += anyio.run(_restore_rows, tier_name, count, redis_url, tier_dir, say)
+    rows += anyio.run(_host_hit_rows, tier_dir, 50 if quick else 400, say)
+    return rows
+
+
+def _hit_rows(trace: list[Request], label: str, tiers: Sequence[tuple[str, int]], policy: str,
+              say: Progress) -> list[BenchRow]:
+    host = tiers[0][1]
+    # Redis is the shared store: written through, so other servers see a prefix at once.
+    lower = [SimTier(n, c, write_through=n == "redis") for n, c in tiers[1:]]
+    largest = max(c for _, c in tiers)
+    t0 = time.perf_counter()
+    tiered = replay_tiers(trace, host, lower, policy)
+    alone = replay(trace, host, policy).hit_rate
+    lru_host = replay(trace, host, "lru").hit_rate
+    lru_big = replay(trace, largest, "lru").hit_rate
+    spec = ",".join(f"{n}={c}" for n, c in tiers)
+    section = f"tier hit rate: {label}, {policy} host, {spec} (blocks)"
+    rows = [
+        BenchRow(section, "all tiers", tiered.hit_rate * 100, "%", lru_big * 100,
+                 note=f"ceiling: LRU over {largest:,} blocks in one tier"),
+        BenchRow(section, "host tier, with tiers below", tiered.rate("host") * 100, "%", alone * 100,
+                 note="ceiling: the same host without tiers (target: ratio >= 1.00)"),
+    ]
+    rows += [BenchRow(section, f"{t.name} tier", tiered.rate(t.name) * 100, "%") for t in lower]
+    rows += [
+        BenchRow(section, f"host only ({policy}) @ {host:,}", alone * 100, "%"),
+        BenchRow(section, f"lru @ {host:,}", lru_host * 100, "%"),
+        BenchRow(section, f"lru @ {largest:,}", lru_big * 100, "%"),
+    ]
+    say(f"{label}: tiers {tiered.hit_rate:.3f} (host {tiered.rate('host'):.3f}), host only {alone:.3f}, "
+        f"lru {lru_host:.3f} / {lru_big:.3f} ({time.perf_counter() - t0:.1f}s)")
+    return rows
+
+
+# -- restores from each tier on a real cache ------------------------------------------------
+
+
+def _layers(num_blocks: int, page_bytes: int, seed: int) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = [torch.randint(0, 256, (2, num_blocks, page_bytes), dtype=torch.uint8, generator=gen)
+              for _ in range(LAYERS)]
+    return layers, CanonicalKVCaches.from_tensors(layers, block_dim=1)
+
+
+def _make_tier(name: str, redis_url: str | None, directory: str, capacity_bytes: int) -> Tier:
+    if name == "disk":
+        from ..cache.tiers.disk import DiskTier
+
+        return DiskTier(directory, capacity_bytes=capacity_bytes)
+    from ..cache.tiers.redis import RedisTier
+
+    assert redis_url is not None
+    return RedisTier(redis_url, namespace=f"aiokv-bench-{os.getpid()}", capacity_bytes=capacity_bytes)
+
+
+@dataclass
+class _Restored:
+    gbps: float
+    wrong: int
+
+
+async def _restore_rows(name: str, count: int, redis_url: str | None, tier_dir: str | None,
+                        say: Progress) -> list[BenchRow]:
+    host, staging = 8, 64
+    layers, kv = _layers(count + host, PAGE_BYTES, seed=7)
+    block_bytes = 2 * LAYERS * PAGE_BYTES
+    with tempfile.TemporaryDirectory(dir=tier_dir, prefix="aiokv-tier-bench-") as directory:
+        tier = _make_tier(name, redis_url, directory, capacity_bytes=(count + host) * block_bytes * 2)
+        async with AsyncOffloadingWorker(kv, num_cpu_chunks=host + staging, backend="cpu") as worker:
+            async with OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=staging) as cache:
+                keys = [f"{name}-{os.getpid()}-{i}" for i in range(count + host)]
+                originals = [torch.cat([t[:, i].reshape(-1) for t in layers]) for i in range(count)]
+                for start in range(0, count + host, host):
+                    part = list(range(start, min(start + host, count + host)))
+                    await cache.offload([keys[i] for i in part], part)
+                await cache.drain()
+                lower = keys[:count]  # evicted from the host: only the tier has them
+                st = cache.stats().tiers[0]
+                if st.demoted < count:
+                    say(f"{name}: only {st.demoted} of {count} blocks reached the tier")
+                best = _Restored(0.0, 0)
+                ceiling = 0.0
+                for _round in range(3):  # interleaved, best of each: the host's noise hits both
+                    ceiling = max(ceiling, await _ceiling(name, tier, redis_url, block_bytes, count))
+                    for t in layers:
+                        t[:, :count].zero_()
+                    t0 = time.perf_counter()
+                    result = await cache.restore(lower, list(range(count)))
+                    seconds = time.perf_counter() - t0
+                    wrong = sum(
+                        1 for i in range(result.restored)
+                        if not torch.equal(torch.cat([t[:, i].reshape(-1) for t in layers]), originals[i])
+                    ) + (count - result.restored)
+                    gbps = result.restored * block_bytes / seconds / 1e9
+                    best = _Restored(max(gbps, best.gbps), max(wrong, best.wrong))
+    section = f"tier restore: {name}, {count} blocks of {block_bytes >> 20} MiB through the cache (cpu)"
+    ceiling_note = ("ceiling: plain reads of the same files, same I/O size and threads"
+                    if name == "disk" else "ceiling: redis-py GET of values of the same size, same server")
+    check = "bytes verified" if best.wrong == 0 else f"WRONG OR MISSING BYTES in {best.wrong} blocks"
+    say(f"{name}: restore {best.gbps:.2f} GB/s, ceiling {ceiling:.2f} GB/s; {check}")
+    return [BenchRow(section, f"restore from {name}", best.gbps, "GB/s", ceiling,
+                     note=f"{ceiling_note}; {check}", failed=best.wrong > 0)]
+
+
+async def _ceiling(name: str, tier: Any, redis_url: str | None, block_bytes: int, count: int) -> float:
+    if name == "disk":
+        return float(await tier.read_ceiling(count))
+    from ..cache.tiers.redis_client import raw_get_ceiling
+
+    assert redis_url is not None
+    return float(await raw_get_ceiling(redis_url, block_bytes, count))
+
+
+# -- a host-tier hit, with and without tiers -------------------------------------------------
+
+
+async def _host_hit_rows(tier_dir: str | None, rounds: int, say: Progress) -> list[BenchRow]:
+    from ..cache.tiers.disk import DiskTier
+
+    hits = 8
+    lat: dict[bool, list[float]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory(dir=tier_dir, prefix="aiokv-tier-bench-") as directory:
+        _, kv_a = _layers(2 * hits, HIT_PAGE_BYTES, seed=1)
+        _, kv_b = _layers(2 * hits, HIT_PAGE_BYTES, seed=2)
+        async with AsyncOffloadingWorker(kv_a, num_cpu_chunks=4 * hits, backend="cpu") as wa, \
+                AsyncOffloadingWorker(kv_b, num_cpu_chunks=4 * hits, backend="cpu") as wb:
+            plain = OffloadCache(wa, policy="lru")
+            tier = DiskTier(directory, capacity_bytes=64 * wb.chunk_bytes)
+            async with OffloadCache(wb, policy="lru", tiers=[tier], staging_chunks=hits) as tiered:
+                keys = list(range(hits))
+                for cache in (plain, tiered):
+                    await cache.offload(keys, keys)
+                targets = list(range(hits, 2 * hits))
+                for i in range(rounds):
+                    for with_tiers in ((False, True) if i % 2 else (True, False)):
+                        cache = tiered if with_tiers else plain
+                        t0 = time.perf_counter()
+                        ok = await cache.restore(keys, targets)
+                        lat[with_tiers].append(time.perf_counter() - t0)
+                        if not ok:
+                            raise RuntimeError("a host hit missed in the bench")
+    p50 = {k: float(np.percentile(v, 50)) * 1e6 for k, v in lat.items()}
+    section = f"host-tier hit: restore of {hits} blocks of 64 KiB held in the host (cpu), {rounds} each"
+    say(f"host hit p50: {p50[True]:.0f} us with tiers, {p50[False]:.0f} us without")
+    return [BenchRow(section, "p50 with a disk tier configured", p50[True], "us", p50[False],
+                     note="ceiling: p50 without tiers, interleaved (target: ratio <= 1.05)")]

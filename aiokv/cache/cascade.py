@@ -1,0 +1,290 @@
+"""The tiers under the host pool: write-behind demotion, write-through, and where keys are.
+
+``OffloadCache`` owns one ``Cascade`` when it has lower tiers. Blocks go down as copies
+of host chunks taken on the loop thread at the moment they are decided (a chunk the host
+evicts is reused by the very store that evicted it, so its bytes are copied out before
+that store is submitted). Each tier has one writer task and a queue bounded in bytes: a
+batch that does not fit is dropped and counted, so a slow tier never stalls the caller,
+the loop or the GPU (docs/tiers.md, "Write-behind").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from ..errors import InvalidSpec, UsageError
+from .manager import ChunkManager
+from .pages import PageMap
+from .records import TierCacheStats
+from .tiers.base import Tier
+from .tiers.codec import key_bytes
+
+__all__ = ["Cascade", "TierLink"]
+
+DEFAULT_QUEUE_BYTES = 256 << 20
+"""Bytes of blocks waiting for one tier's writer before further demotions are dropped."""
+
+
+@dataclass
+class _Batch:
+    keys: list[bytes]
+    rows: np.ndarray  # (n, block_bytes) uint8: the blocks' bytes, copied off the host pool
+    through: bool  # a write-through (True) or a demotion (False)
+
+
+@dataclass
+class TierLink:
+    """One tier and the cache's counters and write queue for it."""
+
+    tier: Tier
+    limit_blocks: int
+    queue: deque[_Batch] = field(default_factory=deque)
+    pending: int = 0  # blocks queued or being written
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    idle: anyio.Event = field(default_factory=anyio.Event)
+    hits: int = 0
+    restored_keys: int = 0
+    restored_bytes: int = 0
+    demoted: int = 0
+    write_throughs: int = 0
+    dropped: int = 0
+    read_misses: int = 0
+
+    def stats(self) -> TierCacheStats:
+        return TierCacheStats(
+            name=self.tier.name, hits=self.hits, restored_keys=self.restored_keys,
+            restored_bytes=self.restored_bytes, demoted=self.demoted,
+            write_throughs=self.write_throughs, demotions_dropped=self.dropped,
+            read_misses=self.read_misses, queued_blocks=self.pending,
+            tier=self.tier.statistics(),
+        )
+
+
+class Cascade:
+    """The lower tiers of one cache, in order, with their write queues.
+
+    Args:
+        tiers: the tiers, nearest first.
+        pages: where a block's pages sit in a host chunk and in the portable payload.
+        queue_bytes: per tier, bytes of blocks allowed to wait for its writer.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, pages: PageMap,
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        bad = [type(t).__name__ for t in tiers if not isinstance(t, Tier)]
+        if bad:
+            raise InvalidSpec(f"tiers must be aiokv Tier objects (DiskTier, RedisTier, ...); got {bad}")
+        if len({id(t) for t in tiers}) != len(tiers):
+            raise InvalidSpec("a tier appears twice in tiers=")
+        if queue_bytes < 0:
+            raise InvalidSpec(f"queue_bytes must be >= 0, got {queue_bytes}")
+        self.pages = pages
+        self.block_bytes = block_bytes = pages.payload_bytes
+        limit = max(1, queue_bytes // block_bytes)
+        self.links = [TierLink(t, limit) for t in tiers]
+        for link in self.links:
+            link.idle.set()
+        self.local = [link for link in self.links if not link.tier.remote]
+        # Demotions go to the nearest tier that does not already get every block.
+        self._demote_to = next((link for link in self.links if not link.tier.write_through), None)
+        self._through = [link for link in self.links if link.tier.write_through]
+        self._tier_keys: dict[Hashable, bytes] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def open(self, fingerprint: bytes, tg: anyio.abc.TaskGroup) -> None:
+        """Open every tier for this layout and start their writers in ``tg``."""
+        opened: list[Tier] = []
+        try:
+            for link in self.links:
+                await link.tier.open(fingerprint)
+                opened.append(link.tier)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for tier in opened:
+                    await tier.aclose()
+            raise
+        for link in self.links:
+            tg.start_soon(self._writer, link)
+
+    async def aclose(self) -> None:
+        """Close every tier (the writers were stopped by the caller's task group)."""
+        with anyio.CancelScope(shield=True):
+            for link in self.links:
+                await link.tier.aclose()
+
+    async def drain(self) -> None:
+        """Wait until every block queued so far is written (or dropped)."""
+        for link in self.links:
+            while link.pending:
+                await link.idle.wait()
+        await anyio.lowlevel.checkpoint()
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def tier_key(self, key: Hashable) -> bytes:
+        """The tier key of a cache key (cached: lookups of one prefix repeat)."""
+        found = self._tier_keys.get(key)
+        if found is None:
+            if len(self._tier_keys) > 1 << 20:  # a bound, not an LRU: rebuilding is cheap
+                self._tier_keys.clear()
+            found = self._tier_keys[key] = key_bytes(key)
+        return found
+
+    def local_holder(self, key: Hashable) -> TierLink | None:
+        """The nearest local tier holding ``key`` (no I/O)."""
+        if not self.local:
+            return None
+        tk = self.tier_key(key)
+        for link in self.local:
+            if link.tier.holds(tk):
+                return link
+        return None
+
+    def local_run(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """Leading keys held in the host or a local tier (no I/O), and how many of them
+        the host holds; each tier's hits are counted."""
+        n = host = 0
+        for key in keys:
+            if mgr.count_leading_hits((key,)):
+                host += 1
+            elif (holder := self.local_holder(key)) is not None:
+                holder.hits += 1
+            else:
+                break
+            n += 1
+        return n, host
+
+    async def remote_run(self, keys: Sequence[Hashable]) -> int:
+        """Leading keys held in a remote tier (one batched ``exists`` per remote tier)."""
+        if not keys or not any(link.tier.remote for link in self.links):
+            await anyio.lowlevel.checkpoint()
+            return 0
+        n = 0
+        for link in await self.remote_leading(keys):
+            if link is None:
+                break
+            link.hits += 1
+            n += 1
+        return n
+
+    # -- writing down ---------------------------------------------------------------------
+
+    def demote(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
+        """Queue the evicted ``keys`` (their bytes still in absolute ``chunks``) for the
+        nearest tier that does not already hold them. Copies the bytes now: the caller
+        reuses the chunks next."""
+        link = self._demote_to
+        if link is None or not keys:
+            return
+        pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
+        if not link.tier.remote:
+            pairs = [(tk, c) for tk, c in pairs if not link.tier.holds(tk)]
+        self._enqueue(link, pool, pairs, through=False)
+
+    def wants_spill(self, key: Hashable) -> bool:
+        """Whether a key the host turned away should go to the demotion tier (not held there)."""
+        link = self._demote_to
+        return link is not None and (link.tier.remote or not link.tier.holds(self.tier_key(key)))
+
+    def count_spill_dropped(self, n: int) -> None:
+        if n and self._demote_to is not None:
+            self._demote_to.dropped += n
+
+    def write_through(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
+        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier."""
+        if not self._through or not keys:
+            return
+        pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
+        for link in self._through:
+            self._enqueue(link, pool, pairs, through=True)
+
+    def _enqueue(self, link: TierLink, pool: np.ndarray, pairs: list[tuple[bytes, int]],
+                 *, through: bool) -> None:
+        room = link.limit_blocks - link.pending
+        if len(pairs) > room:
+            link.dropped += len(pairs) - max(room, 0)
+            pairs = pairs[: max(room, 0)]
+        if not pairs:
+            return
+        rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
+        link.queue.append(_Batch([tk for tk, _ in pairs], rows, through))
+        if link.pending == 0:
+            link.idle = anyio.Event()
+        link.pending += len(pairs)
+        link.wake.set()
+
+    async def _writer(self, link: TierLink) -> None:
+        while True:
+            if not link.queue:
+                link.idle.set()
+                await link.wake.wait()
+                link.wake = anyio.Event()
+                continue
+            batch = link.queue.popleft()
+            try:
+                done = await link.tier.write(batch.keys, [memoryview(r) for r in batch.rows])
+            except Exception:  # a tier that broke its contract: its blocks are dropped
+                done = [False] * len(batch.keys)
+            finally:
+                link.pending -= len(batch.keys)
+            ok = sum(1 for d in done if d)
+            if batch.through:
+                link.write_throughs += ok
+            else:
+                link.demoted += ok
+            link.dropped += len(batch.keys) - ok
+
+    # -- reading up -----------------------------------------------------------------------
+
+    async def read(self, keys: Sequence[Hashable], views: Sequence[memoryview]) -> list[TierLink | None]:
+        """Fill ``views[i]`` from the nearest tier holding ``keys[i]``; which tier did, or
+        None for a miss. Local tiers are asked only for keys they hold; remote tiers for
+        whatever is still missing."""
+        found: list[TierLink | None] = [None] * len(keys)
+        tks = [self.tier_key(k) for k in keys]
+        for link in self.links:
+            want = [i for i in range(len(keys)) if found[i] is None
+                    and (link.tier.remote or link.tier.holds(tks[i]))]
+            if not want:
+                continue
+            try:
+                got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
+            except (UsageError, InvalidSpec):
+                raise  # misuse (a closed tier, a bad buffer) is the caller's to see
+            except Exception:  # a tier that broke its contract: a miss, not a crash
+                got = [False] * len(want)
+            for i, ok in zip(want, got):
+                if ok:
+                    found[i] = link
+                elif not link.tier.remote:
+                    link.read_misses += 1
+            if all(f is not None for f in found):
+                break
+        return found
+
+    async def remote_leading(self, keys: Sequence[Hashable]) -> list[TierLink | None]:
+        """Which remote tier holds each key, asking each remote tier once, batched."""
+        found: list[TierLink | None] = [None] * len(keys)
+        for link in self.links:
+            if not link.tier.remote:
+                continue
+            want = [i for i in range(len(keys)) if found[i] is None]
+            if not want:
+                break
+            try:
+                held = await link.tier.exists([self.tier_key(keys[i]) for i in want])
+            except (UsageError, InvalidSpec):
+                raise
+            except Exception:
+                held = [False] * len(want)
+            for i, h in zip(want, held):
+                if h:
+                    found[i] = link
+        return found

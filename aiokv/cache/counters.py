@@ -1,0 +1,66 @@
+"""The counters behind ``OffloadCache.stats()``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..specs import TransferResult
+from .manager import CacheStats
+from .records import OffloadCacheStats, TierCacheStats
+
+__all__ = ["FOLD_AT", "Counters"]
+
+FOLD_AT = 256
+"""Results kept before their device times are summed (bounds the lists between stats())."""
+
+
+class Counters:
+    """What one cache counted since construction (see ``OffloadCacheStats`` for units)."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.host_hits = 0
+        self.offered = self.stored = self.skipped = self.failed_stores = 0
+        self.restores = self.restored = self.restore_misses = self.failed_loads = 0
+        self.store_bytes = self.load_bytes = 0
+        self.store_seconds = self.load_seconds = 0.0
+        # Results whose device time is not summed yet: reading it in the done callback
+        # would put the CUDA timing read back before the awaiting task wakes (fold).
+        self.untimed_stores: list[TransferResult] = []
+        self.untimed_loads: list[TransferResult] = []
+
+    def fold(self, at_least: int = FOLD_AT) -> None:
+        """Sum the device times of finished copies once ``at_least`` wait (a new call's
+        entry, or ``stats()``: never a done callback, which runs before the wake-up)."""
+        if len(self.untimed_stores) >= at_least:
+            self.store_seconds += _device_seconds(self.untimed_stores)
+        if len(self.untimed_loads) >= at_least:
+            self.load_seconds += _device_seconds(self.untimed_loads)
+
+    def count_hits(self, total: int, host: int, hits: int) -> None:
+        self.hits += hits
+        self.host_hits += host
+        self.misses += total - hits
+
+    def count_offer(self, offered: int, skipped: int) -> None:
+        self.offered += offered
+        self.skipped += skipped
+
+    def snapshot(self, mgr: CacheStats, in_flight: int, tiers: Sequence[TierCacheStats]) -> OffloadCacheStats:
+        self.fold(0)
+        return OffloadCacheStats(
+            hits=self.hits, misses=self.misses, offered_keys=self.offered,
+            stored_keys=self.stored, skipped_keys=self.skipped, failed_stores=self.failed_stores,
+            restores=self.restores, restored_keys=self.restored,
+            restore_misses=self.restore_misses, failed_loads=self.failed_loads,
+            evictions=mgr.evictions, store_bytes=self.store_bytes,
+            store_seconds=self.store_seconds, load_bytes=self.load_bytes,
+            load_seconds=self.load_seconds, in_flight=in_flight, manager=mgr,
+            host_hits=self.host_hits, tiers=tuple(tiers),
+        )
+
+
+def _device_seconds(results: list[TransferResult]) -> float:
+    """Sum and forget the results' device times."""
+    total = sum(r.transfer_time or 0.0 for r in results)
+    results.clear()
+    return total

@@ -1,0 +1,73 @@
+"""The copies one ``OffloadCache`` submits: job ids shared with the other caches of its
+worker, the futures still in flight, and the device time of finished loads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+
+from ..errors import DuplicateJob, TransferFailed
+from ..future import TransferFuture
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
+from .counters import Counters
+from .protocol import CacheWorker, result_or_none
+
+__all__ = ["Jobs", "Submit"]
+
+Submit = Callable[[CPULoadStoreSpec, list[int]], TransferFuture]
+
+
+class Jobs:
+    """Submits a cache's copies and remembers those in flight."""
+
+    def __init__(self, worker: CacheWorker, job_ids: Iterator[int], counters: Counters) -> None:
+        self._worker = worker
+        self._job_ids = job_ids
+        self._n = counters
+        self.in_flight: dict[int, TransferFuture] = {}
+
+    def submit(self, submit: Callable[[int], TransferFuture]) -> TransferFuture:
+        """Submit under the next free job id (ids the caller uses on the same worker are
+        skipped); the future leaves ``in_flight`` before any later done callback runs."""
+        for _ in range(1024):
+            job_id = next(self._job_ids)
+            try:
+                future = submit(job_id)
+            except DuplicateJob:
+                continue
+            self.in_flight[job_id] = future
+            future.add_done_callback(lambda fut: self.in_flight.pop(fut.job_id, None))
+            return future
+        raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
+
+    def loader(self, expedited: bool, after: Any) -> Submit:
+        """A function submitting one load (host chunks -> GPU blocks) and counting its bytes."""
+
+        def load(src: CPULoadStoreSpec, blocks: list[int]) -> TransferFuture:
+            dst = GPULoadStoreSpec(blocks)
+            future = self.submit(
+                lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
+            )
+
+            def timed(fut: TransferFuture) -> None:
+                res = result_or_none(fut)
+                if res is not None:
+                    self._n.load_bytes += res.transfer_size or 0
+                    self._n.untimed_loads.append(res)
+
+            future.add_done_callback(timed)
+            return future
+
+        return load
+
+    async def wait(self) -> None:
+        """Until every copy in flight now is over (failed ones included)."""
+        if not self.in_flight:
+            await anyio.lowlevel.checkpoint()
+        for future in list(self.in_flight.values()):
+            try:
+                await future
+            except TransferFailed:
+                pass  # its done callbacks have run

@@ -1,0 +1,95 @@
+"""The contract every lower cache tier (disk, Redis, ...) implements.
+
+A tier stores whole blocks (one value per key, every layer of one GPU block, exactly
+``block_bytes`` long) under stable ``bytes`` keys that the cache derives from its own keys
+(``codec.key_bytes``). Tiers never raise for I/O trouble: a failed, timed-out or corrupt
+value is a miss (``False``) and is counted in ``statistics()``; only misuse raises
+(``UsageError``/``InvalidSpec``). See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Tier", "TierStatistics"]
+
+
+@dataclass(frozen=True)
+class TierStatistics:
+    """Counters of one tier since it was opened; the cache and Prometheus read them.
+
+    ``blocks``/``bytes_held`` count KV payload only (no headers or padding); a remote tier
+    that cannot know them reports what this process wrote, or -1. ``errors`` are I/O
+    failures, timeouts and lost connections; ``corrupt`` are values that failed
+    verification. Both became misses (reads) or drops (writes), never wrong bytes.
+    """
+
+    name: str
+    blocks: int
+    bytes_held: int
+    reads: int
+    read_hits: int
+    read_bytes: int
+    writes: int
+    write_bytes: int
+    errors: int
+    corrupt: int
+    evictions: int
+
+
+class Tier(abc.ABC):
+    """A store of KV blocks below the host pool, driven by ``OffloadCache``.
+
+    Subclasses set ``name`` and ``remote`` as class attributes and take ``write_through``
+    as a constructor keyword (default False): when True the cache also writes every block
+    it stores into this tier at once, not only blocks the host evicts.
+
+    Lifecycle: the cache calls ``await open(fingerprint)`` once before any other call and
+    ``await aclose()`` when it closes. Every call runs on the cache's event loop; I/O must
+    not block that loop (thread pool or an async client) and must carry a timeout.
+    """
+
+    name: str = "tier"
+    remote: bool = False
+    write_through: bool = False
+
+    @abc.abstractmethod
+    async def open(self, fingerprint: bytes) -> None:
+        """Get ready to serve blocks of the layout that ``fingerprint`` names.
+
+        Args:
+            fingerprint: 16 or more bytes from ``codec.layout_fingerprint``; the tier
+                namespaces its keys or files by it (and by its own ``namespace=``), so
+                blocks of another layout are never read as hits.
+        """
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release connections, threads and files; later calls are misuse."""
+
+    @abc.abstractmethod
+    def holds(self, key: bytes) -> bool:
+        """Whether the key is held, answered without I/O; remote tiers return False."""
+
+    @abc.abstractmethod
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are held, in one batched round trip (a failure answers False)."""
+
+    @abc.abstractmethod
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Fill ``out[i]`` (exactly ``block_bytes`` long) with the verified payload of
+        ``keys[i]``. False is a miss (absent, failed, corrupt, timed out) and leaves
+        ``out[i]`` undefined. Never raises for I/O problems. Nothing writes ``out`` once
+        this returns or is cancelled: the cache hands the buffers to other work then."""
+
+    @abc.abstractmethod
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store each payload under its key, atomically per key. False means not stored
+        (full, I/O error, timeout). The payload views are only read until this returns.
+        Never raises for I/O problems."""
+
+    @abc.abstractmethod
+    def statistics(self) -> TierStatistics:
+        """A snapshot of this tier's counters."""

@@ -1,0 +1,481 @@
+"""The disk tier: KV blocks as files under a directory, read and written off the event loop.
+
+Each layout gets its own subdirectory (named by its fingerprint), so two models never read
+each other's files. The index of held keys lives in memory (``holds`` does no I/O) and is
+rebuilt from the files' headers at ``open``, so a new tier on the same directory and layout
+finds what an earlier one stored. Capacity counts payload bytes, so a tier sized for N
+blocks holds N blocks; the eviction policy comes from the cache's policy registry.
+
+Durability: a block is written to a temporary file in the same directory and renamed into
+place, and every read verifies the header (layout, key, length) and the payload's crc32.
+A crash therefore never leaves a half-written block that reads as whole: it is dropped at
+the next ``open`` (bad header or length) or at its first read (bad checksum). With
+``fsync=True`` each block is also on stable storage before ``write`` reports it stored.
+
+Threads: every file operation runs in a thread bounded by ``io_threads``; a call's blocks
+are shared out among them. Calls carry no timeout of their own and a cancelled call waits
+for its threads: a read thread writes into the caller's buffers, so abandoning it would let
+the caller reuse memory that is still being filled. A local disk answers or fails with an
+error; ``simulated_latency`` models a slow one in tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from ...errors import InvalidSpec, TierError, UsageError
+from ..policies import EvictionPolicy, make_policy
+from .base import Tier, TierStatistics
+from .disk_ceiling import raw_read_ceiling
+from .disk_io import (
+    MAX_KEY_BYTES,
+    BlockFiles,
+    FileEntry,
+    ReadStatus,
+    file_size,
+    probe_direct,
+)
+
+__all__ = ["DiskTier", "raw_read_ceiling"]
+
+T = TypeVar("T")
+
+
+class DiskTier(Tier):
+    """Blocks in files under ``path``, bounded by ``capacity_bytes`` of KV payload.
+
+    Args:
+        path: the directory to keep blocks in (created if missing); each layout uses its
+            own subdirectory.
+        capacity_bytes: KV payload bytes held at most (headers and padding not counted).
+        write_through: the cache writes every stored block here at once (see ``Tier``).
+        policy: an eviction policy name from the registry (``"lru"``, ``"arc"``, ...) or
+            an unused ``EvictionPolicy`` instance.
+        io_threads: worker threads doing file I/O at once (one batch is spread over them).
+        direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
+            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it), False
+            never does, True requires it (``open`` raises ``TierError`` where it fails).
+        fsync: make each block durable before ``write`` reports it (see module docs).
+        simulated_latency: seconds each I/O batch sleeps in its thread before it starts, to
+            model a slow device in tests and benchmarks; 0 in production.
+    """
+
+    name = "disk"
+    remote = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity_bytes: int,
+        write_through: bool = False,
+        policy: str | EvictionPolicy = "lru",
+        io_threads: int = 4,
+        direct: bool | None = None,
+        fsync: bool = False,
+        simulated_latency: float = 0.0,
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+                or capacity_bytes <= 0:
+            raise InvalidSpec(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise InvalidSpec(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if simulated_latency < 0:
+            raise InvalidSpec(f"simulated_latency must be >= 0, got {simulated_latency!r}")
+        self.path = os.fspath(path)
+        self.capacity_bytes = capacity_bytes
+        self.write_through = bool(write_through)
+        self.io_threads = io_threads
+        self._policy_spec = policy
+        self._direct_wanted = direct
+        self._fsync = bool(fsync)
+        self._latency = float(simulated_latency)
+        self._files: BlockFiles | None = None
+        self._closed = False
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._policy: EvictionPolicy | None = None
+        self._block_bytes: int | None = None
+        self._held: dict[bytes, None] = {}  # keys whose file is in place
+        self._pending: set[bytes] = set()  # keys being written
+        self._removing: set[bytes] = set()  # keys whose file is being removed
+        self._pins: dict[bytes, int] = {}  # keys being read (not evictable)
+        self._counts = dict.fromkeys(
+            ("reads", "read_hits", "read_bytes", "writes", "write_bytes", "errors",
+             "corrupt", "evictions"), 0)
+        self.temp_files_removed = 0
+        """Temporary files (writes a crash interrupted) removed by ``open``."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def direct(self) -> bool:
+        """Whether this tier uses direct I/O (known after ``open``)."""
+        return self._files is not None and self._files.direct
+
+    @property
+    def directory(self) -> str:
+        """This layout's own directory (known after ``open``)."""
+        return self._opened().directory
+
+    @property
+    def block_bytes(self) -> int | None:
+        """Payload bytes of one block, once a block was stored or found."""
+        return self._block_bytes
+
+    @property
+    def io_size(self) -> int | None:
+        """Bytes one read call moves for one block (header page, payload, padding): the
+        I/O size to give ``raw_read_ceiling``. None until the block size is known."""
+        if self._block_bytes is None:
+            return None
+        return file_size(b"", self._block_bytes)
+
+    async def read_ceiling(self, count: int = 64, *, rounds: int = 3) -> float:
+        """GB/s of plain reads of ``count`` block-sized files in this tier's directory, with
+        this tier's mode, I/O size and threads (``raw_read_ceiling``): what a restore from
+        this tier is measured against. Runs in a thread; needs the block size known."""
+        files = self._opened()
+        if self._block_bytes is None:
+            raise UsageError("the block size is known once a block was stored or found")
+        return await anyio.to_thread.run_sync(partial(
+            raw_read_ceiling, files.directory, self._block_bytes, count, self.io_size,
+            direct=files.direct, threads=self.io_threads, rounds=rounds))
+
+    async def open(self, fingerprint: bytes) -> None:
+        """Create or reopen this layout's directory, probe direct I/O and rebuild the index
+        from the files there (dropping temporary files and files that do not verify)."""
+        if self._files is not None or self._closed:
+            raise UsageError("a DiskTier is opened once")
+        fingerprint = bytes(fingerprint)
+        if len(fingerprint) < 16:
+            raise InvalidSpec("a tier fingerprint has at least 16 bytes "
+                              "(make it with codec.layout_fingerprint)")
+        self._limiter = anyio.CapacityLimiter(self.io_threads)
+        directory = os.path.join(self.path, fingerprint.hex())
+        want = self._direct_wanted
+        locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
+
+        def prepare() -> tuple[BlockFiles, list[str], int]:
+            os.makedirs(directory, exist_ok=True)
+            direct = want is not False and probe_direct(directory)
+            if want and not direct:
+                raise TierError(f"direct=True, but the filesystem of {directory} refuses "
+                                f"O_DIRECT; pass direct=None to fall back to buffered I/O")
+            files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
+                               delay=self._latency)
+            if not files.lock():
+                raise UsageError(f"another DiskTier (in this or another process) is using "
+                                 f"{directory}; give each cache its own directory")
+            locked.append(files)
+            return (files, *files.list_blocks())
+
+        entries: list[FileEntry] = []
+        try:
+            files, names, temps = await self._run(prepare)
+            # Checking headers costs a few syscalls per file: spread them over the threads.
+            parts = max(1, min(self.io_threads, len(names) // 256))
+            bads = [0] * parts
+
+            async def check(part: int) -> None:
+                bads[part] = await self._run(files.check_blocks, names[part::parts], entries)
+
+            async with anyio.create_task_group() as tg:
+                for part in range(parts):
+                    tg.start_soon(check, part)
+            bad = sum(bads)
+            entries.sort(key=lambda e: e.mtime_ns)
+        except BaseException as exc:
+            for files in locked:
+                files.unlock()
+            if isinstance(exc, OSError) and not isinstance(exc, TierError):
+                raise TierError(f"cannot open the disk tier at {directory}: {exc}") from exc
+            raise
+        self._files = files
+        self.temp_files_removed = temps
+        self._counts["corrupt"] += bad
+        doomed: list[bytes] = []
+        if entries:
+            # One layout has one block size; a file claiming another is not ours.
+            self._block_bytes = entries[-1].payload_len
+            keep = [e.key for e in entries if e.payload_len == self._block_bytes]
+            self._counts["corrupt"] += len(entries) - len(keep)
+            doomed += [e.key for e in entries if e.payload_len != self._block_bytes]
+            limit = self._capacity_blocks()
+            if len(keep) > limit:  # reopened with less capacity: the oldest go
+                doomed += keep[: len(keep) - limit]
+                self._counts["evictions"] += len(keep) - limit
+                keep = keep[len(keep) - limit:]
+            self._held = dict.fromkeys(keep)
+            self._make_policy().on_insert(keep)
+        if doomed:
+            await self._run(self._remove_files, doomed)
+
+    async def aclose(self) -> None:
+        """Stop serving and unlock the directory; the files stay for the next tier opened
+        on it. Reads and writes still in flight finish in their threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._files is not None:
+            self._files.unlock()
+
+    # -- the Tier contract -----------------------------------------------------------------
+
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key``'s block is on disk (from the in-memory index, no I/O)."""
+        self._opened()
+        return key in self._held
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are held (the index answers; no I/O)."""
+        self._opened()
+        await anyio.lowlevel.checkpoint()
+        return [key in self._held for key in keys]
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Fill ``out[i]`` with the verified block of ``keys[i]``; False is a miss.
+
+        A file that is truncated, torn or foreign is removed and counted as corrupt; an
+        I/O error is counted and is a miss. Reads of one call are spread over the I/O
+        threads; a cancelled call waits for the reads in flight (they write into ``out``)
+        before it raises.
+        """
+        files = self._opened()
+        keys = list(keys)
+        outs = [self._byte_view(v, writable=True) for v in out]
+        if len(outs) != len(keys):
+            raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
+        for key, view in zip(keys, outs):
+            self._check_key(key)
+            if self._block_bytes is not None and view.nbytes != self._block_bytes:
+                raise InvalidSpec(f"read buffers must be {self._block_bytes} bytes, "
+                                  f"got {view.nbytes}")
+        status = [0] * len(keys)
+        todo = [i for i, key in enumerate(keys) if key in self._held]
+        for i in todo:
+            self._pins[keys[i]] = self._pins.get(keys[i], 0) + 1
+        try:
+            await self._spread(partial(files.read_many, keys, outs, status), todo)
+        finally:
+            for i in todo:
+                self._unpin(keys[i])
+            self._after_read(keys, outs, status)
+        return [s == ReadStatus.HIT for s in status]
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store each payload under its key; a key already held is left as it is (True).
+
+        Room is made by evicting through the policy before the new files are written; when
+        more keys are new than the tier can hold, the first ones (a request's head) are
+        kept. False: not stored (no room, a full disk, an I/O error); nothing half-written
+        is left either way.
+        """
+        files = self._opened()
+        keys = list(keys)
+        views = [self._byte_view(p, writable=False) for p in payloads]
+        if len(views) != len(keys):
+            raise InvalidSpec(f"write got {len(keys)} keys and {len(views)} payloads")
+        for key, view in zip(keys, views):
+            self._check_key(key)
+            size = self._block_bytes if self._block_bytes is not None else views[0].nbytes
+            if view.nbytes != size or size <= 0:
+                raise InvalidSpec(f"payloads must all be {size} bytes (one block), "
+                                  f"got {view.nbytes}")
+        if not keys:
+            return []
+        if self._block_bytes is None:
+            self._block_bytes = views[0].nbytes
+        policy = self._make_policy()
+        stored: list[bool | None] = [None] * len(keys)
+        first: dict[bytes, int] = {}  # a key repeated in one call shares its first fate
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if key in first:
+                continue
+            first[key] = i
+            if key in self._held:
+                stored[i] = True
+            elif key in self._pending or key in self._removing:
+                stored[i] = False  # another call is writing or removing it right now
+            else:
+                todo.append(i)
+        held = [key for key, i in first.items() if stored[i]]
+        if held:
+            policy.on_access(held)
+        todo, doomed = self._make_room(todo, keys, stored)
+        for key in doomed:
+            self._evict(key)
+        for i in todo:
+            self._pending.add(keys[i])
+        self._removing.update(doomed)
+        try:
+            if doomed:  # free the room first: on a nearly full disk it is needed
+                await self._run(self._remove_files, doomed)
+            await self._spread(partial(files.write_many, keys, views, stored), todo)
+        finally:
+            self._removing.difference_update(doomed)
+            self._after_write(keys, stored, todo)
+        return [bool(stored[first[key]]) for key in keys]
+
+    def statistics(self) -> TierStatistics:
+        """A snapshot of this tier's counters (``blocks``/``bytes_held``: payload only)."""
+        c = self._counts
+        blocks = len(self._held)
+        return TierStatistics(
+            name=self.name, blocks=blocks, bytes_held=blocks * (self._block_bytes or 0),
+            reads=c["reads"], read_hits=c["read_hits"], read_bytes=c["read_bytes"],
+            writes=c["writes"], write_bytes=c["write_bytes"], errors=c["errors"],
+            corrupt=c["corrupt"], evictions=c["evictions"],
+        )
+
+    # -- bookkeeping (loop thread only) ----------------------------------------------------
+
+    def _capacity_blocks(self) -> int:
+        assert self._block_bytes is not None
+        return self.capacity_bytes // self._block_bytes
+
+    def _make_policy(self) -> EvictionPolicy:
+        if self._policy is None:
+            self._policy = make_policy(self._policy_spec, max(1, self._capacity_blocks()))
+        return self._policy
+
+    def _make_room(self, todo: list[int], keys: list[bytes],
+                   stored: list[bool | None]) -> tuple[list[int], list[bytes]]:
+        """Which of ``todo`` get written, and the held keys evicted to make room for them.
+
+        Keys being read are not evictable. What does not fit even after evicting everything
+        else is refused from the tail, so a request's head is what gets stored.
+        """
+        capacity = self._capacity_blocks()
+        pinned = sum(1 for k in self._pins if k in self._held)
+        used = len(self._held) + len(self._pending)
+        fits = max(0, min(len(todo), capacity - used + len(self._held) - pinned))
+        for i in todo[fits:]:
+            stored[i] = False
+        todo = todo[:fits]
+        need = used + len(todo) - capacity
+        if need <= 0:
+            return todo, []
+        assert self._policy is not None
+        held, pins = self._held, self._pins
+        victims = self._policy.victims(need, lambda k: k in held and k not in pins)
+        if victims is None:  # a policy that lost track of keys: store nothing rather than overfill
+            for i in todo:
+                stored[i] = False
+            return [], []
+        return todo, [k for k in victims if isinstance(k, bytes)]
+
+    def _evict(self, key: bytes) -> None:
+        del self._held[key]
+        assert self._policy is not None
+        self._policy.on_remove(key, evicted=True)
+        self._counts["evictions"] += 1
+
+    def _drop(self, key: bytes) -> None:
+        if key in self._held:
+            del self._held[key]
+            if self._policy is not None:
+                self._policy.on_remove(key, evicted=False)
+
+    def _unpin(self, key: bytes) -> None:
+        left = self._pins[key] - 1
+        if left:
+            self._pins[key] = left
+        else:
+            del self._pins[key]
+
+    def _after_read(self, keys: list[bytes], outs: list[memoryview], status: list[int]) -> None:
+        c = self._counts
+        c["reads"] += len(keys)
+        hits: list[bytes] = []
+        for key, view, s in zip(keys, outs, status):
+            if s == ReadStatus.HIT:
+                hits.append(key)
+                c["read_hits"] += 1
+                c["read_bytes"] += view.nbytes
+            elif s == ReadStatus.CORRUPT:
+                c["corrupt"] += 1
+                self._drop(key)
+            elif s == ReadStatus.ABSENT:
+                c["errors"] += 1
+                self._drop(key)
+            elif s == ReadStatus.ERROR:
+                c["errors"] += 1
+        if hits and self._policy is not None:
+            self._policy.on_access([k for k in hits if k in self._held])
+
+    def _after_write(self, keys: list[bytes], stored: list[bool | None], todo: list[int]) -> None:
+        c = self._counts
+        new: list[bytes] = []
+        for i in todo:
+            key = keys[i]
+            self._pending.discard(key)
+            if stored[i]:
+                self._held[key] = None
+                new.append(key)
+                c["writes"] += 1
+                c["write_bytes"] += self._block_bytes or 0
+            elif stored[i] is False:
+                c["errors"] += 1
+            # None: never started (the call was cancelled first); the file may not exist.
+        if new:
+            assert self._policy is not None
+            self._policy.on_insert(new)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _opened(self) -> BlockFiles:
+        if self._closed:
+            raise UsageError("this DiskTier is closed")
+        if self._files is None:
+            raise UsageError("open() the DiskTier (the cache does) before using it")
+        return self._files
+
+    @staticmethod
+    def _check_key(key: object) -> None:
+        if not isinstance(key, bytes):
+            raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
+        if len(key) > MAX_KEY_BYTES:
+            raise InvalidSpec(f"disk tier keys are at most {MAX_KEY_BYTES} bytes, got {len(key)}")
+
+    @staticmethod
+    def _byte_view(buffer: object, *, writable: bool) -> memoryview:
+        try:
+            view = memoryview(buffer)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidSpec(f"tier buffers are memoryviews, got {type(buffer).__name__}") from None
+        if not view.contiguous or (writable and view.readonly):
+            raise InvalidSpec("tier buffers must be contiguous" + (" and writable" if writable else ""))
+        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        # Not abandoned on cancellation: a read thread writes into the caller's buffers,
+        # so the call returns only once its threads are done with them.
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int]) -> None:
+        """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
+        ``todo`` (each thread takes the next index when it is free)."""
+        if not todo:
+            return
+        queue = deque(todo)
+        parts = min(self.io_threads, len(todo))
+        if parts == 1:
+            await self._run(work, queue)
+            return
+        async with anyio.create_task_group() as tg:
+            for _ in range(parts):
+                tg.start_soon(self._run, work, queue)
+
+    def _remove_files(self, keys: list[bytes]) -> None:
+        assert self._files is not None
+        for key in keys:
+            self._files.remove(key)

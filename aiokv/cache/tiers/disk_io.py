@@ -1,0 +1,463 @@
+"""Blocking file I/O of the disk tier: one file per block, direct I/O where it works.
+
+Everything here blocks and runs in the disk tier's worker threads, never on an event loop.
+A block file is the codec header, zero padding up to ``ALIGN``, the payload, and zero
+padding up to the next multiple of ``ALIGN``::
+
+    [header | 0...][payload ......................][0...]
+    0              header_span(key)                file_size(key, payload_len)
+
+Aligning the payload lets direct I/O (``O_DIRECT``, which bypasses the page cache) read it
+straight into the caller's buffer when that buffer is aligned too, and lets both modes read
+the same files. A file is written under a temporary name and renamed into place, and every
+read checks the header (layout, key, length) and the payload's crc32, so a torn, truncated
+or foreign file reads as a miss, never as a block.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one tier per directory is then up to the user
+    fcntl = None  # type: ignore[assignment]
+
+from . import codec
+
+__all__ = [
+    "ALIGN",
+    "BINARY_FLAG",
+    "DIRECT_FLAG",
+    "MAX_KEY_BYTES",
+    "BLOCK_SUFFIX",
+    "TEMP_PREFIX",
+    "BlockFiles",
+    "FileEntry",
+    "ReadStatus",
+    "file_size",
+    "header_span",
+    "probe_direct",
+    "round_up",
+]
+
+ALIGN = 4096
+"""Alignment of offsets, lengths and buffers for direct I/O (covers 512 B and 4 KiB sectors)."""
+BLOCK_SUFFIX = ".kv"
+TEMP_PREFIX = ".tmp-"
+LOCK_NAME = "lock"
+MAX_KEY_BYTES = 1 << 16
+"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
+
+DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
+"""``os.O_DIRECT`` where the platform has it, else 0."""
+BINARY_FLAG = getattr(os, "O_BINARY", 0)
+"""``os.O_BINARY`` on Windows, else 0."""
+
+
+class ReadStatus:
+    """What reading one block found (small ints so a thread can fill a shared list)."""
+
+    HIT = 1
+    ABSENT = 2  # the file is gone: drop the index entry
+    CORRUPT = 3  # header, length or checksum failed: the file was removed
+    ERROR = 4  # an I/O error: a miss, the entry stays
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A verified block file found by ``BlockFiles.scan``."""
+
+    key: bytes
+    payload_len: int
+    mtime_ns: int
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def header_span(key: bytes) -> int:
+    """Offset of the payload in a block file: the header rounded up to ``ALIGN``."""
+    return round_up(codec.header_size(key))
+
+
+def file_size(key: bytes, payload_len: int) -> int:
+    """Length of a complete block file (a shorter one is truncated, a longer one foreign)."""
+    return round_up(header_span(key) + payload_len)
+
+
+def _address(view: memoryview) -> int:
+    """Address of a contiguous buffer, read-only or not (to test its alignment)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _aligned(view: memoryview) -> bool:
+    return view.nbytes % ALIGN == 0 and _address(view) % ALIGN == 0
+
+
+class _Bounce(threading.local):
+    """One page-aligned buffer per worker thread (anonymous mmaps are page-aligned)."""
+
+    def __init__(self) -> None:
+        self.buf: mmap.mmap | None = None
+
+    def get(self, size: int) -> memoryview:
+        if self.buf is None or len(self.buf) < size:
+            if self.buf is not None:
+                try:
+                    self.buf.close()
+                except BufferError:  # a view of it is still alive; let it go with the view
+                    pass
+            self.buf = mmap.mmap(-1, round_up(size, mmap.PAGESIZE))
+        return memoryview(self.buf)[:size]
+
+
+def probe_direct(directory: str) -> bool:
+    """Whether ``directory``'s filesystem takes aligned ``O_DIRECT`` writes and reads.
+
+    tmpfs refuses ``O_DIRECT`` at open (EINVAL); some filesystems accept the flag and fail
+    the first I/O instead, so this writes and reads one aligned page back.
+    """
+    if not DIRECT_FLAG:
+        return False
+    path = os.path.join(directory, f"{TEMP_PREFIX}probe-{secrets.token_hex(8)}")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        buf.write(secrets.token_bytes(ALIGN))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | DIRECT_FLAG, 0o600)
+        try:
+            if os.pwritev(fd, [buf], 0) != ALIGN:
+                return False
+            back = mmap.mmap(-1, ALIGN)
+            try:
+                return os.preadv(fd, [back], 0) == ALIGN and back[:] == buf[:]
+            finally:
+                back.close()
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+class BlockFiles:
+    """The block files of one layout under one directory; every method blocks.
+
+    Args:
+        directory: the layout's own directory (created if missing).
+        fingerprint: the tier's fingerprint; headers must match it.
+        direct: use ``O_DIRECT`` (the caller probed that the filesystem allows it).
+        fsync: fsync each file before its rename and the directory after it, so a stored
+            block survives a power loss; without it a crash may lose recent blocks (they
+            read as misses or are dropped at the next scan), never turn them into wrong bytes.
+        delay: seconds to sleep before each batch, to model a slow device (tests, benches).
+    """
+
+    def __init__(self, directory: str, fingerprint: bytes, *, direct: bool, fsync: bool,
+                 delay: float = 0.0) -> None:
+        self.directory = directory
+        self.fingerprint = bytes(fingerprint)
+        self.direct = direct
+        self.fsync = fsync
+        self.delay = delay
+        self._bounce = _Bounce()
+        self._lock_fd = -1
+
+    def lock(self) -> bool:
+        """Take the directory's lock (an flock the kernel drops if the process dies);
+        False if another tier holds it. Two tiers in one directory would each count only
+        their own blocks and delete each other's files in flight."""
+        if fcntl is None:
+            return True
+        fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        return True
+
+    def unlock(self) -> None:
+        """Release the directory's lock (closing the file drops the flock)."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def path(self, key: bytes) -> str:
+        """Where the block of ``key`` lives (a digest: keys may hold any bytes)."""
+        name = hashlib.blake2b(key, digest_size=20).hexdigest()
+        return os.path.join(self.directory, name + BLOCK_SUFFIX)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                  status: list[int], todo: deque[int]) -> None:
+        """Read ``keys[i]`` into ``outs[i]`` for each ``i`` taken from ``todo``, setting
+        ``status[i]``.
+
+        Several threads share one ``todo`` queue, so one that drew slow files does not hold
+        the whole call back while the others idle. The status list is shared with the
+        caller, so what finished is known even if the awaiting task was cancelled meanwhile.
+        """
+        if self.delay:
+            time.sleep(self.delay)
+        while True:
+            try:
+                i = todo.popleft()
+            except IndexError:
+                return
+            status[i] = self.read_one(keys[i], outs[i])
+
+    def read_one(self, key: bytes, out: memoryview) -> int:
+        """Read and verify one block into ``out``; a ``ReadStatus``."""
+        path = self.path(key)
+        span = header_span(key)
+        length = out.nbytes
+        size = file_size(key, length)
+        flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return ReadStatus.ABSENT
+        except OSError:
+            return ReadStatus.ERROR
+        try:
+            if not self.direct:
+                head = bytearray(span)
+                got = os.preadv(fd, [head, out], 0)
+                head_view = memoryview(head)
+                payload = out
+            elif _aligned(out):
+                # Direct into the caller's buffer: the header lands in the bounce buffer.
+                head_view = self._bounce.get(span)
+                got = os.preadv(fd, [head_view, out], 0)
+                payload = out
+            else:
+                whole = self._bounce.get(size)
+                got = os.preadv(fd, [whole], 0)
+                head_view = whole[:span]
+                payload = whole[span:span + length]
+            if got < span + length or os.fstat(fd).st_size != size:
+                return self._drop(path)
+            header = codec.parse_header(head_view)
+            if (header is None or not header.matches(self.fingerprint) or header.key != key
+                    or header.payload_len != length or codec.checksum(payload) != header.crc):
+                return self._drop(path)
+            if payload is not out:
+                out[:] = payload
+            return ReadStatus.HIT
+        except OSError:
+            return ReadStatus.ERROR
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _drop(path: str) -> int:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return ReadStatus.CORRUPT
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def write_many(self, keys: Sequence[bytes], payloads: Sequence[memoryview],
+                   stored: list[bool | None], todo: deque[int]) -> None:
+        """Write ``keys[i]`` for each ``i`` taken from ``todo``, setting ``stored[i]``
+        (the queue and list are shared as in ``read_many``)."""
+        if self.delay:
+            time.sleep(self.delay)
+        while True:
+            try:
+                i = todo.popleft()
+            except IndexError:
+                return
+            stored[i] = self.write_one(keys[i], payloads[i])
+
+    def write_one(self, key: bytes, payload: memoryview) -> bool:
+        """Write one block atomically (temporary file, then rename); False on any OSError,
+        leaving no temporary file behind."""
+        final = self.path(key)
+        temp = os.path.join(self.directory, f"{TEMP_PREFIX}{secrets.token_hex(8)}")
+        header = codec.encode(self.fingerprint, key, payload)
+        span = header_span(key)
+        length = payload.nbytes
+        size = file_size(key, length)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
+        fd = -1
+        try:
+            fd = os.open(temp, flags, 0o644)
+            if self.direct and _aligned(payload):
+                # The payload goes straight from the caller's buffer; only the header page
+                # is staged.
+                head = self._bounce.get(span)
+                head[: len(header)] = header
+                head[len(header):] = bytes(span - len(header))
+                _write_all(fd, [head, payload])
+            elif self.direct:
+                whole = self._bounce.get(size)
+                whole[: len(header)] = header
+                whole[len(header):span] = bytes(span - len(header))
+                whole[span:span + length] = payload
+                whole[span + length:] = bytes(size - span - length)
+                _write_all(fd, [whole])
+            else:
+                _write_all(fd, [header + bytes(span - len(header)), payload,
+                                bytes(size - span - length)])
+            if self.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(temp, final)
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            return False
+        if self.fsync:
+            self._sync_directory()
+        return True
+
+    def remove(self, key: bytes) -> None:
+        """Delete the block file of ``key`` if it is there."""
+        try:
+            os.unlink(self.path(key))
+        except OSError:
+            pass
+
+    def _sync_directory(self) -> None:
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    # -- the index at start ----------------------------------------------------------------
+
+    def scan(self) -> tuple[list[FileEntry], int, int]:
+        """``list_blocks`` then ``check_blocks`` in this thread (``DiskTier.open`` spreads
+        the checks over its threads instead).
+
+        Returns:
+            (entries oldest first, temporary files removed, bad files removed).
+        """
+        names, temps = self.list_blocks()
+        entries: list[FileEntry] = []
+        bad = self.check_blocks(names, entries)
+        entries.sort(key=lambda e: e.mtime_ns)
+        return entries, temps, bad
+
+    def list_blocks(self) -> tuple[list[str], int]:
+        """Names of the block files here, after removing temporary files (writes a crash
+        interrupted; no live writer can own them while this tier holds the lock).
+
+        Returns:
+            (block file names, temporary files removed).
+        """
+        names: list[str] = []
+        temps = 0
+        with os.scandir(self.directory) as it:
+            for item in it:
+                if item.name.startswith(TEMP_PREFIX):
+                    temps += self._unlink(item.path)
+                elif item.name.endswith(BLOCK_SUFFIX):
+                    names.append(item.name)
+        return names, temps
+
+    def check_blocks(self, names: Sequence[str], entries: list[FileEntry]) -> int:
+        """Verify each file's header and length (not the payload's checksum: reads check
+        it), appending good ones to ``entries`` and removing bad ones.
+
+        A file that cannot be read now (an I/O error) is neither indexed nor removed.
+
+        Returns:
+            bad files removed.
+        """
+        bad = 0
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                entry = self._check(path)
+            except OSError:
+                continue
+            if entry is None:
+                bad += self._unlink(path)
+            else:
+                entries.append(entry)
+        return bad
+
+    def _check(self, path: str) -> FileEntry | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | BINARY_FLAG | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise
+        except OSError:
+            return None  # not a regular file we can open (a symlink, a directory): not ours
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, ALIGN, 0)
+            header = codec.parse_header(head)
+            if header is None and st.st_size > ALIGN:  # perhaps a long key
+                longest = min(st.st_size, codec.HEADER_FIXED_BYTES + MAX_KEY_BYTES)
+                header = codec.parse_header(os.pread(fd, longest, 0))
+        finally:
+            os.close(fd)
+        if (header is None or not header.matches(self.fingerprint)
+                or self.path(header.key) != path
+                or st.st_size != file_size(header.key, header.payload_len)):
+            return None
+        return FileEntry(header.key, header.payload_len, st.st_mtime_ns)
+
+    @staticmethod
+    def _unlink(path: str) -> int:
+        try:
+            os.unlink(path)
+        except OSError:
+            return 0
+        return 1
+
+
+def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
+    """pwritev until everything is written; a write that makes no progress is ENOSPC."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

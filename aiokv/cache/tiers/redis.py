@@ -1,0 +1,438 @@
+"""A cache tier in Redis (or Valkey): one shared store that several servers read and write.
+
+Each block is one Redis string, ``header + payload`` (``codec``), under a key named by the
+layout fingerprint, the tenant's ``namespace`` and a digest of the block's key, so two models
+or two tenants never exchange bytes; a value that does not verify reads as a miss and counts
+as corrupt. Batches travel as pipelines (one round trip per group of keys; a cluster splits
+them per node). Any I/O trouble (a timeout, a lost connection, a restarted server) is a miss
+or a dropped write, counted in ``statistics().errors``; redis-py reopens connections on the
+next call, so the tier recovers by itself. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import anyio
+import anyio.to_thread
+
+from ...errors import InvalidSpec, UsageError
+from ...loops import loop_library
+from . import codec
+from .base import Tier, TierStatistics
+from .redis_quota import WriteQuota
+
+if TYPE_CHECKING:
+    from .redis_client import AsyncioRedis, Op, ThreadRedis
+
+__all__ = ["RedisTier", "raw_get_ceiling"]
+
+_HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
+# Checksums and copies of a group at least this large run on a worker thread, not the loop.
+_OFFLOAD_BYTES = 256 << 10
+_EXISTS_PER_ROUND_TRIP = 4096
+
+
+class RedisTier(Tier):
+    """Blocks in a Redis server or cluster shared by every process that names the same URL,
+    layout and namespace.
+
+    Args:
+        url: ``redis://[user:pass@]host:port/db`` (AUTH through the URL), ``rediss://...``
+            for TLS (``?ssl_ca_certs=...&ssl_cert_reqs=required`` as redis-py reads them),
+            ``unix:///path``; ``redis+cluster://host:port`` or ``rediss+cluster://`` (or
+            ``cluster=True``) for a Redis Cluster, found from any one node.
+        namespace: a tenant's name, folded into every key and header: tiers of different
+            namespaces never read each other's blocks.
+        capacity_bytes: a bound on the KV bytes *this process* keeps in the store. The tier
+            remembers what it wrote (least recently used first) and deletes its own oldest
+            blocks to stay under it. None: no bound from this side; bound the server instead
+            (``maxmemory`` with ``maxmemory-policy allkeys-lru``), which is the right bound
+            for a store that several processes share.
+        write_through: the cache also writes every block it stores here at once.
+        timeout: seconds allowed for connecting and for each socket operation.
+        ttl: seconds a block lives in the store (SET EX), or None to keep it until evicted.
+        cluster: force cluster mode on (True) or check it is off (False); None: from the URL.
+        client: "thread" (redis-py's blocking client on worker threads, any loop; GET
+            replies land straight in the caller's buffers, SETs go from them),
+            "asyncio" (redis-py's asyncio client, asyncio loops only) or "auto" (the thread
+            client: it restored 2-3x faster than the asyncio client on loopback, whose
+            parser copies each value several times on the loop thread; docs/tiers.md).
+        threads: worker threads and connections, so up to this many round trips of one
+            batch run at once (the asyncio client checksums large values on them too).
+        group_bytes: value bytes per round trip; larger blocks go one per round trip, which
+            read fastest on loopback (batching 2 MiB values into one reply halved the rate).
+    """
+
+    name = "redis"
+    remote = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str | bytes | None = None,
+        capacity_bytes: int | None = None,
+        write_through: bool = False,
+        timeout: float = 5.0,
+        ttl: float | None = None,
+        cluster: bool | None = None,
+        client: Literal["auto", "asyncio", "thread"] = "auto",
+        threads: int = 4,
+        group_bytes: int = 1 << 20,
+    ) -> None:
+        self._client_module = _client_module()
+        self._url, self.cluster = self._client_module.split_url(url, cluster)
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
+            raise InvalidSpec(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        if not timeout > 0:
+            raise InvalidSpec(f"timeout must be positive seconds, got {timeout!r}")
+        if ttl is not None and not ttl > 0:
+            raise InvalidSpec(f"ttl must be positive seconds or None, got {ttl!r}")
+        if client not in ("auto", "asyncio", "thread"):
+            raise InvalidSpec(f"client must be 'auto', 'asyncio' or 'thread', got {client!r}")
+        if threads < 1 or group_bytes < 1:
+            raise InvalidSpec(f"threads and group_bytes must be positive, got {threads}, {group_bytes}")
+        self.namespace = namespace
+        self.capacity_bytes = capacity_bytes
+        self.write_through = bool(write_through)
+        self.timeout = float(timeout)
+        self._ttl = None if ttl is None else max(1, round(ttl))
+        self._client_kind = client
+        self._threads = threads
+        self._group_bytes = group_bytes
+        self._fp = b""
+        self._prefix = b""
+        self._io: AsyncioRedis | ThreadRedis | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._closed = False
+        self._quota = WriteQuota(capacity_bytes) if capacity_bytes else None
+        self._n = dict.fromkeys(("reads", "read_hits", "read_bytes", "writes", "write_bytes",
+                                 "errors", "corrupt", "evictions"), 0)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def open(self, fingerprint: bytes) -> None:
+        """Name this layout's key space and build the client for the calling loop (it
+        connects on first use: a server that is down at open is a miss later, not an error)."""
+        if self._io is not None or self._closed:
+            raise UsageError("RedisTier.open() is called once, before any other call")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) < codec.FINGERPRINT_BYTES:
+            raise InvalidSpec(f"fingerprint must be {codec.FINGERPRINT_BYTES}+ bytes from "
+                              "codec.layout_fingerprint")
+        self._fp = codec.namespaced(fingerprint, self.namespace)
+        self._prefix = b"aiokv:" + hashlib.blake2b(self._fp, digest_size=16).hexdigest().encode() + b":"
+        kind = self._client_kind
+        if kind == "asyncio" and loop_library() != "asyncio":
+            raise UsageError("RedisTier(client='asyncio') runs on an asyncio loop only; use 'auto'")
+        if kind == "asyncio":
+            self._io = self._client_module.AsyncioRedis(self._url, self.cluster, self.timeout)
+            self._limiter = anyio.CapacityLimiter(self._threads)
+        else:
+            thread_io = self._client_module.ThreadRedis(self._url, self.cluster, self.timeout,
+                                                        self._threads)
+            self._io, self._limiter = thread_io, thread_io.limiter
+
+    async def aclose(self) -> None:
+        """Close the client's connections; idempotent."""
+        io, self._io, self._closed = self._io, None, True
+        if io is not None:
+            with anyio.CancelScope(shield=True):
+                await io.aclose()
+
+    # -- the contract ---------------------------------------------------------------------
+
+    def holds(self, key: bytes) -> bool:
+        """Always False: only a round trip can say (``exists``)."""
+        return False
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a tier key in this layout and namespace (tests and tools)."""
+        self._check_open()
+        return self._prefix + hashlib.blake2b(bytes(key), digest_size=20).hexdigest().encode()
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the store holds (unverified: a read may still miss), by pipelined
+        EXISTS; a failure answers False for the keys it covered."""
+        self._check_open()
+        answers = [False] * len(keys)
+        io = self._io
+        for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
+            chunk = range(lo, min(lo + _EXISTS_PER_ROUND_TRIP, len(keys)))
+            names = [self.redis_key(keys[i]) for i in chunk]
+            replies: list[object] | None
+            if io is not None and io.threaded:
+                thread_io = cast("ThreadRedis", io)
+                try:
+                    replies = await thread_io.run(functools.partial(thread_io.exists_blocking, names))
+                except Exception:  # as in _round_trip
+                    self._n["errors"] += 1
+                    replies = None
+            else:
+                replies = await self._round_trip([("exists", name) for name in names])
+            if replies is None:
+                break
+            for i, reply in zip(chunk, replies):
+                answers[i] = reply is True or reply == 1
+        return answers
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Fill ``out[i]`` with the verified payload of ``keys[i]``; False is a miss."""
+        self._check_open()
+        if len(keys) != len(out):
+            raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
+        views = [_byte_view(o, writable=True) for o in out]
+        status = [_MISS] * len(keys)
+        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
+        return self._account_reads(keys, views, status)
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store each payload (SET, EX ttl if given) under its key; False: not stored."""
+        self._check_open()
+        if len(keys) != len(payloads):
+            raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
+        views = [_byte_view(p) for p in payloads]
+        quota = self._quota
+        wanted = list(range(len(views))) if quota is None else quota.fitting([len(v) for v in views])
+        evict = [] if quota is None else quota.make_room([keys[i] for i in wanted],
+                                                         [len(views[i]) for i in wanted])
+        self._n["evictions"] += len(evict)
+        keys = [keys[i] for i in wanted]
+        views = [views[i] for i in wanted]
+        replies: list[object] = [None] * len(keys)
+        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        await self._striped(groups, lambda stripe: self._write_stripe(keys, views, stripe, replies))
+        stored = [False] * len(payloads)
+        for pos, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                self._n["errors"] += 1  # a per-command error (NOAUTH, OOM) or a dead node
+            elif reply is True:
+                stored[wanted[pos]] = True
+                self._n["writes"] += 1
+                self._n["write_bytes"] += len(views[pos])
+                if quota is not None:
+                    quota.remember(keys[pos], len(views[pos]))
+        if evict:
+            await self._round_trip([("del", self.redis_key(k)) for k in evict])
+        return stored
+
+    async def _striped(self, groups: list[list[int]],
+                       run: Callable[[list[list[int]]], Awaitable[int]]) -> None:
+        """Run the groups as up to ``threads`` stripes at once (one connection each), so one
+        stripe's checksums and copies overlap another's transfer; count failed round trips."""
+        stripes = [groups[s::self._threads] for s in range(min(self._threads, len(groups)))]
+        failures = [0] * len(stripes)
+
+        async def one(s: int) -> None:
+            failures[s] = await run(stripes[s])
+
+        if len(stripes) == 1:
+            await one(0)
+        elif stripes:
+            async with anyio.create_task_group() as tg:
+                for s in range(len(stripes)):
+                    tg.start_soon(one, s)
+        self._n["errors"] += sum(failures)
+
+    async def _read_stripe(self, keys: Sequence[bytes], views: list[memoryview],
+                           groups: list[list[int]], status: list[int]) -> int:
+        io = self._io
+        if io is not None and io.threaded:
+            thread_io = cast("ThreadRedis", io)
+            return int(await thread_io.run(lambda: self._read_blocking(keys, views, groups, status)))
+        return await self._read_async(keys, views, groups, status)
+
+    async def _write_stripe(self, keys: list[bytes], views: list[memoryview],
+                            groups: list[list[int]], replies: list[object]) -> int:
+        """Send one stripe's groups; the number of round trips that failed as a whole."""
+        io = self._io
+        if io is not None and io.threaded:
+            thread_io = cast("ThreadRedis", io)
+            return int(await thread_io.run(
+                lambda: self._write_blocking(thread_io, keys, views, groups, replies)))
+        async_io = cast("AsyncioRedis", io)
+        for group in groups:
+            values = await anyio.to_thread.run_sync(self._encode_all, keys, views, group,
+                                                    limiter=self._limiter)
+            try:
+                answers = await async_io.round_trip(
+                    [("set", self.redis_key(keys[j]), v, self._ttl) for j, v in zip(group, values)])
+            except Exception:  # as in _read_blocking
+                return 1
+            for j, answer in zip(group, answers):
+                replies[j] = answer
+        return 0
+
+    def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
+                        groups: list[list[int]], replies: list[object]) -> int:
+        for group in groups:
+            headers = [codec.encode(self._fp, keys[j], views[j]) for j in group]
+            try:
+                answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
+                                                 [views[j] for j in group], self._ttl)
+            except Exception:  # the rest would wait out the same dead server
+                return 1
+            for j, answer in zip(group, answers):
+                replies[j] = answer
+        return 0
+
+    def statistics(self) -> TierStatistics:
+        """Counters since open; ``blocks``/``bytes_held`` count what this process wrote and
+        still holds when ``capacity_bytes`` is set, else -1 (a shared store cannot say)."""
+        quota = self._quota
+        return TierStatistics(
+            name=self.name,
+            blocks=-1 if quota is None else quota.blocks,
+            bytes_held=-1 if quota is None else quota.bytes_held,
+            **self._n,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._io is None:
+            raise UsageError("RedisTier is closed" if self._closed else "call await open() first")
+
+    def _groups(self, sizes: Sequence[int]) -> list[list[int]]:
+        """Indices cut into round trips of at most ``group_bytes`` (at least one key each)."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        total = 0
+        for i, size in enumerate(sizes):
+            if current and total + size > self._group_bytes:
+                groups.append(current)
+                current, total = [], 0
+            current.append(i)
+            total += size
+        if current:
+            groups.append(current)
+        return groups
+
+    async def _round_trip(self, ops: list[Op]) -> list[object] | None:
+        """One pipeline; None (and one error counted) if it failed as a whole."""
+        io = self._io
+        try:
+            if io is not None and io.threaded:
+                thread_io = cast("ThreadRedis", io)
+                return await thread_io.run(lambda: thread_io.round_trip_blocking(ops))
+            return await cast("AsyncioRedis", io).round_trip(ops)
+        except Exception:  # any client failure (timeout, refused, cluster down) is a miss
+            self._n["errors"] += 1
+            return None
+
+    def _read_blocking(self, keys: Sequence[bytes], views: list[memoryview],
+                       groups: list[list[int]], status: list[int]) -> int:
+        """Fetch, verify and copy every group on this worker thread; failed round trips."""
+        io = cast("ThreadRedis", self._io)
+        for group in groups:
+            try:
+                landed = io.read_into_blocking(
+                    [self.redis_key(keys[i]) for i in group],
+                    [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
+            except Exception:  # the rest of the batch would wait out the same dead server
+                return 1
+            self._check_landed(keys, views, group, landed, status)
+        return 0
+
+    def _check_landed(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
+                      landed: list[object], status: list[int]) -> None:
+        """Verify payloads that ``read_into`` put in the caller's buffers."""
+        for i, reply in zip(group, landed):
+            if reply is None:
+                status[i] = _MISS
+            elif isinstance(reply, bytearray):
+                ok = codec.verify(self._fp, keys[i], memoryview(reply), views[i])
+                status[i] = _HIT if ok else _CORRUPT
+            elif reply is self._client_module.WRONG_LENGTH:
+                status[i] = _CORRUPT
+            else:
+                status[i] = _FAILED
+
+    async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
+                          groups: list[list[int]], status: list[int]) -> int:
+        io = cast("AsyncioRedis", self._io)
+        for group in groups:
+            try:
+                replies = await io.round_trip([("get", self.redis_key(keys[i])) for i in group])
+            except Exception:  # as in _read_blocking
+                return 1
+            if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
+                await anyio.to_thread.run_sync(self._land, keys, views, group, replies, status,
+                                               limiter=self._limiter)
+            else:
+                self._land(keys, views, group, replies, status)
+        return 0
+
+    def _land(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
+              replies: list[object], status: list[int]) -> None:
+        """Verify each reply and copy its payload into the caller's buffer."""
+        for i, reply in zip(group, replies):
+            if reply is None:
+                status[i] = _MISS
+            elif not isinstance(reply, bytes):
+                status[i] = _FAILED  # a per-command error (e.g. WRONGTYPE)
+            else:
+                value = memoryview(reply)
+                size = codec.header_size(keys[i])
+                payload = value[size:]
+                if (len(value) == size + len(views[i])
+                        and codec.verify(self._fp, keys[i], value[:size], payload)):
+                    views[i][:] = payload
+                    status[i] = _HIT
+                else:
+                    status[i] = _CORRUPT
+
+    def _account_reads(self, keys: Sequence[bytes], views: list[memoryview],
+                       status: list[int]) -> list[bool]:
+        n = self._n
+        n["reads"] += len(keys)
+        hits = [s == _HIT for s in status]
+        for i, hit in enumerate(hits):
+            if hit:
+                n["read_hits"] += 1
+                n["read_bytes"] += len(views[i])
+                if self._quota is not None:
+                    self._quota.touch(keys[i])
+        n["corrupt"] += status.count(_CORRUPT)
+        n["errors"] += status.count(_FAILED)
+        return hits
+
+    def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
+        """Header + payload as one value per key (the asyncio client sends whole values)."""
+        return [b"".join((codec.encode(self._fp, keys[j], views[j]), views[j])) for j in group]
+
+
+def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
+    """A flat byte view of a caller's buffer; a buffer the tier cannot use is misuse."""
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
+    if not view.c_contiguous:
+        raise InvalidSpec("tier buffers must be contiguous")
+    if writable and view.readonly:
+        raise InvalidSpec("read() needs writable buffers to fill")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _client_module() -> ModuleType:
+    """``redis_client``, which imports the optional ``redis`` package: only when a tier is
+    built, so ``import aiokv`` neither needs nor pays for it."""
+    try:
+        from . import redis_client
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in ("redis", "hiredis"):
+            raise
+        raise UsageError("RedisTier needs the optional redis package: pip install 'aiokv[redis]'") from exc
+    return redis_client
+
+
+async def raw_get_ceiling(url: str, nbytes: int, count: int, **options: Any) -> float:
+    """GB/s of plain redis-py GETs of ``count`` values of ``nbytes`` from the server at
+    ``url`` (``redis_client.raw_get_ceiling``): the bench's ceiling for RedisTier restores."""
+    return float(await _client_module().raw_get_ceiling(url, nbytes, count, **options))

@@ -1,0 +1,488 @@
+"""DiskTier on real files: round trips, persistence, corruption, capacity, faults, threads."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aiokv.cache.policies import available_policies
+from aiokv.cache.tiers.codec import layout_fingerprint
+from aiokv.cache.tiers.disk import DiskTier, raw_read_ceiling
+from aiokv.cache.tiers.disk_io import ALIGN, TEMP_PREFIX, BlockFiles, probe_direct
+from aiokv.errors import InvalidSpec, TierError, UsageError
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 3 * ALIGN + 123  # not a multiple of the alignment: direct I/O needs the bounce path
+FP = layout_fingerprint(block_bytes=BLOCK, num_layers=4, block_size=16)
+OTHER_FP = layout_fingerprint(block_bytes=BLOCK, num_layers=5, block_size=16)
+
+
+def keys_of(n: int, start: int = 0) -> list[bytes]:
+    return [f"req-{i}".encode() for i in range(start, start + n)]
+
+
+def payloads(n: int, size: int = BLOCK) -> list[memoryview]:
+    return [memoryview(os.urandom(size)) for _ in range(n)]
+
+
+def buffers(n: int, size: int = BLOCK) -> list[memoryview]:
+    # Offset by one byte: never aligned, so direct reads go through the bounce buffer.
+    return [memoryview(bytearray(size + 1))[1:] for _ in range(n)]
+
+
+async def opened(path: Path, fp: bytes = FP, **kwargs: object) -> DiskTier:
+    kwargs.setdefault("capacity_bytes", 64 * BLOCK)
+    tier = DiskTier(path, **kwargs)  # type: ignore[arg-type]
+    await tier.open(fp)
+    return tier
+
+
+def block_files(tier: DiskTier) -> list[str]:
+    return sorted(n for n in os.listdir(tier.directory) if n.endswith(".kv"))
+
+
+def temp_files(tier: DiskTier) -> list[str]:
+    return [n for n in os.listdir(tier.directory) if n.startswith(TEMP_PREFIX)]
+
+
+@pytest.fixture(params=[None, False], ids=["probed", "buffered"])
+def direct(request: pytest.FixtureRequest) -> bool | None:
+    """None: direct I/O where the filesystem takes it (ext4, recent tmpfs); False: never."""
+    return request.param
+
+
+async def test_round_trip_is_byte_exact(tmp_path: Path, direct: bool | None) -> None:
+    tier = await opened(tmp_path, direct=direct, io_threads=3)
+    assert tier.direct == (direct is None and probe_direct(tier.directory))
+    keys, data = keys_of(7), payloads(7)
+    assert await tier.write(keys, data) == [True] * 7
+    assert all(tier.holds(k) for k in keys) and not tier.holds(b"absent")
+    out = buffers(8)
+    assert await tier.read([*keys[::-1], b"absent"], out) == [True] * 7 + [False]
+    for got, want in zip(out, data[::-1]):
+        assert bytes(got) == bytes(want)
+    stats = tier.statistics()
+    assert (stats.blocks, stats.bytes_held, stats.writes, stats.write_bytes) == (7, 7 * BLOCK, 7, 7 * BLOCK)
+    assert (stats.reads, stats.read_hits, stats.read_bytes) == (8, 7, 7 * BLOCK)
+    assert (stats.errors, stats.corrupt, stats.evictions) == (0, 0, 0)
+    assert not temp_files(tier)
+    await tier.aclose()
+
+
+async def test_aligned_buffers_round_trip(tmp_path: Path, direct: bool | None) -> None:
+    """Page-aligned, whole-page buffers (a pinned host pool's chunks) take the zero-copy path."""
+    size = 4 * ALIGN
+    tier = await opened(tmp_path, layout_fingerprint(block_bytes=size), direct=direct,
+                        capacity_bytes=8 * size)
+    # Not closed at the end: a finished I/O thread may still hold its last arguments.
+    src = memoryview(mmap.mmap(-1, 6 * size))
+    src[: 3 * size] = os.urandom(3 * size)
+    keys = keys_of(3)
+    assert await tier.write(keys, [src[i * size:(i + 1) * size] for i in range(3)]) == [True] * 3
+    out = [src[(3 + i) * size:(4 + i) * size] for i in range(3)]
+    assert await tier.read(keys, out) == [True] * 3
+    assert bytes(src[3 * size:]) == bytes(src[: 3 * size])
+
+
+async def test_a_new_tier_on_the_same_directory_finds_the_blocks(tmp_path: Path) -> None:
+    first = await opened(tmp_path, fsync=True)
+    keys, data = keys_of(5), payloads(5)
+    assert await first.write(keys, data) == [True] * 5
+    await first.aclose()
+    with pytest.raises(UsageError):
+        first.holds(keys[0])
+
+    second = await opened(tmp_path)
+    assert [second.holds(k) for k in keys] == [True] * 5
+    assert second.statistics().blocks == 5 and second.block_bytes == BLOCK
+    out = buffers(5)
+    assert await second.read(keys, out) == [True] * 5
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+
+
+async def test_one_tier_per_directory_at_a_time(tmp_path: Path) -> None:
+    first = await opened(tmp_path)
+    await first.write(keys_of(1), payloads(1))
+    with pytest.raises(UsageError, match="another DiskTier"):
+        await opened(tmp_path)
+    await first.aclose()
+    second = await opened(tmp_path)
+    assert second.holds(keys_of(1)[0])
+
+
+async def test_an_unusable_directory_or_a_cancelled_open(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    with pytest.raises(TierError):
+        await opened(blocker)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await opened(tmp_path)
+    assert scope.cancelled_caught
+    tier = await opened(tmp_path)  # nothing left locked by the cancelled open
+    assert await tier.write(keys_of(1), payloads(1)) == [True]
+
+
+async def test_direct_true_where_the_filesystem_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokv.cache.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
+    with pytest.raises(TierError, match="O_DIRECT"):
+        await opened(tmp_path, direct=True)
+    tier = await opened(tmp_path)  # the default falls back, and the lock was released
+    assert not tier.direct
+    assert await tier.write(keys_of(1), payloads(1)) == [True]
+
+
+async def test_another_layout_never_reads_these_blocks(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    keys = keys_of(3)
+    await tier.write(keys, payloads(3))
+    other = await opened(tmp_path, OTHER_FP)
+    assert other.directory != tier.directory
+    assert [other.holds(k) for k in keys] == [False] * 3
+    assert await other.read(keys, buffers(3)) == [False] * 3
+    # A file copied into the other layout's directory under the right name is still not
+    # a block of that layout: its header names the first layout.
+    name = os.path.basename(BlockFiles(tier.directory, FP, direct=False, fsync=False).path(keys[0]))
+    copied = Path(other.directory, name)
+    copied.write_bytes(Path(tier.directory, name).read_bytes())
+    await other.aclose()
+    reopened = await opened(tmp_path, OTHER_FP)
+    assert not reopened.holds(keys[0])
+    assert reopened.statistics().corrupt == 1
+    assert not copied.exists()
+
+
+async def test_a_truncated_file_is_a_miss_and_is_dropped(tmp_path: Path, direct: bool | None) -> None:
+    tier = await opened(tmp_path, direct=direct)
+    keys, data = keys_of(3), payloads(3)
+    await tier.write(keys, data)
+    victim = tier._opened().path(keys[1])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - ALIGN - 100)
+    out = buffers(3)
+    assert await tier.read(keys, out) == [True, False, True]
+    assert bytes(out[0]) == bytes(data[0]) and bytes(out[2]) == bytes(data[2])
+    assert not tier.holds(keys[1]) and not os.path.exists(victim)
+    stats = tier.statistics()
+    assert (stats.corrupt, stats.blocks, stats.read_hits) == (1, 2, 2)
+
+
+async def test_a_flipped_byte_is_a_miss_and_is_dropped(tmp_path: Path, direct: bool | None) -> None:
+    tier = await opened(tmp_path, direct=direct)
+    keys, data = keys_of(2), payloads(2)
+    await tier.write(keys, data)
+    victim = tier._opened().path(keys[0])
+    await tier.aclose()
+    raw = bytearray(Path(victim).read_bytes())
+    raw[ALIGN + 1000] ^= 0x40  # in the payload: the header and length still look whole
+    Path(victim).write_bytes(raw)
+
+    again = await opened(tmp_path, direct=direct)
+    assert again.holds(keys[0])  # the scan checks headers and lengths, reads check the crc
+    out = buffers(2)
+    assert await again.read(keys, out) == [False, True]
+    assert bytes(out[1]) == bytes(data[1])
+    assert not again.holds(keys[0]) and not os.path.exists(victim)
+    assert again.statistics().corrupt == 1
+
+
+async def test_open_drops_temp_files_and_files_that_do_not_verify(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    keys, data = keys_of(3), payloads(3)
+    await tier.write(keys, data)
+    directory = Path(tier.directory)
+    # What a crash mid-write leaves: a temporary file holding part of a block.
+    (directory / f"{TEMP_PREFIX}0123456789abcdef").write_bytes(os.urandom(ALIGN + 10))
+    # A block file whose header is garbage, and one cut short inside its payload.
+    (directory / ("ab" * 20 + ".kv")).write_bytes(os.urandom(5 * ALIGN))
+    cut = tier._opened().path(keys[2])
+    with open(cut, "r+b") as f:
+        f.truncate(2 * ALIGN)
+    await tier.aclose()
+
+    again = await opened(tmp_path)
+    assert again.temp_files_removed == 1
+    assert [again.holds(k) for k in keys] == [True, True, False]
+    assert again.statistics().corrupt == 2
+    assert len(block_files(again)) == 2
+    out = buffers(2)
+    assert await again.read(keys[:2], out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(d) for d in data[:2]]
+
+
+async def test_long_keys_survive_a_reopen(tmp_path: Path) -> None:
+    """A key longer than a page pushes the payload to the next aligned offset."""
+    keys = [os.urandom(5000), os.urandom(3 * ALIGN)]
+    data = payloads(2)
+    tier = await opened(tmp_path)
+    assert await tier.write(keys, data) == [True, True]
+    await tier.aclose()
+    again = await opened(tmp_path)
+    assert [again.holds(k) for k in keys] == [True, True]
+    out = buffers(2)
+    assert await again.read(keys, out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    with pytest.raises(InvalidSpec):
+        await again.write([bytes(1 << 17)], payloads(1))
+
+
+async def test_capacity_counts_payload_bytes_and_evicts_by_policy(tmp_path: Path) -> None:
+    n = 4
+    # Headers and padding take more than BLOCK - 1 bytes per file, yet n blocks fit.
+    tier = await opened(tmp_path, capacity_bytes=n * BLOCK + BLOCK - 1, policy="lru")
+    keys, data = keys_of(n + 1), payloads(n + 1)
+    assert await tier.write(keys[:n], data[:n]) == [True] * n
+    assert tier.statistics().bytes_held == n * BLOCK
+    assert await tier.read([keys[0]], buffers(1)) == [True]  # keys[1] is now least recent
+    assert await tier.write([keys[n]], [data[n]]) == [True]
+    assert [tier.holds(k) for k in keys] == [True, False, True, True, True]
+    assert len(block_files(tier)) == n
+    stats = tier.statistics()
+    assert (stats.blocks, stats.bytes_held, stats.evictions) == (n, n * BLOCK, 1)
+    # A key already held is not written again; it only counts as used.
+    assert await tier.write([keys[2]], [data[2]]) == [True]
+    assert tier.statistics().writes == n + 1
+    # More new keys than the tier holds: the head of the call is stored, the tail refused.
+    more, more_data = keys_of(n + 2, 100), payloads(n + 2)
+    assert await tier.write(more, more_data) == [True] * n + [False, False]
+    out = buffers(n)
+    assert await tier.read(more[:n], out) == [True] * n
+    assert [bytes(o) for o in out] == [bytes(d) for d in more_data[:n]]
+    assert tier.statistics().errors == 0
+
+
+@pytest.mark.parametrize("policy", available_policies())
+async def test_every_registered_policy_bounds_the_tier(tmp_path: Path, policy: str) -> None:
+    tier = await opened(tmp_path, capacity_bytes=3 * BLOCK, policy=policy)
+    keys, data = keys_of(8), payloads(8)
+    for i in range(0, 8, 2):
+        assert await tier.write(keys[i:i + 2], data[i:i + 2]) == [True, True]
+    held = [i for i, k in enumerate(keys) if tier.holds(k)]
+    assert len(held) == 3 and len(block_files(tier)) == 3
+    assert tier.statistics().evictions == 5
+    out = buffers(3)
+    assert await tier.read([keys[i] for i in held], out) == [True] * 3
+    assert [bytes(o) for o in out] == [bytes(data[i]) for i in held]
+
+
+async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: Path) -> None:
+    """Many tasks write, read and evict over a small tier at once: every hit has its key's
+    bytes, and in the end the index, the policy, the counters and the files agree."""
+    import random
+
+    size = 2 * ALIGN + 77
+    tier = await opened(tmp_path, layout_fingerprint(block_bytes=size), capacity_bytes=6 * size,
+                        io_threads=3)
+    universe = keys_of(20)
+    value = {k: os.urandom(size) for k in universe}  # one value per key, as the contract says
+    wrong: list[bytes] = []
+
+    async def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(25):
+            keys = rng.sample(universe, rng.randint(1, 4))
+            if rng.random() < 0.5:
+                await tier.write(keys, [memoryview(value[k]) for k in keys])
+            else:
+                out = buffers(len(keys), size)
+                for key, view, hit in zip(keys, out, await tier.read(keys, out)):
+                    if hit and bytes(view) != value[key]:
+                        wrong.append(key)
+
+    async with anyio.create_task_group() as tg:
+        for seed in range(6):
+            tg.start_soon(worker, seed)
+    assert not wrong
+    held = [k for k in universe if tier.holds(k)]
+    stats = tier.statistics()
+    assert len(held) == stats.blocks <= 6 and stats.errors == 0 and stats.corrupt == 0
+    assert tier._policy is not None and len(tier._policy) == len(held)
+    names = {os.path.basename(tier._opened().path(k)) for k in held}
+    assert set(block_files(tier)) == names and not temp_files(tier)
+    assert not tier._pins and not tier._pending and not tier._removing
+    assert stats.writes - stats.evictions == len(held)
+
+
+async def test_reopening_with_less_capacity_keeps_the_newest(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    keys = keys_of(5)
+    for i, key in enumerate(keys):
+        await tier.write([key], payloads(1))
+        os.utime(tier._opened().path(key), ns=(10**18 + i, 10**18 + i))
+    await tier.aclose()
+    small = await opened(tmp_path, capacity_bytes=2 * BLOCK)
+    assert [small.holds(k) for k in keys] == [False, False, False, True, True]
+    assert len(block_files(small)) == 2 and small.statistics().evictions == 3
+
+
+async def test_duplicate_keys_in_one_write(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    key = keys_of(1)[0]
+    first, second = payloads(2)
+    assert await tier.write([key, key], [first, second]) == [True, True]
+    out = buffers(1)
+    assert await tier.read([key], out) == [True]
+    assert bytes(out[0]) == bytes(first)
+    assert tier.statistics().writes == 1
+
+
+async def test_a_read_error_is_a_miss(tmp_path: Path) -> None:
+    tier = await opened(tmp_path)
+    keys, data = keys_of(2), payloads(2)
+    await tier.write(keys, data)
+    path = tier._opened().path(keys[0])
+    os.unlink(path)
+    os.mkdir(path)  # reading a directory fails with an OSError, not with data
+    out = buffers(2)
+    assert await tier.read(keys, out) == [False, True]
+    assert bytes(out[1]) == bytes(data[1])
+    assert tier.statistics().errors == 1
+    os.rmdir(path)
+    assert await tier.read(keys[:1], out[:1]) == [False]  # now absent: dropped
+    assert not tier.holds(keys[0]) and tier.statistics().errors == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem (tmpfs), so writes hit a real ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(
+        small_disk: Path, direct: bool | None) -> None:
+    size = 60 * 1024
+    tier = await opened(small_disk, layout_fingerprint(block_bytes=size), direct=direct,
+                        capacity_bytes=100 * size)
+    keys, data = keys_of(30), payloads(30, size)
+    stored: list[bool] = []
+    for i in range(0, 30, 3):
+        stored += await tier.write(keys[i:i + 3], data[i:i + 3])
+    assert True in stored and False in stored  # ~16 blocks fit in 1 MiB
+    held = [k for k, ok in zip(keys, stored) if ok]
+    assert [tier.holds(k) for k in keys] == stored
+    assert tier.statistics().errors == stored.count(False)
+    assert not temp_files(tier) and len(block_files(tier)) == len(held)
+    out = buffers(len(held), size)
+    assert await tier.read(held, out) == [True] * len(held)
+    want = [bytes(d) for d, ok in zip(data, stored) if ok]
+    assert [bytes(o) for o in out] == want
+    await tier.aclose()
+
+
+async def test_io_runs_on_worker_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, set[int]] = {"read": set(), "write": set(), "list": set(), "check": set()}
+
+    def spy(kind: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            seen[kind].add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for kind, name in (("read", "read_one"), ("write", "write_one"), ("list", "list_blocks"),
+                       ("check", "check_blocks")):
+        monkeypatch.setattr(BlockFiles, name, spy(kind, getattr(BlockFiles, name)))
+    loop_thread = threading.get_ident()
+    tier = await opened(tmp_path, io_threads=2)
+    keys = keys_of(6)
+    assert await tier.write(keys, payloads(6)) == [True] * 6
+    await tier.aclose()
+    again = await opened(tmp_path, io_threads=2)  # the scan checks real files
+    assert await again.read(keys, buffers(6)) == [True] * 6
+    assert all(seen.values()), seen
+    assert loop_thread not in set().union(*seen.values())
+
+
+async def test_a_cancelled_read_or_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Threads are not abandoned (a read fills the caller's buffers), so a cancelled call
+    returns or raises only after its I/O ended; either way no pin, reservation or temporary
+    file is left, and what was written is held whole."""
+    tier = await opened(tmp_path, simulated_latency=0.1, io_threads=2)
+    keys, data = keys_of(6), payloads(6)
+    assert await tier.write(keys[:2], data[:2]) == [True, True]
+    with anyio.move_on_after(0.03):
+        await tier.read(keys[:2], buffers(2))
+    assert not tier._pins
+    with anyio.move_on_after(0.03):
+        await tier.write(keys[2:5], data[2:5])
+    assert not tier._pending and not tier._removing
+    held = [tier.holds(k) for k in keys]
+    assert held[:2] == [True, True] and held[5] is False
+    out = buffers(6)
+    assert await tier.read(keys, out) == held
+    assert [bytes(o) for o, ok in zip(out, held) if ok] == [bytes(d) for d, ok in zip(data, held) if ok]
+    assert not temp_files(tier)
+    assert tier.statistics().writes == sum(held)
+
+
+async def test_misuse_raises(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec):
+        DiskTier(tmp_path, capacity_bytes=0)
+    with pytest.raises(InvalidSpec):
+        DiskTier(tmp_path, capacity_bytes=BLOCK, io_threads=0)
+    with pytest.raises(InvalidSpec):
+        DiskTier(tmp_path, capacity_bytes=BLOCK, simulated_latency=-1)
+    assert DiskTier(tmp_path, capacity_bytes=BLOCK, write_through=True).write_through
+    tier = DiskTier(tmp_path, capacity_bytes=8 * BLOCK)
+    with pytest.raises(UsageError):
+        await tier.read(keys_of(1), buffers(1))
+    with pytest.raises(InvalidSpec):
+        await tier.open(b"short")
+    await tier.open(FP)
+    with pytest.raises(UsageError):
+        await tier.open(FP)
+    with pytest.raises(InvalidSpec):
+        await tier.write(keys_of(2), payloads(1))
+    with pytest.raises(InvalidSpec):
+        await tier.write(["text"], payloads(1))  # type: ignore[list-item]
+    await tier.write(keys_of(1), payloads(1))
+    with pytest.raises(InvalidSpec):
+        await tier.write(keys_of(1, 5), payloads(1, BLOCK + 1))
+    with pytest.raises(InvalidSpec):
+        await tier.read(keys_of(1), [memoryview(bytes(BLOCK))])  # read-only
+    with pytest.raises(InvalidSpec):
+        await tier.read(keys_of(1), buffers(1, BLOCK - 1))
+    await tier.aclose()
+    with pytest.raises(UsageError):
+        await tier.write(keys_of(1), payloads(1))
+
+
+async def test_raw_read_ceiling_measures_and_cleans_up(tmp_path: Path) -> None:
+    for direct in (None, False):
+        gbps = await anyio.to_thread.run_sync(partial(
+            raw_read_ceiling, str(tmp_path), 3 * ALIGN + 5, 4, 2 * ALIGN, direct=direct,
+            threads=2, rounds=1))
+        assert gbps > 0
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError):
+        raw_read_ceiling(str(tmp_path), 0, 4)
+    tier = await opened(tmp_path)
+    with pytest.raises(UsageError):
+        await tier.read_ceiling(4)
+    await tier.write(keys_of(1), payloads(1))
+    assert await tier.read_ceiling(4, rounds=1) > 0
+    assert tier.io_size is not None and tier.io_size % ALIGN == 0 and tier.io_size > BLOCK
+    assert block_files(tier) and not temp_files(tier)

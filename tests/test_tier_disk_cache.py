@@ -1,0 +1,141 @@
+"""DiskTier under a real OffloadCache: persistence across caches, a full disk, a torn file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiokv import AsyncOffloadingWorker, DiskTier, OffloadCache
+from aiokv.cache.tiers import codec
+from tests.conftest import KV, make_layers, same_bytes
+
+pytestmark = pytest.mark.anyio
+
+HOST = 4
+STAGING = 2
+NUM_BLOCKS = 48
+PAGE = (16, 8, 64)  # bf16: 16 KiB per K or V page, 64 KiB per block over two layers
+
+
+@asynccontextmanager
+async def cache_on(kv: KV, tier: DiskTier) -> AsyncIterator[OffloadCache]:
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
+        async with OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=STAGING) as cache:
+            yield cache
+
+
+def block(kv: KV, b: int) -> list[torch.Tensor]:
+    return [t[:, b].clone() for t in kv.layers]
+
+
+def fill(kv: KV, blocks: Sequence[int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.layers:
+        for b in blocks:
+            page = t.view(torch.uint8)[:, b]
+            page.copy_(torch.randint(0, 256, page.shape, dtype=torch.uint8, generator=gen))
+
+
+async def offload_generations(kv: KV, cache: OffloadCache, n: int) -> dict[str, list[torch.Tensor]]:
+    """Offload ``n`` keys four at a time from GPU blocks 0..3 refilled with random bytes, so
+    the host (four chunks) evicts, and demotes, every earlier generation."""
+    expected: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, n, 4):
+        keys = [f"k{i}" for i in range(start, start + 4)]
+        fill(kv, range(4), seed=1000 + start)
+        expected.update((key, block(kv, i)) for i, key in enumerate(keys))
+        assert (await cache.offload(keys, list(range(4)))).stored == 4
+    await cache.drain()
+    return expected
+
+
+def restored_exactly(kv: KV, keys: Sequence[str], first_block: int,
+                     expected: dict[str, list[torch.Tensor]]) -> bool:
+    return all(
+        same_bytes(a, b)
+        for i, key in enumerate(keys)
+        for a, b in zip(block(kv, first_block + i), expected[key])
+    )
+
+
+async def test_a_new_cache_on_the_same_directory_restores_what_the_first_stored(
+        tmp_path: Path) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=3)
+    async with cache_on(kv, DiskTier(tmp_path, capacity_bytes=1 << 26)) as first:
+        expected = await offload_generations(kv, first, 16)
+        assert first.stats().tiers[0].demoted == 12
+
+    # Another process would start here: a new worker over other GPU memory, same layout.
+    other = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=4)
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 26)
+    async with cache_on(other, tier) as second:
+        keys = [f"k{i}" for i in range(12)]
+        assert second.lookup(keys) == 12  # the rebuilt index answers without I/O
+        result = await second.restore(keys, list(range(20, 32)))
+        assert result and result.restored == 12
+        assert restored_exactly(other, keys, 20, expected)
+        assert tier.statistics().read_hits == 12 and tier.statistics().corrupt == 0
+
+
+async def test_a_torn_file_ends_the_restore_there(tmp_path: Path) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=5)
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 26)
+    async with cache_on(kv, tier) as cache:
+        expected = await offload_generations(kv, cache, 12)
+        keys = [f"k{i}" for i in range(8)]  # demoted: only the disk has them
+        victim = tier._opened().path(codec.key_bytes("k3"))
+        raw = bytearray(Path(victim).read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        Path(victim).write_bytes(raw)
+        before = block(kv, 40 + 3)
+        result = await cache.restore(keys, list(range(40, 48)))
+        assert not result and result.restored == 3
+        assert restored_exactly(kv, keys[:3], 40, expected)
+        assert all(same_bytes(a, b) for a, b in zip(block(kv, 43), before))  # never written
+        assert tier.statistics().corrupt == 1 and not tier.holds(codec.key_bytes("k3"))
+        assert cache.lookup(keys) == 3
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem (tmpfs) that a few dozen demotions fill."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+async def test_a_full_disk_drops_demotions_and_loses_nothing_from_the_host(
+        small_disk: Path) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=6)
+    tier = DiskTier(small_disk, capacity_bytes=1 << 26)  # the disk fills long before this
+    async with cache_on(kv, tier) as cache:
+        expected = await offload_generations(kv, cache, 40)
+        st = cache.stats().tiers[0]
+        on_disk = [f"k{i}" for i in range(36) if tier.holds(codec.key_bytes(f"k{i}"))]
+        assert 0 < len(on_disk) < 36 and tier.statistics().errors > 0
+        assert st.demoted == len(on_disk) and st.demotions_dropped == 36 - len(on_disk)
+        assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-")]
+        host = [f"k{i}" for i in range(36, 40)]
+        assert cache.lookup(host) == 4
+        assert (await cache.restore(host, list(range(10, 14)))).restored == 4
+        assert restored_exactly(kv, host, 10, expected)
+        # What did reach the disk before it filled reads back whole.
+        got = await cache.restore(on_disk, list(range(14, 14 + len(on_disk))))
+        assert got.restored == len(on_disk)
+        assert restored_exactly(kv, on_disk, 14, expected)

@@ -1,0 +1,33 @@
+"""Per-tier Prometheus series of an OffloadCache with a lower tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_tiers_cascade import MemTier, store_generations, tiered
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_tier_series_follow_the_cache_stats() -> None:
+    from aiokv.metrics import CacheTierCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    tier = MemTier()
+    async with tiered([tier]) as (kv, _w, cache):
+        registry.register(CacheTierCollector(cache, labels={"rank": "0"}))
+        await store_generations(kv, cache, 12)
+        await cache.drain()
+        assert cache.lookup([f"k{i}" for i in range(8)]) == 8
+        assert (await cache.restore(["k0", "k1"], [20, 21])).restored == 2
+        labels = {"rank": "0", "tier": "mem"}
+        value = registry.get_sample_value
+        st = cache.stats().tiers[0]
+        assert value("aiokv_cache_tier_hits_total", labels) == st.hits == 8
+        assert value("aiokv_cache_tier_demoted_blocks_total", labels) == st.demoted == 8
+        assert value("aiokv_cache_tier_restored_bytes_total", labels) == st.restored_bytes > 0
+        assert value("aiokv_cache_tier_demotions_dropped_total", labels) == 0
+        assert value("aiokv_cache_tier_held_bytes", labels) == st.tier.bytes_held > 0
+        assert value("aiokv_cache_tier_queued_blocks", labels) == 0
