@@ -24,6 +24,7 @@ from ...errors import InvalidSpec, UsageError
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics
+from .redis_checksum import checksum
 from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ class RedisTier(Tier):
     def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
                         groups: list[list[int]], replies: list[object]) -> int:
         for group in groups:
-            headers = [codec.encode(self._fp, keys[j], views[j]) for j in group]
+            headers = [codec.encode(self._fp, keys[j], views[j], crc=checksum(views[j])) for j in group]
             try:
                 answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
@@ -346,8 +347,7 @@ class RedisTier(Tier):
             if reply is None:
                 status[i] = _MISS
             elif isinstance(reply, bytearray):
-                ok = codec.verify(self._fp, keys[i], memoryview(reply), views[i])
-                status[i] = _HIT if ok else _CORRUPT
+                status[i] = _HIT if _verified(self._fp, keys[i], reply, views[i]) else _CORRUPT
             elif reply is self._client_module.WRONG_LENGTH:
                 status[i] = _CORRUPT
             else:
@@ -381,7 +381,7 @@ class RedisTier(Tier):
                 size = codec.header_size(keys[i])
                 payload = value[size:]
                 if (len(value) == size + len(views[i])
-                        and codec.verify(self._fp, keys[i], value[:size], payload)):
+                        and _verified(self._fp, keys[i], value[:size], payload)):
                     views[i][:] = payload
                     status[i] = _HIT
                 else:
@@ -404,7 +404,22 @@ class RedisTier(Tier):
 
     def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
         """Header + payload as one value per key (the asyncio client sends whole values)."""
-        return [b"".join((codec.encode(self._fp, keys[j], views[j]), views[j])) for j in group]
+        return [b"".join((codec.encode(self._fp, keys[j], views[j], crc=checksum(views[j])), views[j]))
+                for j in group]
+
+
+def _verified(fingerprint: bytes, key: bytes, header: bytes | bytearray | memoryview,
+              payload: memoryview) -> bool:
+    """``codec.verify`` with ``checksum`` for the payload (same checks, same answer)."""
+    parsed = codec.parse_header(memoryview(header))
+    return (
+        parsed is not None
+        and parsed.size == len(header)
+        and parsed.matches(fingerprint)
+        and parsed.key == bytes(key)
+        and parsed.payload_len == len(payload)
+        and checksum(payload) == parsed.crc
+    )
 
 
 def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
