@@ -199,3 +199,12 @@ def test_worker_refuses_bad_specs_and_stays_usable(model_dir) -> None:
     assert result.job_id == 1 and result.success and result.transfer_size > 0
     assert type(result).__module__ == "vllm.v1.kv_offload.base"
     worker.shutdown()
+
+
+def test_import_aiokv_does_not_import_an_installed_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, aiokv, aiokv.integrations.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
