@@ -134,7 +134,9 @@ class AiokvOffloadingManager(OffloadingManager):
         self._chunks.complete_store(keys, success=success)
         if failed and self._events is not None:
             # Announced as metadata only, as vLLM's CPU manager does: nothing was public.
-            self._events.append(OffloadingEvent(keys=failed, medium=self.medium, removed=True, metadata_only=True))
+            self._events.append(
+                OffloadingEvent(keys=failed, medium=self.medium, removed=True, metadata_only=True)
+            )
         self._collect()
 
     # -- events and lifetime -------------------------------------------------------------

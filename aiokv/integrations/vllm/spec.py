@@ -58,7 +58,8 @@ class AiokvOffloadingSpec(OffloadingSpec):
         # group shares one chunk size and chunks start on aligned offsets.
         per_rank = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
         self.kv_bytes_per_chunk = -(-per_rank // _CHUNK_ALIGN) * _CHUNK_ALIGN
-        self.num_chunks = self.cpu_bytes_to_use // (self.kv_bytes_per_chunk * self.world_size) if per_rank else 0
+        all_ranks = self.kv_bytes_per_chunk * self.world_size
+        self.num_chunks = self.cpu_bytes_to_use // all_ranks if per_rank else 0
         if per_rank and self.num_chunks < 1:
             raise InvalidSpec(
                 f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no chunk: one chunk takes "

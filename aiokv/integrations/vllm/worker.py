@@ -30,7 +30,9 @@ class AiokvOffloadingWorker(OffloadingWorker):
     ``success=False``, never as a hit.
     """
 
-    def __init__(self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions) -> None:
+    def __init__(
+        self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions
+    ) -> None:
         self._sync = SyncOffloadingWorker(
             AsyncOffloadingWorker(
                 kv_caches,
