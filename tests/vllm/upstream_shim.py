@@ -6,6 +6,17 @@ the vLLM 0.33.0 sdist (it ships ``tests/``) and run, from its root, in the vLLM 
     PYTHONPATH=<aiokv>/tests/vllm python -m pytest -p upstream_shim \\
         --confcutdir=tests/v1/kv_offload tests/v1/kv_offload/cpu/test_manager.py
 
+and for the connector's scheduler and event tests (offline: a directory with a small
+model's config.json stands in for the Hub model they name)::
+
+    HF_HUB_OFFLINE=1 AIOKV_OFFLINE_MODEL=<dir> PYTHONPATH=<aiokv>/tests/vllm \
+        python -m pytest -p upstream_shim \
+        --confcutdir=tests/v1/kv_connector/unit/offloading_connector \
+        tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py \
+        tests/v1/kv_connector/unit/offloading_connector/test_events.py
+
+``AIOKV_SHIM_KEEP_CPU_MANAGER=1`` keeps vLLM's own manager (the baseline run).
+
 Every ``CPUOffloadingManager(...)`` those modules build becomes the manager of a spec that
 vLLM's ``OffloadingSpecFactory`` creates by name from an ``OffloadingConfig``, with the same
 chunk count, policy and events; a store threshold of 2 or more maps to aiokv's
