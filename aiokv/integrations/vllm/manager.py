@@ -1,0 +1,175 @@
+"""Scheduler side: vLLM's ``OffloadingManager`` over aiokv's ``ChunkManager``.
+
+The chunk manager decides which block hash gets which host chunk (eviction policy plus
+admission); this adapter speaks vLLM's vocabulary around it: ``OffloadKey``s, a
+``CPULoadStoreSpec`` of chunk ids that every rank's worker reads, ``PrepareStoreOutput``
+and ``OffloadingEvent``s. Behaviour follows vLLM's ``CPUOffloadingManager`` where vLLM's
+tests pin it down (see docs/vllm.md for where it differs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...cache import ChunkManager, KeysRemoved, KeysStored
+from ...cache import LookupResult as ChunkLookup
+from ...errors import InvalidSpec
+
+__all__ = ["AiokvOffloadingManager"]
+
+_LOOKUP = {
+    ChunkLookup.MISS: LookupResult.MISS,
+    ChunkLookup.HIT: LookupResult.HIT,
+    ChunkLookup.HIT_PENDING: LookupResult.HIT_PENDING,
+}
+
+
+class AiokvOffloadingManager(OffloadingManager):
+    """Tracks which ``OffloadKey`` lives in which of ``num_chunks`` host chunks.
+
+    Args:
+        num_chunks: chunks in each rank's host pool (the workers are built with the same
+            count, so the chunk ids this manager hands out are valid on every rank).
+        policy: eviction policy name (``aiokv.available_policies()``).
+        admission: admission policy name, or None for the policy's own pairing.
+        enable_events: collect ``OffloadingEvent``s for vLLM's KV-event publisher.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        *,
+        policy: str = "adaptive",
+        admission: str | None = None,
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise InvalidSpec(f"the host pool must hold at least one chunk, got num_chunks={num_chunks!r}")
+        self.medium = Medium.CPU
+        self.num_chunks = num_chunks
+        self._policy_name = policy
+        self._admission_name = admission
+        self._chunks = ChunkManager(num_chunks, policy=policy, admission=admission)
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # The scheduler enters this around every call; reentrant, so a caller that nests
+        # two regions of one step cannot deadlock itself.
+        self._lock = threading.RLock()
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        return self._lock
+
+    @property
+    def chunks(self) -> ChunkManager:
+        """The chunk manager underneath (for statistics and tests)."""
+        return self._chunks
+
+    # -- requests ----------------------------------------------------------------------
+
+    def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        return None
+
+    # -- loads -------------------------------------------------------------------------
+
+    def lookup(self, key: Any, req_context: Any) -> LookupResult:
+        return _LOOKUP[self._chunks.lookup(key)]
+
+    def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[Any], req_context: Any) -> CPULoadStoreSpec:
+        """Pin ``keys`` until ``complete_load``; the spec holds their chunk ids in order.
+
+        Raises:
+            KeyNotLoadable: a key is missing or still being written (nothing is pinned).
+        """
+        return CPULoadStoreSpec(self._chunks.prepare_load(list(keys)))
+
+    def touch(self, keys: Collection[Any], req_context: Any) -> None:
+        self._chunks.touch(list(keys))
+
+    def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
+        self._chunks.complete_load(list(keys))
+
+    # -- stores ------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Collection[Any], req_context: Any) -> PrepareStoreOutput | None:
+        """Chunks for the admitted keys not held yet, evicting others if needed.
+
+        None, changing nothing, when they cannot all fit (every other key is pinned or
+        being written). Keys of this offer are never evicted by it.
+        """
+        plan = self._chunks.prepare_store(list(keys))
+        self._collect()
+        if plan is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=list(plan.keys_to_store),
+            store_spec=CPULoadStoreSpec(plan.chunk_ids),
+            evicted_keys=list(plan.evicted),
+        )
+
+    def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
+        """Make stored keys loadable; on failure free the chunks of those still pending."""
+        keys = list(keys)
+        failed = [] if success else [k for k in keys if self._chunks.lookup(k) is ChunkLookup.HIT_PENDING]
+        self._chunks.complete_store(keys, success=success)
+        if failed and self._events is not None:
+            # Announced as metadata only, as vLLM's CPU manager does: nothing was public.
+            self._events.append(
+                OffloadingEvent(keys=failed, medium=self.medium, removed=True, metadata_only=True)
+            )
+        self._collect()
+
+    # -- events and lifetime -------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Move the chunk manager's events into vLLM's vocabulary (always drained, so they
+        never pile up when KV events are off)."""
+        for event in self._chunks.take_events():
+            if self._events is None:
+                continue
+            if isinstance(event, KeysStored):
+                self._events.append(OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=False))
+            elif isinstance(event, KeysRemoved):
+                self._events.append(OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=True))
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self._events is None:
+            return
+        events, self._events = self._events, []
+        for event in events:
+            if event.metadata_only:
+                # A retry may hold the key again by now: it must not read as removed.
+                keys = [k for k in event.keys if self._chunks.lookup(k) is ChunkLookup.MISS]
+                if not keys:
+                    continue
+                event = replace(event, keys=keys)
+            yield event
+
+    def reset_cache(self) -> None:
+        """Forget every block. vLLM never completes jobs from before a reset, and keeps new
+        stores away from chunks that in-flight jobs may still touch until they report."""
+        self._chunks = ChunkManager(self.num_chunks, policy=self._policy_name, admission=self._admission_name)
+
+    def stats_snapshot(self) -> Any:
+        """The chunk manager's ``CacheStats``."""
+        return self._chunks.stats()

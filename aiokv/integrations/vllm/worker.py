@@ -1,0 +1,72 @@
+"""Worker side: vLLM's ``OffloadingWorker`` over aiokv's step-loop worker.
+
+vLLM's connector calls ``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait`` /
+``shutdown`` from the model runner's thread. aiokv's ``SyncOffloadingWorker`` has exactly
+that face; this class only turns aiokv's results into vLLM's ``TransferResult`` (the type
+vLLM's statistics read) and keeps vLLM's return conventions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from ...sync import SyncOffloadingWorker
+from ...worker import AsyncOffloadingWorker
+from .options import PluginOptions
+
+__all__ = ["AiokvOffloadingWorker"]
+
+
+class AiokvOffloadingWorker(OffloadingWorker):
+    """Moves blocks between this rank's KV cache and its own host pool of ``num_chunks``.
+
+    Takes vLLM's ``CanonicalKVCaches`` as the connector builds them (padded pages, several
+    groups, packed layouts) and vLLM's spec objects (numpy int32 ``block_ids``,
+    ``group_sizes``, ``block_indices``). Bad specs raise ``aiokv.InvalidSpec`` before
+    anything is enqueued; a transfer that fails on the device is reported with
+    ``success=False``, never as a hit.
+    """
+
+    def __init__(
+        self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions
+    ) -> None:
+        self._sync = SyncOffloadingWorker(
+            AsyncOffloadingWorker(
+                kv_caches,
+                num_cpu_chunks=num_chunks,
+                blocks_per_chunk=blocks_per_chunk,
+                backend=options.backend,
+                options=options.worker_options,
+            )
+        )
+
+    @property
+    def aiokv_worker(self) -> SyncOffloadingWorker:
+        """The aiokv worker underneath (statistics, ``repr``)."""
+        return self._sync
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._sync.submit_store(job_id, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        return self._sync.submit_load(job_id, src_spec, dst_spec, expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        return [
+            TransferResult(
+                job_id=r.job_id,
+                success=r.success,
+                transfer_size=r.transfer_size,
+                transfer_time=r.transfer_time,
+            )
+            for r in self._sync.get_finished()
+        ]
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        self._sync.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self._sync.shutdown()

@@ -1,0 +1,110 @@
+"""The vLLM plug-in's option parsing and version gate, which import no vLLM (main suite)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiokv.errors import InvalidSpec, UsageError
+from aiokv.integrations.vllm._compat import check_vllm_version
+from aiokv.integrations.vllm.options import KEYS, PluginOptions, read_cpu_bytes
+
+
+def test_defaults_are_adaptive_auto() -> None:
+    opts = PluginOptions.from_extra_config({"cpu_bytes_to_use": 1 << 30, "spec_name": "x"})
+    assert (opts.policy, opts.admission, opts.strategy, opts.backend) == ("adaptive", None, "auto", "auto")
+    assert opts.worker_options.strategy == "auto"
+
+
+def test_every_key_is_read() -> None:
+    opts = PluginOptions.from_extra_config({
+        "aiokv_policy": "ARC",
+        "aiokv_admission": "second-offer",
+        "aiokv_strategy": "dma",
+        "aiokv_backend": "cpu",
+        "aiokv_worker_options": {"streams_per_direction": 2},
+    })
+    assert (opts.policy, opts.admission, opts.strategy, opts.backend) == ("arc", "second-offer", "dma", "cpu")
+    assert opts.worker_options.streams_per_direction == 2
+    assert opts.worker_options.strategy == "dma"
+    assert set(KEYS) == {
+        "aiokv_policy", "aiokv_admission", "aiokv_strategy", "aiokv_backend", "aiokv_worker_options",
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ({"aiokv_polcy": "lru"}, "aiokv_policy"),
+        ({"aiokv_policy": "mru"}, "'lru'"),
+        ({"aiokv_policy": 3}, "'adaptive'"),
+        ({"aiokv_strategy": "fast"}, "'staged'"),
+        ({"aiokv_backend": "gpu"}, "'cuda'"),
+        ({"aiokv_admission": "never"}, "'second-offer'"),
+        ({"aiokv_worker_options": {"streamz": 1}}, "streams_per_direction"),
+        ({"aiokv_worker_options": {"strategy": "dma"}}, "aiokv_strategy"),
+        ({"aiokv_worker_options": [1]}, "JSON object"),
+    ],
+)
+def test_bad_keys_and_values_name_the_valid_ones(extra: dict, names: str) -> None:
+    with pytest.raises(InvalidSpec, match=names):
+        PluginOptions.from_extra_config(extra)
+
+
+def test_vllm_keys_are_left_alone() -> None:
+    PluginOptions.from_extra_config({"eviction_policy": "whatever", "blocks_per_chunk": 4, 7: "x"})
+
+
+@pytest.mark.parametrize(("raw", "value"), [(4096, 4096), (4e9, 4_000_000_000), ("8192", 8192)])
+def test_cpu_bytes_reads_json_numbers(raw: object, value: int) -> None:
+    assert read_cpu_bytes({"cpu_bytes_to_use": raw}) == value
+
+
+@pytest.mark.parametrize("raw", [None, 0, -5, 1.5, "lots", True, float("inf"), [1]])
+def test_cpu_bytes_refuses_what_is_not_a_byte_count(raw: object) -> None:
+    extra = {} if raw is None else {"cpu_bytes_to_use": raw}
+    with pytest.raises(InvalidSpec, match="cpu_bytes_to_use"):
+        read_cpu_bytes(extra)
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.7", "0.33.1.dev4+g12ab", "v0.33.2"])
+def test_tested_range_is_accepted(version: str) -> None:
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.9", "0.34.0", "1.0.0", "nightly"])
+def test_other_releases_are_refused_naming_the_range(version: str) -> None:
+    with pytest.raises(UsageError, match=r"vllm>=0\.33,<0\.34"):
+        check_vllm_version(version)
+
+
+def test_import_aiokv_does_not_import_vllm() -> None:
+    import sys
+
+    if "vllm" in sys.modules:
+        pytest.skip("vLLM was imported by an earlier test (tests/vllm checks this in a fresh process)")
+    import aiokv
+    import aiokv.integrations
+    import aiokv.integrations.vllm as plugin
+
+    assert aiokv.__version__ and plugin.KEYS
+    assert "vllm" not in sys.modules
+
+
+def test_spec_without_vllm_says_how_to_install() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    import aiokv.integrations.vllm as plugin
+
+    with pytest.raises(UsageError, match=r"pip install 'aiokv\[vllm\]'"):
+        plugin.AiokvOffloadingSpec  # noqa: B018
+
+
+def test_docs_list_every_key() -> None:
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    table = {m for m in re.findall(r"^\| `(aiokv_\w+)`", page, re.M)}
+    assert table == set(KEYS)

@@ -1,0 +1,210 @@
+"""The spec as vLLM's factory builds it: config keys, attributes the connector reads, the
+manager's semantics, tensor-parallel chunk ids and the worker's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (  # noqa: E402
+    build_offloading_config,
+)
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+from aiokv.errors import InvalidSpec, KeyNotLoadable, UsageError  # noqa: E402
+
+from .harness import (  # noqa: E402
+    Group,
+    build_configs,
+    connectors,
+    documented_kv_transfer_config,
+    layer_caches,
+    write_tiny_model,
+)
+
+GROUPS = [Group(("l0", "l1"), pad_bytes=128), Group(("l2",))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def make_spec(model_dir, extra=None, **kw):
+    vc, kc = build_configs(model_dir, extra=extra or {}, groups=GROUPS, **kw)
+    return OffloadingSpecFactory.create_spec(build_offloading_config(vc, kc)), vc, kc
+
+
+def test_documented_config_builds_the_spec_through_vllms_factory(model_dir) -> None:
+    doc = documented_kv_transfer_config()
+    assert KVTransferConfig(**doc).kv_connector == "OffloadingConnector"
+    spec, _, kc = make_spec(model_dir)
+    assert type(spec).__name__ == "AiokvOffloadingSpec"
+    assert spec.options.policy == "adaptive"
+    per_chunk = -(-(kc.kv_cache_tensors[0].size // kc.num_blocks) // 512) * 512
+    assert spec.num_chunks == doc["kv_connector_extra_config"]["cpu_bytes_to_use"] // per_chunk
+    # What the connector reads, as vLLM's CPU spec sets it on a host without a shared region.
+    assert spec.blocks_per_chunk == 1
+    assert spec.replicated_layout is False
+    assert spec.offload_prompt_only is True
+    assert spec.kv_events_config.enable_kv_cache_events is True
+    assert spec.get_manager() is spec.get_manager()
+    assert spec.get_manager().num_chunks == spec.num_chunks
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"aiokv_polcy": "lru"}, "aiokv_policy"),
+        ({"aiokv_policy": "fifo"}, "'arc'"),
+        ({"aiokv_backend": "tpu"}, "'cpu'"),
+        ({"cpu_bytes_to_use": "much"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 100}, "holds no chunk"),
+        ({"canonical_layout": True}, "canonical_layout"),
+    ],
+)
+def test_bad_config_is_refused_at_construction(model_dir, extra, match) -> None:
+    with pytest.raises(InvalidSpec, match=match):
+        make_spec(model_dir, extra)
+
+
+def test_vllm_outside_the_tested_range_is_refused(model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(UsageError, match=r"vllm>=0\.33,<0\.34"):
+        make_spec(model_dir)
+
+
+def _keys(n: int, tag: str, group: int = 0) -> list[bytes]:
+    return [make_offload_key(f"{tag}{i}".encode().ljust(32, b"."), group) for i in range(n)]
+
+
+def test_manager_follows_vllms_cpu_manager(model_dir) -> None:
+    spec, _, _ = make_spec(model_dir, {"cpu_bytes_to_use": 4 * 2560, "aiokv_policy": "lru"})
+    m = spec.get_manager()
+    assert m.num_chunks == 4
+    ctx = ReqContext(req_id="a")
+    m.on_new_request(ctx)
+    a = _keys(3, "a")
+    with m.lock:
+        out = m.prepare_store(a, ctx)
+    assert out.keys_to_store == a and list(out.store_spec.block_ids) == [0, 1, 2] and out.evicted_keys == []
+    assert out.store_spec.block_ids.dtype == np.int32
+    assert m.lookup(a[0], ctx) is LookupResult.HIT_PENDING
+    with pytest.raises(KeyNotLoadable):
+        m.prepare_load(a[:1], ctx)
+    m.complete_store(a, ctx)
+    assert [m.lookup(k, ctx) for k in a] == [LookupResult.HIT] * 3
+    # Already held: nothing to store, an empty spec.
+    again = m.prepare_store(a, ctx)
+    assert again.keys_to_store == [] and len(again.store_spec.block_ids) == 0
+    # Pinned keys are never evicted; a store that cannot fit changes nothing.
+    spec_a = m.prepare_load(a, ctx)
+    assert list(spec_a.block_ids) == [0, 1, 2]
+    b = _keys(2, "b")
+    assert m.prepare_store(b, ctx) is None
+    m.complete_load(a, ctx)
+    m.touch(a[1:], ctx)  # a[0] is now the least recently used
+    out_b = m.prepare_store(b, ctx)
+    assert out_b.evicted_keys == [a[0]] and m.lookup(a[0], ctx) is LookupResult.MISS
+    # A failed store frees its chunks and is announced as metadata only.
+    m.complete_store(b, ctx, success=False)
+    assert [m.lookup(k, ctx) for k in b] == [LookupResult.MISS] * 2
+    events = list(m.take_events())
+    assert [(e.removed, e.metadata_only, e.keys) for e in events] == [
+        (False, False, a),
+        (True, False, [a[0]]),
+        (True, True, b),
+    ]
+    assert list(m.take_events()) == []
+    m.on_request_finished(ctx)
+    m.reset_cache()
+    assert m.lookup(a[1], ctx) is LookupResult.MISS
+    m.chunks.check_invariants()
+
+
+def test_events_off_keeps_none(model_dir) -> None:
+    spec, _, _ = make_spec(model_dir, {"cpu_bytes_to_use": 4 * 2560}, events=False)
+    m = spec.get_manager()
+    ctx = ReqContext(req_id="a")
+    m.complete_store(m.prepare_store(_keys(2, "x"), ctx).keys_to_store, ctx)
+    assert list(m.take_events()) == []
+
+
+def test_tensor_parallel_ranks_share_chunk_ids_with_their_own_bytes(model_dir) -> None:
+    """The scheduler's manager hands out ids; each rank's pool of the same count holds that
+    rank's own bytes under them."""
+    extra = {"cpu_bytes_to_use": 2 * 16 * 2560, "aiokv_backend": "cpu"}
+    ranks = []
+    for rank in range(2):
+        vc, kc = build_configs(model_dir, extra=extra, groups=GROUPS, world_size=2)
+        vc.parallel_config.rank = rank
+        caches, rows = layer_caches(kc, seed=100 + rank)
+        scheduler, worker = connectors(vc, kc, caches)
+        ranks.append((scheduler.connector_scheduler.manager, worker.connector_worker.worker, rows))
+    manager = ranks[0][0]
+    assert manager.num_chunks == 16
+    ctx = ReqContext(req_id="tp")
+    keys = _keys(3, "t", 0) + _keys(3, "t", 1)
+    out = manager.prepare_store(keys, ctx)
+    src = GPULoadStoreSpec([5, 6, 7, 5, 6, 7], group_sizes=[3, 3], block_indices=[0, 0])
+    dst = GPULoadStoreSpec([20, 21, 22, 30, 31, 32], group_sizes=[3, 3], block_indices=[0, 0])
+    for _, worker, _ in ranks:
+        assert worker.submit_store(1, src, out.store_spec)
+        worker.wait({1})
+    manager.complete_store(keys, ctx)
+    load = manager.prepare_load(keys, ctx)
+    for _, worker, _ in ranks:
+        assert worker.submit_load(2, load, dst, expedited=True)
+        worker.wait({2})
+        assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    for _, _, rows in ranks:
+        for layer, (a, b) in {"l0": (20, 5), "l1": (20, 5), "l2": (30, 5)}.items():
+            for i in range(3):
+                page = GROUPS[0].spec(16).unpadded_page_size_bytes if layer != "l2" else None
+                n = page or GROUPS[1].spec(16).unpadded_page_size_bytes
+                assert torch.equal(rows[layer][a + i, :n], rows[layer][b + i, :n]), (layer, i)
+    assert not torch.equal(ranks[0][2]["l0"][20], ranks[1][2]["l0"][20])
+    for _, worker, _ in ranks:
+        worker.shutdown()
+
+
+def test_worker_refuses_bad_specs_and_stays_usable(model_dir) -> None:
+    vc, kc = build_configs(model_dir, extra={"cpu_bytes_to_use": 8 * 2560}, groups=GROUPS, num_gpu_blocks=16)
+    caches, _ = layer_caches(kc, seed=3)
+    _, worker_conn = connectors(vc, kc, caches)
+    worker = worker_conn.connector_worker.worker
+    cpu = worker_conn.connector_worker.spec  # the worker process's spec
+    assert cpu.num_chunks == 8
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    bad_block = GPULoadStoreSpec([99, 1], group_sizes=[1, 1], block_indices=[0, 0])
+    with pytest.raises(InvalidSpec):
+        worker.submit_store(1, bad_block, CPULoadStoreSpec([0, 1]))
+    bad_chunk = GPULoadStoreSpec([1, 1], group_sizes=[1, 1], block_indices=[0, 0])
+    with pytest.raises(InvalidSpec):
+        worker.submit_store(1, bad_chunk, CPULoadStoreSpec([0, 8]))
+    assert worker.submit_store(1, bad_chunk, CPULoadStoreSpec([0, 1]))
+    worker.wait({1})
+    [result] = worker.get_finished()
+    assert result.job_id == 1 and result.success and result.transfer_size > 0
+    assert type(result).__module__ == "vllm.v1.kv_offload.base"
+    worker.shutdown()
+
+
+def test_import_aiokv_does_not_import_an_installed_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, aiokv, aiokv.integrations.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
