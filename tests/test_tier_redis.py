@@ -470,7 +470,7 @@ def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.Mo
     for name in ("redis", "redis_client", "redis_wire"):  # as if never imported
         monkeypatch.delitem(sys.modules, f"aiokv.cache.tiers.{name}", raising=False)
         monkeypatch.delattr(tiers, name, raising=False)
-    with pytest.raises(UsageError, match=r"pip install 'aiokv\[redis\]'"):
+    with pytest.raises(UsageError, match=r"the 'redis' extra"):
         tiers.RedisTier("redis://127.0.0.1:6379/0")
 
 

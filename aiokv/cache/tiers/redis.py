@@ -443,7 +443,10 @@ def _client_module() -> ModuleType:
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in ("redis", "hiredis"):
             raise
-        raise UsageError("RedisTier needs the optional redis package: pip install 'aiokv[redis]'") from exc
+        raise UsageError(
+            "RedisTier needs the optional redis package: install the 'redis' extra "
+            "(python3 -m pip install -e '.[redis]' in a clone of aiokv)"
+        ) from exc
     return redis_client
 
 
