@@ -29,7 +29,7 @@ def need_redis() -> None:
     """Skip the calling test or fixture unless a real server and the client can run."""
     if MISSING:
         pytest.skip(MISSING)
-    pytest.importorskip("redis", reason="the redis package is not installed: the 'redis' extra (pip install -e '.[redis]')")
+    pytest.importorskip("redis", reason="the redis package is not installed: pip install -e '.[redis]'")
 
 
 def free_port(*, bus: bool = False) -> int:
