@@ -371,12 +371,16 @@ class AsyncOffloadingWorker:
         try:
             with anyio.CancelScope(shield=True):
                 last_end = time.monotonic()
+                left = len(self._futures)
                 while self._futures:
                     done = self._core.poll()  # if this raises, the drain ends here
                     # A done callback's exception waits until every job is resolved.
                     raised = self._resolve(done)
                     escaped = escaped or raised
-                    if done:
+                    # Jobs end here or in the poller, which runs on while the drain naps
+                    # (and, woken by the doorbell, usually sees an end first).
+                    if len(self._futures) < left:
+                        left = len(self._futures)
                         last_end = time.monotonic()
                     elif time.monotonic() - last_end >= idle_timeout:
                         why = f"no job ended for {idle_timeout:g} s of the drain (drain_timeout)"
