@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,9 @@ from .specs import Direction, as_count, as_job_id, side_of
 __all__ = ["OffloadCore", "WorkerStatistics", "available_host_memory"]
 
 _log = logging.getLogger("aiokv")
+
+# How often a drain waiting on one direction's oldest job looks at the other directions.
+_DRAIN_SLICE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -223,17 +227,34 @@ class OffloadCore:
 
     def drain(self, idle_timeout: float) -> bool:
         """Block until every job in flight is done, or until no job has ended for
-        ``idle_timeout`` seconds (False then). For threads, not event loops."""
+        ``idle_timeout`` seconds (False then). For threads, not event loops.
+
+        Every direction counts: while the oldest job is waited on, jobs of the other
+        directions that end keep the drain going (each lane ends its jobs in order, so
+        only each direction's oldest needs a look)."""
+        with self._lock:
+            queues = [deque(h.pending()) for h in self.handlers.values()]
         last_end = time.monotonic()
-        for job in sorted(self.pending(), key=lambda j: j.submitted_at):
-            if job.completion.query():
-                continue
-            if math.isinf(idle_timeout):  # no bound (a wait cannot take an infinite timeout)
-                job.completion.wait()
-            elif not job.completion.wait(max(0.0, last_end + idle_timeout - time.monotonic())):
+        while True:
+            ended = False
+            for queue in queues:
+                while queue and queue[0].completion.query():
+                    queue.popleft()
+                    ended = True
+            queues = [q for q in queues if q]
+            if not queues:
+                return True
+            now = time.monotonic()
+            if ended:
+                last_end = now
+            left = last_end + idle_timeout - now
+            if left <= 0:
                 return False
-            last_end = time.monotonic()
-        return True
+            if len(queues) > 1:  # look at the other directions now and then
+                left = min(left, _DRAIN_SLICE_SECONDS)
+            oldest = min((q[0] for q in queues), key=lambda j: j.submitted_at)
+            # A wait cannot take an infinite timeout: no bound is no timeout.
+            oldest.completion.wait(None if math.isinf(left) else left)
 
     def pending(self) -> list[Job]:
         """Every job not popped yet, per direction oldest first."""
