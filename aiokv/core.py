@@ -216,9 +216,13 @@ class OffloadCore:
         """Block until the given in-flight jobs are done (unknown ids are ignored).
 
         Pops nothing: results still come from ``poll``. For threads, not event loops.
+        Raises ``InvalidSpec`` unless ``job_ids`` is an iterable of int ids.
         """
+        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+            raise InvalidSpec(f"job_ids must be a collection of job ids, got {type(job_ids).__name__}")
+        ids = [as_job_id(j) for j in job_ids]
         with self._lock:
-            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+            jobs = [self._jobs[j] for j in ids if j in self._jobs]
         return _wait_jobs(jobs, timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:

@@ -118,7 +118,8 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until those jobs are done (unknown ids are ignored); reports nothing, so
-        their results still come from ``get_finished()``."""
+        their results still come from ``get_finished()``. Raises ``InvalidSpec`` unless
+        ``job_ids`` is a collection of int ids."""
         self._core.wait_for(job_ids)
 
     def shutdown(self, *, drain_timeout: float | None = None) -> None:

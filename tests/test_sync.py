@@ -145,6 +145,22 @@ def test_wait_consumes_nothing_and_results_carry_sizes() -> None:
     worker.shutdown()
 
 
+def test_wait_refuses_what_is_not_a_collection_of_ids_with_a_typed_error() -> None:
+    """``wait(5)`` or ``wait(None)`` raised a bare TypeError and ``wait({"7"})`` passed as
+    if "7" were an unknown id; numpy ids are ids (as in submits)."""
+    worker, _ = make_sync()
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    for bad in (5, None, [[1]], {"1"}, "1", [True], [1.0]):
+        with pytest.raises(InvalidSpec, match="job"):
+            worker.wait(bad)  # type: ignore[arg-type]
+    threading.Timer(0.05, latch.set).start()
+    worker.wait(np.array([1, 999], dtype=np.int32))  # unknown 999 is ignored
+    assert worker._core.pending()[0].completion.query()  # waited for; not reported yet
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
+
+
 def test_unreported_job_id_cannot_be_reused() -> None:
     worker, _ = make_sync()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
