@@ -28,7 +28,7 @@ from .handler import Handler, Job
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .options import WorkerOptions
-from .plan import HostLayout, map_blocks, plan_copies
+from .plan import CopyPlan, HostLayout, map_blocks, plan_copies
 from .specs import Direction, as_count, as_job_id, side_of
 
 __all__ = ["OffloadCore", "WorkerStatistics", "available_host_memory"]
@@ -109,6 +109,33 @@ class OffloadCore:
         resolved yet), which may not be reused until it lets them go.
         """
         self.check_healthy()
+        job_id, plan = self._plan(direction, job_id, src, dst)
+        bound = self.options.max_in_flight
+        with self._lock:
+            self._check_new_id(job_id, reserved)
+            if bound and len(self._jobs) >= bound:
+                raise QueueFull(
+                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
+                    "wait for room (await worker.wait_for_room()) and submit again"
+                )
+            dependency = self.backend.capture(after)
+            job = self.handlers[direction].submit(job_id, plan, dependency)
+            self._jobs[job_id] = job
+        return job
+
+    def check(self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None) -> None:
+        """Raise what ``submit`` would raise for this input, except ``QueueFull``; enqueue
+        nothing. A face that waits for room checks first, so bad input raises at once
+        rather than after (or, behind a job that never ends, instead of) the wait."""
+        self.check_healthy()
+        job_id, _ = self._plan(direction, job_id, src, dst)
+        with self._lock:
+            self._check_new_id(job_id, ())
+        if after is not None:
+            self.backend.check_after(after)
+
+    def _plan(self, direction: Direction, job_id: Any, src: Any, dst: Any) -> tuple[int, CopyPlan]:
+        """The job id as an int and the copy plan of the specs; raises ``InvalidSpec``."""
         job_id = as_job_id(job_id)
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
         for role, spec in (("GPU", gpu), ("CPU", cpu)):
@@ -134,24 +161,14 @@ class OffloadCore:
             unique_gpu=not direction.to_host,
             unique_host=direction.to_host,
         )
-        plan = plan_copies(mapping, self.layout)
-        bound = self.options.max_in_flight
-        with self._lock:
-            if job_id in self._jobs:
-                raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
-            if job_id in reserved:
-                raise DuplicateJob(
-                    f"job {job_id} finished but its future is not resolved yet; reuse it after"
-                )
-            if bound and len(self._jobs) >= bound:
-                raise QueueFull(
-                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
-                    "wait for room (await worker.wait_for_room()) and submit again"
-                )
-            dependency = self.backend.capture(after)
-            job = self.handlers[direction].submit(job_id, plan, dependency)
-            self._jobs[job_id] = job
-        return job
+        return job_id, plan_copies(mapping, self.layout)
+
+    def _check_new_id(self, job_id: int, reserved: Collection[int]) -> None:
+        """Refuse an id still in use (call under the lock)."""
+        if job_id in self._jobs:
+            raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
+        if job_id in reserved:
+            raise DuplicateJob(f"job {job_id} finished but its future is not resolved yet; reuse it after")
 
     def check_healthy(self) -> None:
         """Raise ``WorkerBroken`` once a sticky device error was seen."""

@@ -91,12 +91,16 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
         core = self._core
+        checked = False
         while True:
             with self._lock:
                 self._lifecycle.check_open(Face.SYNC)
                 if core.has_room():
                     core.submit(direction, job_id, src, dst, after)
                     return
+                if not checked:  # bad input raises now, not once (if ever) there is room
+                    core.check(direction, job_id, src, dst, after)
+                    checked = True
                 pending = core.pending()
             # At the max_in_flight bound: wait (without the lock, so get_finished() and
             # shutdown() go on) for the oldest job to end, then pop what ended. In slices,

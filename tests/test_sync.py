@@ -449,6 +449,41 @@ def test_a_dropped_worker_says_what_is_true(use: str) -> None:
     assert ("never opened" in message) == (use == "never opened")
 
 
+def test_bad_input_at_the_bound_raises_at_once_instead_of_waiting_for_room() -> None:
+    """A full worker checked input only once a slot was free: behind a job that never
+    ends, a duplicate id or a bad spec blocked the engine thread for good."""
+    kv = make_layers(num_layers=1, num_blocks=8)
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
+                                                        options={"max_in_flight": 1}))
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    bad = [
+        (DuplicateJob, (1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {}),
+        (InvalidSpec, (2, GPULoadStoreSpec([99]), CPULoadStoreSpec([2])), {}),
+        (InvalidSpec, (2, CPULoadStoreSpec([2]), GPULoadStoreSpec([2])), {}),  # swapped
+        (InvalidSpec, (2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {"after": "now"}),
+    ]
+    for error, args, kwargs in bad:
+        caught: list[BaseException] = []
+
+        def submit(args=args, kwargs=kwargs, caught=caught) -> None:
+            try:
+                worker.submit_store(*args, **kwargs)
+            except BaseException as exc:
+                caught.append(exc)
+
+        thread = threading.Thread(target=submit, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive() and len(caught) == 1 and isinstance(caught[0], error)
+    assert worker.statistics().in_flight["store"] == 1  # nothing else was enqueued
+    threading.Timer(0.05, latch.set).start()
+    assert worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))  # waits for room
+    worker.wait({2})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    worker.shutdown()
+
+
 def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> None:
     kv = make_layers(num_layers=1, num_blocks=8)
     worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
