@@ -17,7 +17,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,11 +297,16 @@ class OffloadCore:
     def closed(self) -> bool:
         return self.lifecycle.state is State.CLOSED
 
-    def close(self, why: str = "") -> tuple[list[Job], list[Job]]:
+    def close(
+        self, why: str = "", report: Callable[[list[Job]], object] | None = None
+    ) -> tuple[list[Job], list[Job]]:
         """Free lanes and host memory; returns (jobs finished since the last poll, jobs
         abandoned). Callers drain first: a job still running then is abandoned (failed with
         ``WorkerClosed``, named in a warning that says ``why``), its lane let go and the
-        host pool kept, since its copy may still write it. Idempotent."""
+        host pool kept, since its copy may still write it. Idempotent.
+
+        ``report`` is handed both lists' jobs, results set, before anything is let go, so
+        an interrupt or a teardown error there costs no job its report."""
         if self.closed:
             return [], []
         self._finalizer.detach()
@@ -312,20 +317,24 @@ class OffloadCore:
                 for job in abandoned:
                     del self._jobs[job.job_id]
             self.settle()  # read what results still lack before the events are destroyed
-            if abandoned:
-                self._abandon(abandoned, why)
-            else:
-                self._release()
+            error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
+                                 "(its bytes may or may not have moved)")
+            for job in abandoned:
+                job.fail(error)
+            try:
+                if report is not None:
+                    report(finished + abandoned)
+            finally:
+                if abandoned:
+                    self._abandon(abandoned, why)
+                else:
+                    self._release()
         finally:
             self.lifecycle.finish_close()
         return finished, abandoned
 
     def _abandon(self, jobs: list[Job], why: str) -> None:
         busy = {job.direction for job in jobs}
-        error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
-                             "(its bytes may or may not have moved)")
-        for job in jobs:
-            job.fail(error)
         try:
             for direction, handler in self.handlers.items():
                 if direction in busy:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .core import WorkerStatistics
 from .errors import InvalidSpec
+from .handler import Job
 from .lifecycle import Face, State
 from .specs import Direction, TransferResult
 from .worker import AsyncOffloadingWorker
@@ -148,8 +149,11 @@ class SyncOffloadingWorker(OffloadingWorker):
                     why = f"no job ended for {timeout:g} s of the drain (drain_timeout)"
             finally:
                 with self._lock:
-                    finished, abandoned = self._core.close(why)
-                    self._unreported.extend(j.result for j in finished + abandoned if j.result is not None)
+                    self._core.close(why, report=self._keep)
+
+    def _keep(self, jobs: list[Job]) -> None:
+        """Keep the results of jobs the core let go of for ``get_finished()``."""
+        self._unreported.extend(job.result for job in jobs if job.result is not None)
 
     def statistics(self) -> WorkerStatistics:
         """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""

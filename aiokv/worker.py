@@ -396,6 +396,13 @@ class AsyncOffloadingWorker:
         """Stop the poller, close the core (abandoning what never ended) and resolve the
         futures that are left; never waits for a copy."""
         abandoned: list[Job] = []
+        escaped: list[BaseException] = []
+
+        def resolve(jobs: list[Job]) -> None:  # before lanes and memory go: nothing is lost
+            raised = self._resolve(jobs)
+            if raised is not None:
+                escaped.append(raised)
+
         try:
             try:
                 if self._poller_scope is not None:
@@ -403,12 +410,11 @@ class AsyncOffloadingWorker:
                 if self._poller is not None:  # it must not watch the bell once closed
                     self._poller.release_bell()
             finally:
-                finished, abandoned = self._core.close(why)  # lanes let pending rings run
-                escaped = self._resolve(finished + abandoned)
+                _, abandoned = self._core.close(why, report=resolve)  # lanes let pending rings run
             if not abandoned:
                 self._close_bell()  # not otherwise: an abandoned copy may still ring it
-            if escaped is not None:
-                raise escaped
+            if escaped:
+                raise escaped[0]
         finally:
             room = self._room
             if room is not None:

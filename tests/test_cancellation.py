@@ -12,7 +12,14 @@ import anyio
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed, WorkerClosed
+from aiokv import (
+    AsyncOffloadingWorker,
+    CPULoadStoreSpec,
+    CudaCallFailed,
+    GPULoadStoreSpec,
+    TransferFailed,
+    WorkerClosed,
+)
 from aiokv.lifecycle import State
 from aiokv.specs import Direction
 from tests.conftest import make_layers, same_bytes
@@ -202,6 +209,29 @@ async def test_a_drain_whose_jobs_keep_ending_in_the_poller_does_not_give_up() -
                 threading.Thread(target=release, daemon=True).start()
     assert [f.result().success for f in futures] == [True] * len(latches)
     assert worker.statistics().completed["store"] == len(latches)
+
+
+async def test_a_teardown_error_after_the_drain_still_resolves_every_future() -> None:
+    """The futures of jobs the closing core gave up on were resolved only after it let
+    lanes and memory go: an error there (a driver call, an interrupt) left them pending
+    for ever, and a task awaiting one hung."""
+    kv = make_layers(num_blocks=8)
+    never = threading.Event()
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": 0.1})
+
+    def failing(jobs: list, why: str) -> None:
+        raise CudaCallFailed("cuStreamDestroy failed", 1)
+
+    worker._core._abandon = failing  # type: ignore[method-assign]
+    with pytest.raises(CudaCallFailed), anyio.fail_after(10):
+        async with worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    assert worker._core.closed and fut.done()
+    with pytest.raises(TransferFailed) as info:
+        fut.result()
+    assert isinstance(info.value.__cause__, WorkerClosed)
+    never.set()
+    worker._core._release()  # let the lanes go after all
 
 
 async def test_a_keyboard_interrupt_in_the_drain_ends_it_the_first_time() -> None:

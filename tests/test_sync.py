@@ -508,3 +508,23 @@ def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> N
     assert not blocked.is_alive() and len(caught) == 1 and isinstance(caught[0], WorkerClosed)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
     never.set()
+
+
+def test_an_interrupt_while_memory_is_freed_loses_no_result(monkeypatch) -> None:
+    """A second Ctrl-C (or a teardown error) while shutdown() let lanes and memory go
+    lost the results the core had just popped: get_finished() never reported them."""
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker._core.wait_all(10)  # done, not polled: the close pops it
+    release = worker._core._release
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker._core, "_release", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    assert worker._core.closed
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()  # closed: returns at once
+    release()
