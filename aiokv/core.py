@@ -16,7 +16,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,15 @@ from .handler import Handler, Job
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .options import WorkerOptions
-from .plan import HostLayout, map_blocks, plan_copies
+from .plan import CopyPlan, HostLayout, map_blocks, plan_copies
 from .specs import Direction, as_count, as_job_id, side_of
 
 __all__ = ["OffloadCore", "WorkerStatistics", "available_host_memory"]
 
 _log = logging.getLogger("aiokv")
+
+# How often a drain waiting on one direction's oldest job looks at the other directions.
+_DRAIN_SLICE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,33 @@ class OffloadCore:
         resolved yet), which may not be reused until it lets them go.
         """
         self.check_healthy()
+        job_id, plan = self._plan(direction, job_id, src, dst)
+        bound = self.options.max_in_flight
+        with self._lock:
+            self._check_new_id(job_id, reserved)
+            if bound and len(self._jobs) >= bound:
+                raise QueueFull(
+                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
+                    "wait for room (await worker.wait_for_room()) and submit again"
+                )
+            dependency = self.backend.capture(after)
+            job = self.handlers[direction].submit(job_id, plan, dependency)
+            self._jobs[job_id] = job
+        return job
+
+    def check(self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None) -> None:
+        """Raise what ``submit`` would raise for this input, except ``QueueFull``; enqueue
+        nothing. A face that waits for room checks first, so bad input raises at once
+        rather than after (or, behind a job that never ends, instead of) the wait."""
+        self.check_healthy()
+        job_id, _ = self._plan(direction, job_id, src, dst)
+        with self._lock:
+            self._check_new_id(job_id, ())
+        if after is not None:
+            self.backend.check_after(after)
+
+    def _plan(self, direction: Direction, job_id: Any, src: Any, dst: Any) -> tuple[int, CopyPlan]:
+        """The job id as an int and the copy plan of the specs; raises ``InvalidSpec``."""
         job_id = as_job_id(job_id)
         gpu, cpu = (src, dst) if direction is Direction.STORE else (dst, src)
         for role, spec in (("GPU", gpu), ("CPU", cpu)):
@@ -130,24 +161,14 @@ class OffloadCore:
             unique_gpu=not direction.to_host,
             unique_host=direction.to_host,
         )
-        plan = plan_copies(mapping, self.layout)
-        bound = self.options.max_in_flight
-        with self._lock:
-            if job_id in self._jobs:
-                raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
-            if job_id in reserved:
-                raise DuplicateJob(
-                    f"job {job_id} finished but its future is not resolved yet; reuse it after"
-                )
-            if bound and len(self._jobs) >= bound:
-                raise QueueFull(
-                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
-                    "wait for room (await worker.wait_for_room()) and submit again"
-                )
-            dependency = self.backend.capture(after)
-            job = self.handlers[direction].submit(job_id, plan, dependency)
-            self._jobs[job_id] = job
-        return job
+        return job_id, plan_copies(mapping, self.layout)
+
+    def _check_new_id(self, job_id: int, reserved: Collection[int]) -> None:
+        """Refuse an id still in use (call under the lock)."""
+        if job_id in self._jobs:
+            raise DuplicateJob(f"job {job_id} is still in flight; use a new id")
+        if job_id in reserved:
+            raise DuplicateJob(f"job {job_id} finished but its future is not resolved yet; reuse it after")
 
     def check_healthy(self) -> None:
         """Raise ``WorkerBroken`` once a sticky device error was seen."""
@@ -212,9 +233,13 @@ class OffloadCore:
         """Block until the given in-flight jobs are done (unknown ids are ignored).
 
         Pops nothing: results still come from ``poll``. For threads, not event loops.
+        Raises ``InvalidSpec`` unless ``job_ids`` is an iterable of int ids.
         """
+        if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+            raise InvalidSpec(f"job_ids must be a collection of job ids, got {type(job_ids).__name__}")
+        ids = [as_job_id(j) for j in job_ids]
         with self._lock:
-            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+            jobs = [self._jobs[j] for j in ids if j in self._jobs]
         return _wait_jobs(jobs, timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:
@@ -223,17 +248,34 @@ class OffloadCore:
 
     def drain(self, idle_timeout: float) -> bool:
         """Block until every job in flight is done, or until no job has ended for
-        ``idle_timeout`` seconds (False then). For threads, not event loops."""
+        ``idle_timeout`` seconds (False then). For threads, not event loops.
+
+        Every direction counts: while the oldest job is waited on, jobs of the other
+        directions that end keep the drain going (each lane ends its jobs in order, so
+        only each direction's oldest needs a look)."""
+        with self._lock:
+            queues = [deque(h.pending()) for h in self.handlers.values()]
         last_end = time.monotonic()
-        for job in sorted(self.pending(), key=lambda j: j.submitted_at):
-            if job.completion.query():
-                continue
-            if math.isinf(idle_timeout):  # no bound (a wait cannot take an infinite timeout)
-                job.completion.wait()
-            elif not job.completion.wait(max(0.0, last_end + idle_timeout - time.monotonic())):
+        while True:
+            ended = False
+            for queue in queues:
+                while queue and queue[0].completion.query():
+                    queue.popleft()
+                    ended = True
+            queues = [q for q in queues if q]
+            if not queues:
+                return True
+            now = time.monotonic()
+            if ended:
+                last_end = now
+            left = last_end + idle_timeout - now
+            if left <= 0:
                 return False
-            last_end = time.monotonic()
-        return True
+            if len(queues) > 1:  # look at the other directions now and then
+                left = min(left, _DRAIN_SLICE_SECONDS)
+            oldest = min((q[0] for q in queues), key=lambda j: j.submitted_at)
+            # A wait cannot take an infinite timeout: no bound is no timeout.
+            oldest.completion.wait(None if math.isinf(left) else left)
 
     def pending(self) -> list[Job]:
         """Every job not popped yet, per direction oldest first."""
@@ -255,11 +297,16 @@ class OffloadCore:
     def closed(self) -> bool:
         return self.lifecycle.state is State.CLOSED
 
-    def close(self, why: str = "") -> tuple[list[Job], list[Job]]:
+    def close(
+        self, why: str = "", report: Callable[[list[Job]], object] | None = None
+    ) -> tuple[list[Job], list[Job]]:
         """Free lanes and host memory; returns (jobs finished since the last poll, jobs
         abandoned). Callers drain first: a job still running then is abandoned (failed with
         ``WorkerClosed``, named in a warning that says ``why``), its lane let go and the
-        host pool kept, since its copy may still write it. Idempotent."""
+        host pool kept, since its copy may still write it. Idempotent.
+
+        ``report`` is handed both lists' jobs, results set, before anything is let go, so
+        an interrupt or a teardown error there costs no job its report."""
         if self.closed:
             return [], []
         self._finalizer.detach()
@@ -270,20 +317,24 @@ class OffloadCore:
                 for job in abandoned:
                     del self._jobs[job.job_id]
             self.settle()  # read what results still lack before the events are destroyed
-            if abandoned:
-                self._abandon(abandoned, why)
-            else:
-                self._release()
+            error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
+                                 "(its bytes may or may not have moved)")
+            for job in abandoned:
+                job.fail(error)
+            try:
+                if report is not None:
+                    report(finished + abandoned)
+            finally:
+                if abandoned:
+                    self._abandon(abandoned, why)
+                else:
+                    self._release()
         finally:
             self.lifecycle.finish_close()
         return finished, abandoned
 
     def _abandon(self, jobs: list[Job], why: str) -> None:
         busy = {job.direction for job in jobs}
-        error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
-                             "(its bytes may or may not have moved)")
-        for job in jobs:
-            job.fail(error)
         try:
             for direction, handler in self.handlers.items():
                 if direction in busy:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .core import WorkerStatistics
 from .errors import InvalidSpec
+from .handler import Job
 from .lifecycle import Face, State
 from .specs import Direction, TransferResult
 from .worker import AsyncOffloadingWorker
@@ -91,12 +92,16 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
         core = self._core
+        checked = False
         while True:
             with self._lock:
                 self._lifecycle.check_open(Face.SYNC)
                 if core.has_room():
                     core.submit(direction, job_id, src, dst, after)
                     return
+                if not checked:  # bad input raises now, not once (if ever) there is room
+                    core.check(direction, job_id, src, dst, after)
+                    checked = True
                 pending = core.pending()
             # At the max_in_flight bound: wait (without the lock, so get_finished() and
             # shutdown() go on) for the oldest job to end, then pop what ended. In slices,
@@ -118,7 +123,8 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until those jobs are done (unknown ids are ignored); reports nothing, so
-        their results still come from ``get_finished()``."""
+        their results still come from ``get_finished()``. Raises ``InvalidSpec`` unless
+        ``job_ids`` is a collection of int ids."""
         self._core.wait_for(job_ids)
 
     def shutdown(self, *, drain_timeout: float | None = None) -> None:
@@ -143,8 +149,11 @@ class SyncOffloadingWorker(OffloadingWorker):
                     why = f"no job ended for {timeout:g} s of the drain (drain_timeout)"
             finally:
                 with self._lock:
-                    finished, abandoned = self._core.close(why)
-                    self._unreported.extend(j.result for j in finished + abandoned if j.result is not None)
+                    self._core.close(why, report=self._keep)
+
+    def _keep(self, jobs: list[Job]) -> None:
+        """Keep the results of jobs the core let go of for ``get_finished()``."""
+        self._unreported.extend(job.result for job in jobs if job.result is not None)
 
     def statistics(self) -> WorkerStatistics:
         """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""

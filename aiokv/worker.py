@@ -371,12 +371,16 @@ class AsyncOffloadingWorker:
         try:
             with anyio.CancelScope(shield=True):
                 last_end = time.monotonic()
+                left = len(self._futures)
                 while self._futures:
                     done = self._core.poll()  # if this raises, the drain ends here
                     # A done callback's exception waits until every job is resolved.
                     raised = self._resolve(done)
                     escaped = escaped or raised
-                    if done:
+                    # Jobs end here or in the poller, which runs on while the drain naps
+                    # (and, woken by the doorbell, usually sees an end first).
+                    if len(self._futures) < left:
+                        left = len(self._futures)
                         last_end = time.monotonic()
                     elif time.monotonic() - last_end >= idle_timeout:
                         why = f"no job ended for {idle_timeout:g} s of the drain (drain_timeout)"
@@ -392,6 +396,13 @@ class AsyncOffloadingWorker:
         """Stop the poller, close the core (abandoning what never ended) and resolve the
         futures that are left; never waits for a copy."""
         abandoned: list[Job] = []
+        escaped: list[BaseException] = []
+
+        def resolve(jobs: list[Job]) -> None:  # before lanes and memory go: nothing is lost
+            raised = self._resolve(jobs)
+            if raised is not None:
+                escaped.append(raised)
+
         try:
             try:
                 if self._poller_scope is not None:
@@ -399,12 +410,11 @@ class AsyncOffloadingWorker:
                 if self._poller is not None:  # it must not watch the bell once closed
                     self._poller.release_bell()
             finally:
-                finished, abandoned = self._core.close(why)  # lanes let pending rings run
-                escaped = self._resolve(finished + abandoned)
+                _, abandoned = self._core.close(why, report=resolve)  # lanes let pending rings run
             if not abandoned:
                 self._close_bell()  # not otherwise: an abandoned copy may still ring it
-            if escaped is not None:
-                raise escaped
+            if escaped:
+                raise escaped[0]
         finally:
             room = self._room
             if room is not None:

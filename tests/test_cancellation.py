@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
+import warnings
 
 import anyio
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed, WorkerClosed
+from aiokv import (
+    AsyncOffloadingWorker,
+    CPULoadStoreSpec,
+    CudaCallFailed,
+    GPULoadStoreSpec,
+    TransferFailed,
+    WorkerClosed,
+)
 from aiokv.lifecycle import State
 from aiokv.specs import Direction
 from tests.conftest import make_layers, same_bytes
@@ -176,6 +185,53 @@ async def test_a_drain_that_never_ends_gives_up_names_the_job_and_keeps_the_pool
     chunk = pool[2 * worker.chunk_bytes : 3 * worker.chunk_bytes]
     want = torch.cat([p[2] for p in sorted((t.tensor for t in kv.kv.tensors), key=lambda t: t.data_ptr())])
     assert same_bytes(chunk[: want.numel()], want)
+
+
+async def test_a_drain_whose_jobs_keep_ending_in_the_poller_does_not_give_up() -> None:
+    """The poller runs on during the drain and, woken by the doorbell, pops most ends
+    first; the drain counted only its own pops, so it gave up after ``drain_timeout``
+    on jobs that were ending every 50 ms and failed them as abandoned."""
+    kv = make_layers(num_blocks=16)
+    latches = [threading.Event() for _ in range(12)]
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=16, options={"drain_timeout": 0.4})
+
+    def release() -> None:
+        for latch in latches:
+            time.sleep(0.05)
+            latch.set()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an abandoning close warns
+        with anyio.fail_after(10):
+            async with worker:
+                futures = [worker.submit_store(i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]), after=latch)
+                           for i, latch in enumerate(latches)]
+                threading.Thread(target=release, daemon=True).start()
+    assert [f.result().success for f in futures] == [True] * len(latches)
+    assert worker.statistics().completed["store"] == len(latches)
+
+
+async def test_a_teardown_error_after_the_drain_still_resolves_every_future() -> None:
+    """The futures of jobs the closing core gave up on were resolved only after it let
+    lanes and memory go: an error there (a driver call, an interrupt) left them pending
+    for ever, and a task awaiting one hung."""
+    kv = make_layers(num_blocks=8)
+    never = threading.Event()
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": 0.1})
+
+    def failing(jobs: list, why: str) -> None:
+        raise CudaCallFailed("cuStreamDestroy failed", 1)
+
+    worker._core._abandon = failing  # type: ignore[method-assign]
+    with pytest.raises(CudaCallFailed), anyio.fail_after(10):
+        async with worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    assert worker._core.closed and fut.done()
+    with pytest.raises(TransferFailed) as info:
+        fut.result()
+    assert isinstance(info.value.__cause__, WorkerClosed)
+    never.set()
+    worker._core._release()  # let the lanes go after all
 
 
 async def test_a_keyboard_interrupt_in_the_drain_ends_it_the_first_time() -> None:

@@ -144,6 +144,25 @@ def test_drain_gives_up_only_after_a_quiet_spell() -> None:
     never.set()
 
 
+def test_drain_counts_jobs_that_end_in_other_directions() -> None:
+    """The drain waited on the oldest job alone: loads ending every 0.1 s behind a store
+    still waiting did not count, so it gave up after the idle timeout while jobs ended."""
+    core, _ = _core()
+    store_latch = threading.Event()
+    core.submit(Direction.STORE, 0, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]), store_latch)
+    load_latches = [threading.Event() for _ in range(8)]
+    for i, latch in enumerate(load_latches):
+        core.submit(Direction.LOAD, 10 + i, CPULoadStoreSpec([1 + i]), GPULoadStoreSpec([10 + i]), latch)
+    timers = [threading.Timer(0.1 * (k + 1), latch.set) for k, latch in enumerate(load_latches)]
+    timers.append(threading.Timer(0.1 * (len(load_latches) + 1), store_latch.set))
+    for timer in timers:
+        timer.start()
+    assert core.drain(idle_timeout=0.45)  # 0.9 s in all, never 0.45 s without an end
+    finished, abandoned = core.close()
+    assert abandoned == [] and sorted(j.job_id for j in finished) == [0, *range(10, 18)]
+    assert all(j.result is not None and j.result.success for j in finished)
+
+
 def test_a_worker_whose_copies_all_ended_frees_its_pool_on_close() -> None:
     core, _ = _core()
     core.submit(Direction.STORE, 1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))

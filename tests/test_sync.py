@@ -145,6 +145,22 @@ def test_wait_consumes_nothing_and_results_carry_sizes() -> None:
     worker.shutdown()
 
 
+def test_wait_refuses_what_is_not_a_collection_of_ids_with_a_typed_error() -> None:
+    """``wait(5)`` or ``wait(None)`` raised a bare TypeError and ``wait({"7"})`` passed as
+    if "7" were an unknown id; numpy ids are ids (as in submits)."""
+    worker, _ = make_sync()
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    for bad in (5, None, [[1]], {"1"}, "1", [True], [1.0]):
+        with pytest.raises(InvalidSpec, match="job"):
+            worker.wait(bad)  # type: ignore[arg-type]
+    threading.Timer(0.05, latch.set).start()
+    worker.wait(np.array([1, 999], dtype=np.int32))  # unknown 999 is ignored
+    assert worker._core.pending()[0].completion.query()  # waited for; not reported yet
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
+
+
 def test_unreported_job_id_cannot_be_reused() -> None:
     worker, _ = make_sync()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
@@ -433,6 +449,41 @@ def test_a_dropped_worker_says_what_is_true(use: str) -> None:
     assert ("never opened" in message) == (use == "never opened")
 
 
+def test_bad_input_at_the_bound_raises_at_once_instead_of_waiting_for_room() -> None:
+    """A full worker checked input only once a slot was free: behind a job that never
+    ends, a duplicate id or a bad spec blocked the engine thread for good."""
+    kv = make_layers(num_layers=1, num_blocks=8)
+    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
+                                                        options={"max_in_flight": 1}))
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    bad = [
+        (DuplicateJob, (1, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {}),
+        (InvalidSpec, (2, GPULoadStoreSpec([99]), CPULoadStoreSpec([2])), {}),
+        (InvalidSpec, (2, CPULoadStoreSpec([2]), GPULoadStoreSpec([2])), {}),  # swapped
+        (InvalidSpec, (2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2])), {"after": "now"}),
+    ]
+    for error, args, kwargs in bad:
+        caught: list[BaseException] = []
+
+        def submit(args=args, kwargs=kwargs, caught=caught) -> None:
+            try:
+                worker.submit_store(*args, **kwargs)
+            except BaseException as exc:
+                caught.append(exc)
+
+        thread = threading.Thread(target=submit, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive() and len(caught) == 1 and isinstance(caught[0], error)
+    assert worker.statistics().in_flight["store"] == 1  # nothing else was enqueued
+    threading.Timer(0.05, latch.set).start()
+    assert worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))  # waits for room
+    worker.wait({2})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    worker.shutdown()
+
+
 def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> None:
     kv = make_layers(num_layers=1, num_blocks=8)
     worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
@@ -457,3 +508,23 @@ def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> N
     assert not blocked.is_alive() and len(caught) == 1 and isinstance(caught[0], WorkerClosed)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
     never.set()
+
+
+def test_an_interrupt_while_memory_is_freed_loses_no_result(monkeypatch) -> None:
+    """A second Ctrl-C (or a teardown error) while shutdown() let lanes and memory go
+    lost the results the core had just popped: get_finished() never reported them."""
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker._core.wait_all(10)  # done, not polled: the close pops it
+    release = worker._core._release
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker._core, "_release", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    assert worker._core.closed
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()  # closed: returns at once
+    release()
