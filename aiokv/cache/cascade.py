@@ -47,7 +47,11 @@ class TierLink:
     queue: deque[_Batch] = field(default_factory=deque)
     pending: int = 0  # blocks queued or being written
     wake: anyio.Event = field(default_factory=anyio.Event)
-    idle: anyio.Event = field(default_factory=anyio.Event)
+    # Batches queued and finished so far: drain() waits for the ones queued before it was
+    # called, so a steady stream of new demotions cannot hold it.
+    queued_batches: int = 0
+    done_batches: int = 0
+    progress: anyio.Event = field(default_factory=anyio.Event)
     hits: int = 0
     restored_keys: int = 0
     restored_bytes: int = 0
@@ -88,8 +92,7 @@ class Cascade:
         self.block_bytes = block_bytes = pages.payload_bytes
         limit = max(1, queue_bytes // block_bytes)
         self.links = [TierLink(t, limit) for t in tiers]
-        for link in self.links:
-            link.idle.set()
+        self._writing = False
         self.local = [link for link in self.links if not link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
         self._demote_to = next((link for link in self.links if not link.tier.write_through), None)
@@ -112,18 +115,27 @@ class Cascade:
             raise
         for link in self.links:
             tg.start_soon(self._writer, link)
+        self._writing = True
 
     async def aclose(self) -> None:
-        """Close every tier (the writers were stopped by the caller's task group)."""
+        """Close every tier (the writers were stopped by the caller's task group); blocks
+        still queued are dropped and counted."""
+        self._writing = False
+        for link in self.links:
+            link.dropped += sum(len(b.keys) for b in link.queue)
+            link.queue.clear()
+            link.pending = 0
         with anyio.CancelScope(shield=True):
             for link in self.links:
                 await link.tier.aclose()
 
     async def drain(self) -> None:
-        """Wait until every block queued so far is written (or dropped)."""
-        for link in self.links:
-            while link.pending:
-                await link.idle.wait()
+        """Wait until every block queued so far is written (or dropped); blocks queued
+        meanwhile are not waited for, so a busy server does not hold it."""
+        targets = [(link, link.queued_batches) for link in self.links]
+        for link, target in targets:
+            while self._writing and link.done_batches < target:
+                await link.progress.wait()
         await anyio.lowlevel.checkpoint()
 
     # -- keys -----------------------------------------------------------------------------
@@ -215,15 +227,13 @@ class Cascade:
             return
         rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
         link.queue.append(_Batch([tk for tk, _ in pairs], rows, through))
-        if link.pending == 0:
-            link.idle = anyio.Event()
+        link.queued_batches += 1
         link.pending += len(pairs)
         link.wake.set()
 
     async def _writer(self, link: TierLink) -> None:
         while True:
             if not link.queue:
-                link.idle.set()
                 await link.wake.wait()
                 link.wake = anyio.Event()
                 continue
@@ -234,6 +244,9 @@ class Cascade:
                 done = [False] * len(batch.keys)
             finally:
                 link.pending -= len(batch.keys)
+                link.done_batches += 1
+                progress, link.progress = link.progress, anyio.Event()
+                progress.set()
             ok = sum(1 for d in done if d)
             if batch.through:
                 link.write_throughs += ok

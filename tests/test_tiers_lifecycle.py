@@ -1,0 +1,73 @@
+"""OffloadCache with tiers: what drain() waits for, bad ``tiers=`` arguments, lookups on a
+cache that is not entered, and lookups that cross between tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from tests.test_tiers_cascade import MemTier, randomize, settled, tiered
+
+pytestmark = pytest.mark.anyio
+
+
+class OneByOneTier(MemTier):
+    """Each write waits for its own gate, so a test can finish one batch and hold the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[anyio.Event] = []
+        self.open_all = False
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        gate = anyio.Event()
+        self.gates.append(gate)
+        if not self.open_all:
+            await gate.wait()
+        return await super().write(keys, payloads)
+
+    def release(self) -> None:
+        """Let every write through (a failing test must still close its cache)."""
+        self.open_all = True
+        for gate in self.gates:
+            gate.set()
+
+
+async def wait_for(predicate: object) -> None:
+    with anyio.fail_after(5):
+        while not predicate():  # type: ignore[operator]
+            await anyio.sleep(0.001)
+
+
+async def test_drain_does_not_wait_for_demotions_queued_after_it_was_called() -> None:
+    tier = OneByOneTier()
+    async with tiered([tier]) as (kv, _w, cache):
+        for gen in range(2):  # the second offload evicts the first four keys: one batch
+            randomize(kv, range(4), seed=gen)
+            await cache.offload([f"g{gen}-{i}" for i in range(4)], range(4))
+        await wait_for(lambda: len(tier.gates) == 1)  # the writer holds batch 1
+        drained = anyio.Event()
+
+        async def drain() -> None:
+            await cache.drain()
+            drained.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain)
+                await anyio.sleep(0.01)
+                randomize(kv, range(4), seed=2)
+                await cache.offload([f"g2-{i}" for i in range(4)], range(4))  # batch 2, after drain
+                assert cache.stats().tiers[0].queued_blocks == 8
+                tier.gates[0].set()
+                with anyio.fail_after(5):
+                    await drained.wait()  # batch 2 is still held: drain must not wait for it
+                assert len(tier.values) == 4
+                await wait_for(lambda: len(tier.gates) == 2)
+        finally:
+            tier.release()
+        await cache.drain()
+        assert len(tier.values) == 8 and cache.stats().tiers[0].demoted == 8
+        settled(cache)
