@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
+from aiokv import AsyncOffloadingWorker, InvalidSpec, OffloadCache, UsageError
+from tests.conftest import make_layers
 from tests.test_tiers_cascade import MemTier, randomize, settled, tiered
 
 pytestmark = pytest.mark.anyio
@@ -71,3 +73,33 @@ async def test_drain_does_not_wait_for_demotions_queued_after_it_was_called() ->
         await cache.drain()
         assert len(tier.values) == 8 and cache.stats().tiers[0].demoted == 8
         settled(cache)
+
+
+@pytest.mark.parametrize("bad", [MemTier(), None, "disk", 3, [MemTier(), "disk"]])
+async def test_a_bad_tiers_argument_is_refused_and_changes_nothing(bad: object) -> None:
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        with pytest.raises(InvalidSpec, match="tiers"):
+            OffloadCache(worker, tiers=bad)  # type: ignore[arg-type]
+        tier = MemTier()
+        with pytest.raises(InvalidSpec, match="twice"):
+            OffloadCache(worker, tiers=[tier, tier])
+        cache = OffloadCache(worker, tiers=[tier])  # the chunks are still free
+        async with cache:
+            assert cache.tiers == [tier]
+
+
+async def test_lookup_needs_an_entered_cache_with_tiers() -> None:
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        tier = MemTier()
+        cache = OffloadCache(worker, tiers=[tier])
+        with pytest.raises(UsageError, match="async with cache"):
+            cache.lookup(["a"])
+        async with cache:
+            await cache.offload(["a"], [0])
+            assert cache.lookup(["a", "b"]) == 1
+        assert tier.closed
+        with pytest.raises(UsageError, match="async with cache"):
+            cache.lookup(["a"])  # its tiers are closed
+

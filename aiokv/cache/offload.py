@@ -106,7 +106,7 @@ class OffloadCache:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
         check_worker(worker)
-        tiers = list(tiers)
+        tiers = _tier_list(tiers)
         cascade = Cascade(tiers, pages=page_map_of(worker), queue_bytes=queue_bytes) if tiers else None
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         shared = _SHARED.setdefault(worker, _Shared())
@@ -208,6 +208,7 @@ class OffloadCache:
         tier (no I/O). Pure query: it does not count as a use for eviction (``restore``
         does), so schedulers may poll it."""
         keys = as_keys(keys)
+        self._check_entered()  # a closed or unopened tier cannot answer holds()
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
@@ -400,3 +401,11 @@ class OffloadCache:
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
+
+
+def _tier_list(tiers: Sequence[Tier]) -> list[Tier]:
+    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
+    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
+        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
+                          f"got {type(tiers).__name__}")
+    return list(tiers)
