@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from aiokv import AsyncOffloadingWorker, InvalidSpec, OffloadCache, UsageError
+from aiokv.cache.tiers import codec
 from tests.conftest import make_layers
 from tests.test_tiers_cascade import MemTier, randomize, settled, tiered
 
@@ -103,3 +104,27 @@ async def test_lookup_needs_an_entered_cache_with_tiers() -> None:
         with pytest.raises(UsageError, match="async with cache"):
             cache.lookup(["a"])  # its tiers are closed
 
+
+async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
+    near, far = MemTier(), MemTier(remote=True)
+    async with tiered([near, far]) as (kv, _w, cache):
+        randomize(kv, range(3), seed=7)
+        await cache.offload(["h", "b", "c"], [0, 1, 2])
+        await cache.drain()
+        assert cache._cascade is not None
+        rows = cache._cascade.pages.gather(cache._pool, [cache.chunks.start + c for c in range(3)])
+        # "b" only in the remote tier, "c" only in the local one, after a host key.
+        far.values[codec.key_bytes("b")] = rows[1].tobytes()
+        near.values[codec.key_bytes("c")] = rows[2].tobytes()
+        randomize(kv, range(4), seed=8)
+        await cache.offload([f"x{i}" for i in range(4)], range(4))  # evicts h, b, c
+        await cache.drain()
+        near.values.pop(codec.key_bytes("b"))
+        randomize(kv, [9], seed=9)
+        await cache.offload(["h"], [9])  # "h" back in the host
+        keys = ["h", "b", "c", "nothing"]
+        assert cache.lookup(keys) == 1  # no I/O: "b" is only known remotely
+        assert await cache.alookup(keys) == 3
+        assert [t.hits for t in cache.stats().tiers] == [1, 1]
+        assert (await cache.restore(keys[:3], [20, 21, 22])).restored == 3
+        settled(cache)

@@ -94,6 +94,7 @@ class Cascade:
         self.links = [TierLink(t, limit) for t in tiers]
         self._writing = False
         self.local = [link for link in self.links if not link.tier.remote]
+        self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
         self._demote_to = next((link for link in self.links if not link.tier.write_through), None)
         self._through = [link for link in self.links if link.tier.write_through]
@@ -173,18 +174,29 @@ class Cascade:
             n += 1
         return n, host
 
-    async def remote_run(self, keys: Sequence[Hashable]) -> int:
-        """Leading keys held in a remote tier (one batched ``exists`` per remote tier)."""
-        if not keys or not any(link.tier.remote for link in self.links):
-            await anyio.lowlevel.checkpoint()
-            return 0
-        n = 0
-        for link in await self.remote_leading(keys):
-            if link is None:
-                break
-            link.hits += 1
+    async def leading_run(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """``local_run`` that also counts keys held only in a remote tier, and goes on past
+        them through keys the host or a local tier holds, as a restore would; remote tiers
+        are asked once each (batched) about the keys from the first local miss on."""
+        n = host = 0
+        remote: list[TierLink | None] | None = None
+        first = 0
+        for i, key in enumerate(keys):
+            if mgr.count_leading_hits((key,)):
+                host += 1
+            elif (holder := self.local_holder(key)) is not None:
+                holder.hits += 1
+            else:
+                if remote is None:
+                    first = i
+                    remote = await self.remote_leading(keys[i:])
+                if (link := remote[i - first]) is None:
+                    break
+                link.hits += 1
             n += 1
-        return n
+        if remote is None or not self.remote:
+            await anyio.lowlevel.checkpoint()  # no round trip: still a checkpoint, as awaited
+        return n, host
 
     # -- writing down ---------------------------------------------------------------------
 
@@ -285,9 +297,7 @@ class Cascade:
     async def remote_leading(self, keys: Sequence[Hashable]) -> list[TierLink | None]:
         """Which remote tier holds each key, asking each remote tier once, batched."""
         found: list[TierLink | None] = [None] * len(keys)
-        for link in self.links:
-            if not link.tier.remote:
-                continue
+        for link in self.remote:
             want = [i for i in range(len(keys)) if found[i] is None]
             if not want:
                 break

@@ -225,9 +225,8 @@ class OffloadCache:
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
-            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            run, host = await self._cascade.leading_run(self._mgr, keys[n:])
             total, n = total + run, n + host
-            total += await self._cascade.remote_run(keys[total:])
         else:
             await anyio.lowlevel.checkpoint()
         self._n.count_hits(len(keys), n, total)
