@@ -3,6 +3,7 @@ cache that is not entered, and lookups that cross between tiers."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import anyio
@@ -10,8 +11,8 @@ import pytest
 
 from aiokv import AsyncOffloadingWorker, InvalidSpec, OffloadCache, UsageError
 from aiokv.cache.tiers import codec
-from tests.conftest import make_layers
-from tests.test_tiers_cascade import MemTier, randomize, settled, tiered
+from tests.conftest import make_layers, same_bytes
+from tests.test_tiers_cascade import MemTier, gpu_block, randomize, settled, store_generations, tiered
 
 pytestmark = pytest.mark.anyio
 
@@ -127,4 +128,30 @@ async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
         assert await cache.alookup(keys) == 3
         assert [t.hits for t in cache.stats().tiers] == [1, 1]
         assert (await cache.restore(keys[:3], [20, 21, 22])).restored == 3
+        settled(cache)
+
+
+async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    threads: list[int] = []
+    gather = PageMap.gather
+
+    def recording(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        threads.append(threading.get_ident())
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", recording)
+    async with tiered([MemTier()]) as (kv, _w, cache):
+        expected = await store_generations(kv, cache, 16)
+        await cache.drain()
+        assert len(threads) == 3 and threading.get_ident() not in threads
+        keys = list(expected)
+        randomize(kv, range(16, 32), seed=9)
+        result = await cache.restore(keys, list(range(16, 32)))
+        assert result.restored == 16 and result.from_tiers == 12
+        for i, key in enumerate(keys):
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 16 + i), expected[key])), key
         settled(cache)

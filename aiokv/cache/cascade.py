@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
@@ -29,6 +30,9 @@ __all__ = ["Cascade", "TierLink"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
 """Bytes of blocks waiting for one tier's writer before further demotions are dropped."""
+INLINE_COPY_BYTES = 1 << 20
+"""Evicted bytes copied off the host pool on the loop thread; more go to a worker thread
+(a thread hop costs tens of microseconds, a large memcpy milliseconds)."""
 
 
 @dataclass
@@ -201,16 +205,40 @@ class Cascade:
     # -- writing down ---------------------------------------------------------------------
 
     def demote(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue the evicted ``keys`` (their bytes still in absolute ``chunks``) for the
-        nearest tier that does not already hold them. Copies the bytes now: the caller
-        reuses the chunks next."""
+        """Queue ``keys`` (their bytes in absolute ``chunks``) for the nearest tier that does
+        not already hold them, copying the bytes now on the calling thread."""
+        link = self._demote_to
+        if link is not None and keys:
+            self._enqueue(link, pool, self._demotable(link, keys, chunks), through=False)
+
+    async def demote_evicted(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
+        """``demote`` for blocks the host evicts: the caller reuses their chunks once this
+        returns. Copies over ``INLINE_COPY_BYTES`` run on a worker thread, so evicting many
+        large blocks never stalls the event loop; the caller shields this from cancellation."""
         link = self._demote_to
         if link is None or not keys:
             return
+        pairs = self._reserve(link, self._demotable(link, keys, chunks))
+        if not pairs:
+            return
+        at = [c for _, c in pairs]
+        try:
+            if len(pairs) * self.block_bytes <= INLINE_COPY_BYTES:
+                rows = self.pages.gather(pool, at)
+            else:
+                rows = await anyio.to_thread.run_sync(self.pages.gather, pool, at)
+        except BaseException:
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
+            raise
+        self._push(link, pairs, rows, through=False)
+
+    def _demotable(self, link: TierLink, keys: Sequence[Hashable],
+                   chunks: Sequence[int]) -> list[tuple[bytes, int]]:
         pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
         if not link.tier.remote:
             pairs = [(tk, c) for tk, c in pairs if not link.tier.holds(tk)]
-        self._enqueue(link, pool, pairs, through=False)
+        return pairs
 
     def wants_spill(self, key: Hashable) -> bool:
         """Whether a key the host turned away should go to the demotion tier (not held there)."""
@@ -231,17 +259,38 @@ class Cascade:
 
     def _enqueue(self, link: TierLink, pool: np.ndarray, pairs: list[tuple[bytes, int]],
                  *, through: bool) -> None:
+        pairs = self._reserve(link, pairs)
+        if pairs:
+            rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
+            self._push(link, pairs, rows, through=through)
+
+    def _reserve(self, link: TierLink, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The pairs that fit the tier's queue, counted in it as one batch (the rest are
+        dropped and counted), before their bytes are copied."""
         room = link.limit_blocks - link.pending
         if len(pairs) > room:
             link.dropped += len(pairs) - max(room, 0)
             pairs = pairs[: max(room, 0)]
-        if not pairs:
+        if pairs:
+            link.pending += len(pairs)
+            link.queued_batches += 1
+        return pairs
+
+    def _push(self, link: TierLink, pairs: list[tuple[bytes, int]], rows: np.ndarray, *,
+              through: bool) -> None:
+        if not self._writing:  # closed while the bytes were copied: no writer would take it
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
             return
-        rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
         link.queue.append(_Batch([tk for tk, _ in pairs], rows, through))
-        link.queued_batches += 1
-        link.pending += len(pairs)
         link.wake.set()
+
+    @staticmethod
+    def _batch_over(link: TierLink, n: int) -> None:
+        link.pending -= n
+        link.done_batches += 1
+        progress, link.progress = link.progress, anyio.Event()
+        progress.set()
 
     async def _writer(self, link: TierLink) -> None:
         while True:
@@ -255,10 +304,7 @@ class Cascade:
             except Exception:  # a tier that broke its contract: its blocks are dropped
                 done = [False] * len(batch.keys)
             finally:
-                link.pending -= len(batch.keys)
-                link.done_batches += 1
-                progress, link.progress = link.progress, anyio.Event()
-                progress.set()
+                self._batch_over(link, len(batch.keys))
             ok = sum(1 for d in done if d)
             if batch.through:
                 link.write_throughs += ok

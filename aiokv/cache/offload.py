@@ -260,13 +260,20 @@ class OffloadCache:
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
         evicted = len(plan.evicted) if plan is not None else 0
-        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
-            # Before the store below reuses the evicted chunks.
-            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
-            self._cascade.demote(self._pool, plan.evicted, evicted_at)
         stored = plan.keys_to_store if plan is not None else []
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
+        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
+            # Copied out before the store below reuses the evicted chunks (the stored keys
+            # are pending meanwhile, so nothing else touches those chunks). Shielded: the
+            # store must follow its bookkeeping, and a cancel lands at its await.
+            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._cascade.demote_evicted(self._pool, plan.evicted, evicted_at)
+            except BaseException:
+                self._mgr.complete_store(stored, success=False, counted=False)
+                raise
         spill, spill_chunks = self._spill_plan(block_of)
         if not stored and not spill:
             self._n.count_offer(len(block_of), skipped)
