@@ -155,3 +155,34 @@ async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: p
         for i, key in enumerate(keys):
             assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 16 + i), expected[key])), key
         settled(cache)
+
+
+async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    threads: list[int] = []
+    gather = PageMap.gather
+
+    def recording(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        threads.append(threading.get_ident())
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", recording)
+    shared = MemTier(remote=True, write_through=True)
+    async with tiered([shared]) as (kv, _w, cache):
+        randomize(kv, range(4), seed=11)
+        expected = {f"w{i}": gpu_block(kv, i) for i in range(4)}
+        assert (await cache.offload(list(expected), range(4))).stored == 4
+        await cache.drain()
+        assert threads and threading.get_ident() not in threads
+        assert cache.stats().tiers[0].write_throughs == 4
+        settled(cache)
+    async with tiered([MemTier(remote=True)], seed=1) as (kv2, _w2, other):
+        other_tier = other.tiers[0]
+        assert isinstance(other_tier, MemTier)
+        other_tier.values.update(shared.values)  # another server reading the shared store
+        assert (await other.restore(list(expected), [5, 6, 7, 8])).restored == 4
+        for i, key in enumerate(expected):
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv2, 5 + i), expected[key])), key

@@ -223,7 +223,7 @@ class Cascade:
             return
         at = [c for _, c in pairs]
         try:
-            if len(pairs) * self.block_bytes <= INLINE_COPY_BYTES:
+            if self.copies_inline(len(pairs)):
                 rows = self.pages.gather(pool, at)
             else:
                 rows = await anyio.to_thread.run_sync(self.pages.gather, pool, at)
@@ -232,6 +232,10 @@ class Cascade:
             self._batch_over(link, len(pairs))
             raise
         self._push(link, pairs, rows, through=False)
+
+    def copies_inline(self, blocks: int) -> bool:
+        """Whether copying ``blocks`` off the host pool is small enough for the loop thread."""
+        return blocks * self.block_bytes <= INLINE_COPY_BYTES
 
     def _demotable(self, link: TierLink, keys: Sequence[Hashable],
                    chunks: Sequence[int]) -> list[tuple[bytes, int]]:
@@ -250,12 +254,31 @@ class Cascade:
             self._demote_to.dropped += n
 
     def write_through(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier."""
+        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier,
+        copying the bytes now on the calling thread."""
+        reserved = self.reserve_through(keys, chunks)
+        if reserved:
+            self.push_through(reserved, self.pages.gather(pool, list(chunks)[: _widest(reserved)]))
+
+    def reserve_through(self, keys: Sequence[Hashable],
+                        chunks: Sequence[int]) -> list[tuple[TierLink, list[tuple[bytes, int]]]]:
+        """Room in each write-through tier's queue for stored ``keys`` (a prefix of them
+        where a queue is nearly full); ``push_through`` or ``cancel_through`` follows."""
         if not self._through or not keys:
-            return
+            return []
         pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
-        for link in self._through:
-            self._enqueue(link, pool, pairs, through=True)
+        return [(link, got) for link in self._through if (got := self._reserve(link, list(pairs)))]
+
+    def push_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]],
+                     rows: np.ndarray) -> None:
+        """Hand the copied ``rows`` (one per reserved key, in order) to the writers."""
+        for link, pairs in reserved:
+            self._push(link, pairs, rows[: len(pairs)], through=True)
+
+    def cancel_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> None:
+        for link, pairs in reserved:
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
 
     def _enqueue(self, link: TierLink, pool: np.ndarray, pairs: list[tuple[bytes, int]],
                  *, through: bool) -> None:
@@ -357,3 +380,7 @@ class Cascade:
                 if h:
                     found[i] = link
         return found
+
+
+def _widest(reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> int:
+    return max(len(pairs) for _, pairs in reserved)

@@ -299,7 +299,7 @@ class OffloadCache:
                 self._n.store_bytes += res.transfer_size or 0
                 self._n.untimed_stores.append(res)
                 if self._cascade is not None and self._pool is not None:
-                    self._cascade.write_through(self._pool, stored, host_chunks)
+                    self._write_through(stored, host_chunks)
                     self._cascade.demote(self._pool, spill, spill_chunks)
             else:
                 self._n.failed_stores += len(stored)
@@ -403,6 +403,34 @@ class OffloadCache:
             return self._mgr.count_leading_hits(keys)
         except TypeError as exc:
             raise unhashable(exc) from exc
+
+    def _write_through(self, keys: list[Hashable], chunks: list[int]) -> None:
+        """Queue just-stored keys for the write-through tiers. Large copies run on a worker
+        thread (this runs in a done callback on the loop), the keys pinned meanwhile so
+        their chunks are not reused before the copy is over."""
+        assert self._cascade is not None and self._pool is not None
+        cascade, pool = self._cascade, self._pool
+        reserved = cascade.reserve_through(keys, chunks)
+        if not reserved:
+            return
+        n = max(len(pairs) for _, pairs in reserved)
+        if cascade.copies_inline(n) or self._tg is None:
+            cascade.push_through(reserved, cascade.pages.gather(pool, chunks[:n]))
+            return
+        pinned = keys[:n]
+        self._mgr.prepare_load(pinned, touch=False)
+
+        async def copy() -> None:
+            try:
+                rows = await anyio.to_thread.run_sync(cascade.pages.gather, pool, chunks[:n])
+            except BaseException:
+                cascade.cancel_through(reserved)
+                raise
+            finally:
+                self._mgr.complete_load(pinned)
+            cascade.push_through(reserved, rows)
+
+        self._tg.start_soon(copy)
 
     def _drop_events(self) -> None:
         if not self._keep_events:
