@@ -186,3 +186,34 @@ async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: 
         assert (await other.restore(list(expected), [5, 6, 7, 8])).restored == 4
         for i, key in enumerate(expected):
             assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv2, 5 + i), expected[key])), key
+
+
+async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    threads: list[int] = []
+    gather = PageMap.gather
+
+    def recording(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        threads.append(threading.get_ident())
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", recording)
+    kv = make_layers(num_layers=2, num_blocks=16, seed=3)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=6) as worker:
+        cache = OffloadCache(worker, policy="lru", admission="second-offer", tiers=[MemTier()],
+                             staging_chunks=2)
+        async with cache:
+            randomize(kv, range(2), seed=11)
+            expected = [gpu_block(kv, i) for i in range(2)]
+            assert (await cache.offload(["s0", "s1"], [0, 1])).spilled == 2  # the host admits none
+            await cache.drain()
+            assert threads and threading.get_ident() not in threads
+            assert sorted(cache._staging.free) == list(cache._staging.chunks)
+            result = await cache.restore(["s0", "s1"], [10, 11])
+            assert result.restored == 2 and result.from_tiers == 2
+            for i in range(2):
+                assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 10 + i), expected[i]))
+            settled(cache)

@@ -74,6 +74,10 @@ class TierLink:
         )
 
 
+_Reserved = tuple[TierLink, list[tuple[bytes, int]]]
+"""A tier link and the (tier key, chunk) pairs its queue has room for."""
+
+
 class Cascade:
     """The lower tiers of one cache, in order, with their write queues.
 
@@ -215,12 +219,24 @@ class Cascade:
         """``demote`` for blocks the host evicts: the caller reuses their chunks once this
         returns. Copies over ``INLINE_COPY_BYTES`` run on a worker thread, so evicting many
         large blocks never stalls the event loop; the caller shields this from cancellation."""
+        reserved = self.reserve_demotion(keys, chunks)
+        if reserved is not None:
+            await self.copy_demotion(pool, reserved)
+
+    def reserve_demotion(self, keys: Sequence[Hashable], chunks: Sequence[int]) -> _Reserved | None:
+        """Room in the demotion tier's queue for ``keys`` not held there (None: no room or
+        nothing to demote); ``copy_demotion`` follows. Counted at once, so a ``drain``
+        called before the copy is over waits for it."""
         link = self._demote_to
         if link is None or not keys:
-            return
+            return None
         pairs = self._reserve(link, self._demotable(link, keys, chunks))
-        if not pairs:
-            return
+        return (link, pairs) if pairs else None
+
+    async def copy_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
+        """Copy the reserved blocks off the host pool (a worker thread for large copies)
+        and hand them to the writer."""
+        link, pairs = reserved
         at = [c for _, c in pairs]
         try:
             if self.copies_inline(len(pairs)):
@@ -232,6 +248,11 @@ class Cascade:
             self._batch_over(link, len(pairs))
             raise
         self._push(link, pairs, rows, through=False)
+
+    def push_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
+        """``copy_demotion`` on the calling thread."""
+        link, pairs = reserved
+        self._push(link, pairs, self.pages.gather(pool, [c for _, c in pairs]), through=False)
 
     def copies_inline(self, blocks: int) -> bool:
         """Whether copying ``blocks`` off the host pool is small enough for the loop thread."""

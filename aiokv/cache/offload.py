@@ -300,7 +300,8 @@ class OffloadCache:
                 self._n.untimed_stores.append(res)
                 if self._cascade is not None and self._pool is not None:
                     self._write_through(stored, host_chunks)
-                    self._cascade.demote(self._pool, spill, spill_chunks)
+                    self._demote_spill(spill, spill_chunks)
+                    return
             else:
                 self._n.failed_stores += len(stored)
             self._staging.give(spill_chunks)
@@ -429,6 +430,28 @@ class OffloadCache:
             finally:
                 self._mgr.complete_load(pinned)
             cascade.push_through(reserved, rows)
+
+        self._tg.start_soon(copy)
+
+    def _demote_spill(self, keys: list[Hashable], chunks: list[int]) -> None:
+        """Queue spilled keys for the demotion tier, then give their staging chunks back;
+        a large copy runs on a worker thread (this runs in a done callback on the loop)."""
+        assert self._cascade is not None and self._pool is not None
+        cascade, pool, staging = self._cascade, self._pool, self._staging
+        reserved = cascade.reserve_demotion(keys, chunks)
+        if reserved is None:
+            staging.give(chunks)
+            return
+        if cascade.copies_inline(len(reserved[1])) or self._tg is None:
+            cascade.push_demotion(pool, reserved)
+            staging.give(chunks)
+            return
+
+        async def copy() -> None:
+            try:
+                await cascade.copy_demotion(pool, reserved)
+            finally:
+                staging.give(chunks)
 
         self._tg.start_soon(copy)
 
