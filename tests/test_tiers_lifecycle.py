@@ -217,3 +217,28 @@ async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.M
             for i in range(2):
                 assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 10 + i), expected[i]))
             settled(cache)
+
+
+async def test_an_offload_cancelled_during_its_eviction_copy_still_stores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.cache import cascade as cascade_mod
+
+    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0)
+    tier = MemTier()
+    async with tiered([tier]) as (kv, _w, cache):
+        randomize(kv, range(4), seed=1)
+        old = {f"a{i}": gpu_block(kv, i) for i in range(4)}
+        await cache.offload(list(old), range(4))
+        randomize(kv, range(4, 8), seed=2)
+        new = {f"b{i}": gpu_block(kv, 4 + i) for i in range(4)}
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # lands at the first unshielded await, after the store's submit
+            await cache.offload(list(new), range(4, 8))
+        await cache.drain()
+        assert cache.lookup(list(new)) == 4 and cache.lookup(list(old)) == 4
+        both = {**old, **new}
+        result = await cache.restore(list(both), range(20, 28))
+        assert result.restored == 8 and result.from_tiers == 4
+        for i, key in enumerate(both):
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 20 + i), both[key])), key
+        settled(cache)
