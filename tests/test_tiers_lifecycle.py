@@ -242,3 +242,23 @@ async def test_an_offload_cancelled_during_its_eviction_copy_still_stores(
         for i, key in enumerate(both):
             assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 20 + i), both[key])), key
         settled(cache)
+
+
+class ClosedTier(MemTier):
+    """A tier whose reads are misuse (as a closed DiskTier's are)."""
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        raise UsageError("this tier is closed")
+
+
+async def test_misuse_found_mid_restore_raises_itself_and_leaks_nothing() -> None:
+    tier = ClosedTier()
+    async with tiered([tier]) as (kv, _w, cache):
+        randomize(kv, range(8), seed=4)
+        for start in (0, 4):  # the second offload evicts the first four keys to the tier
+            await cache.offload([f"k{i}" for i in range(start, start + 4)], range(start, start + 4))
+        await cache.drain()
+        with pytest.raises(UsageError, match="closed"):  # not an ExceptionGroup
+            await cache.restore(["k4", "k0"], [20, 21])
+        settled(cache)
+        assert sorted(cache._staging.free) == list(cache._staging.chunks)
