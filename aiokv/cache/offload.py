@@ -367,11 +367,17 @@ class OffloadCache:
             raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
                               f"{[b for b in blocks if not 0 <= b < limit][:5]}")
         assert self._pool is not None
+        try:
+            result, failed = await restore_through_tiers(
+                keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
+                pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
+            )
+        except Exception:
+            raise  # misuse (a closed tier) or a refused submit: counted in no restore figure
+        except BaseException:
+            self._n.restores += 1  # cancelled: the loads it submitted still run
+            raise
         self._n.restores += 1
-        result, failed = await restore_through_tiers(
-            keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
-            pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
-        )
         self._n.restored += result.restored
         self._n.failed_loads += failed
         if result.restored == 0:
