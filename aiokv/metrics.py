@@ -166,7 +166,8 @@ _TIER_SERIES: tuple[tuple[str, str, str, Any], ...] = (
 
 class CacheTierCollector:
     """Exports an ``OffloadCache``'s per-tier statistics (hits, bytes, drops, errors) at
-    each scrape, labelled ``tier`` (the tier's name) plus any constant ``labels``."""
+    each scrape, labelled ``tier`` (the tier's name, ``name-position`` when two tiers share
+    a name) plus any constant ``labels``."""
 
     def __init__(self, cache: _HasCacheStats, *, namespace: str = "aiokv",
                  labels: Mapping[str, str] | None = None) -> None:
@@ -187,9 +188,16 @@ class CacheTierCollector:
         for name, doc, kind, read in _TIER_SERIES:
             family_type = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
             family = family_type(f"{self._ns}_{name}", doc, labels=names)
-            for tier in tiers:
-                family.add_metric([*self._labels.values(), tier.name], read(tier))
+            for label, tier in zip(_tier_labels(tiers), tiers):
+                family.add_metric([*self._labels.values(), label], read(tier))
             yield family
+
+
+def _tier_labels(tiers: Any) -> list[str]:
+    """Each tier's ``tier`` label: its name, with its 1-based position added when two tiers
+    share a name (two disks), since duplicate label sets are refused by Prometheus."""
+    names = [tier.name for tier in tiers]
+    return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names, 1)]
 
 
 class _Shared:

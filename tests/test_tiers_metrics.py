@@ -31,3 +31,23 @@ async def test_tier_series_follow_the_cache_stats() -> None:
         assert value("aiokv_cache_tier_demotions_dropped_total", labels) == 0
         assert value("aiokv_cache_tier_held_bytes", labels) == st.tier.bytes_held > 0
         assert value("aiokv_cache_tier_queued_blocks", labels) == 0
+
+
+async def test_two_tiers_of_one_name_get_distinct_series() -> None:
+    from aiokv.metrics import CacheTierCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    near, far = MemTier(), MemTier(remote=True)
+    async with tiered([near, far]) as (kv, _w, cache):
+        registry.register(CacheTierCollector(cache))
+        await store_generations(kv, cache, 12)
+        await cache.drain()
+        assert (await cache.alookup(["k0", "k1"])) == 2
+        value = registry.get_sample_value
+        st = cache.stats().tiers
+        assert value("aiokv_cache_tier_demoted_blocks_total", {"tier": "mem-1"}) == st[0].demoted == 8
+        assert value("aiokv_cache_tier_demoted_blocks_total", {"tier": "mem-2"}) == st[1].demoted == 0
+        assert value("aiokv_cache_tier_hits_total", {"tier": "mem-1"}) == st[0].hits == 2
+        samples = [s for m in registry.collect() for s in m.samples]
+        keys = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
+        assert len(keys) == len(set(keys)) == 2 * 9

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
@@ -29,6 +30,9 @@ __all__ = ["Cascade", "TierLink"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
 """Bytes of blocks waiting for one tier's writer before further demotions are dropped."""
+INLINE_COPY_BYTES = 1 << 20
+"""Evicted bytes copied off the host pool on the loop thread; more go to a worker thread
+(a thread hop costs tens of microseconds, a large memcpy milliseconds)."""
 
 
 @dataclass
@@ -47,7 +51,11 @@ class TierLink:
     queue: deque[_Batch] = field(default_factory=deque)
     pending: int = 0  # blocks queued or being written
     wake: anyio.Event = field(default_factory=anyio.Event)
-    idle: anyio.Event = field(default_factory=anyio.Event)
+    # Batches queued and finished so far: drain() waits for the ones queued before it was
+    # called, so a steady stream of new demotions cannot hold it.
+    queued_batches: int = 0
+    done_batches: int = 0
+    progress: anyio.Event = field(default_factory=anyio.Event)
     hits: int = 0
     restored_keys: int = 0
     restored_bytes: int = 0
@@ -64,6 +72,10 @@ class TierLink:
             read_misses=self.read_misses, queued_blocks=self.pending,
             tier=self.tier.statistics(),
         )
+
+
+_Reserved = tuple[TierLink, list[tuple[bytes, int]]]
+"""A tier link and the (tier key, chunk) pairs its queue has room for."""
 
 
 class Cascade:
@@ -88,9 +100,9 @@ class Cascade:
         self.block_bytes = block_bytes = pages.payload_bytes
         limit = max(1, queue_bytes // block_bytes)
         self.links = [TierLink(t, limit) for t in tiers]
-        for link in self.links:
-            link.idle.set()
+        self._writing = False
         self.local = [link for link in self.links if not link.tier.remote]
+        self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
         self._demote_to = next((link for link in self.links if not link.tier.write_through), None)
         self._through = [link for link in self.links if link.tier.write_through]
@@ -112,18 +124,27 @@ class Cascade:
             raise
         for link in self.links:
             tg.start_soon(self._writer, link)
+        self._writing = True
 
     async def aclose(self) -> None:
-        """Close every tier (the writers were stopped by the caller's task group)."""
+        """Close every tier (the writers were stopped by the caller's task group); blocks
+        still queued are dropped and counted."""
+        self._writing = False
+        for link in self.links:
+            link.dropped += sum(len(b.keys) for b in link.queue)
+            link.queue.clear()
+            link.pending = 0
         with anyio.CancelScope(shield=True):
             for link in self.links:
                 await link.tier.aclose()
 
     async def drain(self) -> None:
-        """Wait until every block queued so far is written (or dropped)."""
-        for link in self.links:
-            while link.pending:
-                await link.idle.wait()
+        """Wait until every block queued so far is written (or dropped); blocks queued
+        meanwhile are not waited for, so a busy server does not hold it."""
+        targets = [(link, link.queued_batches) for link in self.links]
+        for link, target in targets:
+            while self._writing and link.done_batches < target:
+                await link.progress.wait()
         await anyio.lowlevel.checkpoint()
 
     # -- keys -----------------------------------------------------------------------------
@@ -161,32 +182,88 @@ class Cascade:
             n += 1
         return n, host
 
-    async def remote_run(self, keys: Sequence[Hashable]) -> int:
-        """Leading keys held in a remote tier (one batched ``exists`` per remote tier)."""
-        if not keys or not any(link.tier.remote for link in self.links):
-            await anyio.lowlevel.checkpoint()
-            return 0
-        n = 0
-        for link in await self.remote_leading(keys):
-            if link is None:
-                break
-            link.hits += 1
+    async def leading_run(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """``local_run`` that also counts keys held only in a remote tier, and goes on past
+        them through keys the host or a local tier holds, as a restore would; remote tiers
+        are asked once each (batched) about the keys from the first local miss on."""
+        n = host = 0
+        remote: list[TierLink | None] | None = None
+        first = 0
+        for i, key in enumerate(keys):
+            if mgr.count_leading_hits((key,)):
+                host += 1
+            elif (holder := self.local_holder(key)) is not None:
+                holder.hits += 1
+            else:
+                if remote is None:
+                    first = i
+                    remote = await self.remote_leading(keys[i:])
+                if (link := remote[i - first]) is None:
+                    break
+                link.hits += 1
             n += 1
-        return n
+        if remote is None or not self.remote:
+            await anyio.lowlevel.checkpoint()  # no round trip: still a checkpoint, as awaited
+        return n, host
 
     # -- writing down ---------------------------------------------------------------------
 
     def demote(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue the evicted ``keys`` (their bytes still in absolute ``chunks``) for the
-        nearest tier that does not already hold them. Copies the bytes now: the caller
-        reuses the chunks next."""
+        """Queue ``keys`` (their bytes in absolute ``chunks``) for the nearest tier that does
+        not already hold them, copying the bytes now on the calling thread."""
+        link = self._demote_to
+        if link is not None and keys:
+            self._enqueue(link, pool, self._demotable(link, keys, chunks), through=False)
+
+    async def demote_evicted(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
+        """``demote`` for blocks the host evicts: the caller reuses their chunks once this
+        returns. Copies over ``INLINE_COPY_BYTES`` run on a worker thread, so evicting many
+        large blocks never stalls the event loop; the caller shields this from cancellation."""
+        reserved = self.reserve_demotion(keys, chunks)
+        if reserved is not None:
+            await self.copy_demotion(pool, reserved)
+
+    def reserve_demotion(self, keys: Sequence[Hashable], chunks: Sequence[int]) -> _Reserved | None:
+        """Room in the demotion tier's queue for ``keys`` not held there (None: no room or
+        nothing to demote); ``copy_demotion`` follows. Counted at once, so a ``drain``
+        called before the copy is over waits for it."""
         link = self._demote_to
         if link is None or not keys:
-            return
+            return None
+        pairs = self._reserve(link, self._demotable(link, keys, chunks))
+        return (link, pairs) if pairs else None
+
+    async def copy_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
+        """Copy the reserved blocks off the host pool (a worker thread for large copies)
+        and hand them to the writer."""
+        link, pairs = reserved
+        at = [c for _, c in pairs]
+        try:
+            if self.copies_inline(len(pairs)):
+                rows = self.pages.gather(pool, at)
+            else:
+                rows = await anyio.to_thread.run_sync(self.pages.gather, pool, at)
+        except BaseException:
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
+            raise
+        self._push(link, pairs, rows, through=False)
+
+    def push_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
+        """``copy_demotion`` on the calling thread."""
+        link, pairs = reserved
+        self._push(link, pairs, self.pages.gather(pool, [c for _, c in pairs]), through=False)
+
+    def copies_inline(self, blocks: int) -> bool:
+        """Whether copying ``blocks`` off the host pool is small enough for the loop thread."""
+        return blocks * self.block_bytes <= INLINE_COPY_BYTES
+
+    def _demotable(self, link: TierLink, keys: Sequence[Hashable],
+                   chunks: Sequence[int]) -> list[tuple[bytes, int]]:
         pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
         if not link.tier.remote:
             pairs = [(tk, c) for tk, c in pairs if not link.tier.holds(tk)]
-        self._enqueue(link, pool, pairs, through=False)
+        return pairs
 
     def wants_spill(self, key: Hashable) -> bool:
         """Whether a key the host turned away should go to the demotion tier (not held there)."""
@@ -198,32 +275,70 @@ class Cascade:
             self._demote_to.dropped += n
 
     def write_through(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier."""
+        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier,
+        copying the bytes now on the calling thread."""
+        reserved = self.reserve_through(keys, chunks)
+        if reserved:
+            self.push_through(reserved, self.pages.gather(pool, list(chunks)[: _widest(reserved)]))
+
+    def reserve_through(self, keys: Sequence[Hashable],
+                        chunks: Sequence[int]) -> list[tuple[TierLink, list[tuple[bytes, int]]]]:
+        """Room in each write-through tier's queue for stored ``keys`` (a prefix of them
+        where a queue is nearly full); ``push_through`` or ``cancel_through`` follows."""
         if not self._through or not keys:
-            return
+            return []
         pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
-        for link in self._through:
-            self._enqueue(link, pool, pairs, through=True)
+        return [(link, got) for link in self._through if (got := self._reserve(link, list(pairs)))]
+
+    def push_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]],
+                     rows: np.ndarray) -> None:
+        """Hand the copied ``rows`` (one per reserved key, in order) to the writers."""
+        for link, pairs in reserved:
+            self._push(link, pairs, rows[: len(pairs)], through=True)
+
+    def cancel_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> None:
+        for link, pairs in reserved:
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
 
     def _enqueue(self, link: TierLink, pool: np.ndarray, pairs: list[tuple[bytes, int]],
                  *, through: bool) -> None:
+        pairs = self._reserve(link, pairs)
+        if pairs:
+            rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
+            self._push(link, pairs, rows, through=through)
+
+    def _reserve(self, link: TierLink, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The pairs that fit the tier's queue, counted in it as one batch (the rest are
+        dropped and counted), before their bytes are copied."""
         room = link.limit_blocks - link.pending
         if len(pairs) > room:
             link.dropped += len(pairs) - max(room, 0)
             pairs = pairs[: max(room, 0)]
-        if not pairs:
+        if pairs:
+            link.pending += len(pairs)
+            link.queued_batches += 1
+        return pairs
+
+    def _push(self, link: TierLink, pairs: list[tuple[bytes, int]], rows: np.ndarray, *,
+              through: bool) -> None:
+        if not self._writing:  # closed while the bytes were copied: no writer would take it
+            link.dropped += len(pairs)
+            self._batch_over(link, len(pairs))
             return
-        rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
         link.queue.append(_Batch([tk for tk, _ in pairs], rows, through))
-        if link.pending == 0:
-            link.idle = anyio.Event()
-        link.pending += len(pairs)
         link.wake.set()
+
+    @staticmethod
+    def _batch_over(link: TierLink, n: int) -> None:
+        link.pending -= n
+        link.done_batches += 1
+        progress, link.progress = link.progress, anyio.Event()
+        progress.set()
 
     async def _writer(self, link: TierLink) -> None:
         while True:
             if not link.queue:
-                link.idle.set()
                 await link.wake.wait()
                 link.wake = anyio.Event()
                 continue
@@ -233,7 +348,7 @@ class Cascade:
             except Exception:  # a tier that broke its contract: its blocks are dropped
                 done = [False] * len(batch.keys)
             finally:
-                link.pending -= len(batch.keys)
+                self._batch_over(link, len(batch.keys))
             ok = sum(1 for d in done if d)
             if batch.through:
                 link.write_throughs += ok
@@ -272,9 +387,7 @@ class Cascade:
     async def remote_leading(self, keys: Sequence[Hashable]) -> list[TierLink | None]:
         """Which remote tier holds each key, asking each remote tier once, batched."""
         found: list[TierLink | None] = [None] * len(keys)
-        for link in self.links:
-            if not link.tier.remote:
-                continue
+        for link in self.remote:
             want = [i for i in range(len(keys)) if found[i] is None]
             if not want:
                 break
@@ -288,3 +401,7 @@ class Cascade:
                 if h:
                     found[i] = link
         return found
+
+
+def _widest(reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> int:
+    return max(len(pairs) for _, pairs in reserved)

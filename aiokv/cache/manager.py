@@ -259,10 +259,11 @@ class ChunkManager:
             if counted:
                 self._failed_stores += len(done)
 
-    def prepare_load(self, keys: Sequence[Hashable]) -> list[int]:
+    def prepare_load(self, keys: Sequence[Hashable], *, touch: bool = True) -> list[int]:
         """Pin loadable keys (not evictable until ``complete_load``); their chunk ids.
 
         Raises KeyNotLoadable, pinning nothing, if any key is missing or being written.
+        ``touch=False`` pins without counting a use (a copy to a lower tier is no reuse).
         """
         entries = self._entries
         found: list[_Entry] = []
@@ -276,7 +277,8 @@ class ChunkManager:
             if entry.pins == 0:
                 self._pinned += 1
             entry.pins += 1
-        self._policy.on_access(list(keys))
+        if touch:
+            self._policy.on_access(list(keys))
         return [e.chunk for e in found]
 
     def complete_load(self, keys: Sequence[Hashable]) -> None:

@@ -106,7 +106,7 @@ class OffloadCache:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
     ) -> None:
         check_worker(worker)
-        tiers = list(tiers)
+        tiers = _tier_list(tiers)
         cascade = Cascade(tiers, pages=page_map_of(worker), queue_bytes=queue_bytes) if tiers else None
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         shared = _SHARED.setdefault(worker, _Shared())
@@ -208,6 +208,7 @@ class OffloadCache:
         tier (no I/O). Pure query: it does not count as a use for eviction (``restore``
         does), so schedulers may poll it."""
         keys = as_keys(keys)
+        self._check_entered()  # a closed or unopened tier cannot answer holds()
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
@@ -224,9 +225,8 @@ class OffloadCache:
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
-            run, host = self._cascade.local_run(self._mgr, keys[n:])
+            run, host = await self._cascade.leading_run(self._mgr, keys[n:])
             total, n = total + run, n + host
-            total += await self._cascade.remote_run(keys[total:])
         else:
             await anyio.lowlevel.checkpoint()
         self._n.count_hits(len(keys), n, total)
@@ -260,13 +260,20 @@ class OffloadCache:
         plan = self._mgr.prepare_store(block_of)
         self._drop_events()
         evicted = len(plan.evicted) if plan is not None else 0
-        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
-            # Before the store below reuses the evicted chunks.
-            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
-            self._cascade.demote(self._pool, plan.evicted, evicted_at)
         stored = plan.keys_to_store if plan is not None else []
         skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
+        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
+            # Copied out before the store below reuses the evicted chunks (the stored keys
+            # are pending meanwhile, so nothing else touches those chunks). Shielded: the
+            # store must follow its bookkeeping, and a cancel lands at its await.
+            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._cascade.demote_evicted(self._pool, plan.evicted, evicted_at)
+            except BaseException:
+                self._mgr.complete_store(stored, success=False, counted=False)
+                raise
         spill, spill_chunks = self._spill_plan(block_of)
         if not stored and not spill:
             self._n.count_offer(len(block_of), skipped)
@@ -292,8 +299,9 @@ class OffloadCache:
                 self._n.store_bytes += res.transfer_size or 0
                 self._n.untimed_stores.append(res)
                 if self._cascade is not None and self._pool is not None:
-                    self._cascade.write_through(self._pool, stored, host_chunks)
-                    self._cascade.demote(self._pool, spill, spill_chunks)
+                    self._write_through(stored, host_chunks)
+                    self._demote_spill(spill, spill_chunks)
+                    return
             else:
                 self._n.failed_stores += len(stored)
             self._staging.give(spill_chunks)
@@ -359,11 +367,17 @@ class OffloadCache:
             raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
                               f"{[b for b in blocks if not 0 <= b < limit][:5]}")
         assert self._pool is not None
+        try:
+            result, failed = await restore_through_tiers(
+                keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
+                pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
+            )
+        except Exception:
+            raise  # misuse (a closed tier) or a refused submit: counted in no restore figure
+        except BaseException:
+            self._n.restores += 1  # cancelled: the loads it submitted still run
+            raise
         self._n.restores += 1
-        result, failed = await restore_through_tiers(
-            keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
-            pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
-        )
         self._n.restored += result.restored
         self._n.failed_loads += failed
         if result.restored == 0:
@@ -397,6 +411,64 @@ class OffloadCache:
         except TypeError as exc:
             raise unhashable(exc) from exc
 
+    def _write_through(self, keys: list[Hashable], chunks: list[int]) -> None:
+        """Queue just-stored keys for the write-through tiers. Large copies run on a worker
+        thread (this runs in a done callback on the loop), the keys pinned meanwhile so
+        their chunks are not reused before the copy is over."""
+        assert self._cascade is not None and self._pool is not None
+        cascade, pool = self._cascade, self._pool
+        reserved = cascade.reserve_through(keys, chunks)
+        if not reserved:
+            return
+        n = max(len(pairs) for _, pairs in reserved)
+        if cascade.copies_inline(n) or self._tg is None:
+            cascade.push_through(reserved, cascade.pages.gather(pool, chunks[:n]))
+            return
+        pinned = keys[:n]
+        self._mgr.prepare_load(pinned, touch=False)
+
+        async def copy() -> None:
+            try:
+                rows = await anyio.to_thread.run_sync(cascade.pages.gather, pool, chunks[:n])
+            except BaseException:
+                cascade.cancel_through(reserved)
+                raise
+            finally:
+                self._mgr.complete_load(pinned)
+            cascade.push_through(reserved, rows)
+
+        self._tg.start_soon(copy)
+
+    def _demote_spill(self, keys: list[Hashable], chunks: list[int]) -> None:
+        """Queue spilled keys for the demotion tier, then give their staging chunks back;
+        a large copy runs on a worker thread (this runs in a done callback on the loop)."""
+        assert self._cascade is not None and self._pool is not None
+        cascade, pool, staging = self._cascade, self._pool, self._staging
+        reserved = cascade.reserve_demotion(keys, chunks)
+        if reserved is None:
+            staging.give(chunks)
+            return
+        if cascade.copies_inline(len(reserved[1])) or self._tg is None:
+            cascade.push_demotion(pool, reserved)
+            staging.give(chunks)
+            return
+
+        async def copy() -> None:
+            try:
+                await cascade.copy_demotion(pool, reserved)
+            finally:
+                staging.give(chunks)
+
+        self._tg.start_soon(copy)
+
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
+
+
+def _tier_list(tiers: Sequence[Tier]) -> list[Tier]:
+    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
+    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
+        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
+                          f"got {type(tiers).__name__}")
+    return list(tiers)

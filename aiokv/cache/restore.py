@@ -125,57 +125,66 @@ async def restore_through_tiers(
     per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // bb))
     slots: list[_Slot] = []
     pos = 0
+    error: Exception | None = None
     async with anyio.create_task_group() as tg:
-        while pos < len(keys):
-            batch = list(keys[pos : pos + per_batch])
-            in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
-            need = in_host.count(False)
-            while need and not staging.free:
-                await staging.wait()
-                in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # others ran meanwhile
+        try:
+            while pos < len(keys):
+                batch = list(keys[pos : pos + per_batch])
+                in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
                 need = in_host.count(False)
-            taken = staging.take(need)
-            if len(taken) < need:  # cut the batch before the first key without a staging chunk
-                cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
-                batch, in_host = batch[:cut], in_host[:cut]
-            host_keys = [k for k, h in zip(batch, in_host) if h]
-            host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
-            staged = [i for i, h in enumerate(in_host) if not h]
-            src = [0] * len(batch)
-            for i, chunk in zip(staged, taken):
-                src[i] = chunk
-            for i, h in enumerate(in_host):
-                if h:
-                    src[i] = host_start + next(host_chunks)
-            try:
-                found, rows = await _read(cascade, pool, [batch[i] for i in staged], taken)
-            except BaseException:
-                mgr.complete_load(host_keys)
-                staging.give(taken)
-                raise
-            sources: list[TierLink | None] = [None] * len(batch)
-            end = len(batch)
-            for i, link in zip(staged, found):
-                if link is None:
-                    end = i
+                while need and not staging.free:
+                    await staging.wait()
+                    in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # others ran meanwhile
+                    need = in_host.count(False)
+                taken = staging.take(need)
+                if len(taken) < need:  # cut the batch before the first key without a staging chunk
+                    cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
+                    batch, in_host = batch[:cut], in_host[:cut]
+                host_keys = [k for k, h in zip(batch, in_host) if h]
+                host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
+                staged = [i for i, h in enumerate(in_host) if not h]
+                src = [0] * len(batch)
+                for i, chunk in zip(staged, taken):
+                    src[i] = chunk
+                for i, h in enumerate(in_host):
+                    if h:
+                        src[i] = host_start + next(host_chunks)
+                try:
+                    found, rows = await _read(cascade, pool, [batch[i] for i in staged], taken)
+                except BaseException:
+                    mgr.complete_load(host_keys)
+                    staging.give(taken)
+                    raise
+                sources: list[TierLink | None] = [None] * len(batch)
+                end = len(batch)
+                for i, link in zip(staged, found):
+                    if link is None:
+                        end = i
+                        break
+                    sources[i] = link
+                mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
+                staging.give([src[i] for i in staged if i >= end])
+                if end:
+                    slot = _Slot(
+                        src[:end], blocks[pos : pos + end],
+                        [k for k, h in zip(batch[:end], in_host[:end]) if h],
+                        [src[i] for i in staged if i < end], sources[:end],
+                    )
+                    slots.append(slot)
+                    if rows is None:
+                        slot.submit(mgr, staging, submit)
+                    else:  # put the pages in host order off the loop while the next batch reads
+                        hit = len(slot.staged)
+                        tg.start_soon(_place_and_submit, slot, cascade, pool, rows[:hit], mgr, staging,
+                                      submit)
+                pos += end
+                if end < len(batch) or not batch:
                     break
-                sources[i] = link
-            mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
-            staging.give([src[i] for i in staged if i >= end])
-            if end:
-                slot = _Slot(
-                    src[:end], blocks[pos : pos + end], [k for k, h in zip(batch[:end], in_host[:end]) if h],
-                    [src[i] for i in staged if i < end], sources[:end],
-                )
-                slots.append(slot)
-                if rows is None:
-                    slot.submit(mgr, staging, submit)
-                else:  # put the pages in host order off the loop while the next batch reads
-                    hit = len(slot.staged)
-                    tg.start_soon(_place_and_submit, slot, cascade, pool, rows[:hit], mgr, staging, submit)
-            pos += end
-            if end < len(batch) or not batch:
-                break
+        except Exception as exc:  # raised below as itself, not inside an exception group
+            error = exc
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
     for slot in slots:
         if slot.error is not None:
             raise slot.error
