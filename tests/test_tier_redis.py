@@ -499,37 +499,16 @@ async def test_concurrent_batches_share_the_connections(server: RedisServer, cli
         await tier.aclose()
 
 
-def test_the_fast_checksum_is_the_codecs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ISA-L's crc32 (when installed) gives codec.checksum's value on random data of many
-    lengths and views, so values either one wrote verify under the other; without ISA-L
-    the tier uses codec.checksum itself."""
-    import random
-
-    from aiokv.cache.tiers import codec, redis_checksum
-    from aiokv.cache.tiers.redis_checksum import checksum
-
-    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)
-    assert redis_checksum._pick() == (codec.checksum, False)
-    monkeypatch.undo()
-
-    rng = random.Random(5)
-    for size in (0, 1, 7, 64, 4095, 1 << 16, (1 << 20) + 3):
-        data = rng.randbytes(size)
-        assert checksum(data) == codec.checksum(data)
-        assert checksum(memoryview(bytearray(data))[1:]) == codec.checksum(data[1:])
-
-
 @pytest.mark.anyio
 async def test_values_written_with_either_checksum_read_with_the_other(
         server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiokv.cache.tiers.redis as redis_tier
     from aiokv.cache.tiers import codec
 
     keys, data = keys_of(4, "crc"), payloads(4)
     first = await opened(server.url, namespace="crc")
     try:
         assert all(await first.write(keys[:2], [memoryview(d) for d in data[:2]]))
-        monkeypatch.setattr(redis_tier, "checksum", codec.checksum)  # as without isal
+        monkeypatch.setattr(codec, "_crc32", codec._zlib_crc32)  # as without isal
         assert all(await first.write(keys[2:], [memoryview(d) for d in data[2:]]))
         out = buffers(4)
         assert await first.read(keys, out) == [True] * 4

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -106,9 +106,38 @@ def key_bytes(key: object) -> bytes:
     return bytes(out)
 
 
+def _zlib_crc32(payload: memoryview | bytes) -> int:
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def _pick_crc32() -> Callable[[memoryview | bytes], int]:
+    """ISA-L's crc32 when installed (``isal``, in the ``redis`` and ``test`` extras), else zlib's.
+
+    Both compute the same function; zlib's ran at 2.5-4 GB/s on the development VM, which held
+    buffered disk reads and Redis restores to a fraction of their ceilings, ISA-L's at tens of
+    GB/s. ISA-L is used only after it agreed with zlib on a probe, so a mismatch can never
+    turn every stored value into a corrupt one.
+    """
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        return _zlib_crc32
+
+    def fast(payload: memoryview | bytes) -> int:
+        return int(crc32(payload)) & 0xFFFFFFFF
+
+    probe = bytes(range(256)) * 37 + b"aiokv"
+    if fast(probe) != _zlib_crc32(probe) or fast(probe[:1]) != _zlib_crc32(probe[:1]):
+        return _zlib_crc32
+    return fast
+
+
+_crc32 = _pick_crc32()
+
+
 def checksum(payload: memoryview | bytes) -> int:
     """crc32 of the payload (the GIL is released for large buffers)."""
-    return zlib.crc32(payload) & 0xFFFFFFFF
+    return _crc32(payload)
 
 
 def header_size(key: bytes) -> int:

@@ -24,7 +24,6 @@ from ...errors import InvalidSpec, UsageError
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics
-from .redis_checksum import checksum
 from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
@@ -272,7 +271,7 @@ class RedisTier(Tier):
     def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
                         groups: list[list[int]], replies: list[object]) -> int:
         for group in groups:
-            headers = [codec.encode(self._fp, keys[j], views[j], crc=checksum(views[j])) for j in group]
+            headers = [codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])) for j in group]
             try:
                 answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
@@ -404,7 +403,7 @@ class RedisTier(Tier):
 
     def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
         """Header + payload as one value per key (the asyncio client sends whole values)."""
-        return [b"".join((codec.encode(self._fp, keys[j], views[j], crc=checksum(views[j])), views[j]))
+        return [b"".join((codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])), views[j]))
                 for j in group]
 
 
@@ -418,7 +417,7 @@ def _verified(fingerprint: bytes, key: bytes, header: bytes | bytearray | memory
         and parsed.matches(fingerprint)
         and parsed.key == bytes(key)
         and parsed.payload_len == len(payload)
-        and checksum(payload) == parsed.crc
+        and codec.checksum(payload) == parsed.crc
     )
 
 
