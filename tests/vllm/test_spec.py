@@ -166,6 +166,29 @@ def test_eviction_keeps_a_prefix_of_every_group(model_dir, policy: str) -> None:
     m.chunks.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "lru", "arc"])
+def test_a_held_block_offered_again_counts_as_used(model_dir, policy: str) -> None:
+    # vLLM 0.33 never calls touch(): a prefix its GPU cache serves is offered to
+    # prepare_store again, which vLLM's CPU manager counts as a reuse. It must outlive a
+    # prefix nobody came back to.
+    spec, _, _ = make_spec(
+        model_dir, {"cpu_bytes_to_use": 6 * 2560, "aiokv_policy": policy, "aiokv_admission": "all"}
+    )
+    m = spec.get_manager()
+    reused, idle, new = _keys(3, "r"), _keys(3, "i"), _keys(3, "n")
+    for i, keys in enumerate((reused, idle, reused, new)):
+        ctx = ReqContext(req_id=f"req{i}")
+        m.on_new_request(ctx)
+        for pos, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (pos + 1) * 32)
+        out = m.prepare_store(keys, ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+    assert sorted(out.evicted_keys) == sorted(idle)
+    assert [m.lookup(k, ctx) for k in reused + new] == [LookupResult.HIT] * 6
+    m.chunks.check_invariants()
+
+
 def test_events_off_keeps_none(model_dir) -> None:
     spec, _, _ = make_spec(model_dir, {"cpu_bytes_to_use": 4 * 2560}, events=False)
     m = spec.get_manager()

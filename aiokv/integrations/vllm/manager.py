@@ -137,11 +137,17 @@ class AiokvOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> PrepareStoreOutput | None:
         """Chunks for the admitted keys not held yet, evicting others if needed.
 
-        None, changing nothing, when they cannot all fit (every other key is pinned or
-        being written). Keys of this offer are never evicted by it.
+        None, storing nothing, when they cannot all fit (every other key is pinned or
+        being written). Keys of this offer are never evicted by it; those already held
+        count as used.
         """
         offer = list(keys)
-        plan = self._chunks.prepare_store(_prefix_order(offer, req_context))
+        ordered = _prefix_order(offer, req_context)
+        # A held block offered again was reused (vLLM offers blocks its GPU prefix cache
+        # served, and never calls touch()): count the use, as vLLM's CPU manager does,
+        # or the prefixes reused most would age out first.
+        self._chunks.touch([k for k in ordered if self._chunks.lookup(k) is ChunkLookup.HIT])
+        plan = self._chunks.prepare_store(ordered)
         self._collect()
         if plan is None:
             return None
