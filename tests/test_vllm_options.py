@@ -51,7 +51,25 @@ def test_bad_keys_and_values_name_the_valid_ones(extra: dict, names: str) -> Non
 
 
 def test_vllm_keys_are_left_alone() -> None:
-    PluginOptions.from_extra_config({"eviction_policy": "whatever", "blocks_per_chunk": 4, 7: "x"})
+    opts = PluginOptions.from_extra_config(
+        {"blocks_per_chunk": 4, "offload_prompt_only": False, "self_describing_kv_events": True, 7: "x"}
+    )
+    assert opts.policy == "adaptive"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "instead"),
+    [
+        ("eviction_policy", "arc", "aiokv_policy"),
+        ("cache_policy_module_path", "my.policies", "aiokv_policy"),
+        ("store_threshold", 2, "aiokv_admission"),
+        ("max_tracker_size", 1000, "aiokv_admission"),
+    ],
+)
+def test_cpu_spec_keys_are_refused_not_ignored(key: str, value: object, instead: str) -> None:
+    # A config carried over from vLLM's CPU spec must not run with another policy silently.
+    with pytest.raises(InvalidSpec, match=rf"{key}: use {instead}"):
+        PluginOptions.from_extra_config({key: value, "aiokv_policy": "lru"})
 
 
 @pytest.mark.parametrize(("raw", "value"), [(4096, 4096), (4e9, 4_000_000_000), ("8192", 8192)])

@@ -132,6 +132,63 @@ def test_manager_follows_vllms_cpu_manager(model_dir) -> None:
     m.chunks.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "prefix-lru"])
+def test_eviction_keeps_a_prefix_of_every_group(model_dir, policy: str) -> None:
+    # vLLM offers a request's keys group by group, each with its end-token position; a
+    # block only hits while every group holds it, so eviction must take the deepest
+    # block of every group before any group's shallower one.
+    spec, _, _ = make_spec(
+        model_dir, {"cpu_bytes_to_use": 6 * 2560, "aiokv_policy": policy, "aiokv_admission": "all"}
+    )
+    m = spec.get_manager()
+    assert m.num_chunks == 6
+    ctx = ReqContext(req_id="a")
+    m.on_new_request(ctx)
+    g0, g1 = _keys(3, "p", group=0), _keys(3, "p", group=1)
+    for keys in (g0, g1):
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (i + 1) * 32)
+    out = m.prepare_store(g0 + g1, ctx)
+    assert out.keys_to_store == g0 + g1
+    m.complete_store(g0 + g1, ctx)
+    other = ReqContext(req_id="b")
+    m.on_new_request(other)
+    b = [_keys(1, "q", group=0)[0], _keys(1, "q", group=1)[0]]
+    for key in b:
+        other.set_offload_key_position(key, 32)
+    out_b = m.prepare_store(b, other)
+    assert sorted(out_b.evicted_keys) == sorted([g0[2], g1[2]])
+    assert [m.lookup(k, ctx) for k in g0[:2] + g1[:2]] == [LookupResult.HIT] * 4
+    # The store spec still lists chunk ids in vLLM's offer order.
+    spec_a = m.prepare_load(g0[:2] + g1[:2], ctx)
+    assert list(spec_a.block_ids) == [out.store_spec.block_ids[i] for i in (0, 1, 3, 4)]
+    m.complete_load(g0[:2] + g1[:2], ctx)
+    m.chunks.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "lru", "arc"])
+def test_a_held_block_offered_again_counts_as_used(model_dir, policy: str) -> None:
+    # vLLM 0.33 never calls touch(): a prefix its GPU cache serves is offered to
+    # prepare_store again, which vLLM's CPU manager counts as a reuse. It must outlive a
+    # prefix nobody came back to.
+    spec, _, _ = make_spec(
+        model_dir, {"cpu_bytes_to_use": 6 * 2560, "aiokv_policy": policy, "aiokv_admission": "all"}
+    )
+    m = spec.get_manager()
+    reused, idle, new = _keys(3, "r"), _keys(3, "i"), _keys(3, "n")
+    for i, keys in enumerate((reused, idle, reused, new)):
+        ctx = ReqContext(req_id=f"req{i}")
+        m.on_new_request(ctx)
+        for pos, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (pos + 1) * 32)
+        out = m.prepare_store(keys, ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+    assert sorted(out.evicted_keys) == sorted(idle)
+    assert [m.lookup(k, ctx) for k in reused + new] == [LookupResult.HIT] * 6
+    m.chunks.check_invariants()
+
+
 def test_events_off_keeps_none(model_dir) -> None:
     spec, _, _ = make_spec(model_dir, {"cpu_bytes_to_use": 4 * 2560}, events=False)
     m = spec.get_manager()

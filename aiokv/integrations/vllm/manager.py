@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingManager,
     PrepareStoreOutput,
     RequestOffloadingContext,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -37,6 +38,25 @@ _LOOKUP = {
     ChunkLookup.HIT: LookupResult.HIT,
     ChunkLookup.HIT_PENDING: LookupResult.HIT_PENDING,
 }
+
+
+def _prefix_order(keys: list[Any], req_context: Any) -> list[Any]:
+    """``keys`` in prefix order across KV-cache groups: by the token position vLLM recorded
+    for each key, then by group.
+
+    Why: vLLM offers and loads a request's keys group by group, but a block serves a hit
+    only while every group holds it. aiokv's policies read a call's keys as a prefix (later
+    keys go first), so group-major order would evict one group's whole prefix before the
+    other group's tail. Keys without a recorded position keep the order given.
+    """
+    position = getattr(req_context, "get_offload_key_position", None)
+    if position is None or len(keys) < 2:
+        return keys
+    ends = [position(k) for k in keys]
+    if any(e is None for e in ends):
+        return keys
+    order = sorted(range(len(keys)), key=lambda i: (ends[i], get_offload_group_idx(keys[i])))
+    return [keys[i] for i in order]
 
 
 class AiokvOffloadingManager(OffloadingManager):
@@ -101,10 +121,13 @@ class AiokvOffloadingManager(OffloadingManager):
         Raises:
             KeyNotLoadable: a key is missing or still being written (nothing is pinned).
         """
-        return CPULoadStoreSpec(self._chunks.prepare_load(list(keys)))
+        keys = list(keys)
+        chunk_ids = self._chunks.prepare_load(keys, touch=False)
+        self._chunks.touch(_prefix_order(keys, req_context))
+        return CPULoadStoreSpec(chunk_ids)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
-        self._chunks.touch(list(keys))
+        self._chunks.touch(_prefix_order(list(keys), req_context))
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
         self._chunks.complete_load(list(keys))
@@ -114,16 +137,27 @@ class AiokvOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> PrepareStoreOutput | None:
         """Chunks for the admitted keys not held yet, evicting others if needed.
 
-        None, changing nothing, when they cannot all fit (every other key is pinned or
-        being written). Keys of this offer are never evicted by it.
+        None, storing nothing, when they cannot all fit (every other key is pinned or
+        being written). Keys of this offer are never evicted by it; those already held
+        count as used.
         """
-        plan = self._chunks.prepare_store(list(keys))
+        offer = list(keys)
+        ordered = _prefix_order(offer, req_context)
+        # A held block offered again was reused (vLLM offers blocks its GPU prefix cache
+        # served, and never calls touch()): count the use, as vLLM's CPU manager does,
+        # or the prefixes reused most would age out first.
+        self._chunks.touch([k for k in ordered if self._chunks.lookup(k) is ChunkLookup.HIT])
+        plan = self._chunks.prepare_store(ordered)
         self._collect()
         if plan is None:
             return None
+        # vLLM reads the chunk ids in its own offer order (group by group), not in the
+        # prefix order the policy was given.
+        chunk_of = dict(zip(plan.keys_to_store, plan.chunk_ids))
+        to_store = [k for k in dict.fromkeys(offer) if k in chunk_of]
         return PrepareStoreOutput(
-            keys_to_store=list(plan.keys_to_store),
-            store_spec=CPULoadStoreSpec(plan.chunk_ids),
+            keys_to_store=to_store,
+            store_spec=CPULoadStoreSpec([chunk_of[k] for k in to_store]),
             evicted_keys=list(plan.evicted),
         )
 

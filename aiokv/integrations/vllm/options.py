@@ -14,7 +14,7 @@ from ...cache import available_admissions, available_policies
 from ...errors import InvalidSpec
 from ...options import STRATEGIES, WorkerOptions
 
-__all__ = ["BACKENDS", "KEYS", "PluginOptions", "read_cpu_bytes"]
+__all__ = ["BACKENDS", "CPU_SPEC_KEYS", "KEYS", "PluginOptions", "read_cpu_bytes"]
 
 BACKENDS = ("auto", "cuda", "cpu")
 
@@ -25,6 +25,15 @@ KEYS = {
     "aiokv_strategy": "CUDA copy strategy",
     "aiokv_backend": "where copies run: auto, cuda or cpu",
     "aiokv_worker_options": "further WorkerOptions fields, as a JSON object",
+}
+
+# Keys only vLLM's CPUOffloadingSpec reads: with this spec they would do nothing, so a
+# config carried over from the CPU spec is refused rather than silently run differently.
+CPU_SPEC_KEYS = {
+    "eviction_policy": "aiokv_policy",
+    "cache_policy_module_path": "aiokv_policy",
+    "store_threshold": "aiokv_admission (second-offer stores a block on its second offer)",
+    "max_tracker_size": "aiokv_admission",
 }
 
 
@@ -49,6 +58,13 @@ class PluginOptions:
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("aiokv_") and k not in KEYS)
         if unknown:
             raise InvalidSpec(f"unknown kv_connector_extra_config keys {unknown}; aiokv reads {sorted(KEYS)}")
+        ignored = sorted(k for k in CPU_SPEC_KEYS if k in extra)
+        if ignored:
+            instead = "; ".join(f"{k}: use {CPU_SPEC_KEYS[k]}" for k in ignored)
+            raise InvalidSpec(
+                f"kv_connector_extra_config keys {ignored} belong to vLLM's CPUOffloadingSpec and "
+                f"AiokvOffloadingSpec would ignore them ({instead})"
+            )
         policy = _choice(extra, "aiokv_policy", "adaptive", available_policies())
         admission = extra.get("aiokv_admission")
         if admission is not None:
