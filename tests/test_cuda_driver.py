@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from cuda.bindings import driver as cu
 
-from aiokv.backends.cuda.driver import Driver, _translate
+from aiokv.backends.cuda.driver import Driver, translate
 from aiokv.errors import CudaCallFailed, HostMemoryError, WorkerBroken
 
 
@@ -21,7 +21,7 @@ from aiokv.errors import CudaCallFailed, HostMemoryError, WorkerBroken
 def test_errors_that_leave_the_process_unusable_break_the_worker(name: str) -> None:
     if not hasattr(cu.CUresult, name):
         pytest.skip(f"these bindings have no {name}")
-    assert isinstance(_translate(int(getattr(cu.CUresult, name)), "cuEventQuery"), WorkerBroken)
+    assert isinstance(translate(int(getattr(cu.CUresult, name)), "cuEventQuery"), WorkerBroken)
 
 
 def test_bindings_older_than_the_driver_copy_one_call_per_copy(monkeypatch) -> None:

@@ -39,15 +39,15 @@ def _kv() -> tuple[list[torch.Tensor], CanonicalKVCaches]:
 def test_driver_codes_translate_to_aiokv_errors() -> None:
     from cuda.bindings import driver as cu
 
-    from aiokv.backends.cuda.driver import _translate
+    from aiokv.backends.cuda.driver import translate
     from aiokv.errors import CudaCallFailed
 
-    bad = _translate(int(cu.CUresult.CUDA_ERROR_INVALID_VALUE), "cuX")
+    bad = translate(int(cu.CUresult.CUDA_ERROR_INVALID_VALUE), "cuX")
     assert isinstance(bad, InvalidSpec) and "CUDA_ERROR_INVALID_VALUE" in str(bad)
     assert bad.__cause__ is not None
-    sticky = _translate(int(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS), "cuX")
+    sticky = translate(int(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS), "cuX")
     assert isinstance(sticky, WorkerBroken)
-    other = _translate(int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY), "cuX")
+    other = translate(int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY), "cuX")
     assert isinstance(other, CudaCallFailed) and other.code == int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
 
 

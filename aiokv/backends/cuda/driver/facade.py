@@ -1,16 +1,13 @@
-"""The driver facade: the only module of aiokv that imports cuda-python.
+"""The driver facade: context, streams, events, pinned memory and kernels of one device.
 
-Every driver call the CUDA wing makes goes through ``Driver`` (streams, events, copies,
-kernels, pinned memory), so every return code is checked in one place and translated into
-``aiokv.errors`` (``_translate``). Hot calls are bound through ctypes, with or without
-dropping the GIL as each call's cost asks (docs/performance.md, "GIL").
+Every driver call the CUDA wing makes goes through ``Driver``, so every return code is
+checked in one place and translated into ``aiokv.errors`` (``codes.translate``); the
+batched copy calls are mixed in from ``batch``. Hot calls are bound through ctypes, with or
+without dropping the GIL as each call's cost asks (docs/performance.md, "GIL").
 
 Threads: the driver is called from the submitting thread (an event loop or an engine
 thread), from whoever polls, and from whoever waits. ``Driver.ensure_context`` makes the
 device's primary context (the one torch uses) current in each such thread once.
-
-Over 500 lines on purpose: it is the one home of cuda-python bindings, and splitting it
-would put a second module in front of the driver.
 """
 
 from __future__ import annotations
@@ -20,102 +17,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from cuda.bindings import driver as cu
 
-from ...doorbell import Doorbell
-from ...errors import CudaCallFailed, HostMemoryError, InvalidSpec, WorkerBroken
+from ....doorbell import Doorbell
+from ....errors import HostMemoryError, WorkerBroken
+from .batch import BatchCopies, holding_gil
+from .codes import NOT_READY, OK, OUT_OF_MEMORY, DriverError, translate
 
-__all__ = ["GIL_HELD_DESCRIPTORS", "GIL_HELD_PITCHED_OPS", "Driver", "JobEvents"]
-
-_OK = cu.CUresult.CUDA_SUCCESS
-_NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
-_OUT_OF_MEMORY = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
-
-# Errors after which the context is unusable for the rest of the process.
-_STICKY = frozenset(
-    int(getattr(cu.CUresult, name))
-    for name in (
-        "CUDA_ERROR_ILLEGAL_ADDRESS",
-        "CUDA_ERROR_LAUNCH_FAILED",
-        "CUDA_ERROR_ASSERT",
-        "CUDA_ERROR_HARDWARE_STACK_ERROR",
-        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-        "CUDA_ERROR_MISALIGNED_ADDRESS",
-        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-        "CUDA_ERROR_INVALID_PC",
-        "CUDA_ERROR_LAUNCH_TIMEOUT",
-        "CUDA_ERROR_ECC_UNCORRECTABLE",
-        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        "CUDA_ERROR_EXTERNAL_DEVICE",
-        # cuda.h says these too leave the process unusable (226: Hopper's error containment).
-        "CUDA_ERROR_CONTAINED",
-        "CUDA_ERROR_TENSOR_MEMORY_LEAK",
-        "CUDA_ERROR_MPS_CLIENT_TERMINATED",
-    )
-    if hasattr(cu.CUresult, name)
-)
-# Errors that mean the caller handed us something unusable.
-_BAD_INPUT = frozenset(
-    int(getattr(cu.CUresult, name))
-    for name in (
-        "CUDA_ERROR_INVALID_VALUE",
-        "CUDA_ERROR_INVALID_HANDLE",
-        "CUDA_ERROR_INVALID_CONTEXT",
-        "CUDA_ERROR_INVALID_DEVICE",
-        "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-    )
-    if hasattr(cu.CUresult, name)
-)
-
-
-# Batches this small return within ~15 us of host time (0.65-0.9 us per descriptor, 2-3 us
-# per pitched op), so they keep the GIL as a record does. Larger ones drop it: held through
-# the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM loop in another Python
-# thread (docs/performance.md, "GIL"). A caller may decide otherwise per call (``hold_gil``).
-GIL_HELD_DESCRIPTORS = 16
-GIL_HELD_PITCHED_OPS = 4
-
-
-def _holding_gil(fn: Any) -> Any:
-    """The same ctypes entry point, called without dropping the GIL (None stays None)."""
-    if fn is None:
-        return None
-    proto = ctypes.PYFUNCTYPE(fn._restype_, *fn._argtypes_)
-    return proto(int(ctypes.cast(fn, ctypes.c_void_p).value or 0))
-
-
-class _DriverError(Exception):
-    """The raw driver failure, kept as ``__cause__`` of the translated error."""
-
-    def __init__(self, code: int, what: str) -> None:
-        name = _error_name(code)
-        super().__init__(f"{what} returned {name} ({code})")
-        self.code = code
-        self.name = name
-
-
-def _error_name(code: int) -> str:
-    try:
-        return cu.CUresult(code).name
-    except ValueError:
-        return "CUDA_ERROR_UNKNOWN_CODE"
-
-
-def _translate(code: int, what: str) -> Exception:
-    """The one place a driver code becomes an aiokv error (raised ``from`` the raw one)."""
-    raw = _DriverError(code, what)
-    if code in _STICKY:
-        err: Exception = WorkerBroken(
-            f"the CUDA context is broken ({raw}); every pending transfer failed. Restart the "
-            "process: a sticky CUDA error cannot be cleared"
-        )
-    elif code in _BAD_INPUT:
-        err = InvalidSpec(f"CUDA rejected the request: {raw}")
-    else:
-        err = CudaCallFailed(f"CUDA call failed: {raw}", code)
-    err.__cause__ = raw
-    return err
+__all__ = ["Driver", "JobEvents"]
 
 
 @dataclass
@@ -133,7 +42,7 @@ class JobEvents:
         return self.stop
 
 
-class Driver:
+class Driver(BatchCopies):
     """A thin, checked facade over the driver for one device (streams, events, copies).
 
     Also holds the backend-wide ``broken`` state: once a sticky error is seen, every
@@ -141,7 +50,7 @@ class Driver:
     """
 
     # Tell the driver where each side of a batched copy lives (measured: no gain on the H200).
-    use_location_hints: bool = False
+    use_location_hints = False
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
@@ -160,8 +69,8 @@ class Driver:
         self._all_events: list[Any] = []
         self._batch_fn, self.batch_kind = self._load_batch()
         self._batch3d_fn = self._load_batch3d()
-        self._batch_fn_gil = _holding_gil(self._batch_fn)
-        self._batch3d_fn_gil = _holding_gil(self._batch3d_fn)
+        self._batch_fn_gil = holding_gil(self._batch_fn)
+        self._batch3d_fn_gil = holding_gil(self._batch3d_fn)
         # Through ctypes CFUNCTYPE, which drops the GIL while the driver blocks: a thread
         # waiting for a copy must never stall the event loop.
         sync_proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
@@ -201,7 +110,7 @@ class Driver:
     def _check(self, ret: Any, what: str) -> Any:
         """Unpack a cuda-python return tuple, raising the translated error on failure."""
         code = ret[0] if isinstance(ret, tuple) else ret
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), what)
         if isinstance(ret, tuple):
             return ret[1] if len(ret) == 2 else ret[1:]
@@ -209,7 +118,7 @@ class Driver:
 
     def fail(self, code: int, what: str) -> Exception:
         """Translate ``code``; a sticky one also marks the whole backend broken."""
-        err = _translate(code, what)
+        err = translate(code, what)
         if isinstance(err, WorkerBroken) and self.broken is None:
             self.broken = err
         return err
@@ -219,7 +128,7 @@ class Driver:
         if getattr(self._local, "ready", False):
             return
         ret = cu.cuCtxSetCurrent(self.context)
-        if ret[0] != _OK:
+        if ret[0] != OK:
             raise self.fail(int(ret[0]), "cuCtxSetCurrent")
         self._local.ready = True
 
@@ -277,7 +186,7 @@ class Driver:
             code = self._record_fn(int(event), int(stream))
         else:
             code = cu.cuEventRecord(event, cu.CUstream(int(stream)))[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuEventRecord")
 
     def stream_wait(self, stream: Any, event: Any) -> None:
@@ -286,7 +195,7 @@ class Driver:
             code = self._wait_fn(int(stream), int(event), 0)
         else:
             code = cu.cuStreamWaitEvent(stream, event, 0)[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuStreamWaitEvent")
 
     def query(self, event: Any) -> bool:
@@ -303,9 +212,9 @@ class Driver:
             code = self._query_fn(int(event))
         else:
             code = cu.cuEventQuery(event)[0]
-        if code == _OK:
+        if code == OK:
             return True
-        if code == _NOT_READY:
+        if code == NOT_READY:
             return False
         raise self.fail(int(code), "cuEventQuery")
 
@@ -315,13 +224,13 @@ class Driver:
             code = self._event_sync(int(event))
         else:
             code = cu.cuEventSynchronize(event)[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuEventSynchronize")
 
     def elapsed(self, start: Any, stop: Any) -> float | None:
         """Seconds between two completed timing events (None if the driver cannot say)."""
         ret = cu.cuEventElapsedTime(start, stop)
-        return float(ret[1]) / 1e3 if ret[0] == _OK else None
+        return float(ret[1]) / 1e3 if ret[0] == OK else None
 
     def can_ring(self) -> bool:
         """Whether ``ring_after`` has what it needs (host functions, a ring callback)."""
@@ -342,7 +251,7 @@ class Driver:
             self.ensure_context()
             self.stream_wait(stream, event)
             code = self._host_func(int(stream), fn, handle)
-            if code != _OK:
+            if code != OK:
                 raise self.fail(int(code), "cuLaunchHostFunc")
         except BaseException:
             Doorbell.cancel_deferred(handle)
@@ -351,7 +260,7 @@ class Driver:
 
     def stream_synchronize(self, stream: Any) -> None:
         code = cu.cuStreamSynchronize(stream)[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuStreamSynchronize")
 
     # -- host memory ----------------------------------------------------------------------
@@ -364,13 +273,13 @@ class Driver:
         """
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         code = int(cu.cuMemHostRegister(address, nbytes, flags)[0])
-        if code == _OUT_OF_MEMORY:
+        if code == OUT_OF_MEMORY:
             raise HostMemoryError(
-                f"could not pin {nbytes} bytes of host memory ({_DriverError(code, 'cuMemHostRegister')}): "
+                f"could not pin {nbytes} bytes of host memory ({DriverError(code, 'cuMemHostRegister')}): "
                 "ask for fewer chunks (num_cpu_chunks= or cpu_bytes=), or raise the locked-memory "
                 "limit (ulimit -l)"
-            ) from _DriverError(code, "cuMemHostRegister")
-        if code != _OK:
+            ) from DriverError(code, "cuMemHostRegister")
+        if code != OK:
             raise self.fail(code, "cuMemHostRegister")
         try:
             dptr = self._check(cu.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer")
@@ -386,209 +295,6 @@ class Driver:
 
     def host_unregister(self, address: int) -> None:
         self._check(cu.cuMemHostUnregister(address), "cuMemHostUnregister")
-
-    # -- copies ---------------------------------------------------------------------------
-
-    def _load_batch(self) -> tuple[Any, str]:
-        """Bind cuMemcpyBatchAsync for raw pointer arrays (this binding drops the GIL).
-
-        cuda-python's own wrapper converts Python lists entry by entry, which costs about
-        half a microsecond per page and holds the GIL; numpy arrays go in as they are here.
-        """
-        if self.driver_version < 12080 or not hasattr(cu, "CUmemcpyAttributes"):
-            return None, "loop"  # an old driver, or bindings older than 12.8 (no attribute type)
-        version = 13000 if self.driver_version >= 13000 else 12080
-        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        try:
-            ret = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", version, flags)
-        except Exception:
-            return None, "loop"
-        if ret[0] != _OK or not int(ret[1]):
-            return None, "loop"
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        if version >= 13000:
-            proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp)
-            return proto(int(ret[1])), "batch13"
-        proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)
-        return proto(int(ret[1])), "batch12"
-
-    def _load_proc(self, name: bytes, proto: Any) -> Any:
-        """A driver entry point bound through ctypes, or None where it cannot be found."""
-        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        try:
-            ret = cu.cuGetProcAddress(name, 12000, flags)
-        except Exception:
-            return None
-        if ret[0] != _OK or not int(ret[1]):
-            return None
-        return proto(int(ret[1]))
-
-    def _load_batch3d(self) -> Any:
-        """Bind cuMemcpy3DBatchAsync (CUDA >= 12.8) for pitched copies, or None."""
-        if self.batch_kind == "loop" or not hasattr(cu, "CUmemcpy3DOperandType"):
-            return None
-        version = 13000 if self.batch_kind == "batch13" else 12080
-        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        try:
-            ret = cu.cuGetProcAddress(b"cuMemcpy3DBatchAsync", version, flags)
-        except Exception:
-            return None
-        if ret[0] != _OK or not int(ret[1]):
-            return None
-        vp, sz, ull = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulonglong
-        if version >= 13000:
-            return ctypes.CFUNCTYPE(ctypes.c_int, sz, vp, ull, vp)(int(ret[1]))
-        return ctypes.CFUNCTYPE(ctypes.c_int, sz, vp, vp, ull, vp)(int(ret[1]))
-
-    @property
-    def pitched_copies(self) -> bool:
-        """Whether ``memcpy_pitched`` can issue a whole batch of 2D copies in one call."""
-        return self._batch3d_fn is not None
-
-    @staticmethod
-    def pitched_ops(
-        dst: np.ndarray, dst_pitch: np.ndarray, src: np.ndarray, src_pitch: np.ndarray,
-        width: np.ndarray, height: np.ndarray, *, stream_ordered: bool = True,
-    ) -> np.ndarray:
-        """Pack 2D copies as ``CUDA_MEMCPY3D_BATCH_OP`` rows (14 x uint64 = 112 bytes each).
-
-        Pointer operands with 1-byte elements: ``rowLength`` is the pitch in bytes and the
-        extent is (width bytes, height rows, depth 1). Layout checked against
-        cuda-bindings' own struct (13.x): words 0-4 src (type, ptr, rowLength, layerHeight,
-        locHint), 5-9 dst, 10-12 extent, 13 srcAccessOrder | flags << 32.
-        """
-        ops = np.zeros((int(width.shape[0]), 14), dtype=np.uint64)
-        pointer = int(cu.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER)
-        order = cu.CUmemcpySrcAccessOrder
-        access = order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        if not stream_ordered:
-            access = order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-        ops[:, 0] = pointer
-        ops[:, 1] = src
-        ops[:, 2] = src_pitch
-        ops[:, 3] = height
-        ops[:, 5] = pointer
-        ops[:, 6] = dst
-        ops[:, 7] = dst_pitch
-        ops[:, 8] = height
-        ops[:, 10] = width
-        ops[:, 11] = height
-        ops[:, 12] = 1
-        ops[:, 13] = int(access)
-        return ops
-
-    def memcpy_pitched(self, ops: np.ndarray, stream: Any, *, hold_gil: bool | None = None) -> None:
-        """Enqueue packed 2D copies (``pitched_ops`` rows, C-contiguous) on ``stream``.
-
-        ``hold_gil``: keep the GIL through the call (None: only for a few ops, see
-        ``GIL_HELD_PITCHED_OPS``; a lane's issuer thread passes True)."""
-        n = int(ops.shape[0])
-        if n == 0:
-            return
-        if self._batch3d_fn is None:
-            raise CudaCallFailed("this driver has no cuMemcpy3DBatchAsync (needs CUDA 12.8+)",
-                                 int(cu.CUresult.CUDA_ERROR_NOT_SUPPORTED))
-        if hold_gil is None:
-            hold_gil = n <= GIL_HELD_PITCHED_OPS
-        fn = self._batch3d_fn_gil if hold_gil else self._batch3d_fn
-        if self.batch_kind == "batch13":
-            code = fn(n, ops.ctypes.data, 0, int(stream))
-        else:
-            fail_idx = ctypes.c_size_t(0)
-            code = fn(n, ops.ctypes.data, ctypes.addressof(fail_idx), 0, int(stream))
-        if code != 0:
-            raise self.fail(int(code), "cuMemcpy3DBatchAsync")
-
-    def _attr(self, stream_ordered: bool, to_host: bool | None) -> Any:
-        """The ``CUmemcpyAttributes`` for these settings, kept for the driver's lifetime.
-
-        Threads may build one at the same time (lanes, and the DMA submit threads): the
-        first stored wins and every caller gets that one, so no call passes the address of
-        an object that a later store let go of while the driver still reads it."""
-        hints = to_host if self.use_location_hints else None
-        attr = self._attrs.get((stream_ordered, hints))
-        if attr is None:
-            attr = cu.CUmemcpyAttributes()
-            order = cu.CUmemcpySrcAccessOrder
-            attr.srcAccessOrder = (
-                order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-                if stream_ordered
-                else order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-            )
-            if hints is not None:
-                host, dev = cu.CUmemLocation(), cu.CUmemLocation()
-                host.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-                dev.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                dev.id = self.device_index
-                attr.srcLocHint, attr.dstLocHint = (dev, host) if hints else (host, dev)
-            attr.flags = 0
-            attr = self._attrs.setdefault((stream_ordered, hints), attr)
-        return attr
-
-    def memcpy_batch(
-        self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any, *,
-        stream_ordered: bool = True, to_host: bool | None = None, hold_gil: bool | None = None,
-    ) -> None:
-        """Enqueue ``len(dst)`` copies on ``stream``; arrays are contiguous uint64 (or
-        int64) of equal length. See ``memcpy_batch_at``."""
-        n = int(dst.shape[0])
-        if n:
-            self.memcpy_batch_at(dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, n, stream,
-                                 stream_ordered=stream_ordered, to_host=to_host, hold_gil=hold_gil)
-
-    def memcpy_batch_at(
-        self, dst: int, src: int, sizes: int, n: int, stream: Any, *,
-        stream_ordered: bool = True, to_host: bool | None = None, hold_gil: bool | None = None,
-    ) -> None:
-        """Enqueue ``n`` copies on ``stream``, their destinations, sources and sizes read
-        from the 8-byte arrays at host addresses ``dst``, ``src`` and ``sizes`` during the
-        call (a caller's table needs no per-call conversion; ``.ctypes.data`` costs ~2 us).
-
-        ``hold_gil``: keep the GIL through the call (None: for batches of at most
-        ``GIL_HELD_DESCRIPTORS``; a lane's issuer thread passes True, threads issuing slices
-        side by side pass False). Falls back
-        to one cuMemcpyAsync per entry where the driver lacks batched copies.
-        """
-        if n <= 0:
-            return
-        if self._batch_fn is None:
-            table = (ctypes.c_uint64 * n)
-            for d, s, k in zip(table.from_address(dst), table.from_address(src), table.from_address(sizes)):
-                ret = cu.cuMemcpyAsync(d, s, k, stream)
-                if ret[0] != _OK:
-                    raise self.fail(int(ret[0]), "cuMemcpyAsync")
-            return
-        attr = self._attr_at(stream_ordered, to_host)
-        if hold_gil is None:
-            hold_gil = n <= GIL_HELD_DESCRIPTORS
-        fn = self._batch_fn_gil if hold_gil else self._batch_fn
-        # Every copy takes attribute 0 (``_first_attr``, never written). CUDA 12.8's call
-        # also reports the failing copy's index, which is never read: one shared output
-        # serves every thread.
-        if self.batch_kind == "batch12":
-            code = fn(dst, src, sizes, n, attr, self._first_attr_at, 1, self._fail_idx_at, int(stream))
-        else:
-            code = fn(dst, src, sizes, n, attr, self._first_attr_at, 1, int(stream))
-        if code != 0:
-            raise self.fail(int(code), "cuMemcpyBatchAsync")
-
-    def _attr_at(self, stream_ordered: bool, to_host: bool | None) -> int:
-        """Address of the kept ``CUmemcpyAttributes`` for these settings (``_attr``)."""
-        key = (stream_ordered, to_host if self.use_location_hints else None)
-        at = self._attr_ptrs.get(key)
-        if at is None:
-            at = self._attr_ptrs[key] = int(self._attr(stream_ordered, to_host).getPtr())
-        return at
-
-    def memcpy_batch_lists(self, dst: list[int], src: list[int], sizes: list[int], stream: Any) -> None:
-        """cuda-python's own batched call on Python lists: the baseline a user would write."""
-        attr = self._attr(True, None)
-        dsts = [cu.CUdeviceptr(x) for x in dst]
-        srcs = [cu.CUdeviceptr(x) for x in src]
-        ret = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attr], [0], 1, stream)
-        code = ret[0] if isinstance(ret, tuple) else ret
-        if code != _OK:
-            raise self.fail(int(code), "cuMemcpyBatchAsync")
 
     def load_function(self, image: bytes, name: bytes) -> Any:
         """Load a module image (PTX is compiled by the driver here) and return one kernel."""
@@ -608,7 +314,7 @@ class Driver:
         else:
             code = cu.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, 0, stream,
                                      ctypes.addressof(params), 0)[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuLaunchKernel")
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -617,7 +323,7 @@ class Driver:
             code = self._memcpy_fn(dst, src, nbytes, int(stream))
         else:
             code = cu.cuMemcpyAsync(dst, src, nbytes, stream)[0]
-        if code != _OK:
+        if code != OK:
             raise self.fail(int(code), "cuMemcpyAsync")
 
     def wrap_event(self, handle: int) -> Any:
@@ -629,7 +335,7 @@ class Driver:
     def pci_bus_id(self) -> str | None:
         """The device's PCI bus id (e.g. "0000:1b:00.0"), or None where the driver cannot say."""
         code, bus = cu.cuDeviceGetPCIBusId(32, self.device)
-        if code != _OK:
+        if code != OK:
             return None
         raw = bus.decode(errors="replace") if isinstance(bus, bytes) else str(bus)
         return raw.split("\x00", 1)[0].strip().lower()
@@ -639,7 +345,7 @@ class Driver:
         code, engines = cu.cuDeviceGetAttribute(
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, self.device
         )
-        return int(engines) if code == _OK else None
+        return int(engines) if code == OK else None
 
     def close(self) -> None:
         """Destroy pooled events and release the primary context reference."""
