@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +91,21 @@ def mapped(address: int) -> bool:
             if lo <= address < hi:
                 return True
     return False
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem (tmpfs), so disk-tier writes hit a real ENOSPC (root only)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import subprocess
 import threading
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -352,24 +350,6 @@ async def test_a_read_error_is_a_miss(tmp_path: Path) -> None:
     os.rmdir(path)
     assert await tier.read(keys[:1], out[:1]) == [False]  # now absent: dropped
     assert not tier.holds(keys[0]) and tier.statistics().errors == 2
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB filesystem (tmpfs), so writes hit a real ENOSPC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                              capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
 
 
 async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(

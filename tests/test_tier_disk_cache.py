@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -100,24 +99,6 @@ async def test_a_torn_file_ends_the_restore_there(tmp_path: Path) -> None:
         assert all(same_bytes(a, b) for a, b in zip(block(kv, 43), before))  # never written
         assert tier.statistics().corrupt == 1 and not tier.holds(codec.key_bytes("k3"))
         assert cache.lookup(keys) == 3
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB filesystem (tmpfs) that a few dozen demotions fill."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                              capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs to fill: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
 
 
 async def test_a_full_disk_drops_demotions_and_loses_nothing_from_the_host(
