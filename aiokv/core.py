@@ -123,14 +123,20 @@ class OffloadCore:
             self._jobs[job_id] = job
         return job
 
-    def check(self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None) -> None:
+    def check(
+        self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None
+    ) -> None:
         """Raise what ``submit`` would raise for this input, except ``QueueFull``; enqueue
         nothing. A face that waits for room checks first, so bad input raises at once
-        rather than after (or, behind a job that never ends, instead of) the wait."""
+        rather than after (or, behind a job that never ends, instead of) the wait.
+        ``job_id=None`` checks the specs alone (callers that pick ids later)."""
         self.check_healthy()
-        job_id, _ = self._plan(direction, job_id, src, dst)
-        with self._lock:
-            self._check_new_id(job_id, ())
+        if job_id is None:
+            self._plan(direction, 0, src, dst)
+        else:
+            job_id, _ = self._plan(direction, job_id, src, dst)
+            with self._lock:
+                self._check_new_id(job_id, ())
         if after is not None:
             self.backend.check_after(after)
 

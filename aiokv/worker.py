@@ -211,6 +211,21 @@ class AsyncOffloadingWorker:
         if after is not None:
             self._core.backend.check_after(after)
 
+    def check_store(self, src_spec: Any, dst_spec: Any, *, after: Any = None) -> None:
+        """Raise what ``submit_store`` would raise for these specs (ids, lengths, sides),
+        ``after`` and this worker's state, without enqueueing anything. Callers that submit
+        several jobs for one request (the cache) check them all first."""
+        self._check_caller()
+        self._core.check(Direction.STORE, None, src_spec, dst_spec, after)
+
+    def check_load(
+        self, src_spec: Any, dst_spec: Any, *, expedited: bool = False, after: Any = None
+    ) -> None:
+        """Raise what ``submit_load`` would raise for these specs, ``after`` and this
+        worker's state, without enqueueing anything."""
+        self._check_caller()
+        self._core.check(Direction.of_load(expedited), None, src_spec, dst_spec, after)
+
     async def wait_for_room(self) -> None:
         """Return once a submit would pass the ``max_in_flight`` bound (at once, past a
         checkpoint, when it would already or no bound is set). Cancellable; raises

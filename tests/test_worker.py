@@ -376,3 +376,26 @@ async def test_poller_statistics_report_a_detect_window_per_job(kv4: KV) -> None
     assert stats.polls >= 5 and stats.naps >= 1  # the held job was napped through
     with pytest.raises(AttributeError):
         stats.polls = 0  # type: ignore[misc]
+
+
+async def test_check_store_and_check_load_refuse_what_submit_would_and_enqueue_nothing() -> None:
+    from aiokv import InvalidSpec
+
+    kv = make_layers(num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        worker.check_store(GPULoadStoreSpec([3, 4]), CPULoadStoreSpec([0, 1]))
+        worker.check_load(CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([3, 4]), expedited=True)
+        bad = [
+            (worker.check_load, CPULoadStoreSpec([0, 8]), GPULoadStoreSpec([3, 4])),  # chunk out of range
+            (worker.check_load, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([3, 16])),  # block out of range
+            (worker.check_load, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([3, 3])),  # written twice
+            (worker.check_store, CPULoadStoreSpec([0]), GPULoadStoreSpec([3])),  # swapped
+            (worker.check_store, GPULoadStoreSpec([3, 4]), CPULoadStoreSpec([0])),  # lengths
+        ]
+        for check, src, dst in bad:
+            with pytest.raises(InvalidSpec):
+                check(src, dst)
+        assert worker.in_flight == 0
+        assert sum(worker.statistics().completed.values()) == 0
+    with pytest.raises(WorkerClosed):
+        worker.check_store(GPULoadStoreSpec([3]), CPULoadStoreSpec([0]))
