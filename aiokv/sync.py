@@ -193,16 +193,17 @@ class SyncOffloadingWorker(OffloadingWorker):
         while True:
             with self._lock:
                 self._lifecycle.check_open()
-                room = core.room()
-                if room is None:
+                if core.has_room():  # the common case, first: no bound, or below it
                     core.submit(direction, job_id, src, dst, after)
                     return
                 if not checked:  # bad input raises now, not once (if ever) there is room
                     core.check(direction, job_id, src, dst, after)
                     checked = True
+                room = core.room()
             # At the bound: block (without the lock, so get_finished() and shutdown() go
             # on) for as long as the core says, then pop what ended and look again.
-            room.block()
+            if room is not None:
+                room.block()
             self._collect()
 
     def _collect(self) -> None:
