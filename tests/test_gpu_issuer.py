@@ -82,7 +82,7 @@ def test_round_trip_issued_later_matches_oracle(strategy: str, layout: str) -> N
         for job in loads:
             run_jobs([cuda_w, oracle], [job])
         check_same(cuda_w, oracle, tensors, cpu_tensors)
-        later = sum(lane.issued_later for lane in cuda_w._core.backend._lanes)
+        later = sum(lane.issued_later for lane in cuda_w.statistics().lanes.values())
         assert later == len(stores) + len(loads), "jobs were not issued from the lanes' threads"
     finally:
         cuda_w.shutdown()
