@@ -1,10 +1,12 @@
 """The synchronous core under both faces: lifecycle, validation (once), host pool,
-handlers, bookkeeping.
+handlers, bookkeeping, and the rules of waiting (drain, backpressure) both faces share.
 
-It changes state and returns what happened; it never awaits and never blocks except in
-``wait_for``, ``wait_all`` and ``drain``, which the sync adapter calls from an engine
-thread. Faces check only the calling thread and the lifecycle (``lifecycle.check_open``);
-every check of what a call passes happens here.
+It changes state and returns what happened; it never awaits and blocks only in
+``wait_for``, which the sync face calls from an engine thread. Where a face must wait
+(for room under ``max_in_flight``, for a drain), the core says what to wait on next
+(``room``, ``Drain.next``) and each face chooses how: the sync face blocks its thread, the
+async face naps on its loop. Faces check only the calling thread and the lifecycle
+(``lifecycle.check_open``); every check of what a call passes happens here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,19 +25,20 @@ from typing import Any
 from .backends import resolve_backend
 from .backends.base import HostPool, Lane, LaneStatistics
 from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
-from .handler import Handler, Job
+from .handler import Handler, Job, Wait
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .options import WorkerOptions
 from .plan import CopyPlan, HostLayout, map_blocks, plan_copies
 from .specs import Direction, as_count, as_job_id, side_of
 
-__all__ = ["OffloadCore", "WorkerStatistics", "available_host_memory"]
+__all__ = ["Drain", "OffloadCore", "WorkerStatistics", "available_host_memory"]
 
 _log = logging.getLogger("aiokv")
 
-# How often a drain waiting on one direction's oldest job looks at the other directions.
-_DRAIN_SLICE_SECONDS = 0.05
+# How long a face waiting on one job's end goes before it asks again: another direction's
+# head may end first, and a submit blocked at the bound must see a shutdown meanwhile.
+_SLICE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,14 @@ class OffloadCore:
         cpu_bytes: int | None = None,
         blocks_per_chunk: int = 1,
         backend: str = "auto",
+        strategy: str | None = None,
         options: WorkerOptions | Mapping[str, Any] | None = None,
     ) -> None:
         kv_caches = CanonicalKVCaches.coerce(kv_caches)
         blocks_per_chunk = as_count(blocks_per_chunk, "blocks_per_chunk")
         self.options = WorkerOptions.coerce(options)
+        if strategy is not None:
+            self.options = self.options.with_strategy(strategy)
         self.kv_caches = kv_caches
         self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
         self.num_cpu_chunks = _chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
@@ -137,6 +142,12 @@ class OffloadCore:
             job_id, _ = self._plan(direction, job_id, src, dst)
             with self._lock:
                 self._check_new_id(job_id, ())
+        self.check_ready(after)
+
+    def check_ready(self, after: Any = None) -> None:
+        """Raise what a submit would raise for the worker's health or ``after`` (checked
+        without recording anything)."""
+        self.check_healthy()
         if after is not None:
             self.backend.check_after(after)
 
@@ -158,14 +169,9 @@ class OffloadCore:
                     "(GPU spec, CPU spec), a load (CPU spec, GPU spec)"
                 )
         mapping = map_blocks(
-            gpu.block_ids,
-            cpu.block_ids,
-            layout=self.layout,
-            num_chunks=self.num_cpu_chunks,
-            group_sizes=getattr(gpu, "group_sizes", None),
-            block_indices=getattr(gpu, "block_indices", None),
-            unique_gpu=not direction.to_host,
-            unique_host=direction.to_host,
+            gpu.block_ids, cpu.block_ids, layout=self.layout, num_chunks=self.num_cpu_chunks,
+            group_sizes=getattr(gpu, "group_sizes", None), block_indices=getattr(gpu, "block_indices", None),
+            unique_gpu=not direction.to_host, unique_host=direction.to_host,
         )
         return job_id, plan_copies(mapping, self.layout)
 
@@ -188,6 +194,13 @@ class OffloadCore:
         """Whether a submit would pass the ``max_in_flight`` bound now."""
         bound = self.options.max_in_flight
         return not bound or len(self._jobs) < bound
+
+    def room(self) -> Wait | None:
+        """None while a submit would pass the ``max_in_flight`` bound; else what to wait on
+        for a slot. Slots free up only as ``poll`` pops ended jobs: poll after the wait."""
+        if self.has_room():
+            return None
+        return self.next_end(_SLICE_SECONDS)
 
     # -- completing ---------------------------------------------------------------------
 
@@ -231,10 +244,6 @@ class OffloadCore:
             for handler in self.handlers.values():
                 handler.settle()
 
-    def holds(self, job_id: int) -> bool:
-        """Whether ``job_id`` is in flight (submitted, not yet popped by ``poll``)."""
-        return job_id in self._jobs
-
     def wait_for(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until the given in-flight jobs are done (unknown ids are ignored).
 
@@ -248,45 +257,26 @@ class OffloadCore:
             jobs = [self._jobs[j] for j in ids if j in self._jobs]
         return _wait_jobs(jobs, timeout)
 
-    def wait_all(self, timeout: float | None = None) -> bool:
-        """Block until every job in flight is done."""
-        return _wait_jobs(self.pending(), timeout)
+    def next_end(self, bound: float) -> Wait | None:
+        """What a waiting face waits on next: the oldest job in flight (the oldest head), for
+        at most ``bound`` seconds, or a slice of that while several directions are busy
+        (another head may end first); None when nothing is in flight."""
+        heads = self.heads()
+        if not heads:
+            return None
+        timeout = min(bound, _SLICE_SECONDS) if len(heads) > 1 else bound
+        oldest = min(heads, key=lambda j: j.submitted_at)
+        return Wait(oldest, None if math.isinf(timeout) else timeout)
 
-    def drain(self, idle_timeout: float) -> bool:
-        """Block until every job in flight is done, or until no job has ended for
-        ``idle_timeout`` seconds (False then). For threads, not event loops.
+    def drain(self, idle_timeout: float, collect: Callable[[], object]) -> Drain:
+        """The drain of a closing face, its idle clock starting now; ``collect`` pops what
+        ended and reports it the face's way (see ``Drain``)."""
+        return Drain(self, idle_timeout, collect)
 
-        Every direction counts: while the oldest job is waited on, jobs of the other
-        directions that end keep the drain going (each lane ends its jobs in order, so
-        only each direction's oldest needs a look)."""
-        with self._lock:
-            queues = [deque(h.pending()) for h in self.handlers.values()]
-        last_end = time.monotonic()
-        while True:
-            ended = False
-            for queue in queues:
-                while queue and queue[0].completion.query():
-                    queue.popleft()
-                    ended = True
-            queues = [q for q in queues if q]
-            if not queues:
-                return True
-            now = time.monotonic()
-            if ended:
-                last_end = now
-            left = last_end + idle_timeout - now
-            if left <= 0:
-                return False
-            if len(queues) > 1:  # look at the other directions now and then
-                left = min(left, _DRAIN_SLICE_SECONDS)
-            oldest = min((q[0] for q in queues), key=lambda j: j.submitted_at)
-            # A wait cannot take an infinite timeout: no bound is no timeout.
-            oldest.completion.wait(None if math.isinf(left) else left)
-
-    def pending(self) -> list[Job]:
-        """Every job not popped yet, per direction oldest first."""
-        with self._lock:
-            return [job for h in self.handlers.values() for job in h.pending()]
+    @property
+    def ended(self) -> int:
+        """Jobs popped so far (completed or failed), every direction: a drain's progress."""
+        return sum(h.completed + h.failed for h in self.handlers.values())
 
     def heads(self) -> list[Job]:
         """The oldest job still in flight of each direction (the next to finish in each)."""
@@ -295,7 +285,13 @@ class OffloadCore:
 
     @property
     def in_flight(self) -> int:
+        """Jobs submitted and not yet popped by ``poll``."""
         return len(self._jobs)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """GPU blocks addressable in every group (block ids must be below this)."""
+        return min(self.layout.num_gpu_blocks)
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -382,8 +378,39 @@ class OffloadCore:
             lanes={d.value: h.lane.statistics() for d, h in hs},
         )
 
-    def describe_in_flight(self) -> str:
-        return " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
+    def describe(self) -> str:
+        """The middle of both faces' reprs: backend, pool size, jobs in flight per direction."""
+        in_flight = " ".join(f"{d.value}={h.in_flight}" for d, h in self.handlers.items())
+        return f"backend={self.backend.name} chunks={self.num_cpu_chunks} in_flight: {in_flight}"
+
+
+class Drain:
+    """One drain's idle clock, the same for both faces: it ends once nothing is in flight,
+    or gives up once no job has ended, in any direction, for ``idle_timeout`` seconds (a
+    long queue that keeps finishing jobs drains to the end). ``why`` is what a close that
+    abandons jobs then says: an interrupt, unless the drain ended by itself."""
+
+    def __init__(self, core: OffloadCore, idle_timeout: float, collect: Callable[[], object]) -> None:
+        self._source, self.idle_timeout, self._collect = core, idle_timeout, collect
+        self._ended, self._last_end = core.ended, time.monotonic()
+        self.why = "the drain was interrupted"
+
+    def next(self) -> Wait | None:
+        """Collect what ended, then say what to wait on next; None once the drain is over
+        (every job ended, or the idle bound passed: ``why`` says so)."""
+        self._collect()
+        core, now = self._source, time.monotonic()
+        ended = core.ended  # jobs a face's own poller popped meanwhile count too
+        if ended != self._ended:
+            self._ended, self._last_end = ended, now
+        left = self._last_end + self.idle_timeout - now
+        wait = core.next_end(left)
+        if wait is None:
+            self.why = ""
+        elif left <= 0:
+            self.why = f"no job ended for {self.idle_timeout:g} s of the drain (drain_timeout)"
+            wait = None
+        return wait
 
 
 def _wait_jobs(jobs: list[Job], timeout: float | None) -> bool:

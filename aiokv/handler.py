@@ -16,7 +16,7 @@ from .backends.base import Completion, Lane
 from .plan import CopyPlan
 from .specs import Direction, TransferResult
 
-__all__ = ["Handler", "Job"]
+__all__ = ["Handler", "Job", "Wait"]
 
 
 @dataclass(eq=False)
@@ -66,6 +66,20 @@ class Job:
         self.error = error
         self.result = TransferResult(self.job_id, False, transfer_type=self.direction.transfer_type)
         return self.result
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a face waits on next (the core says which): ``job``'s end, for at most
+    ``timeout`` seconds (None: no bound) before it asks again. A thread blocks on it; a
+    loop naps instead."""
+
+    job: Job
+    timeout: float | None
+
+    def block(self) -> bool:
+        """Block the calling thread until the job ended or the timeout passed."""
+        return self.job.completion.wait(self.timeout)
 
 
 def _elapsed_of(completion: Completion) -> Callable[[], float | None]:

@@ -1,28 +1,29 @@
-"""``SyncOffloadingWorker``: the classic step-loop interface over the same core.
+"""``SyncOffloadingWorker``: the classic step-loop face over its own core.
 
 Engines such as vLLM call ``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait``
-/ ``shutdown`` from their model-runner thread. No event loop is involved: the adapter
-drives the core's handlers directly, so ordering and bookkeeping have one implementation.
+/ ``shutdown`` from their model-runner thread. No event loop is involved: the face builds
+an ``OffloadCore`` and drives it from the calling thread, so ordering, validation, drain
+and backpressure have one implementation (the core's); this face only blocks the thread
+where the core says what to wait on.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .core import WorkerStatistics
+from .core import OffloadCore, WorkerStatistics
 from .errors import InvalidSpec
 from .handler import Job
-from .lifecycle import Face, State
+from .layout import CanonicalKVCaches
+from .lifecycle import State
+from .options import WorkerOptions
+from .plan import HostLayout
 from .specs import Direction, TransferResult
-from .worker import AsyncOffloadingWorker
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
-
-# How often a submit blocked at the ``max_in_flight`` bound looks at the worker's state.
-_ROOM_CHECK_SECONDS = 0.05
 
 
 class OffloadingWorker(abc.ABC):
@@ -51,30 +52,126 @@ class OffloadingWorker(abc.ABC):
 
 
 class SyncOffloadingWorker(OffloadingWorker):
-    """Blocking face of an ``AsyncOffloadingWorker`` that was never opened on a loop.
+    """Moves KV blocks between device memory and a host pool, driven from an engine thread.
 
-    Bad input raises the same typed errors as the async face; ``True`` means enqueued.
-    Each copy waits on the calling thread's current CUDA stream at submit time. Submits
-    never wait for a copy unless ``WorkerOptions.max_in_flight`` is set: then a submit
-    past the bound blocks until a job in flight ends (its result is kept for
-    ``get_finished()``).
+    Takes the same arguments as ``AsyncOffloadingWorker`` and is open once built:
+    ``SyncOffloadingWorker(kv, num_cpu_chunks=...)``; ``shutdown()`` closes it. Bad input
+    raises the same typed errors as the async face; ``True`` means enqueued. Each copy
+    waits on the calling thread's current CUDA stream at submit time. Submits never wait
+    for a copy unless ``WorkerOptions.max_in_flight`` is set: then a submit past the bound
+    blocks until a job in flight ends (its result is kept for ``get_finished()``).
+
+    Args:
+        kv_caches: the KV cache to serve (``CanonicalKVCaches.from_tensors(...)``, or an
+            engine's object with the same fields, such as vLLM's).
+        num_cpu_chunks: host pool size in chunks (pass this or ``cpu_bytes``).
+        cpu_bytes: host pool size in bytes, rounded down to whole chunks.
+        blocks_per_chunk: consecutive GPU blocks one host chunk holds.
+        backend: ``"auto"`` (where the tensors live), ``"cuda"`` or ``"cpu"``.
+        strategy: CUDA copy strategy, ``"auto" | "dma" | "kernel" | "staged"``.
+        options: further knobs, a ``WorkerOptions`` or a dict.
 
     Raises:
-        InvalidSpec: ``async_worker`` is not an ``AsyncOffloadingWorker``.
-        UsageError: the worker is open on an event loop or wrapped by another adapter;
-            ``WorkerClosed`` if it is closed.
+        InvalidSpec: bad sizes, options, backend or KV-cache description (a worker given
+            in place of the KV caches among them).
+        HostMemoryError: the host pool is larger than the memory available, or could not
+            be allocated.
     """
 
-    def __init__(self, async_worker: AsyncOffloadingWorker) -> None:
-        if not isinstance(async_worker, AsyncOffloadingWorker):
-            raise InvalidSpec(f"expected an AsyncOffloadingWorker, got {type(async_worker).__name__}")
-        async_worker._core.lifecycle.open(Face.SYNC)  # owned by this adapter from now on
-        self._worker = async_worker
-        self._core = async_worker._core
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        num_cpu_chunks: int | None = None,
+        cpu_bytes: int | None = None,
+        blocks_per_chunk: int = 1,
+        backend: str = "auto",
+        strategy: str | None = None,
+        options: WorkerOptions | Mapping[str, Any] | None = None,
+    ) -> None:
+        if callable(getattr(kv_caches, "submit_store", None)):
+            raise InvalidSpec(
+                f"SyncOffloadingWorker takes the KV caches, not a worker (got {type(kv_caches).__name__}): "
+                "it builds its own core from the same arguments as AsyncOffloadingWorker, e.g. "
+                "SyncOffloadingWorker(kv_caches, num_cpu_chunks=...)"
+            )
+        self._core = OffloadCore(
+            kv_caches, num_cpu_chunks=num_cpu_chunks, cpu_bytes=cpu_bytes,
+            blocks_per_chunk=blocks_per_chunk, backend=backend, strategy=strategy, options=options,
+        )
         self._lifecycle = self._core.lifecycle
+        self._lifecycle.open()
         self._unreported: list[TransferResult] = []
         self._lock = threading.Lock()
         self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
+
+    # -- facts --------------------------------------------------------------------------
+
+    @property
+    def num_cpu_chunks(self) -> int:
+        """Chunks in the host pool (chunk ids must be below this)."""
+        return self._core.num_cpu_chunks
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        """GPU blocks each host chunk holds."""
+        return self._core.layout.blocks_per_chunk
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """GPU blocks addressable in every group (block ids must be below this)."""
+        return self._core.num_gpu_blocks
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups in the layout (specs then need ``group_sizes``)."""
+        return self._core.layout.num_groups
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one host chunk: ``blocks_per_chunk`` blocks of every KV tensor."""
+        return self._core.layout.chunk_bytes
+
+    @property
+    def host_layout(self) -> HostLayout:
+        """Where each page of a chunk lies in the host pool (read-only)."""
+        return self._core.layout
+
+    @property
+    def kv_caches(self) -> CanonicalKVCaches:
+        """The KV caches this worker moves blocks of, as it reads them."""
+        return self._core.kv_caches
+
+    @property
+    def backend(self) -> str:
+        """The backend copies run on: "cpu" or "cuda"."""
+        return self._core.backend.name
+
+    @property
+    def host_pool(self) -> Any:
+        """The host pool as one flat uint8 tensor (for inspection and tests)."""
+        return self._core.pool.tensor
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted whose results ``get_finished()`` has not returned yet."""
+        with self._lock:
+            return self._core.in_flight + len(self._unreported)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``shutdown()`` has let go of the lanes (and freed or kept the pool)."""
+        return self._core.closed
+
+    def statistics(self) -> WorkerStatistics:
+        """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
+        return self._core.statistics()
+
+    def __repr__(self) -> str:
+        return (f"<SyncOffloadingWorker {self._lifecycle.state.value} {self._core.describe()} "
+                f"unreported={len(self._unreported)}>")
+
+    # -- submitting ---------------------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
         """Enqueue a GPU -> host copy; True once enqueued. It waits on ``after``, else on the
@@ -95,21 +192,28 @@ class SyncOffloadingWorker(OffloadingWorker):
         checked = False
         while True:
             with self._lock:
-                self._lifecycle.check_open(Face.SYNC)
-                if core.has_room():
+                self._lifecycle.check_open()
+                if core.has_room():  # the common case, first: no bound, or below it
                     core.submit(direction, job_id, src, dst, after)
                     return
                 if not checked:  # bad input raises now, not once (if ever) there is room
                     core.check(direction, job_id, src, dst, after)
                     checked = True
-                pending = core.pending()
-            # At the max_in_flight bound: wait (without the lock, so get_finished() and
-            # shutdown() go on) for the oldest job to end, then pop what ended. In slices,
-            # so a shutdown meanwhile is seen (WorkerClosed) even if that job never ends.
-            if pending:
-                min(pending, key=lambda j: j.submitted_at).completion.wait(_ROOM_CHECK_SECONDS)
-            with self._lock:
-                self._unreported.extend(job.result for job in core.poll() if job.result is not None)
+                room = core.room()
+            # At the bound: block (without the lock, so get_finished() and shutdown() go
+            # on) for as long as the core says, then pop what ended and look again.
+            if room is not None:
+                room.block()
+            self._collect()
+
+    def _collect(self) -> None:
+        """Pop what ended and keep it for ``get_finished()``: under the lock, so results
+        reach it in the order the core popped them."""
+        with self._lock:
+            self._keep(self._core.poll())
+
+    def _keep(self, jobs: list[Job]) -> None:
+        self._unreported.extend(job.result for job in jobs if job.result is not None)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call, each reported once, in submission order within
@@ -127,6 +231,8 @@ class SyncOffloadingWorker(OffloadingWorker):
         ``job_ids`` is a collection of int ids."""
         self._core.wait_for(job_ids)
 
+    # -- lifetime -----------------------------------------------------------------------
+
     def shutdown(self, *, drain_timeout: float | None = None) -> None:
         """Drain, then free host memory. Results of drained jobs stay for get_finished().
 
@@ -134,31 +240,19 @@ class SyncOffloadingWorker(OffloadingWorker):
         ``WorkerOptions.drain_timeout``, 30 s) or on a KeyboardInterrupt: the jobs still in
         flight are then abandoned (a warning names them, their results report failure)
         and the host pool is kept, not freed, since their copies may still write it. The
-        drain does not hold the adapter's lock, so ``get_finished()`` on another thread
+        drain does not hold the face's lock, so ``get_finished()`` on another thread
         waits at most for the memory to be freed; a second ``shutdown()`` waits for the
         first.
         """
         timeout = self._core.options.drain_timeout_or(drain_timeout)
         with self._shutdown_lock:
+            drain = self._core.drain(timeout, self._collect)
             with self._lock:
-                if self._lifecycle.begin_close(Face.SYNC) is not State.OPEN:
-                    return  # closed (or closing) already
-            why = "the drain was interrupted"
+                if self._lifecycle.begin_close() is not State.OPEN:
+                    return  # closed already
             try:
-                if not self._core.drain(timeout):
-                    why = f"no job ended for {timeout:g} s of the drain (drain_timeout)"
+                while (wait := drain.next()) is not None:
+                    wait.block()
             finally:
                 with self._lock:
-                    self._core.close(why, report=self._keep)
-
-    def _keep(self, jobs: list[Job]) -> None:
-        """Keep the results of jobs the core let go of for ``get_finished()``."""
-        self._unreported.extend(job.result for job in jobs if job.result is not None)
-
-    def statistics(self) -> WorkerStatistics:
-        """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
-        return self._core.statistics()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._core.closed else "open"
-        return f"<SyncOffloadingWorker {state} in_flight: {self._core.describe_in_flight()}>"
+                    self._core.close(drain.why, report=self._keep)

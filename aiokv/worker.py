@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,7 @@ from .errors import UsageError
 from .future import TransferFuture
 from .handler import Job
 from .layout import CanonicalKVCaches
-from .lifecycle import Face, State
+from .lifecycle import State
 from .loops import LoopEvent, loop_event
 from .options import WorkerOptions
 from .plan import HostLayout
@@ -68,16 +67,9 @@ class AsyncOffloadingWorker:
         strategy: str | None = None,
         options: WorkerOptions | Mapping[str, Any] | None = None,
     ) -> None:
-        opts = WorkerOptions.coerce(options)
-        if strategy is not None:
-            opts = opts.with_strategy(strategy)
         self._core = OffloadCore(
-            kv_caches,
-            num_cpu_chunks=num_cpu_chunks,
-            cpu_bytes=cpu_bytes,
-            blocks_per_chunk=blocks_per_chunk,
-            backend=backend,
-            options=opts,
+            kv_caches, num_cpu_chunks=num_cpu_chunks, cpu_bytes=cpu_bytes,
+            blocks_per_chunk=blocks_per_chunk, backend=backend, strategy=strategy, options=options,
         )
         self._lifecycle = self._core.lifecycle
         self._futures: dict[int, TransferFuture] = {}
@@ -110,7 +102,7 @@ class AsyncOffloadingWorker:
     @property
     def num_gpu_blocks(self) -> int:
         """GPU blocks addressable in every group (block ids must be below this)."""
-        return min(self._core.layout.num_gpu_blocks)
+        return self._core.num_gpu_blocks
 
     @property
     def num_groups(self) -> int:
@@ -131,6 +123,11 @@ class AsyncOffloadingWorker:
         return self._core.layout
 
     @property
+    def kv_caches(self) -> CanonicalKVCaches:
+        """The KV caches this worker moves blocks of, as it reads them."""
+        return self._core.kv_caches
+
+    @property
     def backend(self) -> str:
         """The backend copies run on: "cpu" or "cuda"."""
         return self._core.backend.name
@@ -145,6 +142,11 @@ class AsyncOffloadingWorker:
         """Jobs submitted whose futures are not resolved yet."""
         return len(self._futures)
 
+    @property
+    def closed(self) -> bool:
+        """True once closing has let go of the lanes (and freed or kept the pool)."""
+        return self._core.closed
+
     def statistics(self) -> WorkerStatistics:
         """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
         return self._core.statistics()
@@ -158,10 +160,7 @@ class AsyncOffloadingWorker:
         return self._poller.statistics(windows)
 
     def __repr__(self) -> str:
-        return (
-            f"<AsyncOffloadingWorker {self._lifecycle.state.value} backend={self.backend} "
-            f"chunks={self.num_cpu_chunks} in_flight: {self._core.describe_in_flight()}>"
-        )
+        return f"<AsyncOffloadingWorker {self._lifecycle.state.value} {self._core.describe()}>"
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -172,8 +171,7 @@ class AsyncOffloadingWorker:
             InvalidSpec: bad input (nothing was enqueued); ``DuplicateJob`` for an id in flight.
             QueueFull: ``max_in_flight`` jobs are in flight already.
             WorkerClosed: the worker is not open, or closed.
-            UsageError: called off the loop thread that opened the worker, or the sync
-                adapter owns it.
+            UsageError: called off the loop thread that opened the worker.
             WorkerBroken: the device failed under the worker.
         """
         return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
@@ -196,7 +194,7 @@ class AsyncOffloadingWorker:
 
     def _check_caller(self) -> None:
         """The lifecycle and the thread: everything else is the core's to check."""
-        self._lifecycle.check_open(Face.ASYNC)
+        self._lifecycle.check_open()
         if threading.get_ident() != self._loop_thread:
             raise UsageError(
                 "submit_* must be called on the event loop thread that opened the worker; "
@@ -207,9 +205,7 @@ class AsyncOffloadingWorker:
         """Raise what ``submit_*`` would raise for this worker's state, the calling thread,
         or ``after`` (checked without recording anything)."""
         self._check_caller()
-        self._core.check_healthy()
-        if after is not None:
-            self._core.backend.check_after(after)
+        self._core.check_ready(after)
 
     def check_store(self, src_spec: Any, dst_spec: Any, *, after: Any = None) -> None:
         """Raise what ``submit_store`` would raise for these specs (ids, lengths, sides),
@@ -239,7 +235,7 @@ class AsyncOffloadingWorker:
             if self._room is None:
                 self._room = loop_event()
             await self._room.wait()
-            self._lifecycle.check_open(Face.ASYNC)
+            self._lifecycle.check_open()
 
     def _complete_finished(self) -> int:
         done = self._core.poll()
@@ -297,7 +293,7 @@ class AsyncOffloadingWorker:
     # -- lifetime -----------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncOffloadingWorker:
-        self._lifecycle.open(Face.ASYNC)
+        self._lifecycle.open()
         try:
             opts = self._core.options
             self._bell = Doorbell() if opts.doorbell and Doorbell.supported() else None
@@ -315,7 +311,7 @@ class AsyncOffloadingWorker:
             await self._task_group.__aenter__()
         except BaseException:
             self._close_bell()
-            self._lifecycle.begin_close(Face.ASYNC)
+            self._lifecycle.begin_close()
             self._core.close()
             raise
         self._poller_scope = anyio.CancelScope()
@@ -350,9 +346,8 @@ class AsyncOffloadingWorker:
         """
         lifecycle = self._lifecycle
         timeout = self._core.options.drain_timeout_or(drain_timeout)
-        if lifecycle.owner is Face.SYNC or (lifecycle.state is State.NEW and self._loop_thread is None):
-            before = lifecycle.begin_close(Face.ASYNC)  # raises if the sync adapter owns it
-            if before is State.NEW:
+        if lifecycle.state is State.NEW and self._loop_thread is None:  # never opened
+            if lifecycle.begin_close() is State.NEW:
                 self._core.close()
             return
         if threading.get_ident() != self._loop_thread:
@@ -365,7 +360,7 @@ class AsyncOffloadingWorker:
                 "thread, hand it to that loop (e.g. anyio.from_thread.run with the loop's token)"
             )
         try:
-            if lifecycle.begin_close(Face.ASYNC) is State.OPEN:
+            if lifecycle.begin_close() is State.OPEN:
                 await self._drain_and_free(timeout)
             else:
                 with anyio.CancelScope(shield=True):  # another task is closing: wait for it
@@ -381,31 +376,25 @@ class AsyncOffloadingWorker:
         return min(self._core.options.poll_interval, _MAX_DRAIN_NAP)
 
     async def _drain_and_free(self, idle_timeout: float) -> None:
-        escaped: BaseException | None = None
-        why = "the drain was interrupted"
+        escaped: list[BaseException] = []
+
+        def collect() -> None:  # a done callback's exception waits until every job is resolved
+            raised = self._resolve(self._core.poll())
+            if raised is not None:
+                escaped.append(raised)
+
+        # Jobs end here or in the poller, which runs on while the drain naps (and, woken by
+        # the doorbell, usually sees an end first): the core's idle clock counts both.
+        drain = self._core.drain(idle_timeout, collect)
         try:
             with anyio.CancelScope(shield=True):
-                last_end = time.monotonic()
-                left = len(self._futures)
-                while self._futures:
-                    done = self._core.poll()  # if this raises, the drain ends here
-                    # A done callback's exception waits until every job is resolved.
-                    raised = self._resolve(done)
-                    escaped = escaped or raised
-                    # Jobs end here or in the poller, which runs on while the drain naps
-                    # (and, woken by the doorbell, usually sees an end first).
-                    if len(self._futures) < left:
-                        left = len(self._futures)
-                        last_end = time.monotonic()
-                    elif time.monotonic() - last_end >= idle_timeout:
-                        why = f"no job ended for {idle_timeout:g} s of the drain (drain_timeout)"
-                        break
-                    else:
-                        await anyio.sleep(self._drain_nap())
-            if escaped is not None:
-                raise escaped
+                while (wait := drain.next()) is not None:  # if a poll raises, the drain ends here
+                    nap = self._drain_nap()
+                    await anyio.sleep(nap if wait.timeout is None else min(nap, wait.timeout))
+            if escaped:
+                raise escaped[0]
         finally:
-            self._free(why)
+            self._free(drain.why)
 
     def _free(self, why: str) -> None:
         """Stop the poller, close the core (abandoning what never ended) and resolve the

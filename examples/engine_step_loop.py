@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from aiokv import (
-    AsyncOffloadingWorker,
     CanonicalKVCaches,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
@@ -274,7 +273,7 @@ def main(
     layers = [torch.randn(2, num_gpu_blocks, *KV_PAGE, device=device) for _ in range(num_layers)]
     kv = CanonicalKVCaches.from_tensors(layers, block_dim=1)
     num_chunks = 4 * num_gpu_blocks
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=num_chunks))
+    worker = SyncOffloadingWorker(kv, num_cpu_chunks=num_chunks)
     requests = [Request(rid, num_blocks=1 + rid % 4, expedited=rid % 2 == 0) for rid in range(num_requests)]
     try:
         report = Engine(worker, layers, num_chunks).run(requests, per_step)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from aiokv import (
-    AsyncOffloadingWorker,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
@@ -132,15 +131,14 @@ def sync_pair(
     options: dict[str, Any] | None = None,
 ) -> tuple[SyncOffloadingWorker, SyncOffloadingWorker, list[torch.Tensor]]:
     """A CUDA worker (with ``options``) and its CPU oracle with identical random host pools."""
-    cuda_w = SyncOffloadingWorker(AsyncOffloadingWorker(
-        kv, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cuda", strategy=strategy, options=options))
+    cuda_w = SyncOffloadingWorker(
+        kv, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cuda", strategy=strategy, options=options)
     kv_cpu, cpu_tensors = clone_kv(kv, tensors)
-    oracle = SyncOffloadingWorker(AsyncOffloadingWorker(
-        kv_cpu, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cpu"))
-    fill = torch.randint(1, 256, (cuda_w._worker.host_pool.numel(),), dtype=torch.uint8,
+    oracle = SyncOffloadingWorker(kv_cpu, num_cpu_chunks=chunks, blocks_per_chunk=bpc, backend="cpu")
+    fill = torch.randint(1, 256, (cuda_w.host_pool.numel(),), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(seed))
-    cuda_w._worker.host_pool.copy_(fill)
-    oracle._worker.host_pool.copy_(fill)
+    cuda_w.host_pool.copy_(fill)
+    oracle.host_pool.copy_(fill)
     return cuda_w, oracle, cpu_tensors
 
 
@@ -155,7 +153,7 @@ def drain(worker: SyncOffloadingWorker, ids: set[int]) -> list[Any]:
 def check_same(cuda_w, oracle, tensors: list[torch.Tensor], cpu_tensors: list[torch.Tensor]) -> None:
     """The CUDA worker's host pool and device tensors equal the oracle's, byte for byte."""
     torch.cuda.synchronize()
-    assert torch.equal(cuda_w._worker.host_pool, oracle._worker.host_pool), "host pools differ"
+    assert torch.equal(cuda_w.host_pool, oracle.host_pool), "host pools differ"
     for i, (t, c) in enumerate(zip(tensors, cpu_tensors)):
         assert torch.equal(t.cpu().view(torch.uint8), c.view(torch.uint8)), f"device tensor {i} differs"
 

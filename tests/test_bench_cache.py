@@ -114,7 +114,7 @@ def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Pat
 
     async def corrupting(self, keys, blocks, *args, **kwargs):  # type: ignore[no-untyped-def]
         ok = await real(self, keys, blocks, *args, **kwargs)
-        for t in self._worker._core.kv_caches.tensors:
+        for t in self._worker.kv_caches.tensors:
             t.tensor.view(-1)[::7] += 1  # after the copy: the blocks no longer hold the keys
         return ok
 

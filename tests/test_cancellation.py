@@ -20,8 +20,7 @@ from aiokv import (
     TransferFailed,
     WorkerClosed,
 )
-from aiokv.lifecycle import State
-from aiokv.specs import Direction
+from aiokv.backends.cpu import CpuHostPool
 from tests.conftest import make_layers, same_bytes
 
 pytestmark = pytest.mark.anyio
@@ -170,7 +169,7 @@ async def test_a_drain_that_never_ends_gives_up_names_the_job_and_keeps_the_pool
             stuck = worker.submit_store(7, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]), after=never)
             behind = worker.submit_store(8, GPULoadStoreSpec([3]), CPULoadStoreSpec([3]))
             pool = worker.host_pool
-    assert worker._core.closed
+    assert worker.closed
     for fut in (stuck, behind):
         with pytest.raises(TransferFailed) as info:
             fut.result()
@@ -178,12 +177,13 @@ async def test_a_drain_that_never_ends_gives_up_names_the_job_and_keeps_the_pool
     assert done.result().success
     # The copies were abandoned, not the memory they write: once the event is set they
     # land in the pool that is still there, byte-exact.
-    lane = worker._core.handlers[Direction.STORE].lane
-    never.set()
-    lane._thread.join(10)
-    assert not lane._thread.is_alive()
     chunk = pool[2 * worker.chunk_bytes : 3 * worker.chunk_bytes]
     want = torch.cat([p[2] for p in sorted((t.tensor for t in kv.kv.tensors), key=lambda t: t.data_ptr())])
+    assert not same_bytes(chunk[: want.numel()], want)
+    never.set()
+    deadline = time.monotonic() + 10
+    while not same_bytes(chunk[: want.numel()], want) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert same_bytes(chunk[: want.numel()], want)
 
 
@@ -219,19 +219,20 @@ async def test_a_teardown_error_after_the_drain_still_resolves_every_future() ->
     never = threading.Event()
     worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"drain_timeout": 0.1})
 
-    def failing(jobs: list, why: str) -> None:
-        raise CudaCallFailed("cuStreamDestroy failed", 1)
+    def failing(self) -> None:  # the last step of letting go of an abandoning worker
+        raise CudaCallFailed("cuMemHostUnregister failed", 1)
 
-    worker._core._abandon = failing  # type: ignore[method-assign]
-    with pytest.raises(CudaCallFailed), anyio.fail_after(10):
-        async with worker:
-            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
-    assert worker._core.closed and fut.done()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuHostPool, "abandon", failing, raising=False)
+        with pytest.raises(CudaCallFailed), pytest.warns(RuntimeWarning, match="store job 1"), \
+                anyio.fail_after(10):
+            async with worker:
+                fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    assert worker.closed and fut.done()
     with pytest.raises(TransferFailed) as info:
         fut.result()
     assert isinstance(info.value.__cause__, WorkerClosed)
     never.set()
-    worker._core._release()  # let the lanes go after all
 
 
 async def test_a_keyboard_interrupt_in_the_drain_ends_it_the_first_time() -> None:
@@ -253,7 +254,7 @@ async def test_a_keyboard_interrupt_in_the_drain_ends_it_the_first_time() -> Non
         async with worker:
             fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
             worker._drain_nap = nap  # type: ignore[method-assign]
-    assert worker._core.closed and fut.done() and not fut._result.success
+    assert worker.closed and fut.done() and not fut._result.success
     never.set()
 
 
@@ -271,12 +272,12 @@ async def test_an_asyncio_cancellation_of_the_closing_task_ends_the_drain() -> N
             worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
 
     task = asyncio.ensure_future(main())
-    while worker._core.lifecycle.state is not State.CLOSING:
+    while not repr(worker).startswith("<AsyncOffloadingWorker closing"):
         await asyncio.sleep(0.005)
     await asyncio.sleep(0.02)  # well into the drain
     with pytest.warns(RuntimeWarning, match="interrupted"):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
-    assert worker._core.closed
+    assert worker.closed
     never.set()

@@ -1,8 +1,10 @@
-"""The core under both faces, driven directly: one lifecycle, validation once, bookkeeping
-across directions, and a close that never waits on a copy that will not end."""
+"""The core under both faces, driven directly: validation once, bookkeeping across
+directions, the rules of waiting both faces share (room under the bound, the drain's idle
+clock), and a close that never waits on a copy that will not end."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -11,9 +13,8 @@ import pytest
 import torch
 
 from aiokv import CPULoadStoreSpec, GPULoadStoreSpec
-from aiokv.core import OffloadCore
-from aiokv.errors import DuplicateJob, InvalidSpec, QueueFull, UsageError, WorkerClosed
-from aiokv.lifecycle import Face, State
+from aiokv.core import Drain, OffloadCore
+from aiokv.errors import DuplicateJob, InvalidSpec, QueueFull, WorkerClosed
 from aiokv.specs import Direction
 from tests.conftest import make_layers, same_bytes
 
@@ -21,38 +22,22 @@ from tests.conftest import make_layers, same_bytes
 def _core(num_blocks: int = 32, chunks: int = 16, **options) -> tuple[OffloadCore, list[torch.Tensor]]:
     kv = make_layers(num_layers=2, num_blocks=num_blocks, page_shape=(2, 2, 8), seed=5)
     core = OffloadCore(kv.kv, num_cpu_chunks=chunks, backend="cpu", options=options)
-    core.lifecycle.open(Face.SYNC)
+    core.lifecycle.open()
     return core, [t.tensor for t in kv.kv.tensors]
 
 
-def _drain(core: OffloadCore) -> list:
-    assert core.wait_all(10)
-    return core.poll()
+def _run(drain: Drain) -> bool:
+    """Drive a drain the sync face's way (blocking on each wait); True if it ended by itself."""
+    while (wait := drain.next()) is not None:
+        wait.block()
+    return drain.why == ""
 
 
-def test_the_lifecycle_says_entered_twice_owned_by_the_other_face_and_closed_apart() -> None:
-    core, _ = _core()
-    lifecycle = core.lifecycle
-    with pytest.raises(UsageError, match="already owned by another SyncOffloadingWorker") as twice:
-        lifecycle.open(Face.SYNC)
-    with pytest.raises(UsageError, match="SyncOffloadingWorker owns this worker") as other:
-        lifecycle.open(Face.ASYNC)
-    with pytest.raises(UsageError, match="SyncOffloadingWorker owns this worker") as submit:
-        lifecycle.check_open(Face.ASYNC)
-    with pytest.raises(UsageError, match="call its shutdown"):
-        lifecycle.begin_close(Face.ASYNC)
-    lifecycle.check_open(Face.SYNC)
-    assert not any(isinstance(e.value, WorkerClosed) for e in (twice, other, submit))
-    assert str(twice.value) != str(other.value) == str(submit.value)
-    assert lifecycle.begin_close(Face.SYNC) is State.OPEN
-    assert lifecycle.begin_close(Face.SYNC) is State.CLOSING  # a second closer: not its drain
-    with pytest.raises(WorkerClosed, match="closed") as closed:
-        lifecycle.check_open(Face.SYNC)
-    assert str(closed.value) not in (str(twice.value), str(other.value))
-    core.close()
-    assert core.closed and lifecycle.closed.is_set()
-    with pytest.raises(WorkerClosed, match="closed"):
-        lifecycle.open(Face.ASYNC)
+def _drain(core: OffloadCore, idle_timeout: float = 10) -> list:
+    """Every job in flight, popped once it ended."""
+    done: list = []
+    assert _run(core.drain(idle_timeout, lambda: done.extend(core.poll())))
+    return done
 
 
 def test_a_round_trip_through_the_core_is_byte_exact_per_direction_in_order() -> None:
@@ -62,9 +47,12 @@ def test_a_round_trip_through_the_core_is_byte_exact_per_direction_in_order() ->
     want = [p[blocks].clone() for p in pages]
     for i, (b, c) in enumerate(zip(blocks, range(10))):
         core.submit(Direction.STORE, i, GPULoadStoreSpec([b]), CPULoadStoreSpec([c]))
-    assert core.in_flight == 10 and all(core.holds(i) for i in range(10))
+    assert core.in_flight == 10 and core.statistics().in_flight["store"] == 10
+    with pytest.raises(DuplicateJob):  # each one in flight until popped
+        core.check(Direction.STORE, 3, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     done = _drain(core)
-    assert [j.job_id for j in done] == list(range(10)) and core.in_flight == 0 and not core.holds(3)
+    assert [j.job_id for j in done] == list(range(10)) and core.in_flight == 0
+    core.check(Direction.STORE, 3, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))  # free again
     for p in pages:
         p[blocks] = 0
     core.submit(Direction.LOAD, 20, CPULoadStoreSpec(list(range(5))), GPULoadStoreSpec(blocks[:5]))
@@ -76,7 +64,7 @@ def test_a_round_trip_through_the_core_is_byte_exact_per_direction_in_order() ->
     stats = core.statistics()
     assert stats.completed == {"store": 10, "load": 1, "expedited_load": 1}
     assert stats.in_flight == {"store": 0, "load": 0, "expedited_load": 0}
-    core.lifecycle.begin_close(Face.SYNC)
+    core.lifecycle.begin_close()
     assert core.close() == ([], [])
     assert core.pool.tensor.numel() == 0  # freed: nothing could still write it
 
@@ -112,7 +100,7 @@ def test_wait_for_pops_nothing_and_ignores_unknown_ids() -> None:
     core, _ = _core()
     core.submit(Direction.STORE, 1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     assert core.wait_for([1, 999], timeout=10)
-    assert core.holds(1) and [j.job_id for j in core.poll()] == [1]
+    assert core.in_flight == 1 and [j.job_id for j in core.poll()] == [1]
     core.close()
 
 
@@ -126,16 +114,18 @@ def test_drain_gives_up_only_after_a_quiet_spell() -> None:
     for k, latch in enumerate(latches):
         threading.Timer(0.2 * (k + 1), latch.set).start()
     began = time.monotonic()
-    assert core.drain(idle_timeout=0.45)  # 0.6 s in all, never 0.45 s without an end
+    assert _run(core.drain(0.45, core.poll))  # 0.6 s in all, never 0.45 s without an end
     assert time.monotonic() - began >= 0.45
     never = threading.Event()
     core.submit(Direction.LOAD, 9, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]), never)
     began = time.monotonic()
-    assert not core.drain(idle_timeout=0.1)
+    drain = core.drain(0.1, core.poll)
+    assert not _run(drain)
     assert 0.1 <= time.monotonic() - began < 5
+    assert drain.why == "no job ended for 0.1 s of the drain (drain_timeout)"
     with pytest.warns(RuntimeWarning, match=r"1 job\(s\) still in flight \(a test\): load job 9"):
         finished, abandoned = core.close("a test")
-    assert sorted(j.job_id for j in finished) == [0, 1, 2]
+    assert finished == []  # the drain popped jobs 0-2 (its collect drops them here)
     assert [j.job_id for j in abandoned] == [9]
     (job,) = abandoned
     assert job.result is not None and not job.result.success and isinstance(job.error, WorkerClosed)
@@ -157,34 +147,92 @@ def test_drain_counts_jobs_that_end_in_other_directions() -> None:
     timers.append(threading.Timer(0.1 * (len(load_latches) + 1), store_latch.set))
     for timer in timers:
         timer.start()
-    assert core.drain(idle_timeout=0.45)  # 0.9 s in all, never 0.45 s without an end
+    popped: list = []
+    assert _run(core.drain(0.45, lambda: popped.extend(core.poll())))  # 0.9 s in all, never 0.45 s idle
     finished, abandoned = core.close()
-    assert abandoned == [] and sorted(j.job_id for j in finished) == [0, *range(10, 18)]
-    assert all(j.result is not None and j.result.success for j in finished)
+    assert abandoned == [] and finished == [] and sorted(j.job_id for j in popped) == [0, *range(10, 18)]
+    assert all(j.result is not None and j.result.success for j in popped)
 
 
 def test_a_worker_whose_copies_all_ended_frees_its_pool_on_close() -> None:
     core, _ = _core()
     core.submit(Direction.STORE, 1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
-    assert core.wait_all(10)
+    assert core.wait_for([1], 10)
     finished, abandoned = core.close()  # not polled yet: close reports it
     assert [j.job_id for j in finished] == [1] and abandoned == []
     assert core.pool.tensor.numel() == 0
 
 
-def test_an_async_owned_worker_refuses_the_sync_face_and_a_second_entry() -> None:
-    kv = make_layers(num_layers=1, num_blocks=8)
-    core = OffloadCore(kv.kv, num_cpu_chunks=4, backend="cpu")
-    with pytest.raises(WorkerClosed, match="not open yet"):
-        core.lifecycle.check_open(Face.ASYNC)
-    core.lifecycle.open(Face.ASYNC)
-    with pytest.raises(UsageError, match="already open; enter it once"):
-        core.lifecycle.open(Face.ASYNC)
-    with pytest.raises(UsageError, match="open on an event loop"):
-        core.lifecycle.open(Face.SYNC)
-    with pytest.raises(UsageError, match="open on an event loop"):
-        core.lifecycle.check_open(Face.SYNC)
+def test_room_says_what_to_wait_on_at_the_bound_and_nothing_below_it() -> None:
+    core, _ = _core(max_in_flight=2)
+    latches = [threading.Event() for _ in range(2)]
+    assert core.room() is None
+    core.submit(Direction.LOAD, 1, CPULoadStoreSpec([1]), GPULoadStoreSpec([1]), latches[0])
+    assert core.room() is None
+    core.submit(Direction.STORE, 2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]), latches[1])
+    wait = core.room()
+    # the oldest job, looked at again after a slice: two directions are busy, and a face
+    # blocked here must see a shutdown meanwhile
+    assert wait is not None and wait.job.job_id == 1 and wait.timeout is not None and 0 < wait.timeout <= 0.05
+    assert not wait.block()  # the slice passed; job 1 still waits on its latch
+    latches[1].set()  # the younger job, in the other direction, ends first
+    assert core.wait_for([2], 10)
+    assert core.room() is not None  # ended but not popped: no slot yet
+    assert [j.job_id for j in core.poll()] == [2] and core.room() is None
+    latches[0].set()
+    assert [j.job_id for j in _drain(core)] == [1]
     core.close()
+
+
+def test_next_end_waits_on_the_oldest_head_without_a_slice_when_one_direction_is_busy() -> None:
+    core, _ = _core()
+    assert core.next_end(5.0) is None
+    latch = threading.Event()
+    for i in range(3):
+        core.submit(Direction.STORE, i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]), latch)
+    wait = core.next_end(5.0)
+    assert wait is not None and wait.job.job_id == 0 and wait.timeout == 5.0
+    unbounded = core.next_end(math.inf)
+    assert unbounded is not None and unbounded.timeout is None  # no bound is no timeout
+    latch.set()
+    assert _drain(core) and core.close() == ([], [])
+
+
+def test_a_drain_counts_jobs_that_someone_else_popped() -> None:
+    """The async face's poller pops most ends while the drain naps: they are progress."""
+    core, _ = _core()
+    latches = [threading.Event() for _ in range(4)]
+    for i, latch in enumerate(latches):
+        core.submit(Direction.STORE, i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]), latch)
+    drain = core.drain(0.3, lambda: None)  # pops nothing itself
+    began = time.monotonic()
+    for latch in latches:
+        time.sleep(0.15)
+        latch.set()
+        assert core.wait_for([latches.index(latch)], 10)
+        core.poll()  # someone else pops it
+        assert drain.next() is not None or core.in_flight == 0
+    assert drain.next() is None and drain.why == ""
+    assert time.monotonic() - began >= 0.6  # longer than the idle bound: progress kept it going
+    core.close()
+
+
+def test_a_drain_interrupted_says_so() -> None:
+    core, _ = _core()
+    never = threading.Event()
+    core.submit(Direction.STORE, 1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), never)
+    drain = core.drain(60, core.poll)
+    assert drain.why == "the drain was interrupted"  # until it ends by itself
+    assert drain.next() is not None and drain.why == "the drain was interrupted"
+    with pytest.warns(RuntimeWarning, match=r"\(the drain was interrupted\): store job 1"):
+        core.close(drain.why)
+    never.set()
+
+
+def test_strategy_is_an_option_of_the_core() -> None:
+    kv = make_layers(num_layers=1, num_blocks=8)
+    with pytest.raises(InvalidSpec, match="strategy"):
+        OffloadCore(kv.kv, num_cpu_chunks=4, backend="cpu", strategy="teleport")
 
 
 def test_a_wait_with_a_timeout_bounds_the_whole_wait() -> None:

@@ -6,6 +6,7 @@ import math
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -25,11 +26,30 @@ from aiokv import (
     WorkerBroken,
     WorkerClosed,
 )
-from aiokv.backends.cpu import CpuLane
-from aiokv.specs import Direction
+from aiokv.backends.cpu import CpuBackend, CpuCompletion, CpuLane
+from aiokv.core import OffloadCore
 from tests.conftest import make_layers, same_bytes
 
 pytestmark = pytest.mark.anyio
+
+
+def copies_ending(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """A way to block the calling thread (a loop's included, which then does not poll)
+    until ``n`` more copies have ended on the CPU backend."""
+    ended = threading.Semaphore(0)
+    finish = CpuCompletion._finish
+
+    def counted(self: CpuCompletion, error: BaseException | None, elapsed: float | None) -> None:
+        finish(self, error, elapsed)
+        ended.release()
+
+    monkeypatch.setattr(CpuCompletion, "_finish", counted)
+
+    def wait(n: int) -> None:
+        for _ in range(n):
+            assert ended.acquire(timeout=10), "a copy did not end"
+
+    return wait
 
 
 class Spec:
@@ -311,12 +331,13 @@ async def test_a_raising_done_callback_costs_no_other_job_its_result(caplog) -> 
     assert "done callback of job 1 raised" in caplog.text
 
 
-async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet() -> None:
+async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet(monkeypatch) -> None:
     # Jobs 1 and 2 end in one poll; job 1's callback runs before job 2's future resolves.
     # Reusing id 2 then must be refused, not mixed up with the finished job 2.
     kv = make_layers(num_blocks=8)
     latch = threading.Event()
     refused: list[BaseException] = []
+    wait_ends = copies_ending(monkeypatch)
 
     def reuse(_f: object) -> None:
         try:
@@ -330,7 +351,7 @@ async def test_a_callback_may_not_reuse_an_id_whose_future_is_not_resolved_yet()
             second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
             first.add_done_callback(reuse)
             latch.set()
-            worker._core.wait_for([1, 2])  # both over before the poller looks: one poll pops both
+            wait_ends(2)  # both over before the poller looks: one poll pops both
             assert (await first).success and (await second).success
             assert len(refused) == 1 and "not resolved yet" in str(refused[0])
             assert worker.statistics().in_flight["load"] == 0
@@ -423,9 +444,10 @@ async def test_closing_does_not_wait_out_a_long_poll_interval() -> None:
     assert closing < 2.5, f"closing took {closing:.2f} s after a job that ended within 50 ms"
 
 
-async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_finish() -> None:
+async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_finish(monkeypatch) -> None:
     kv = make_layers(num_blocks=8)
     latch = threading.Event()
+    wait_ends = copies_ending(monkeypatch)
     with anyio.fail_after(10):
         worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
         async with worker:
@@ -438,9 +460,7 @@ async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_fini
             first.add_done_callback(escape)
             # Only the drain pops jobs: job 1 in its first poll, job 2 in a later one.
             worker._poller._poll = lambda: 0  # type: ignore[union-attr]
-            first_ended = threading.Event()
-            threading.Thread(target=lambda: (worker._core.wait_for([1]), first_ended.set())).start()
-            first_ended.wait(5)  # job 1 is over; the poller has not looked (no await since)
+            wait_ends(1)  # job 1 is over; the poller has not looked (no await since)
             release = threading.Timer(0.05, latch.set)
             release.start()
             with pytest.raises(_Escape):
@@ -448,8 +468,9 @@ async def test_a_callback_raising_in_the_closing_drain_still_lets_the_drain_fini
     assert first.done() and second.done() and second.result().success
 
 
-async def test_a_callback_raising_in_the_exit_drain_still_leaves_the_task_group() -> None:
+async def test_a_callback_raising_in_the_exit_drain_still_leaves_the_task_group(monkeypatch) -> None:
     kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
     with anyio.fail_after(10):
         worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
         with pytest.raises(_Escape):
@@ -460,7 +481,7 @@ async def test_a_callback_raising_in_the_exit_drain_still_leaves_the_task_group(
                     raise _Escape()
 
                 first.add_done_callback(escape)
-                worker._core.wait_for([1])  # over, and no await since: the exit's drain pops it
+                wait_ends(1)  # over, and no await since: the exit's drain pops it
         assert worker._task_group is None and first.done()
         with anyio.move_on_after(0.01) as scope:  # this task's cancel scopes still work
             await anyio.sleep(5)
@@ -469,17 +490,18 @@ async def test_a_callback_raising_in_the_exit_drain_still_leaves_the_task_group(
 
 async def test_a_failing_poll_ends_the_closing_drain_instead_of_hanging_it(monkeypatch) -> None:
     kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
     with anyio.fail_after(10):
         async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
             fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
-            worker._core.wait_for([1])
-            real = worker._core.poll
+            wait_ends(1)
+            real = OffloadCore.poll
 
-            def poll_then_fail() -> list:
-                real()  # job 1 is popped from the core, then the poll fails
+            def poll_then_fail(self: OffloadCore) -> list:
+                real(self)  # job 1 is popped from the core, then the poll fails
                 raise _Escape()
 
-            monkeypatch.setattr(worker._core, "poll", poll_then_fail)
+            monkeypatch.setattr(OffloadCore, "poll", poll_then_fail)
             with pytest.raises(_Escape):
                 await worker.aclose()  # shielded: a hang here could not even be cancelled
     assert not fut.done()  # lost to the failing poll, but nothing waits forever on aclose
@@ -496,11 +518,16 @@ async def test_a_kept_failed_future_does_not_keep_the_closed_workers_pool(monkey
             raise OSError("simulated device fault") from exc
 
     monkeypatch.setattr(CpuLane, "_copy", fail)
+    lanes: list[weakref.ref] = []
+    open_lane = CpuBackend.open_lane
+    monkeypatch.setattr(CpuBackend, "open_lane", lambda self, d, *a: lanes.append(
+        weakref.ref(lane := open_lane(self, d, *a))) or lane)
 
     async def failed_future() -> tuple[object, weakref.ref]:
         async with AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4) as worker:
             # The lane holds a view of the pool; its thread's frames were the error's traceback.
-            lane = weakref.ref(worker._core.handlers[Direction.STORE].lane)
+            lane = lanes[0]  # the store lane: directions open in order
+            assert lane().direction.value == "store"  # type: ignore[union-attr]
             fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
             with pytest.raises(TransferFailed):
                 await fut
@@ -580,7 +607,7 @@ async def test_aclose_from_another_thread_is_refused_and_the_worker_stays_whole(
             assert "event loop thread" in str(caught[0])
             assert (await fut).success  # still open: the refusal touched nothing
             assert (await worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))).success
-    assert worker._core.closed
+    assert worker.closed
     thread = threading.Thread(target=close_elsewhere, args=(worker,))  # closed: returns at once
     thread.start()
     thread.join(10)
@@ -693,25 +720,6 @@ def test_an_allocation_that_fails_anyway_is_a_host_memory_error(monkeypatch) -> 
     assert isinstance(info.value.__cause__, RuntimeError) and released == [True]
 
 
-async def test_the_async_face_refuses_a_worker_the_sync_adapter_owns() -> None:
-    from aiokv import SyncOffloadingWorker
-
-    kv = make_layers(num_blocks=8)
-    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
-    adapter = SyncOffloadingWorker(worker)
-    with pytest.raises(UsageError, match="a SyncOffloadingWorker owns this worker") as info:
-        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
-    assert not isinstance(info.value, WorkerClosed)
-    with pytest.raises(UsageError, match="SyncOffloadingWorker owns"):
-        async with worker:
-            pass
-    assert adapter.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
-    adapter.shutdown()
-    with pytest.raises(WorkerClosed, match="closed"):
-        async with worker:
-            pass
-
-
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "30", True])
 async def test_a_drain_timeout_that_is_no_positive_number_is_invalid_spec(bad: object) -> None:
     from aiokv import SyncOffloadingWorker
@@ -723,7 +731,7 @@ async def test_a_drain_timeout_that_is_no_positive_number_is_invalid_spec(bad: o
         with pytest.raises(InvalidSpec, match="drain_timeout must be"):
             await worker.aclose(drain_timeout=bad)  # type: ignore[arg-type]
         assert (await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))).success
-    sync = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4))
+    sync = SyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
     with pytest.raises(InvalidSpec, match="drain_timeout must be"):
         sync.shutdown(drain_timeout=bad)  # type: ignore[arg-type]
     assert sync.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))

@@ -208,12 +208,12 @@ def test_engine_step_loop_admits_no_more_than_its_free_chunks_in_one_step() -> N
     this step's requests take (it once let two through, and step 5 ran out of chunks)."""
     import torch
 
-    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, SyncOffloadingWorker
+    from aiokv import CanonicalKVCaches, SyncOffloadingWorker
 
     step_loop = load_example("engine_step_loop")
     layers = [torch.randn(2, 24, *step_loop.KV_PAGE) for _ in range(2)]
     kv = CanonicalKVCaches.from_tensors(layers, block_dim=1)
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv, num_cpu_chunks=6, backend="cpu"))
+    worker = SyncOffloadingWorker(kv, num_cpu_chunks=6, backend="cpu")
     try:
         requests = [step_loop.Request(rid, num_blocks=4, expedited=False) for rid in range(6)]
         report = step_loop.Engine(worker, layers, 6).run(requests, per_step=3, timeout=30)

@@ -43,11 +43,11 @@ def issue_everything_later(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_lane, "ISSUE_THREAD_BYTES", 0)
 
 
-def _lanes(worker: AsyncOffloadingWorker, to_host: bool) -> list[cuda_lane.CudaLane]:
+def _lanes(worker: SyncOffloadingWorker, to_host: bool) -> list[cuda_lane.CudaLane]:
     return [lane for lane in worker._core.backend._lanes if lane.direction.to_host == to_host]
 
 
-def hold_issuer(worker: AsyncOffloadingWorker, to_host: bool = True) -> threading.Event:
+def hold_issuer(worker: SyncOffloadingWorker, to_host: bool = True) -> threading.Event:
     """Keep the direction's issuer thread busy until the returned gate is set."""
     gate, held = threading.Event(), threading.Event()
 
@@ -82,14 +82,14 @@ def test_round_trip_issued_later_matches_oracle(strategy: str, layout: str) -> N
         for job in loads:
             run_jobs([cuda_w, oracle], [job])
         check_same(cuda_w, oracle, tensors, cpu_tensors)
-        later = sum(lane.issued_later for lane in cuda_w._worker._core.backend._lanes)
+        later = sum(lane.issued_later for lane in cuda_w.statistics().lanes.values())
         assert later == len(stores) + len(loads), "jobs were not issued from the lanes' threads"
     finally:
         cuda_w.shutdown()
         oracle.shutdown()
 
 
-def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
+def _stored(w: SyncOffloadingWorker, chunk: int) -> torch.Tensor:
     return w.host_pool[chunk * w.chunk_bytes :][: 4 * 8 * 256 * 2].view(torch.bfloat16)
 
 
@@ -97,19 +97,18 @@ def _stored(w: AsyncOffloadingWorker, chunk: int) -> torch.Tensor:
 def test_event_recorded_again_after_submit_is_waited_as_it_was(strategy: str) -> None:
     """``after=`` an event: the copy waits for the record current at submit, not a later one."""
     tensors, kv = ones_kv()
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
-    w = SyncOffloadingWorker(worker)
+    w = SyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=ISSUER)
     side, idle = torch.cuda.Stream(), torch.cuda.Stream()
     try:
         torch.cuda.synchronize()
-        gate = hold_issuer(worker)
+        gate = hold_issuer(w)
         ev = slow_fill(tensors, 1, 3.0, side)
         w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), after=ev)
         ev.record(idle)  # the engine reuses its event before the issuer got to the job
         gate.set()
         (res,) = drain(w, {1})
         assert res.success
-        assert torch.all(_stored(worker, 4) == 3.0), "the store waited on the event's later record"
+        assert torch.all(_stored(w, 4) == 3.0), "the store waited on the event's later record"
     finally:
         w.shutdown()
 
@@ -120,19 +119,18 @@ def test_sync_face_waits_for_jobs_the_issuer_has_not_enqueued() -> None:
     for b in range(16):
         for t in tensors:
             t[:, b].fill_(float(b + 1))
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="auto", options=ISSUER)
-    w = SyncOffloadingWorker(worker)
+    w = SyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy="auto", options=ISSUER)
     try:
-        gate = hold_issuer(worker)
+        gate = hold_issuer(w)
         for j in range(5):
             w.submit_store(j, GPULoadStoreSpec([j + 2]), CPULoadStoreSpec([j]))
         assert w.get_finished() == [], "a job reported done before its copies were enqueued"
-        assert not worker._core.wait_for({0}, timeout=0.05)
+        assert not w._core.wait_for({0}, timeout=0.05)
         threading.Timer(0.05, gate.set).start()
         results = drain(w, set(range(5)))
         assert [r.job_id for r in results] == list(range(5)) and all(r.success for r in results)
         for j in range(5):
-            assert torch.all(_stored(worker, j) == float(j + 3))
+            assert torch.all(_stored(w, j) == float(j + 3))
     finally:
         w.shutdown()
 
@@ -145,10 +143,10 @@ def test_shutdown_waits_for_jobs_still_queued_for_the_issuer() -> None:
             for j in range(6)]
     try:
         run_jobs([oracle], jobs)
-        gate = hold_issuer(cuda_w._worker)
+        gate = hold_issuer(cuda_w)
         for _, j, gspec, cspec in jobs:
             cuda_w.submit_store(j, gspec, cspec)
-        pool, want = cuda_w._worker.host_pool, oracle._worker.host_pool.clone()
+        pool, want = cuda_w.host_pool, oracle.host_pool.clone()
         threading.Timer(0.1, gate.set).start()
     finally:
         cuda_w.shutdown()

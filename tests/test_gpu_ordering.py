@@ -23,13 +23,12 @@ pytestmark = gpu
 
 
 def _sync(kv: CanonicalKVCaches, strategy: str, options: dict | None = None) -> SyncOffloadingWorker:
-    worker = AsyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=options)
-    return SyncOffloadingWorker(worker)
+    return SyncOffloadingWorker(kv, num_cpu_chunks=16, backend="cuda", strategy=strategy, options=options)
 
 
 def _pool_block(w: SyncOffloadingWorker, chunk: int) -> torch.Tensor:
-    cb = w._worker.chunk_bytes
-    return w._worker.host_pool[chunk * cb : (chunk + 1) * cb]
+    cb = w.chunk_bytes
+    return w.host_pool[chunk * cb : (chunk + 1) * cb]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -80,7 +80,7 @@ def _one_store_one_load(tensors: list[torch.Tensor], job: int, strategy: str, se
     table, in that many kernel launches."""
     blocks = tensors[0].shape[0]
     cuda_w, oracle, cpu_tensors = sync_pair(describe(tensors, 0), tensors, blocks, 1, strategy)
-    lanes = {lane.direction.value: lane._strategy for lane in cuda_w._worker._core.backend._lanes}
+    lanes = {lane.direction.value: lane._strategy for lane in cuda_w._core.backend._lanes}
     counters = {}
     if by_block_launches is not None:
         for name in ("store", "load"):
@@ -174,7 +174,7 @@ def test_shutdown_drains_staged_jobs_in_flight() -> None:
         torch.cuda._sleep(300_000_000)  # every job below waits behind this
         for _, j, gspec, cspec in jobs:
             cuda_w.submit_store(j, gspec, cspec)
-        pool, want = cuda_w._worker.host_pool, oracle._worker.host_pool.clone()
+        pool, want = cuda_w.host_pool, oracle.host_pool.clone()
         staged = _staged(cuda_w)
     finally:
         cuda_w.shutdown()
@@ -206,8 +206,9 @@ def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog
 
     async def main() -> None:
         async with AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda") as w:
-            assert w._core.backend.describe()["strategy"] == {"store": "dma", "load": "dma",
-                                                             "expedited_load": "dma"}
+            lanes = w.statistics().lanes
+            assert {d: lane.strategy for d, lane in lanes.items()} == {"store": "dma", "load": "dma",
+                                                                       "expedited_load": "dma"}
             ids = list(range(64))
             assert (await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))).success
             for t in tensors:
@@ -252,8 +253,8 @@ def test_staging_never_takes_memory_the_submitting_stream_still_uses() -> None:
     g = torch.Generator().manual_seed(12)
     tensors = [random_like((2, 64, 16, 8, 128), torch.bfloat16, "cuda", g) for _ in range(2)]
     want = [t.clone() for t in tensors]
-    w = SyncOffloadingWorker(AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda",
-                                                   options={"staging_bytes": 64 << 20}))
+    w = SyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda",
+                             options={"staging_bytes": 64 << 20})
     try:
         ids = list(range(64))
         w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))

@@ -108,9 +108,7 @@ def test_realistic_job_round_trip(strategy: str) -> None:
 def _sync_worker(kv, strategy):
     from aiokv import SyncOffloadingWorker
 
-    return SyncOffloadingWorker(
-        AsyncOffloadingWorker(kv, num_cpu_chunks=128, backend="cuda", strategy=strategy)
-    )
+    return SyncOffloadingWorker(kv, num_cpu_chunks=128, backend="cuda", strategy=strategy)
 
 
 def test_host_pool_is_exact_size_cpu_tensor() -> None:
@@ -121,7 +119,7 @@ def test_host_pool_is_exact_size_cpu_tensor() -> None:
         pool = w.host_pool
         assert pool.device.type == "cpu" and pool.dtype == torch.uint8
         assert pool.numel() == 7 * w.chunk_bytes
-        assert w._core.backend.describe()["backend"] == "cuda"
+        assert w.backend == "cuda"
     finally:
         anyio.run(w.aclose)
 
@@ -267,7 +265,7 @@ def test_round_trip_through_cuda_python_records_and_waits() -> None:
                for _ in range(4)]
     w = _sync_worker(describe(tensors, 1), "dma")
     try:
-        drv = w._worker._core.backend.driver
+        drv = w._core.backend.driver
         drv._record_fn = drv._wait_fn = None
         rng = np.random.default_rng(2)
         src = rng.choice(256, 64, replace=False)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import AsyncOffloadingWorker, SyncOffloadingWorker
+from aiokv import SyncOffloadingWorker
 from tests.gpu_support import STRATEGIES, gpu
 
 BPC = 2  # blocks per chunk, as vLLM's blocks_per_chunk
@@ -80,7 +80,7 @@ CASES = [pytest.param("cpu", "auto", id="cpu")] + [
 def test_vllm_shaped_round_trips_are_byte_exact(device: str, strategy: str) -> None:
     kv, rows = vllm_caches(device, seed=11)
     worker = SyncOffloadingWorker(
-        AsyncOffloadingWorker(kv, num_cpu_chunks=12, blocks_per_chunk=BPC, backend=device, strategy=strategy)
+        kv, num_cpu_chunks=12, blocks_per_chunk=BPC, backend=device, strategy=strategy
     )
     try:
         before = [r.cpu().clone() for r in rows]

@@ -31,7 +31,7 @@ def _kv(num_blocks: int = 8) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
 
 
 def _sync_worker(num_chunks: int = 8) -> SyncOffloadingWorker:
-    return SyncOffloadingWorker(AsyncOffloadingWorker(_kv()[1], num_cpu_chunks=num_chunks))
+    return SyncOffloadingWorker(_kv()[1], num_cpu_chunks=num_chunks)
 
 
 def test_collector_exports_statistics_per_direction() -> None:

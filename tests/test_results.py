@@ -71,19 +71,24 @@ def _record_settles(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, int]])
 async def test_jobs_settle_after_the_awaiting_task_ran(
     kv4: KV, monkeypatch: pytest.MonkeyPatch, anyio_backend_name: str
 ) -> None:
+    from aiokv.backends.cpu import CpuLane
+
     log: list[tuple[str, int]] = []
     _record_settles(monkeypatch, log)
+    launched: list[CpuCompletion] = []  # each job's completion, as its lane hands it out
+    launch = CpuLane.launch
+    monkeypatch.setattr(CpuLane, "launch", lambda self, *a: launched.append(launch(self, *a)) or launched[-1])
     results, completions = [], []
     async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
         for i in range(12):
             src, dst = GPULoadStoreSpec([i % 4, 4 + i % 4]), CPULoadStoreSpec([i % 8, 7 - i % 8])
             fut = worker.submit_store(i, src, dst)
-            completion = worker._core._jobs[i].completion
+            completion = launched[-1]
             results.append(await fut)
             log.append(("woke", id(completion)))
             completions.append(completion)
         last = worker.submit_load(99, CPULoadStoreSpec([1]), GPULoadStoreSpec([2]))
-        completions.append(worker._core._jobs[99].completion)
+        completions.append(launched[-1])
         results.append(await last)
         await anyio.sleep(0.01)
         settled_open = {key for kind, key in log if kind == "settle"}
@@ -104,7 +109,7 @@ async def test_jobs_settle_after_the_awaiting_task_ran(
 def test_results_read_on_another_thread_carry_device_times(kv4: KV) -> None:
     """The sync face's contract on any backend (the CUDA read from a thread without a
     current context is tested in the GPU suite)."""
-    w = SyncOffloadingWorker(AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8))
+    w = SyncOffloadingWorker(kv4.kv, num_cpu_chunks=8)
     try:
         for i in range(6):
             w.submit_store(i, GPULoadStoreSpec([i]), CPULoadStoreSpec([i]))

@@ -19,13 +19,12 @@ from aiokv import (
     CPULoadStoreSpec,
     DuplicateJob,
     GPULoadStoreSpec,
+    HostMemoryError,
     InvalidSpec,
     OffloadingWorker,
     SyncOffloadingWorker,
-    UsageError,
     WorkerClosed,
 )
-from aiokv.lifecycle import State
 from tests.conftest import make_layers, same_bytes
 
 
@@ -38,9 +37,21 @@ class EngineSpec:
         self.block_indices = [0]
 
 
+def stored_bytes(pages: list[torch.Tensor], block: int) -> torch.Tensor:
+    """What a chunk holds once ``block`` was stored into it: every page of the block, in
+    device-address order (the host layout's order)."""
+    return torch.cat([p[block] for p in sorted(pages, key=lambda p: p.data_ptr())])
+
+
+def host_chunk(worker: SyncOffloadingWorker, chunk: int) -> torch.Tensor:
+    """The bytes of ``chunk`` that hold pages (a chunk may be padded past them)."""
+    start = chunk * worker.chunk_bytes
+    return worker.host_pool[start : start + sum(t.page_size_bytes for t in worker.kv_caches.tensors)]
+
+
 def make_sync(num_blocks: int = 64, chunks: int = 64) -> tuple[SyncOffloadingWorker, list[torch.Tensor]]:
     kv = make_layers(num_layers=2, num_blocks=num_blocks, page_shape=(2, 2, 8))
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=chunks))
+    worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=chunks)
     return worker, [t.tensor for t in kv.kv.tensors]
 
 
@@ -48,6 +59,114 @@ def test_is_an_offloading_worker() -> None:
     worker, _ = make_sync()
     assert isinstance(worker, OffloadingWorker)
     worker.shutdown()
+
+
+_BAD_CONSTRUCTIONS: list[tuple[type[Exception], str, dict]] = [
+    (InvalidSpec, "exactly one of", {}),
+    (InvalidSpec, "exactly one of", {"num_cpu_chunks": 4, "cpu_bytes": 1 << 20}),
+    (InvalidSpec, "num_cpu_chunks must be", {"num_cpu_chunks": 0}),
+    (InvalidSpec, "num_cpu_chunks must be", {"num_cpu_chunks": 2.5}),
+    (InvalidSpec, "cpu_bytes must be", {"cpu_bytes": 1}),
+    (InvalidSpec, "blocks_per_chunk", {"num_cpu_chunks": 4, "blocks_per_chunk": 0}),
+    (InvalidSpec, "backend", {"num_cpu_chunks": 4, "backend": "tpu"}),
+    (InvalidSpec, "strategy", {"num_cpu_chunks": 4, "strategy": "teleport"}),
+    (InvalidSpec, "bogus", {"num_cpu_chunks": 4, "options": {"bogus": 1}}),
+    (InvalidSpec, "max_in_flight", {"num_cpu_chunks": 4, "options": {"max_in_flight": -1}}),
+    (HostMemoryError, "host memory is available", {"cpu_bytes": 1 << 62}),
+]
+
+
+@pytest.mark.parametrize(("error", "message", "kwargs"), _BAD_CONSTRUCTIONS)
+def test_both_faces_refuse_the_same_bad_construction_with_the_same_error(
+    error: type[Exception], message: str, kwargs: dict
+) -> None:
+    kv = make_layers(num_blocks=8)
+    raised = []
+    for face in (AsyncOffloadingWorker, SyncOffloadingWorker):
+        with pytest.raises(error, match=message) as info:
+            face(kv.kv, **kwargs)
+        raised.append((type(info.value), str(info.value)))
+    assert raised[0] == raised[1]
+
+
+def test_kv_caches_that_are_not_kv_caches_are_refused_alike() -> None:
+    for face in (AsyncOffloadingWorker, SyncOffloadingWorker):
+        with pytest.raises(InvalidSpec):
+            face("kv", num_cpu_chunks=4)  # type: ignore[arg-type]
+
+
+def test_a_worker_given_in_place_of_the_kv_caches_is_told_the_constructor() -> None:
+    """The face used to wrap an async worker; it builds its own core now, and says how."""
+    kv = make_layers(num_blocks=8)
+    inner = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    told = r"not a worker \(got AsyncOffloadingWorker\).*SyncOffloadingWorker\(kv_caches, num_cpu_chunks="
+    with pytest.raises(InvalidSpec, match=told):
+        SyncOffloadingWorker(inner)  # type: ignore[arg-type]
+    sync = SyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    with pytest.raises(InvalidSpec, match="got SyncOffloadingWorker"):
+        SyncOffloadingWorker(sync)  # type: ignore[arg-type]
+    sync.shutdown()
+
+    async def close() -> None:
+        await inner.aclose()  # never opened: freed at once
+
+    anyio.run(close)
+    assert inner.closed
+
+
+def test_both_faces_report_the_same_facts_for_the_same_arguments() -> None:
+    kv = make_layers(num_layers=3, num_blocks=12, page_shape=(2, 2, 8))
+    args = {"num_cpu_chunks": 5, "blocks_per_chunk": 2, "backend": "cpu"}
+    a, s = AsyncOffloadingWorker(kv.kv, **args), SyncOffloadingWorker(kv.kv, **args)
+    for fact in ("num_cpu_chunks", "blocks_per_chunk", "num_gpu_blocks", "num_groups", "chunk_bytes",
+                 "backend"):
+        assert getattr(a, fact) == getattr(s, fact), fact
+    assert a.host_layout == s.host_layout and a.kv_caches is s.kv_caches
+    assert s.host_pool.numel() == a.host_pool.numel() == 5 * a.chunk_bytes
+    assert (s.num_cpu_chunks, s.blocks_per_chunk, s.num_gpu_blocks) == (5, 2, 12)
+    s.shutdown()
+
+    async def close() -> None:
+        await a.aclose()
+
+    anyio.run(close)
+
+
+def test_repr_and_in_flight_say_what_the_face_holds() -> None:
+    """An adapter over an async worker used to leave that worker saying 0 in flight while
+    the adapter had jobs; each face now reports its own jobs."""
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    assert worker.in_flight == 0 and not worker.closed
+    assert repr(worker) == ("<SyncOffloadingWorker open backend=cpu chunks=8 in_flight: store=0 load=0 "
+                            "expedited_load=0 unreported=0>")
+    latch = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+    worker.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([4]), expedited=True)
+    worker.wait({2})
+    assert worker.in_flight == 2  # job 2 is done but not reported yet
+    assert "in_flight: store=1 load=0 expedited_load=1 unreported=0" in repr(worker)
+    latch.set()
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1, 2]
+    assert worker.in_flight == 0 and "store=0 load=0 expedited_load=0 unreported=0" in repr(worker)
+    worker.submit_store(3, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+    worker.shutdown()
+    assert worker.closed and repr(worker).startswith("<SyncOffloadingWorker closed")
+    assert worker.in_flight == 1 and repr(worker).endswith("unreported=1>")  # drained, kept
+    assert [r.job_id for r in worker.get_finished()] == [3] and worker.in_flight == 0
+
+
+def test_the_sync_face_does_not_import_the_async_face() -> None:
+    """Two peers over one core: neither is built from the other."""
+    import ast
+    from pathlib import Path
+
+    import aiokv.sync
+
+    tree = ast.parse(Path(aiokv.sync.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "worker" not in imported and "aiokv.worker" not in imported
+    assert not any(isinstance(n, ast.Attribute) and n.attr == "_worker" for n in ast.walk(tree))
 
 
 def test_engine_step_loop_reports_each_job_once_in_order_with_correct_bytes() -> None:
@@ -148,7 +267,7 @@ def test_wait_consumes_nothing_and_results_carry_sizes() -> None:
 def test_wait_refuses_what_is_not_a_collection_of_ids_with_a_typed_error() -> None:
     """``wait(5)`` or ``wait(None)`` raised a bare TypeError and ``wait({"7"})`` passed as
     if "7" were an unknown id; numpy ids are ids (as in submits)."""
-    worker, _ = make_sync()
+    worker, pages = make_sync()
     latch = threading.Event()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
     for bad in (5, None, [[1]], {"1"}, "1", [True], [1.0]):
@@ -156,7 +275,9 @@ def test_wait_refuses_what_is_not_a_collection_of_ids_with_a_typed_error() -> No
             worker.wait(bad)  # type: ignore[arg-type]
     threading.Timer(0.05, latch.set).start()
     worker.wait(np.array([1, 999], dtype=np.int32))  # unknown 999 is ignored
-    assert worker._core.pending()[0].completion.query()  # waited for; not reported yet
+    # waited for (the chunk holds the block's bytes now), not reported yet
+    assert same_bytes(host_chunk(worker, 1), stored_bytes(pages, 1))
+    assert worker.in_flight == 1
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()
 
@@ -190,8 +311,8 @@ def test_bad_input_raises_typed_errors_and_nothing_is_enqueued() -> None:
 
 def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
     worker, pages = make_sync()
-    pool = worker._worker.host_pool
-    chunk_bytes = worker._worker.chunk_bytes
+    pool = worker.host_pool
+    chunk_bytes = worker.chunk_bytes
     latch = threading.Event()
     # chunk 9 holds every page of block 9, in device-address order (the host layout's order)
     want = torch.cat([p[9] for p in sorted(pages, key=lambda p: p.data_ptr())])
@@ -208,36 +329,6 @@ def test_shutdown_drains_in_flight_jobs_and_keeps_their_results() -> None:
     with pytest.raises(WorkerClosed):  # also with the id of a drained, unreported job
         worker.submit_store(5, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
     worker.shutdown()  # idempotent
-
-
-def test_an_open_async_worker_cannot_be_wrapped() -> None:
-    kv = make_layers(num_blocks=8)
-    w = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
-    first = SyncOffloadingWorker(w)
-    with pytest.raises(UsageError, match="already owned by another SyncOffloadingWorker"):
-        SyncOffloadingWorker(w)
-    first.shutdown()
-    with pytest.raises(WorkerClosed):
-        SyncOffloadingWorker(w)
-    with pytest.raises(InvalidSpec, match="expected an AsyncOffloadingWorker"):
-        SyncOffloadingWorker("worker")  # type: ignore[arg-type]
-
-
-def test_the_async_face_of_an_adapted_worker_defers_to_the_adapter() -> None:
-    worker, _pages = make_sync(num_blocks=8, chunks=8)
-
-    async def close_it() -> None:
-        await worker._worker.aclose()
-
-    with pytest.raises(UsageError, match="call its shutdown"):
-        anyio.run(close_it)
-    worker.shutdown()
-
-    async def close_after_shutdown() -> None:
-        with anyio.fail_after(5):  # returns at once: shutdown already freed everything
-            await worker._worker.aclose()
-
-    anyio.run(close_after_shutdown)
 
 
 def test_a_failed_copy_is_reported_and_its_cause_logged(monkeypatch, caplog) -> None:
@@ -264,7 +355,7 @@ def test_get_finished_does_not_block_while_shutdown_drains() -> None:
     worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
     closer = threading.Thread(target=worker.shutdown)
     closer.start()
-    while worker._lifecycle.state is State.OPEN:  # the drain has begun (job 2 waits on the latch)
+    while "<SyncOffloadingWorker open" in repr(worker):  # until the drain begins (job 2 waits)
         closer.join(0.001)
     with pytest.raises(WorkerClosed):
         worker.submit_store(3, GPULoadStoreSpec([3]), CPULoadStoreSpec([4]))
@@ -289,8 +380,8 @@ def test_shutdown_frees_the_host_pool() -> None:
     """shutdown() gives the pool's memory back (the CPU lanes held numpy views of it until
     the worker itself was dropped)."""
     kv = make_layers(num_layers=2, num_blocks=64, page_shape=(2, 2, 8))
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, cpu_bytes=192 << 20))
-    worker._worker.host_pool.fill_(7)  # fault the pages in
+    worker = SyncOffloadingWorker(kv.kv, cpu_bytes=192 << 20)
+    worker.host_pool.fill_(7)  # fault the pages in
     worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
     before = _resident_bytes()
     worker.shutdown()
@@ -300,8 +391,9 @@ def test_shutdown_frees_the_host_pool() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
 
 
-def _lane_threads(worker: SyncOffloadingWorker) -> list[threading.Thread]:
-    threads = [h.lane._thread for h in worker._worker._core.handlers.values()]
+def _lane_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The CPU lane threads started since ``before`` (one per direction)."""
+    threads = [t for t in threading.enumerate() if t not in before and t.name.startswith("aiokv-cpu-")]
     assert len(threads) == 3 and all(t.is_alive() for t in threads)  # store, load, expedited
     return threads
 
@@ -314,10 +406,11 @@ def _ended(threads: list[threading.Thread]) -> bool:
 
 def test_a_worker_dropped_without_shutdown_warns_and_its_threads_end() -> None:
     gc.collect()  # workers other tests left in cycles go now, not inside the check below
+    before = set(threading.enumerate())
     worker, _pages = make_sync()
     worker.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([5]))
     worker.wait({1})
-    threads = _lane_threads(worker)
+    threads = _lane_threads(before)
     with pytest.warns(ResourceWarning, match="aiokv worker .* dropped without shutdown"):
         del worker
         gc.collect()
@@ -328,8 +421,9 @@ def test_a_dropped_worker_ends_its_threads_even_when_warnings_are_errors(monkeyp
     gc.collect()
     raised: list[BaseException | None] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: raised.append(u.exc_value))
+    before = set(threading.enumerate())
     worker, _pages = make_sync()
-    threads = _lane_threads(worker)
+    threads = _lane_threads(before)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         del worker
@@ -379,8 +473,7 @@ def test_a_worker_shut_down_does_not_warn() -> None:
 
 def test_with_max_in_flight_a_submit_blocks_until_a_job_ends_and_keeps_its_result() -> None:
     kv = make_layers(num_layers=2, num_blocks=16, page_shape=(2, 2, 8))
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=16,
-                                                        options={"max_in_flight": 2}))
+    worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=16, options={"max_in_flight": 2})
     latch = threading.Event()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
     worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
@@ -417,17 +510,23 @@ def test_a_shutdown_whose_drain_never_ends_gives_up_and_reports_the_job_failed()
 
 
 def test_a_keyboard_interrupt_in_shutdown_abandons_the_drain(monkeypatch) -> None:
+    """Ctrl-C where it lands in an engine thread's drain: in the wait on a job's end."""
+    from aiokv.backends.cpu import CpuCompletion
+
     worker, _pages = make_sync(num_blocks=8, chunks=8)
     never = threading.Event()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    waits: list[float | None] = []
 
-    def interrupted(idle_timeout: float) -> bool:
+    def interrupted(self, timeout: float | None = None) -> bool:
+        waits.append(timeout)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(worker._core, "drain", interrupted)
+    monkeypatch.setattr(CpuCompletion, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="interrupted.*store job 1"):
-        worker.shutdown()
-    assert worker._core.closed
+        worker.shutdown(drain_timeout=60)
+    monkeypatch.undo()
+    assert len(waits) == 1 and worker.closed and "closed" in repr(worker)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
     worker.shutdown()  # closed: returns at once
     never.set()
@@ -438,9 +537,10 @@ def test_a_dropped_worker_says_what_is_true(use: str) -> None:
     """A worker that never ran a copy used to warn that nothing waited for its copies."""
     gc.collect()
     kv = make_layers(num_blocks=8)
-    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
-    if use != "never opened":
-        worker = SyncOffloadingWorker(worker)  # type: ignore[assignment]
+    worker: AsyncOffloadingWorker | SyncOffloadingWorker = (
+        AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) if use == "never opened"
+        else SyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    )
     with pytest.warns(ResourceWarning) as seen:
         del worker
         gc.collect()
@@ -453,8 +553,7 @@ def test_bad_input_at_the_bound_raises_at_once_instead_of_waiting_for_room() -> 
     """A full worker checked input only once a slot was free: behind a job that never
     ends, a duplicate id or a bad spec blocked the engine thread for good."""
     kv = make_layers(num_layers=1, num_blocks=8)
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
-                                                        options={"max_in_flight": 1}))
+    worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"max_in_flight": 1})
     latch = threading.Event()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
     bad = [
@@ -486,8 +585,7 @@ def test_bad_input_at_the_bound_raises_at_once_instead_of_waiting_for_room() -> 
 
 def test_a_submit_blocked_at_the_bound_is_told_when_the_worker_shuts_down() -> None:
     kv = make_layers(num_layers=1, num_blocks=8)
-    worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8,
-                                                        options={"max_in_flight": 1, "drain_timeout": 0.1}))
+    worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=8, options={"max_in_flight": 1, "drain_timeout": 0.1})
     never = threading.Event()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
     caught: list[BaseException] = []
@@ -514,17 +612,20 @@ def test_an_interrupt_while_memory_is_freed_loses_no_result(monkeypatch) -> None
     """A second Ctrl-C (or a teardown error) while shutdown() let lanes and memory go
     lost the results the core had just popped: get_finished() never reported them."""
     worker, _pages = make_sync(num_blocks=8, chunks=8)
-    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
-    worker._core.wait_all(10)  # done, not polled: the close pops it
-    release = worker._core._release
+    from aiokv.backends.cpu import CpuBackend
 
-    def interrupted() -> None:
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.wait({1})  # done, not polled: the close pops it
+    close = CpuBackend.close
+
+    def interrupted(self) -> None:
+        close(self)  # let go of what it holds, then be interrupted
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(worker._core, "_release", interrupted)
+    monkeypatch.setattr(CpuBackend, "close", interrupted)
     with pytest.raises(KeyboardInterrupt):
         worker.shutdown()
-    assert worker._core.closed
+    monkeypatch.undo()
+    assert worker.closed
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()  # closed: returns at once
-    release()

@@ -256,7 +256,7 @@ async def test_tiers_need_an_entered_cache_and_the_async_worker(tmp_path: Path) 
             await cache.offload(["a"], [0])
         with pytest.raises(UsageError, match="async with cache"):
             await cache.alookup(["a"])
-    sync_worker = SyncOffloadingWorker(AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4))
+    sync_worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
     try:
         with pytest.raises(UsageError, match="AsyncOffloadingWorker"):
             OffloadCache(sync_worker)  # type: ignore[arg-type]

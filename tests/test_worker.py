@@ -14,6 +14,7 @@ from aiokv import (
     AsyncOffloadingWorker,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
+    InvalidSpec,
     PollerStatistics,
     QueueFull,
     TransferResult,
@@ -210,6 +211,32 @@ async def test_statistics_and_repr_count_per_direction(kv4: KV) -> None:
     assert "closed" in repr(worker)
 
 
+async def test_repr_closed_and_in_flight_follow_the_states(kv4: KV) -> None:
+    worker = AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8)
+    assert repr(worker) == ("<AsyncOffloadingWorker new backend=cpu chunks=8 in_flight: store=0 load=0 "
+                            "expedited_load=0>")
+    assert not worker.closed and worker.kv_caches is kv4.kv
+    latch = threading.Event()
+    async with worker:
+        assert repr(worker).startswith("<AsyncOffloadingWorker open ")
+        fut = worker.submit_load(1, CPULoadStoreSpec([1]), GPULoadStoreSpec([2]), after=latch)
+        assert worker.in_flight == 1 and "in_flight: store=0 load=1 " in repr(worker)
+        latch.set()
+        await fut
+        assert worker.in_flight == 0 and not worker.closed
+    assert worker.closed and repr(worker).startswith("<AsyncOffloadingWorker closed ")
+
+
+async def test_check_submittable_refuses_a_bad_after_through_the_core(kv4: KV) -> None:
+    async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
+        worker.check_submittable()
+        worker.check_submittable(threading.Event())
+        with pytest.raises(InvalidSpec, match=r"threading\.Event"):
+            worker.check_submittable(after="now")
+    with pytest.raises(WorkerClosed):
+        worker.check_submittable()
+
+
 async def test_cpu_bytes_sizes_the_pool_in_whole_chunks() -> None:
     kv = make_layers(num_layers=1, num_blocks=4)
     w = AsyncOffloadingWorker(kv.kv, cpu_bytes=10_000)
@@ -252,8 +279,7 @@ async def test_by_default_a_long_wait_naps_on_the_doorbell(kv4: KV) -> None:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         await anyio.sleep(0.1)
         assert 1 <= worker._poller.sleeps <= 30
-        (job,) = worker._core.heads()
-        assert worker._armed[job] is True
+        assert list(worker._armed.values()) == [True]  # the one job in flight was asked
         worker._poller._max_nap = 60.0  # from the next nap on, only the ring can end it
         await anyio.sleep(0.03)
         latch.set()
@@ -272,8 +298,7 @@ async def test_a_job_that_cannot_ring_is_asked_once_and_timer_naps_take_over(
     async with AsyncOffloadingWorker(kv4.kv, num_cpu_chunks=8) as worker:
         fut = worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([3]), after=latch)
         await anyio.sleep(0.1)
-        (job,) = worker._core.heads()
-        assert len(asked) == 1 and worker._armed[job] is None
+        assert len(asked) == 1 and list(worker._armed.values()) == [None]
         assert worker._poller.sleeps >= 20  # ~1 ms timer naps, not a spin on its own ring
         latch.set()
         assert (await fut).success
@@ -301,8 +326,7 @@ async def test_without_the_doorbell_a_long_wait_polls_on_a_timer(kv4: KV) -> Non
         with anyio.fail_after(10):
             while worker._poller.sleeps < 40:
                 await anyio.sleep(0.01)
-        (job,) = worker._core.heads()
-        assert job not in worker._armed  # never asked: no bell to ring
+        assert worker.in_flight == 1 and not worker._armed  # never asked: no bell to ring
         latch.set()
         assert (await fut).success
 

@@ -14,7 +14,6 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from ...sync import SyncOffloadingWorker
-from ...worker import AsyncOffloadingWorker
 from .options import PluginOptions
 
 __all__ = ["AiokvOffloadingWorker"]
@@ -34,13 +33,11 @@ class AiokvOffloadingWorker(OffloadingWorker):
         self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions
     ) -> None:
         self._sync = SyncOffloadingWorker(
-            AsyncOffloadingWorker(
-                kv_caches,
-                num_cpu_chunks=num_chunks,
-                blocks_per_chunk=blocks_per_chunk,
-                backend=options.backend,
-                options=options.worker_options,
-            )
+            kv_caches,
+            num_cpu_chunks=num_chunks,
+            blocks_per_chunk=blocks_per_chunk,
+            backend=options.backend,
+            options=options.worker_options,
         )
 
     @property
