@@ -15,7 +15,7 @@ def test_public_names_are_pinned() -> None:
         # tiers under the host pool
         "DiskTier", "RedisTier", "RestoreResult", "Tier", "TierCacheStats", "TierStatistics",
         # the rest of the error tree (aiokv.errors)
-        "CudaCallFailed", "HostMemoryError", "QueueFull", "TierError", "UsageError",
+        "CudaCallFailed", "DriverError", "HostMemoryError", "QueueFull", "TierError", "UsageError",
         # what the async face's poller did (for the bench)
         "PollerStatistics",
     }

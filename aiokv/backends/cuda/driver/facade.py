@@ -22,7 +22,7 @@ from cuda.bindings import driver as cu
 from ....doorbell import Doorbell
 from ....errors import HostMemoryError, WorkerBroken
 from .batch import BatchCopies, holding_gil
-from .codes import NOT_READY, OK, OUT_OF_MEMORY, DriverError, translate
+from .codes import NOT_READY, OK, OUT_OF_MEMORY, driver_error, translate
 
 __all__ = ["Driver", "JobEvents"]
 
@@ -274,11 +274,12 @@ class Driver(BatchCopies):
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         code = int(cu.cuMemHostRegister(address, nbytes, flags)[0])
         if code == OUT_OF_MEMORY:
+            raw = driver_error(code, "cuMemHostRegister")
             raise HostMemoryError(
-                f"could not pin {nbytes} bytes of host memory ({DriverError(code, 'cuMemHostRegister')}): "
+                f"could not pin {nbytes} bytes of host memory ({raw}): "
                 "ask for fewer chunks (num_cpu_chunks= or cpu_bytes=), or raise the locked-memory "
                 "limit (ulimit -l)"
-            ) from DriverError(code, "cuMemHostRegister")
+            ) from raw
         if code != OK:
             raise self.fail(code, "cuMemHostRegister")
         try:
