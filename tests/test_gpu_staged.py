@@ -206,8 +206,8 @@ def test_auto_falls_back_to_dma_where_the_kernel_cannot_load(monkeypatch, caplog
 
     async def main() -> None:
         async with AsyncOffloadingWorker(describe(tensors, 1), num_cpu_chunks=64, backend="cuda") as w:
-            assert w._core.backend.describe()["strategy"] == {"store": "dma", "load": "dma",
-                                                             "expedited_load": "dma"}
+            assert {d: lane.strategy for d, lane in w.statistics().lanes.items()} == {
+                "store": "dma", "load": "dma", "expedited_load": "dma"}
             ids = list(range(64))
             assert (await w.submit_store(1, GPULoadStoreSpec(ids), CPULoadStoreSpec(ids))).success
             for t in tensors:

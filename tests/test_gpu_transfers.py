@@ -121,7 +121,7 @@ def test_host_pool_is_exact_size_cpu_tensor() -> None:
         pool = w.host_pool
         assert pool.device.type == "cpu" and pool.dtype == torch.uint8
         assert pool.numel() == 7 * w.chunk_bytes
-        assert w._core.backend.describe()["backend"] == "cuda"
+        assert w.statistics().backend == "cuda"
     finally:
         anyio.run(w.aclose)
 

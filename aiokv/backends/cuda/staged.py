@@ -40,10 +40,6 @@ SLOTS = 2
 DIRECT_PIECE_BYTES = 1 << 20
 # Below this many pieces a job is a few descriptors: one batched call beats a launch.
 MIN_STAGED_PIECES = 64
-# A slot's runs go as one batched call that drops the GIL above 16 descriptors, as every
-# batched call does. Keeping it up to 64 made the submit beside a busy Python thread a
-# quarter as long, but slowed a GEMM loop launched from another Python thread beside staged
-# jobs: the thread launching model kernels comes first (docs/performance.md, "GIL").
 
 
 @dataclass
