@@ -245,13 +245,3 @@ class BatchCopies:
         if at is None:
             at = self._attr_ptrs[key] = int(self._attr(stream_ordered, to_host).getPtr())
         return at
-
-    def memcpy_batch_lists(self, dst: list[int], src: list[int], sizes: list[int], stream: Any) -> None:
-        """cuda-python's own batched call on Python lists: the baseline a user would write."""
-        attr = self._attr(True, None)
-        dsts = [cu.CUdeviceptr(x) for x in dst]
-        srcs = [cu.CUdeviceptr(x) for x in src]
-        ret = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attr], [0], 1, stream)
-        code = ret[0] if isinstance(ret, tuple) else ret
-        if code != OK:
-            raise self.fail(int(code), "cuMemcpyBatchAsync")
