@@ -142,3 +142,34 @@ def test_every_direction_reports_its_transfer_type(direction: Direction) -> None
     assert job.result.transfer_type == direction.transfer_type
     assert repr(rig.handler) == f"<Handler {direction.value} in_flight=0 completed=1>"
     rig.close()
+
+
+@pytest.mark.anyio
+async def test_a_kept_failed_future_does_not_keep_the_closed_workers_pool(monkeypatch) -> None:
+    import gc
+    import weakref
+
+    from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed
+
+    def fail(self, plan):
+        try:
+            raise ValueError("what the driver said")
+        except ValueError as exc:  # a chained cause keeps frames of its own
+            raise OSError("simulated device fault") from exc
+
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+
+    async def failed_future() -> tuple[object, weakref.ref]:
+        async with AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4) as worker:
+            # The lane holds a view of the pool; its thread's frames were the error's traceback.
+            lane = weakref.ref(worker._core.handlers[Direction.STORE].lane)
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            with pytest.raises(TransferFailed):
+                await fut
+        return fut, lane
+
+    fut, lane = await failed_future()
+    gc.collect()
+    assert lane() is None, "the failed future's cause keeps the lane's frames, and the pool"
+    with pytest.raises(TransferFailed, match="simulated device fault"):
+        fut.result()  # type: ignore[attr-defined]
