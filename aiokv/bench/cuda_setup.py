@@ -179,9 +179,9 @@ class Contiguous:
             self.s1.wait_stream(s)
 
     def rates(self, reps: int) -> dict[str, float]:
-        # One copy per direction measured 82-100 GB/s across runs on the H200 while jobs
-        # spread over many streams reached ~100, so the bidirectional ceiling is the best of
-        # one and four streams per direction.
+        # One copy per direction does not always reach what jobs spread over many streams
+        # reach both ways at once, so the bidirectional ceiling is the best of one and four
+        # streams per direction.
         both = max(2 * self.nbytes / self._timed(functools.partial(self.both, n), reps) / GB for n in (1, 4))
         return {
             "store": self.nbytes / self._timed(self.d2h, reps) / GB,

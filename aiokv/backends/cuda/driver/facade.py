@@ -31,7 +31,7 @@ __all__ = ["Driver", "JobEvents"]
 class JobEvents:
     """A timing pair around one job's copies; ``stop`` (blocking-sync) also marks completion.
 
-    One event for both saves a record per job: 8-17 us of host time on the H200's host.
+    One event for both saves a record, and its host time, per job (docs/performance.md, "GIL").
     """
 
     start: Any
@@ -49,7 +49,7 @@ class Driver(BatchCopies):
     pending completion reports it and every launch raises ``WorkerBroken``.
     """
 
-    # Tell the driver where each side of a batched copy lives (measured: no gain on the H200).
+    # Tell the driver where each side of a batched copy lives (off: the bench's rates did not move).
     use_location_hints = False
 
     def __init__(self, device_index: int) -> None:
@@ -79,7 +79,7 @@ class Driver(BatchCopies):
         # A job makes ~16 records and waits, and every poll a query. They return at once, so
         # they keep the GIL (PYFUNCTYPE): a call that drops it may have to win it back from
         # another Python thread, which takes up to the switch interval (5 ms). Through
-        # ctypes a record costs about a microsecond of host time (docs/performance.md, "GIL").
+        # ctypes a record is short enough to keep it (docs/performance.md, "GIL").
         self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp, vp))
         self._record_fn = self._load_proc(b"cuEventRecord", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp))
         self._wait_fn = self._load_proc(
