@@ -20,6 +20,7 @@ from .core import WorkerStatistics
 from .errors import (
     AiokvError,
     CudaCallFailed,
+    DriverError,
     DuplicateJob,
     HostMemoryError,
     InvalidSpec,
@@ -58,6 +59,7 @@ __all__ = [
     "ChunkManager",
     "CudaCallFailed",
     "Direction",
+    "DriverError",
     "DuplicateJob",
     "EvictionPolicy",
     "GPULoadStoreSpec",

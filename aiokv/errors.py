@@ -14,24 +14,25 @@ ValueError`` around a submit keeps working::
      +-- WorkerBroken (RuntimeError)       the device failed under you (sticky CUDA error)
      +-- HostMemoryError (MemoryError)     the host pool cannot be allocated or pinned
      +-- CudaCallFailed (RuntimeError)     a driver call failed: neither bad input nor broken
+     +-- DriverError                       the raw driver code behind one of the CUDA errors
+     |                                     above (their ``__cause__``; never raised alone)
      +-- TransferFailed                    one transfer failed; ``.result`` says which
      +-- TierError (OSError)               a lower cache tier (disk, Redis) failed; the cache
                                            turns it into a miss, never into wrong bytes
 
-Only the CUDA driver facade turns driver return codes into these (``raise ... from``);
-nothing else catches cuda-python errors.
+Only the CUDA driver package turns driver return codes into these (``raise ... from`` a
+``DriverError``); nothing else catches cuda-python errors. This module imports nothing of
+aiokv: it is the bottom floor of the import graph.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .specs import TransferResult
+from typing import Any
 
 __all__ = [
     "AiokvError",
     "CudaCallFailed",
+    "DriverError",
     "DuplicateJob",
     "HostMemoryError",
     "InvalidSpec",
@@ -62,7 +63,7 @@ class KeyNotLoadable(InvalidSpec):
 
 
 class UsageError(AiokvError, RuntimeError):
-    """A call made in the wrong state (entered twice, owned by the other face) or from the
+    """A call made in the wrong state (entered twice, closed from the loop by another thread) or from the
     wrong thread. Unlike ``InvalidSpec`` the arguments were fine; the call site is not."""
 
 
@@ -91,10 +92,25 @@ class CudaCallFailed(AiokvError, RuntimeError):
         self.code = code
 
 
-class TransferFailed(AiokvError):
-    """A transfer failed on the device; ``result`` is its ``TransferResult``."""
+class DriverError(AiokvError):
+    """The raw CUDA driver failure: which call (``what``), its return ``code`` and the code's
+    ``name``. Kept as the ``__cause__`` of the error raised to the caller (``WorkerBroken``,
+    ``InvalidSpec``, ``CudaCallFailed`` or ``HostMemoryError``), never raised on its own."""
 
-    def __init__(self, result: TransferResult, reason: str = "") -> None:
+    def __init__(self, code: int, what: str, name: str) -> None:
+        super().__init__(f"{what} returned {name} ({code})")
+        self.code = code
+        self.what = what
+        self.name = name
+
+
+class TransferFailed(AiokvError):
+    """A transfer failed on the device; ``result`` is its ``aiokv.TransferResult`` (with
+    ``success=False``). Typed as ``Any`` here so that the error tree imports nothing."""
+
+    result: Any
+
+    def __init__(self, result: Any, reason: str = "") -> None:
         self.result = result
         self.reason = reason
         super().__init__(f"job {result.job_id} failed" + (f": {reason}" if reason else ""))

@@ -65,10 +65,9 @@ def loop_yield() -> Callable[[], Awaitable[None]]:
 
 def loop_event() -> LoopEvent:
     """A fresh event for the calling task's loop: asyncio's own on asyncio and uvloop,
-    anyio's elsewhere (trio). On the development VM ``anyio.Event()`` took 1.9-3.2 us per
-    creation (it looks up the loop and then anyio's backend), this 0.9-1.6 us (the sniffio
-    lookup, then ``asyncio.Event()`` at 0.2-0.4 us), on each await of a future and the
-    poller's turn after a submit."""
+    anyio's elsewhere (trio). One is made on each await of a future and each poller turn
+    after a submit; ``anyio.Event()`` looks up the loop and then anyio's backend every
+    time, this only the loop."""
     if loop_library() == "asyncio":
         return asyncio.Event()
     return anyio.Event()

@@ -31,31 +31,32 @@ class WorkerOptions:
     # CUDA streams one job's copies are spread over (several copy engines); 0 = auto.
     streams_per_direction: int = 0
     # Host threads that issue a large DMA job's per-stream batches in parallel (the
-    # driver spends ~0.9 us of host time per descriptor and drops the GIL, so several
+    # driver spends host time on every descriptor and drops the GIL, so several
     # threads keep several copy engines fed); 0 issues them from the submitting thread.
     # Only jobs of >= 1024 descriptors use them (docs/performance.md, "Submit threads").
     submit_threads: int = 4
     # Device memory per lane (store, load, expedited load) that the staged strategy (and
     # ``auto``) gathers small pages through, in two slots; allocated on the lane's first
     # job that uses it. A slot's DMA should outlast the longest compute kernel beside it,
-    # or the gather waits for SMs between slots; 128 MiB covers an 8192^3 GEMM's 1.6 ms
-    # kernels (docs/performance.md, "Staging size"). 0 turns staging off (``auto`` is
-    # then ``dma``).
+    # or the gather waits for SMs between slots; 128 MiB outlasts a large GEMM's kernels
+    # (docs/performance.md, "Staging size"). 0 turns staging off (``auto`` is then
+    # ``dma``).
     staging_bytes: int = 128 << 20
     # After a completion or a submit (unless the oldest job is predicted to need longer),
     # and before a predicted end, the poller yields to the loop for this long.
     spin_seconds: float = 200e-6
-    # Timer nap between polls when the oldest job cannot ring the doorbell (asyncio cannot
-    # sleep under ~1.1 ms); with the doorbell, naps last until a ring (10 ms backstop).
+    # Timer nap between polls when the oldest job cannot ring the doorbell (asyncio rounds
+    # short sleeps up, docs/performance.md, "Doorbell"); with the doorbell, naps last until
+    # a ring (10 ms backstop).
     poll_interval: float = 1e-3
     # Async face: while napping, have each direction's oldest job ring a pipe the loop
     # sleeps on when it ends (on CUDA a host function writes it, no Python involved), so a
-    # job that ends away from its predicted time is noticed in ~0.1-0.5 ms, not after a
-    # timer nap of one or more milliseconds.
+    # job that ends away from its predicted time is noticed when it ends, not after a
+    # timer nap the loop rounds up (docs/performance.md, "Doorbell").
     doorbell: bool = True
     # CUDA: enqueue jobs of 8 MiB or more (and any job behind one) from each lane's own
-    # thread, so ``submit`` returns once the job is planned and its dependency captured
-    # (0.1-0.18 ms instead of 0.3-0.8 ms for 256 MiB jobs). Off by default: the thread takes
+    # thread, so ``submit`` returns once the job is planned and its dependency captured,
+    # without waiting for the driver calls. Off by default: the thread takes
     # the GIL for the driver calls instead, so the loop still waits for them, a GEMM loop
     # in another Python thread slows more, and the round trip grows by the hand-off
     # (docs/performance.md, "Issue thread").

@@ -35,7 +35,7 @@ __all__ = [
 _CHUNK_ALIGN = 512
 _INT64_MAX = (1 << 63) - 1
 # Jobs up to this many blocks (one group) / pages are planned in plain Python: numpy's
-# per-call overhead made a 1-block job's planning ~40 us, most of its submit time.
+# per-call overhead would be most of a small job's submit time.
 _SMALL_JOB = 16
 _SMALL_PLAN = 64
 

@@ -117,7 +117,7 @@ class CompletionForecast:
         None when no rate is known.
 
         A job a little late (under a quarter of its predicted time, at most 2 ms) reads as
-        due now (0.0), so the poller keeps spinning for it instead of taking a ~1 ms nap;
+        due now (0.0), so the poller keeps spinning for it instead of taking a timer nap;
         later than that, the prediction is stale and the true (negative) value is returned.
         """
         if now is None:
@@ -220,7 +220,7 @@ class Poller:
         self._bell = bell
         self._arm = arm
         self._max_nap = max_nap
-        # Without the alarm, a nap cannot end sooner than the loop's ~1 ms timer allows.
+        # Without the alarm, a nap cannot end sooner than the loop's timer allows ("Doorbell").
         self._shortest_nap = _MIN_ALARM_NAP if bell is not None and bell.has_alarm else poll_interval
         self._napping = False
         self._naps: _BellNaps | _ReaderNaps | None = None  # chosen per run, for its loop
@@ -247,8 +247,8 @@ class Poller:
         return self._spin + self._lateness
 
     def _learn_lateness(self, target: float) -> None:
-        """Track how late naps end (waking a sleeping thread took 0.2-0.3 ms on the H200's
-        host): rises quickly, decays slowly, so the lead covers most naps."""
+        """Track how late naps end (how late a sleeping thread wakes depends on the host):
+        rises quickly, decays slowly, so the lead covers most naps."""
         late = time.perf_counter() - target
         if late < 0 or late > _MAX_LATENESS:
             return  # a ring or a submit ended it early, or the loop was stalled

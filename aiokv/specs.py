@@ -7,7 +7,7 @@ import enum
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
@@ -140,13 +140,6 @@ class CPULoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"CPULoadStoreSpec(chunk_ids={list(np.asarray(self.block_ids).tolist())})"
-
-
-@runtime_checkable
-class BlockSpec(Protocol):
-    """What a worker needs of any spec object: its ids (an engine's own specs qualify)."""
-
-    block_ids: Any
 
 
 class _Later:

@@ -3,7 +3,7 @@
 Question it answers: what a server whose model runs long kernels gets from offloading one
 job at a time, against keeping a second job in flight (``aiokv bench`` prints only the
 latter under load). The GEMM load is ``aiokv bench``'s own,
-:class:`aiokv.bench.cuda_setup.Gemm` (its own stream in a Python thread, four GEMMs per
+:class:`aiokv.bench.Gemm` (its own stream in a Python thread, four GEMMs per
 synchronize, rate over its run), and the slowdown is computed as the bench computes it, so
 the two agree by construction. Each row under the GEMM repeats its jobs for the whole
 window, so the GEMM's rate is taken while jobs run. The KV job is per-layer 32 KiB pages
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
-from aiokv.bench.cuda_setup import Gemm
+from aiokv.bench import Gemm
 
 
 class CpuGemm:
-    """The CPU stand-in for :class:`aiokv.bench.cuda_setup.Gemm`, measured the same way.
+    """The CPU stand-in for :class:`aiokv.bench.Gemm`, measured the same way.
 
     Four float32 matmuls between checks of the stop flag, rate (TFLOP/s) over the whole
     run, so the CPU path runs the same steps as the CUDA one.

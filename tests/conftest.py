@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from aiokv import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from aiokv.backends.cpu import CpuCompletion
 
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -109,3 +111,22 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+def copies_ending(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """A way to block the calling thread (a loop's included, which then does not poll)
+    until ``n`` more copies have ended on the CPU backend."""
+    ended = threading.Semaphore(0)
+    finish = CpuCompletion._finish
+
+    def counted(self: CpuCompletion, error: BaseException | None, elapsed: float | None) -> None:
+        finish(self, error, elapsed)
+        ended.release()
+
+    monkeypatch.setattr(CpuCompletion, "_finish", counted)
+
+    def wait(n: int) -> None:
+        for _ in range(n):
+            assert ended.acquire(timeout=10), "a copy did not end"
+
+    return wait

@@ -3,6 +3,8 @@ rows, so the scripts cannot rot while the library moves under them."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import re
 import sys
@@ -26,6 +28,21 @@ def load_script(name: str) -> ModuleType:
 def test_every_script_is_covered_here() -> None:
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
     assert scripts == {"gemm_overlap", "wakeup_loops"}, "add a quick-mode test for each new script"
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.stem)
+def test_scripts_use_only_public_names(path: Path) -> None:
+    """``from aiokv import X`` and ``from aiokv.bench import X`` with X in that module's
+    ``__all__``; nothing else of aiokv (its internals may move under the scripts)."""
+    public = {"aiokv", "aiokv.bench"}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            assert not [a.name for a in node.names if a.name.split(".")[0] == "aiokv"], ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "aiokv":
+            assert node.module in public, f"{path.name}: {ast.unparse(node)} is not a public module"
+            exported = set(importlib.import_module(node.module).__all__)
+            names = {a.name for a in node.names}
+            assert names <= exported, f"{path.name}: {sorted(names - exported)} not in {node.module}.__all__"
 
 
 def test_wakeup_loops_prints_a_row_per_loop_job_and_doorbell(capsys: pytest.CaptureFixture[str]) -> None:

@@ -166,6 +166,10 @@ async def test_a_drain_that_never_ends_gives_up_names_the_job_and_keeps_the_pool
         async with worker:
             done = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
             await done
+            # Host memory is not cleared: a pool recycled from an earlier run of this test may
+            # hold these very bytes already, so put others there first.
+            cb = worker.chunk_bytes
+            worker.host_pool[2 * cb : 3 * cb] = torch.randint(0, 256, (cb,), dtype=torch.uint8)
             stuck = worker.submit_store(7, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]), after=never)
             behind = worker.submit_store(8, GPULoadStoreSpec([3]), CPULoadStoreSpec([3]))
             pool = worker.host_pool

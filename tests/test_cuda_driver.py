@@ -24,6 +24,22 @@ def test_errors_that_leave_the_process_unusable_break_the_worker(name: str) -> N
     assert isinstance(translate(int(getattr(cu.CUresult, name)), "cuEventQuery"), WorkerBroken)
 
 
+@pytest.mark.parametrize(("code", "raised"), [
+    (cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "WorkerBroken"),
+    (cu.CUresult.CUDA_ERROR_INVALID_VALUE, "InvalidSpec"),
+    (cu.CUresult.CUDA_ERROR_NOT_PERMITTED, "CudaCallFailed"),
+])
+def test_a_translated_error_keeps_the_raw_driver_error_as_its_cause(code: Any, raised: str) -> None:
+    import aiokv.errors
+
+    err = translate(int(code), "cuEventQuery")
+    assert type(err) is getattr(aiokv.errors, raised)
+    raw = err.__cause__
+    assert isinstance(raw, aiokv.errors.DriverError)
+    assert (raw.code, raw.what, raw.name) == (int(code), "cuEventQuery", code.name)
+    assert f"cuEventQuery returned {code.name} ({int(code)})" in str(err)
+
+
 def test_bindings_older_than_the_driver_copy_one_call_per_copy(monkeypatch) -> None:
     """cuda-python 12.6-12.7 has no CUmemcpyAttributes: a 12.8 driver's batched call cannot
     be described with them, so copies go one cuMemcpyAsync at a time."""

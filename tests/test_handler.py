@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from aiokv.backends.cpu import CpuHostPool, CpuLane
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed
+from aiokv.backends.cpu import CpuBackend, CpuHostPool, CpuLane
 from aiokv.handler import Handler
 from aiokv.plan import CopyPlan, HostLayout, map_blocks, plan_copies
 from aiokv.specs import Direction
@@ -142,3 +143,37 @@ def test_every_direction_reports_its_transfer_type(direction: Direction) -> None
     assert job.result.transfer_type == direction.transfer_type
     assert repr(rig.handler) == f"<Handler {direction.value} in_flight=0 completed=1>"
     rig.close()
+
+
+@pytest.mark.anyio
+async def test_a_kept_failed_future_does_not_keep_the_closed_workers_pool(monkeypatch) -> None:
+    import gc
+    import weakref
+
+    def fail(self, plan):
+        try:
+            raise ValueError("what the driver said")
+        except ValueError as exc:  # a chained cause keeps frames of its own
+            raise OSError("simulated device fault") from exc
+
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+    lanes: list[weakref.ref] = []
+    open_lane = CpuBackend.open_lane
+    monkeypatch.setattr(CpuBackend, "open_lane", lambda self, d, *a: lanes.append(
+        weakref.ref(lane := open_lane(self, d, *a))) or lane)
+
+    async def failed_future() -> tuple[object, weakref.ref]:
+        async with AsyncOffloadingWorker(make_layers(num_blocks=8).kv, num_cpu_chunks=4) as worker:
+            # The lane holds a view of the pool; its thread's frames were the error's traceback.
+            lane = lanes[0]  # the store lane: directions open in order
+            assert lane().direction.value == "store"  # type: ignore[union-attr]
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            with pytest.raises(TransferFailed):
+                await fut
+        return fut, lane
+
+    fut, lane = await failed_future()
+    gc.collect()
+    assert lane() is None, "the failed future's cause keeps the lane's frames, and the pool"
+    with pytest.raises(TransferFailed, match="simulated device fault"):
+        fut.result()  # type: ignore[attr-defined]

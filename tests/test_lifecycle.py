@@ -7,8 +7,10 @@ import threading
 
 import pytest
 
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec
 from aiokv.errors import UsageError, WorkerClosed
 from aiokv.lifecycle import Lifecycle, State
+from tests.conftest import make_layers
 
 
 def test_a_lifecycle_goes_new_open_closing_closed() -> None:
@@ -98,3 +100,27 @@ def test_closing_from_another_thread_refuses_the_opener_at_once() -> None:
     with pytest.raises(WorkerClosed):
         life.check_open()
     assert not life.closed.is_set()  # closing, not closed: the drain is the closer's
+
+
+@pytest.mark.anyio
+async def test_closed_and_unopened_workers_refuse_work() -> None:
+    kv = make_layers(num_blocks=8)
+    worker = AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4)
+    with pytest.raises(WorkerClosed, match="not open yet"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    async with worker:
+        pass
+    with pytest.raises(WorkerClosed, match="closed"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    with pytest.raises(WorkerClosed):
+        async with worker:
+            pass
+
+
+@pytest.mark.anyio
+async def test_entering_twice_is_an_error() -> None:
+    kv = make_layers(num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+        with pytest.raises(UsageError, match="already open; enter it once"):
+            await worker.__aenter__()
+        assert (await worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))).success

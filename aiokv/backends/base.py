@@ -161,9 +161,5 @@ class Backend(abc.ABC):
     ) -> Lane:
         """Create the lane for one direction."""
 
-    def describe(self) -> dict[str, Any]:
-        """Facts for ``aiokv info`` and reprs."""
-        return {"backend": self.name}
-
     def close(self) -> None:
         """Release backend-wide resources after every lane closed."""

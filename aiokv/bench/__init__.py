@@ -1,4 +1,7 @@
-"""``aiokv bench``: transfer figures beside same-run ceilings, and the cache replay."""
+"""``aiokv bench``: transfer figures beside same-run ceilings, and the cache replay.
+
+Public for scripts (``benchmarks/``): ``run_bench``, the report helpers, and ``Gemm``, the
+GEMM load the bench runs beside its jobs, so a script loads the GPU the way the bench does."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ from typing import Any
 
 import torch
 
+from .cuda_setup import Gemm
 from .report import BenchRow, format_table, write_json
 
-__all__ = ["BenchRow", "format_table", "progress_printer", "run_bench", "write_json"]
+__all__ = ["BenchRow", "Gemm", "format_table", "progress_printer", "run_bench", "write_json"]
 
 
 def progress_printer(stream: Any = None) -> Callable[[str], None]:

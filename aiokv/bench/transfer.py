@@ -68,8 +68,8 @@ async def _measure_case(case: TransferCase, device: str, reps: int) -> list[Benc
     blocks = rng.choice(case.num_blocks, case.job_blocks, replace=False)
     chunks = np.arange(case.job_blocks)
     nbytes = case.job_blocks * case.layers * 2 * case.page_bytes
-    # Written first: a copy from memory never touched read 20.3 GB/s against 14.4 GB/s from
-    # written memory on the development VM, which inflated the store ceiling.
+    # Written first: a copy from memory never touched reads faster than from written memory,
+    # which would inflate the store ceiling.
     flat_dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     rows: list[BenchRow] = []
     async with AsyncOffloadingWorker(kv, num_cpu_chunks=case.job_blocks) as worker:
@@ -127,8 +127,8 @@ def _contiguous_copies(
             dev.copy_(host, non_blocking=True)
 
         return {"store, one copy": store_pinned, "load, one copy": load_pinned}
-    # The CPU lane copies with numpy slice assignment; torch's threaded copy_ of the same
-    # bytes read 4.2-4.3 against numpy's 5.6-7.0 GB/s on a 2-core VM.
+    # The CPU lane copies with numpy slice assignment, and torch's threaded copy_ of the
+    # same bytes was the slower of the two on a 2-core VM: the ceiling copies as the lane does.
     h, d = host.numpy(), dev.numpy()
     bounds = [(i, min(i + page_bytes, h.size)) for i in range(0, h.size, page_bytes)]
 

@@ -163,8 +163,8 @@ class _TailReuse:
 
     Why: a serving engine that hashes a request's partial last block offers a key that the
     next turn never sends again (the block grows and hashes anew). On the Mooncake chat trace
-    about 1% of those last keys come back against about 30% of the others, so storing them
-    only displaces blocks that will be used. Engines that offer only full blocks re-send their
+    those last keys come back far more rarely than the others (docs/cache.md), so storing
+    them only displaces blocks that will be used. Engines that offer only full blocks re-send their
     last key like any other, and then nothing is skipped.
 
     Each offer of two or more keys remembers its last and its second-to-last key in two

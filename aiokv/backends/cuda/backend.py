@@ -147,15 +147,6 @@ class CudaBackend(Backend):
         self._lanes.append(lane)
         return lane
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": self.name,
-            "device": str(self.torch_device),
-            "driver_version": self.driver.driver_version,
-            "memcpy": self.driver.batch_kind,
-            "strategy": {lane.direction.value: lane.strategy_name for lane in self._lanes},
-        }
-
     def close(self) -> None:
         if self._capture_stream is not None:
             self.driver.destroy_stream(self._capture_stream)

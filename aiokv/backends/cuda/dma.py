@@ -22,14 +22,14 @@ from .strategy import DEFAULT_DMA_STREAMS, MIN_PITCHED_HEIGHT, CopyContext, Copy
 
 __all__ = ["DmaCopy", "MultiStreamDma", "stream_parts"]
 
-# A slice smaller than this is not worth its own stream (fork/join cost ~10 us of device time).
+# A slice smaller than this is not worth its own stream (its fork and join cost device time).
 MIN_SLICE_BYTES = 2 << 20
 # Nor is a job slice of fewer descriptors: each stream's batch call and fork/join edges cost
-# tens of microseconds of host time, and a few large copies keep an engine busy anyway
-# (128 copies of 2 MiB move at the same rate on 1 or 16 streams). Beside a busy Python
-# thread each batch call (it drops the GIL) costs a switch interval (5 ms). So 128 copies
-# of 2 MiB go as one call on one stream: a shorter submit, half as long beside a busy
-# thread, and the same rate both directions at once (docs/performance.md, "Submit threads").
+# host time, and a few large copies keep an engine busy anyway (large copies move at the
+# same rate on one stream as on many). Beside a busy Python thread each batch call (it drops
+# the GIL) costs a switch interval. So 128 copies of 2 MiB go as one call on one stream: a
+# shorter submit, beside a busy thread too, and the same rate both directions at once
+# (docs/performance.md, "Submit threads").
 MIN_SLICE_DESCRIPTORS = 128
 # Below this many descriptors a thread handoff costs more than the driver call it spreads.
 MIN_THREADED_DESCRIPTORS = 1024
@@ -76,8 +76,8 @@ class MultiStreamDma:
         self.subs: list[Any] = []
         self.joins: list[Any] = []
         self.fork = None
-        # The driver spends ~0.9 us of host time per descriptor; issuing the slices from
-        # several threads (their batch calls drop the GIL) can overlap that cost.
+        # The driver spends host time on every descriptor; issuing the slices from several
+        # threads (their batch calls drop the GIL) can overlap that cost ("Submit threads").
         self.threads = (
             ThreadPoolExecutor(ctx.submit_threads, thread_name_prefix="aiokv-dma-submit")
             if ctx.submit_threads > 1 else None

@@ -1,8 +1,8 @@
 """One thread per lane that makes a long job's driver calls after ``submit`` has returned.
 
-Why: the driver spends ~1 us of host time per DMA descriptor and tens of microseconds per
-staged slice, so issuing a 256 MiB job of small pages took 0.6-0.8 ms of the submitting
-thread, 11-16% of its transfer. Planning is what submit must do itself (it validates, and
+Why: the driver spends host time on every DMA descriptor and every staged slice, so
+issuing a job of small pages takes much of the submitting thread's time
+(docs/performance.md, "Issue thread"). Planning is what submit must do itself (it validates, and
 raises before anything is enqueued); the calls that only hand the plan to the device can
 run here, in submission order, while the caller goes back to its event loop or step.
 """

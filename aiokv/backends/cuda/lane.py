@@ -18,7 +18,7 @@ from .strategy import CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
 
-# With ``WorkerOptions.issue_thread``, jobs of at least this many bytes (~0.15 ms on PCIe 5)
+# With ``WorkerOptions.issue_thread``, jobs of at least this many bytes
 # are enqueued by the lane's issuer thread, so ``submit`` returns after planning; smaller
 # ones, whose issue is short and whose latency a thread hand-off would add to, are enqueued
 # by the caller when the lane is idle.
@@ -26,7 +26,7 @@ ISSUE_THREAD_BYTES = 8 << 20
 # An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
 # job, not once per call: each retake waits for the loop thread or the other lanes' issuers
 # to let go (beside a pure-Python thread, for a switch interval). Dropping it there made
-# round trips beside a busy Python thread twice as long, and one issuer thread shared by the
+# round trips beside a busy Python thread longer, and one issuer thread shared by the
 # lanes did no better; even so the thread slows GEMMs launched from another Python thread
 # more than issuing on the caller does, which is why ``issue_thread`` is off by default
 # (docs/performance.md, "Issue thread").

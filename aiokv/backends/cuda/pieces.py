@@ -187,8 +187,9 @@ class PieceKernel:
         self.device = device
         self.function = driver.load_function(PTX.encode() + b"\0", b"aiokv_copy_blocks")
         # One argument block, rewritten per launch: building the ctypes values and their
-        # pointer array took ~4 us a launch. Launches of one kernel never overlap (a lane
-        # issues from one thread at a time) and the driver copies the values at launch.
+        # pointer array anew cost host time on every launch. Launches of one kernel never
+        # overlap (a lane issues from one thread at a time) and the driver copies the values
+        # at launch.
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
         self._args = (u64(), u64(), u64(), u32(), u32(), u32(), u32(), u32())
         self._rows = (u32 * ROWS_PER_LAUNCH)()

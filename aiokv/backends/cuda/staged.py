@@ -1,8 +1,8 @@
 """A device gather into a staging ring laid out like the host chunks, then a few large DMAs.
 
 Why: a per-layer job is thousands of small pages. As one DMA descriptor each, the driver
-spends ~0.65-0.9 us of host time per page (60-80% of the transfer on the H200), and the
-copy engines lose ~25% of their rate on 32 KiB pieces under a GEMM. Here one launch of the
+spends host time on every page, and the copy engines lose rate on small pieces under a
+GEMM (docs/performance.md, "Copy strategies"). Here one launch of the
 piece kernel (``pieces.py``) gathers a slice of the job at HBM speed into a staging slot in
 host order, and the slot moves as runs of whole host chunks, the sizes at which the copy
 engines hold their rate under load. Slices alternate between two slots, so the gather of
@@ -35,15 +35,11 @@ __all__ = ["StagedCopy"]
 _log = logging.getLogger("aiokv")
 
 SLOTS = 2
-# Mean piece size from which a job goes straight to the copy engines: 2 MiB pages ran at
-# 0.97-1.00 of the ceiling idle and under the GEMMs with 2.6-3.8% of host time in the driver.
+# Mean piece size from which a job goes straight to the copy engines: they hold their rate
+# on pieces this large, idle and under a GEMM (docs/performance.md, "Copy strategies").
 DIRECT_PIECE_BYTES = 1 << 20
 # Below this many pieces a job is a few descriptors: one batched call beats a launch.
 MIN_STAGED_PIECES = 64
-# A slot's runs go as one batched call that drops the GIL above 16 descriptors, as every
-# batched call does. Keeping it up to 64 made the submit beside a busy Python thread a
-# quarter as long, but slowed a GEMM loop launched from another Python thread beside staged
-# jobs: the thread launching model kernels comes first (docs/performance.md, "GIL").
 
 
 @dataclass
@@ -116,8 +112,8 @@ def block_job(rows: np.ndarray, host: np.ndarray, page_rows: np.ndarray, block_b
     run whatever order the job lists them in (an engine's own chunk manager may list them
     in any order, e.g. a LIFO free list's newest first). ``in_host_order``: ``host`` is
     ascending already (``BlockMapping.by_host``). ``longest``: ``page_rows``' largest page,
-    if known. A few numpy calls per job: each costs ~1-2 us on 128 blocks, and this runs
-    inside every submit.
+    if known. A few numpy calls per job: each has a fixed cost, and this runs inside
+    every submit.
     """
     if not in_host_order:
         order = host.argsort(kind="stable")

@@ -42,8 +42,8 @@ _log = logging.getLogger("aiokv")
 # three copy engines; more streams than engines keep each engine's queue fed.
 DEFAULT_DMA_STREAMS = 16
 # Pitched copies pay off when a block's pages fold into runs at least this tall on average:
-# on the H200, 64-row ops ran at 0.92-0.93 of the ceiling for 0.35 ms of host time per
-# 8192 pages, while 2-row ops ran at 0.3 (each op costs ~2.8 us in the driver).
+# every 2D op costs the driver host time, so short runs spend it on few bytes while tall
+# ones run near the ceiling (docs/performance.md, "Copy strategies").
 MIN_PITCHED_HEIGHT = 8
 
 

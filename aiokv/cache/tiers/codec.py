@@ -18,7 +18,7 @@ mid-write, never verifies and is read as a miss instead of as wrong KV bytes::
 
 crc32 guards against tearing and truncation, not against an adversary: tiers that other
 parties can write to must be trusted stores (docs/tiers.md). zlib releases the GIL while it
-sums a large payload, so it runs beside the event loop at several GB/s.
+sums a large payload, so it runs beside the event loop.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def _zlib_crc32(payload: memoryview | bytes) -> int:
 def _pick_crc32() -> Callable[[memoryview | bytes], int]:
     """ISA-L's crc32 when installed (``isal``, in the ``redis`` and ``test`` extras), else zlib's.
 
-    Both compute the same function; zlib's ran at 2.5-4 GB/s on the development VM, which held
-    buffered disk reads and Redis restores to a fraction of their ceilings, ISA-L's at tens of
-    GB/s. ISA-L is used only after it agreed with zlib on a probe, so a mismatch can never
+    Both compute the same function; zlib's held buffered disk reads and Redis restores to a
+    fraction of their ceilings, ISA-L's does not (docs/tiers.md, "Figures"). ISA-L is used
+    only after it agreed with zlib on a probe, so a mismatch can never
     turn every stored value into a corrupt one.
     """
     try:

@@ -60,8 +60,8 @@ class RedisTier(Tier):
         client: "thread" (redis-py's blocking client on worker threads, any loop; GET
             replies land straight in the caller's buffers, SETs go from them),
             "asyncio" (redis-py's asyncio client, asyncio loops only) or "auto" (the thread
-            client: it restored 2-3x faster than the asyncio client on loopback, whose
-            parser copies each value several times on the loop thread; docs/tiers.md).
+            client: it restores faster than the asyncio client, whose parser copies each
+            value several times on the loop thread; docs/tiers.md).
         threads: worker threads and connections, so up to this many round trips of one
             batch run at once (the asyncio client checksums large values on them too).
         group_bytes: value bytes per round trip; larger blocks go one per round trip, which

@@ -6,7 +6,7 @@ batch is one thread call that fetches, verifies and copies, so the loop thread o
 and on a standalone server GET replies land straight in the caller's buffers
 (``redis_wire``). ``AsyncioRedis`` uses redis-py's asyncio client on the caller's asyncio
 loop (checksums and copies of large values go to worker threads); it parses replies on the
-loop thread and restored 2-3x slower on loopback, so it is opt-in (``client="asyncio"``).
+loop thread and restores slower (docs/tiers.md), so it is opt-in (``client="asyncio"``).
 
 Both send every batch as a pipeline (one round trip per group of keys; a cluster client
 splits a pipeline per node, since one MGET may not span slots on several nodes) and bound

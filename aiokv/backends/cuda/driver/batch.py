@@ -20,10 +20,10 @@ from .codes import OK
 
 __all__ = ["GIL_HELD_DESCRIPTORS", "GIL_HELD_PITCHED_OPS", "BatchCopies", "holding_gil"]
 
-# Batches this small return within ~15 us of host time (0.65-0.9 us per descriptor, 2-3 us
-# per pitched op), so they keep the GIL as a record does. Larger ones drop it: held through
-# the ~100 us calls of 2 MiB-page and pitched jobs, it slowed a GEMM loop in another Python
-# thread (docs/performance.md, "GIL"). A caller may decide otherwise per call (``hold_gil``).
+# Batches this small return almost as soon as a record does, so they keep the GIL as a record
+# does. Larger ones drop it: held through the long calls of 2 MiB-page and pitched jobs, it
+# slowed a GEMM loop in another Python thread (docs/performance.md, "GIL"). A caller may
+# decide otherwise per call (``hold_gil``).
 GIL_HELD_DESCRIPTORS = 16
 GIL_HELD_PITCHED_OPS = 4
 
@@ -58,8 +58,8 @@ class BatchCopies:
     def _load_batch(self) -> tuple[Any, str]:
         """Bind cuMemcpyBatchAsync for raw pointer arrays (this binding drops the GIL).
 
-        cuda-python's own wrapper converts Python lists entry by entry, which costs about
-        half a microsecond per page and holds the GIL; numpy arrays go in as they are here.
+        cuda-python's own wrapper converts Python lists entry by entry, at a cost per page,
+        and holds the GIL; numpy arrays go in as they are here.
         """
         if self.driver_version < 12080 or not hasattr(cu, "CUmemcpyAttributes"):
             return None, "loop"  # an old driver, or bindings older than 12.8 (no attribute type)
@@ -208,7 +208,7 @@ class BatchCopies:
     ) -> None:
         """Enqueue ``n`` copies on ``stream``, their destinations, sources and sizes read
         from the 8-byte arrays at host addresses ``dst``, ``src`` and ``sizes`` during the
-        call (a caller's table needs no per-call conversion; ``.ctypes.data`` costs ~2 us).
+        call (a caller's table needs no per-call conversion, which ``.ctypes.data`` is).
 
         ``hold_gil``: keep the GIL through the call (None: for batches of at most
         ``GIL_HELD_DESCRIPTORS``; a lane's issuer thread passes True, threads issuing slices
@@ -245,13 +245,3 @@ class BatchCopies:
         if at is None:
             at = self._attr_ptrs[key] = int(self._attr(stream_ordered, to_host).getPtr())
         return at
-
-    def memcpy_batch_lists(self, dst: list[int], src: list[int], sizes: list[int], stream: Any) -> None:
-        """cuda-python's own batched call on Python lists: the baseline a user would write."""
-        attr = self._attr(True, None)
-        dsts = [cu.CUdeviceptr(x) for x in dst]
-        srcs = [cu.CUdeviceptr(x) for x in src]
-        ret = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [attr], [0], 1, stream)
-        code = ret[0] if isinstance(ret, tuple) else ret
-        if code != OK:
-            raise self.fail(int(code), "cuMemcpyBatchAsync")

@@ -2,16 +2,17 @@
 
 A sticky code (the context is unusable for the rest of the process) becomes ``WorkerBroken``,
 a code that means the caller handed over something unusable becomes ``InvalidSpec``, and any
-other failure ``CudaCallFailed``; the raw code stays as the error's ``__cause__``.
+other failure ``CudaCallFailed``; the raw code stays as the error's ``__cause__`` (a
+``DriverError``, which lives in ``aiokv.errors`` with every other error class).
 """
 
 from __future__ import annotations
 
 from cuda.bindings import driver as cu
 
-from ....errors import CudaCallFailed, InvalidSpec, WorkerBroken
+from ....errors import CudaCallFailed, DriverError, InvalidSpec, WorkerBroken
 
-__all__ = ["BAD_INPUT", "NOT_READY", "OK", "OUT_OF_MEMORY", "STICKY", "DriverError", "translate"]
+__all__ = ["BAD_INPUT", "NOT_READY", "OK", "OUT_OF_MEMORY", "STICKY", "driver_error", "translate"]
 
 OK = cu.CUresult.CUDA_SUCCESS
 NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
@@ -54,14 +55,9 @@ BAD_INPUT = frozenset(
 )
 
 
-class DriverError(Exception):
-    """The raw driver failure, kept as ``__cause__`` of the translated error."""
-
-    def __init__(self, code: int, what: str) -> None:
-        name = error_name(code)
-        super().__init__(f"{what} returned {name} ({code})")
-        self.code = code
-        self.name = name
+def driver_error(code: int, what: str) -> DriverError:
+    """The raw failure of call ``what``, named as the driver names its code."""
+    return DriverError(code, what, error_name(code))
 
 
 def error_name(code: int) -> str:
@@ -73,7 +69,7 @@ def error_name(code: int) -> str:
 
 def translate(code: int, what: str) -> Exception:
     """The one place a driver code becomes an aiokv error (raised ``from`` the raw one)."""
-    raw = DriverError(code, what)
+    raw = driver_error(code, what)
     if code in STICKY:
         err: Exception = WorkerBroken(
             f"the CUDA context is broken ({raw}); every pending transfer failed. Restart the "

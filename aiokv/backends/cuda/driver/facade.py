@@ -22,7 +22,7 @@ from cuda.bindings import driver as cu
 from ....doorbell import Doorbell
 from ....errors import HostMemoryError, WorkerBroken
 from .batch import BatchCopies, holding_gil
-from .codes import NOT_READY, OK, OUT_OF_MEMORY, DriverError, translate
+from .codes import NOT_READY, OK, OUT_OF_MEMORY, driver_error, translate
 
 __all__ = ["Driver", "JobEvents"]
 
@@ -31,7 +31,7 @@ __all__ = ["Driver", "JobEvents"]
 class JobEvents:
     """A timing pair around one job's copies; ``stop`` (blocking-sync) also marks completion.
 
-    One event for both saves a record per job: 8-17 us of host time on the H200's host.
+    One event for both saves a record, and its host time, per job (docs/performance.md, "GIL").
     """
 
     start: Any
@@ -49,7 +49,7 @@ class Driver(BatchCopies):
     pending completion reports it and every launch raises ``WorkerBroken``.
     """
 
-    # Tell the driver where each side of a batched copy lives (measured: no gain on the H200).
+    # Tell the driver where each side of a batched copy lives (off: the bench's rates did not move).
     use_location_hints = False
 
     def __init__(self, device_index: int) -> None:
@@ -79,7 +79,7 @@ class Driver(BatchCopies):
         # A job makes ~16 records and waits, and every poll a query. They return at once, so
         # they keep the GIL (PYFUNCTYPE): a call that drops it may have to win it back from
         # another Python thread, which takes up to the switch interval (5 ms). Through
-        # ctypes a record costs about a microsecond of host time (docs/performance.md, "GIL").
+        # ctypes a record is short enough to keep it (docs/performance.md, "GIL").
         self._host_func = self._load_proc(b"cuLaunchHostFunc", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp, vp))
         self._record_fn = self._load_proc(b"cuEventRecord", ctypes.PYFUNCTYPE(ctypes.c_int, vp, vp))
         self._wait_fn = self._load_proc(
@@ -274,11 +274,12 @@ class Driver(BatchCopies):
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         code = int(cu.cuMemHostRegister(address, nbytes, flags)[0])
         if code == OUT_OF_MEMORY:
+            raw = driver_error(code, "cuMemHostRegister")
             raise HostMemoryError(
-                f"could not pin {nbytes} bytes of host memory ({DriverError(code, 'cuMemHostRegister')}): "
+                f"could not pin {nbytes} bytes of host memory ({raw}): "
                 "ask for fewer chunks (num_cpu_chunks= or cpu_bytes=), or raise the locked-memory "
                 "limit (ulimit -l)"
-            ) from DriverError(code, "cuMemHostRegister")
+            ) from raw
         if code != OK:
             raise self.fail(code, "cuMemHostRegister")
         try:
