@@ -128,8 +128,11 @@ class FakeTable:
         return code
 
     def recorder(self, driver: Any, main: int, rescue: int) -> Recorder:
-        """A ``Recorder`` that runs its programs through this table."""
-        return Recorder(driver, self.table, main, rescue, translate)
+        """A ``Recorder`` that runs its programs through this table (and keeps it, and
+        so its callbacks, alive: the table holds only their addresses)."""
+        rec = Recorder(driver, self.table, main, rescue, translate)
+        rec.fake = self  # type: ignore[attr-defined]
+        return rec
 
 
 class SemEvents:
@@ -174,3 +177,34 @@ class SemEvents:
         procs[ORDER.index("cuCtxSetCurrent")] = 0  # the thread makes no call but waits
         fake.table = native.helper().Table(tuple(procs), 13000, ATTRS, 0)
         return fake
+
+
+def submit_paths() -> list[Any]:
+    """The submit paths a test can run on here: "python", and "native" where built."""
+    import pytest
+
+    skip = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+    return ["python", pytest.param("native", marks=skip)]
+
+
+def native_enqueue(sim: Any, strategy: Any = None, recorder: Recorder | None = None) -> Any:
+    """Without a strategy: a ``Recorder`` over ``sim`` whose programs run through a
+    ``FakeTable`` forwarding to it. With one (built on that recorder): make each of its
+    ``enqueue`` calls one native call, as ``CudaLane`` does (abort on a failure)."""
+    if strategy is None:
+        return FakeTable(target=sim).recorder(sim, 0, 0)
+    assert recorder is not None
+    recorder.bind(strategy.main_stream, sim.create_event())
+    plain = strategy.enqueue
+
+    def enqueue(*args: Any, **kwargs: Any) -> None:
+        recorder.open()
+        try:
+            plain(*args, **kwargs)
+        except BaseException:
+            recorder.abort()
+            raise
+        recorder.commit()
+
+    strategy.enqueue = enqueue
+    return strategy
