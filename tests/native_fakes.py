@@ -18,22 +18,26 @@ from aiokv.backends.cuda import native
 from aiokv.backends.cuda.driver.codes import translate
 from aiokv.backends.cuda.program import Recorder
 
-I, P, U, S = ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+INT, P, U, S = ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
 PROTOS = {
-    "cuStreamWaitEvent": ctypes.CFUNCTYPE(I, P, P, U),
-    "cuEventRecord": ctypes.CFUNCTYPE(I, P, P),
-    "cuMemcpyAsync": ctypes.CFUNCTYPE(I, ctypes.c_uint64, ctypes.c_uint64, S, P),
-    "cuLaunchKernel": ctypes.CFUNCTYPE(I, P, U, U, U, U, U, U, U, P, P, P),
-    "cuMemcpyBatchAsync": ctypes.CFUNCTYPE(I, P, P, P, S, P, P, S, P),  # CUDA 13's
-    "cuMemcpy3DBatchAsync": ctypes.CFUNCTYPE(I, S, P, ctypes.c_ulonglong, P),
-    "cuEventSynchronize": ctypes.CFUNCTYPE(I, P),
-    "cuEventCreate": ctypes.CFUNCTYPE(I, P, U),
-    "cuEventDestroy": ctypes.CFUNCTYPE(I, P),
-    "cuCtxSetCurrent": ctypes.CFUNCTYPE(I, P),
+    "cuStreamWaitEvent": ctypes.CFUNCTYPE(INT, P, P, U),
+    "cuEventRecord": ctypes.CFUNCTYPE(INT, P, P),
+    "cuMemcpyAsync": ctypes.CFUNCTYPE(INT, ctypes.c_uint64, ctypes.c_uint64, S, P),
+    "cuLaunchKernel": ctypes.CFUNCTYPE(INT, P, U, U, U, U, U, U, U, P, P, P),
+    "cuMemcpyBatchAsync": ctypes.CFUNCTYPE(INT, P, P, P, S, P, P, S, P),  # CUDA 13's
+    "cuMemcpy3DBatchAsync": ctypes.CFUNCTYPE(INT, S, P, ctypes.c_ulonglong, P),
+    "cuEventSynchronize": ctypes.CFUNCTYPE(INT, P),
+    "cuEventCreate": ctypes.CFUNCTYPE(INT, P, U),
+    "cuEventDestroy": ctypes.CFUNCTYPE(INT, P),
+    "cuCtxSetCurrent": ctypes.CFUNCTYPE(INT, P),
 }
 ORDER = list(PROTOS)  # the order ``Table(procs)`` takes
 ATTRS = (0xA0, 0xA1, 0xA2, 0xA3)  # fake CUmemcpyAttributes addresses, one per batch flags
 PARAMS = 9  # the piece kernel's parameters
+
+
+def _address(fn: Any) -> int:
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
 
 
 def _u64s(address: int, n: int) -> list[int]:
@@ -59,14 +63,13 @@ class FakeTable:
             "cuMemcpyAsync": self._copy, "cuLaunchKernel": self._launch,
             "cuMemcpyBatchAsync": self._batch, "cuMemcpy3DBatchAsync": self._pitched,
             "cuEventSynchronize": lambda ev: self._log("cuEventSynchronize", ev or 0),
-            "cuEventCreate": self._create, "cuEventDestroy": lambda ev: self._log("cuEventDestroy", ev or 0),
+            "cuEventCreate": self._create,
+            "cuEventDestroy": lambda ev: self._log("cuEventDestroy", ev or 0),
             "cuCtxSetCurrent": lambda ctx: self._log("cuCtxSetCurrent", ctx or 0),
         }
         impl.update(extra or {})
         self.callbacks = {name: PROTOS[name](impl[name]) for name in ORDER if name not in missing}
-        self.addresses = tuple(
-            int(ctypes.cast(self.callbacks[name], ctypes.c_void_p).value or 0) if name in self.callbacks else 0
-            for name in ORDER)
+        self.addresses = tuple(_address(self.callbacks.get(name)) for name in ORDER)
         self.table = native.helper().Table(self.addresses, 13000, ATTRS, 0xC0)
         self._next_event = 0x5000
 
@@ -146,9 +149,9 @@ class SemEvents:
         libc = ctypes.CDLL(None, use_errno=True)
         self.pylibc = ctypes.PyDLL(None)  # its calls never drop the GIL
         self._init = libc.sem_init
-        self._init.argtypes, self._init.restype = [P, I, U], I
+        self._init.argtypes, self._init.restype = [P, INT, U], INT
         self.post = self.pylibc.sem_post
-        self.post.argtypes, self.post.restype = [P], I
+        self.post.argtypes, self.post.restype = [P], INT
         self.sem_wait_address = int(ctypes.cast(libc.sem_wait, ctypes.c_void_p).value or 0)
         self.sems: list[Any] = []
         self.records: list[tuple[int, int]] = []  # (event, stream) of every record, in order

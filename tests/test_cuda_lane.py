@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from aiokv.backends.cuda import native
 from aiokv.backends.cuda.completion import CudaCompletion
 from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.lane import CudaLane, Dependency
-from aiokv.backends.cuda import native
 from aiokv.errors import CudaCallFailed, InvalidSpec, WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
 
@@ -372,7 +372,8 @@ def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> Non
 native_only = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
 
 
-def make_native_lane(issue_thread: bool = False, waiter: bool = False) -> tuple[CudaLane, FakeDriver, Any, Any]:
+def make_native_lane(issue_thread: bool = False,
+                     waiter: bool = False) -> tuple[CudaLane, FakeDriver, Any, Any]:
     driver = FakeDriver()
     fake = FakeTable()
     rec = fake.recorder(driver, 0, 0)
@@ -449,7 +450,7 @@ def test_a_native_job_that_fails_part_way_fails_once_its_end_is_recorded(how: st
 def test_a_native_lanes_doorbells_are_rung_by_its_waiter_thread() -> None:
     from aiokv.doorbell import Doorbell
 
-    lane, driver, fake, _ = make_native_lane(waiter=True)
+    lane, driver, _, _ = make_native_lane(waiter=True)
     bell = Doorbell()
     try:
         c = lane.launch(plan(1024), None)

@@ -21,7 +21,15 @@ import torch
 from aiokv.backends.cuda import native
 from aiokv.backends.cuda.dma import DmaCopy
 from aiokv.backends.cuda.program import (
-    OP_BATCH, OP_COPY, OP_LAUNCH, OP_PITCHED, OP_RECORD, OP_WAIT, Program, Recorder, issue_layers,
+    OP_BATCH,
+    OP_COPY,
+    OP_LAUNCH,
+    OP_PITCHED,
+    OP_RECORD,
+    OP_WAIT,
+    Program,
+    Recorder,
+    issue_layers,
 )
 from aiokv.backends.cuda.staged import StagedCopy
 from aiokv.backends.cuda.strategy import CopyContext
@@ -64,7 +72,8 @@ def test_each_row_makes_its_driver_call_with_its_arguments() -> None:
     assert c == ("cuMemcpyAsync", 0xD0, 0xD1, 4096, MAIN)
     assert pt == ("cuMemcpy3DBatchAsync", pitched.tolist(), 0, SIDE)
     name, function, grid, block, stream, extra, params = la
-    assert (name, function, grid, block, stream, extra) == ("cuLaunchKernel", 0xF0, (7, 1, 1), (256, 1, 1), MAIN, 0)
+    assert (name, function, grid, block, stream, extra) == (
+        "cuLaunchKernel", 0xF0, (7, 1, 1), (256, 1, 1), MAIN, 0)
     base = params[0]
     assert [a - base for a in params] == offsets.tolist()  # each parameter inside one copy of the blob
 
@@ -231,7 +240,8 @@ def _three_stream_program() -> Program:
 
 
 @pytest.mark.parametrize(("code", "raised"), [(2, CudaCallFailed), (1, InvalidSpec), (700, WorkerBroken)])
-def test_a_failing_call_stops_the_job_joins_its_streams_and_raises_the_typed_error(code: int, raised: type) -> None:
+def test_a_failing_call_stops_the_job_joins_its_streams_and_raises_the_typed_error(
+        code: int, raised: type) -> None:
     """The second copy fails: nothing after it is called, both side streams the job used
     (the failing one too) are joined into main through the rescue event, and the code
     becomes the error the Python path raises (a sticky one marks the backend broken)."""

@@ -62,7 +62,8 @@ def test_the_ring_needs_no_gil(bell: Doorbell) -> None:
     waiter = NativeWaiter(fake.table, STREAM)
     try:
         assert waiter.watch(0xE1, bell.ring_fd()) == 0
-        assert [c for c in fake.calls if c[0] == "cuStreamWaitEvent"] == [("cuStreamWaitEvent", STREAM, 0xE1, 0)]
+        waits = [c for c in fake.calls if c[0] == "cuStreamWaitEvent"]
+        assert waits == [("cuStreamWaitEvent", STREAM, 0xE1, 0)]
         slot = _armed(sems, 0xE1)
         assert _poll_holding_the_gil(bell.fileno(), 0) == 0, "rang before the event completed"
         old = sys.getswitchinterval()

@@ -14,11 +14,11 @@ from ...options import WorkerOptions
 from ...plan import HostLayout
 from ...specs import Direction
 from ..base import Backend, HostPool, Lane
+from . import native
 from .dma import DmaCopy
 from .driver import Driver
 from .host_pool import PinnedHostPool
 from .kernel import KernelCopy
-from . import native
 from .lane import CudaLane, Dependency
 from .program import Recorder
 from .staged import StagedCopy
