@@ -61,7 +61,7 @@ def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
     monkeypatch.delenv(native.ENV, raising=False)
     assert native.status() == (False, "native helper not built")
     assert _backend(None, _fake_procs).native_table is None
-    with pytest.raises(InvalidSpec, match="native=True.*not built"):
+    with pytest.raises(InvalidSpec, match=r"native=True.*not built"):
         _backend(True, _fake_procs)
     assert collect_info()["CUDA submit path"] == "python (native helper not built)"
 

@@ -9,6 +9,7 @@ cuda-python: the driver facade hands it the driver's entry points as addresses.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -19,10 +20,11 @@ __all__ = ["ENV", "NativeWaiter", "helper", "status"]
 ENV = "AIOKV_NATIVE"
 
 try:
-    from . import _native as _ext  # type: ignore[attr-defined]
+    _ext: Any = importlib.import_module(f"{__package__}._native")
 except ImportError as exc:  # not built (no compiler at install), or built for another Python
     _ext = None
-    _WHY = "not built" if isinstance(exc, ModuleNotFoundError) else f"failed to load ({exc})"
+    missing = isinstance(exc, ModuleNotFoundError) and exc.name == f"{__package__}._native"
+    _WHY = "not built" if missing else f"failed to load ({exc})"
 else:
     _ext.set_error_class(InvalidSpec)
     _WHY = "built"

@@ -57,7 +57,7 @@ CALL_NAMES = {
 # A program whose driver calls should take longer than this (host microseconds, estimated
 # below) releases the GIL once for the whole call instead of holding it: the staged and
 # 2 MiB-page jobs hold it, a job of thousands of single-page descriptors does not
-# (docs/native.md, "The GIL").
+# (docs/native.md, "The call").
 NATIVE_GIL_HELD_US = 200.0
 _US_PER_CALL, _US_PER_DESCRIPTOR, _US_PER_PITCHED_OP = 1.5, 0.8, 3.0
 
