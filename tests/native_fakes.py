@@ -179,6 +179,7 @@ class SemEvents:
         procs[ORDER.index("cuEventSynchronize")] = self.sem_wait_address
         procs[ORDER.index("cuCtxSetCurrent")] = 0  # the thread makes no call but waits
         fake.table = native.helper().Table(tuple(procs), 13000, ATTRS, 0)
+        self.fake = fake  # the table holds only the callbacks' addresses: keep them alive
         return fake
 
 

@@ -5,6 +5,7 @@ Python path where it is missing or refuses the driver (``native=True`` then rais
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -66,9 +67,11 @@ def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
     assert collect_info()["CUDA submit path"] == "python (native helper not built)"
 
 
-def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required() -> None:
+def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     if native.helper() is None:
         pytest.skip("the native helper is not built here")
+    monkeypatch.delenv(native.ENV, raising=False)
 
     def bad() -> Any:
         return (0,) * 3, 13000, (0,) * 4, 0  # the wrong number of entry points
@@ -99,5 +102,7 @@ def test_an_interpreter_that_cannot_import_the_helper_falls_back() -> None:
             "from aiokv.backends.cuda import native\n"
             "from aiokv.info import collect_info\n"
             "print(native.status(), collect_info()['CUDA submit path'])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != native.ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout
     assert "(False, 'native helper not built')" in out and "python (native helper not built)" in out
