@@ -155,6 +155,11 @@ class Doorbell:
         except (BlockingIOError, OSError):
             pass  # full (a ring is pending) or closed (nobody is listening any more)
 
+    def ring_fd(self) -> int:
+        """The pipe's write end, for a native thread to ring by writing one byte to a dup
+        of it (-1 once closed). Not for writing from Python: use ``ring``."""
+        return -1 if self.closed else self._write
+
     def drain(self) -> int:
         """Consume every pending ring (and an alarm that went off); returns the rings."""
         if self.closed:

@@ -48,6 +48,14 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _submit_path() -> str:
+    """Which way a CUDA worker would issue its jobs here, and why (docs/native.md)."""
+    from .backends.cuda.native import status
+
+    usable, why = status()
+    return f"native, one call per job ({why})" if usable else f"python ({why})"
+
+
 def collect_info() -> dict[str, Any]:
     """Facts as a dict (also what the tests check)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -58,6 +66,7 @@ def collect_info() -> dict[str, Any]:
         "cuda-python": _cuda_python_version(),
         "anyio": _version("anyio"),
         "backend (auto)": "cuda" if cuda_usable() else "cpu",
+        "CUDA submit path": _submit_path(),
         "host memory available": _fmt_bytes(_mem_available()),
         "locked-memory limit (ulimit -l)": _fmt_bytes(soft if soft != resource.RLIM_INFINITY else -1),
         "cpu cores": os.cpu_count(),

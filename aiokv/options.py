@@ -61,6 +61,11 @@ class WorkerOptions:
     # in another Python thread slows more, and the round trip grows by the hand-off
     # (docs/performance.md, "Issue thread").
     issue_thread: bool = False
+    # CUDA: enqueue each job through the native helper, one call out of Python per job, and
+    # ring the doorbell from its waiter thread. None: where the helper is built, unless
+    # ``AIOKV_NATIVE=0``; True: require it (InvalidSpec where it is missing); False: issue
+    # the driver calls from Python (docs/native.md).
+    native: bool | None = None
     # Jobs in flight (all directions) past which ``submit_*`` refuses with ``QueueFull``
     # before enqueueing; 0 = unbounded. Submits never wait for a copy, so without a bound a
     # tight loop can queue thousands of jobs in a blink and ``aclose()`` / ``shutdown()``
@@ -90,6 +95,8 @@ class WorkerOptions:
         for name in ("doorbell", "issue_thread"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSpec(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.native is not None and not isinstance(self.native, bool):
+            raise InvalidSpec(f"native must be None, True or False, got {self.native!r}")
         for name in ("spin_seconds", "poll_interval"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -59,8 +59,8 @@ class SimDriver:
         self.records[e] = self.done[e] = 0
         return e
 
-    def load_function(self, image: bytes, name: bytes) -> str:
-        return name.decode()
+    def load_function(self, image: bytes, name: bytes) -> int:
+        return 0xF00D  # a handle, as the driver's (the native path passes it on as a number)
 
     def record(self, event: int, stream: int) -> None:
         self.records[event] += 1
@@ -87,7 +87,7 @@ class SimDriver:
         self.streams[stream].append(("copy", [(dst, src, nbytes)]))
 
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: int,
-               params: ctypes.Array[ctypes.c_void_p]) -> None:
+               params: ctypes.Array[ctypes.c_void_p], packed: Any = None) -> None:
         self.streams[stream].append(("kernel", *launch_values(params)))
 
     def _kernel(self, values: tuple[int, ...], rows: list[int]) -> None:

@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 
+from aiokv.backends.cuda import native
 from aiokv.backends.cuda.completion import CudaCompletion
 from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.lane import CudaLane, Dependency
-from aiokv.errors import WorkerBroken, WorkerClosed
+from aiokv.errors import CudaCallFailed, InvalidSpec, WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
+
+from .native_fakes import FakeTable
 
 
 class FakeDriver:
@@ -45,6 +48,9 @@ class FakeDriver:
             raise self.broken
 
     def create_stream(self, high_priority: bool = False) -> int:
+        return self._handle()
+
+    def create_event(self, timing: bool = False, blocking: bool = False) -> int:
         return self._handle()
 
     def destroy_stream(self, stream: Any) -> None:
@@ -359,3 +365,103 @@ def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> Non
     driver.stream_synchronize = synced.append  # type: ignore[method-assign]
     lane.close()
     assert lane.stream in synced
+
+
+# -- the native path: the strategy's calls, recorded, go as one native call per job ---------
+
+native_only = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+
+
+def make_native_lane(issue_thread: bool = False,
+                     waiter: bool = False) -> tuple[CudaLane, FakeDriver, Any, Any]:
+    driver = FakeDriver()
+    fake = FakeTable()
+    rec = fake.recorder(driver, 0, 0)
+    strategy = FakeStrategy(rec)  # type: ignore[arg-type]
+    strategy.main_stream = 0x40
+    lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread,  # type: ignore[arg-type]
+                    recorder=rec, table=fake.table if waiter else None)
+    return lane, driver, fake, rec
+
+
+@native_only
+def test_a_native_job_is_one_call_with_its_dependencys_record_first() -> None:
+    lane, driver, fake, rec = make_native_lane()
+    c = lane.launch(plan(1024), Dependency(0xD1, stream=0x5))  # the caller's stream, not recorded yet
+    events = c._events
+    assert events is not None
+    assert rec.calls == 1 and driver.recorded == set(), "a driver call was made outside the one call"
+    assert fake.calls == [("cuEventRecord", 0xD1, 0x5), ("cuEventRecord", events.start, 0x40),
+                          ("cuEventRecord", events.stop, 0x40)]
+    assert c.query() and c.error is None and driver.given_sync == [0xD1]
+    lane.close()
+
+
+@native_only
+def test_with_an_issuer_the_dependency_is_recorded_at_submit_on_the_callers_thread() -> None:
+    lane, driver, fake, rec = make_native_lane(issue_thread=True)
+    gate = hold(lane)
+    c = lane.launch(plan(LONG), Dependency(0xD1, stream=0x5))
+    assert 0xD1 in driver.recorded and fake.calls == []  # recorded now; the job waits its turn
+    gate.set()
+    assert c.wait(10) and rec.calls == 1
+    assert ("cuEventRecord", 0xD1, 0x5) not in fake.calls
+    lane.close()
+
+
+@native_only
+def test_a_native_call_refused_as_bad_input_raises_at_submit_and_gives_everything_back() -> None:
+    lane, driver, fake, _ = make_native_lane()
+    lane._strategy.main_stream = 0x40
+    orig = lane._strategy.enqueue
+
+    def null_event(prepared: Any, dependency: Any, start: Any, stop: Any, **kw: Any) -> None:
+        orig(prepared, dependency, 0, stop, **kw)  # a null event: the helper refuses it
+
+    lane._strategy.enqueue = null_event  # type: ignore[method-assign]
+    with pytest.raises(InvalidSpec, match="null event"):
+        lane.launch(plan(1024), Dependency(0xD1, stream=0x5))
+    assert fake.calls == [] and len(driver.given_jobs) == 1 and driver.given_sync == [0xD1]
+    lane.close()
+
+
+@native_only
+@pytest.mark.parametrize("how", ["driver", "strategy"])
+def test_a_native_job_that_fails_part_way_fails_once_its_end_is_recorded(how: str) -> None:
+    """A driver call failing inside the one call, or the strategy raising while it was
+    recorded (what it recorded is enqueued, as the Python path would have): the job is
+    failed, not raised, and its end is recorded on the main stream behind that part."""
+    lane, driver, fake, _ = make_native_lane()
+    if how == "driver":
+        fake.fail["cuEventRecord"] = (2, 2)  # the stop record
+    else:
+        lane._strategy.fail_enqueue = RuntimeError("strategy broke")
+    c = lane.launch(plan(1024), None)
+    events = c._events
+    assert events is not None
+    assert ("cuEventRecord", events.start, 0x40) in fake.calls
+    assert events.stop in driver.recorded, "the failed job's end was not recorded behind it"
+    assert c.wait(10) and c.error is not None
+    assert isinstance(c.error, CudaCallFailed if how == "driver" else RuntimeError)
+    lane.close()
+
+
+@native_only
+def test_a_native_lanes_doorbells_are_rung_by_its_waiter_thread() -> None:
+    from aiokv.doorbell import Doorbell
+
+    lane, driver, _, _ = make_native_lane(waiter=True)
+    bell = Doorbell()
+    try:
+        c = lane.launch(plan(1024), None)
+        assert c.ring_when_done(bell) is True
+        assert driver.armed == [], "the host-function ring was used instead of the waiter"
+        deadline = time.monotonic() + 10
+        while not bell.drain():
+            assert time.monotonic() < deadline, "the waiter never rang"
+            time.sleep(0.001)
+        assert lane.waiter is not None and lane.waiter.stats()["rung"] == 1
+    finally:
+        lane.close()
+        bell.close()
+    assert lane.waiter.stats()["running"] is False

@@ -27,9 +27,12 @@ class FakeDriver:
         return name.decode()
 
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: Any,
-               params: ctypes.Array[ctypes.c_void_p]) -> None:
-        """Read the arguments now, as the driver copies them at launch."""
+               params: ctypes.Array[ctypes.c_void_p], packed: Any = None) -> None:
+        """Read the arguments now, as the driver copies them at launch; the packed blob
+        (what a native launch copies) holds the same values."""
         values, rows = launch_values(params)
+        blob, offsets = packed
+        assert [ctypes.addressof(ctypes.c_char.from_buffer(blob, int(o))) for o in offsets] == list(params)
         assert grid[1:] == (1, 1) and block == pieces.THREADS
         self.launches.append((grid[0], values, rows))
 

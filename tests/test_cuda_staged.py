@@ -5,7 +5,11 @@ adversarial orders that respect only CUDA's waits. Jobs share the ring or the st
 slots and streams are reused within and across jobs, and the ring's page table reaches the
 device by a queued copy. A missing or misplaced wait shows up as bytes that differ from the
 plan, as a kernel that reads its table before it landed, or as a job's end event that
-fires before its bytes landed, in some order."""
+fires before its bytes landed, in some order.
+
+Every test runs on both submit paths: the strategy's driver calls made one by one from
+Python, and recorded into one program per job that the native helper runs against fake
+driver calls forwarding to the same simulated device (``native_fakes``)."""
 
 from __future__ import annotations
 
@@ -25,12 +29,24 @@ from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, map_blocks, plan_copies
 
+from .native_fakes import native_enqueue, submit_paths
 from .sim_device import SimDriver
 
 DEVICE_AT, HOST_AT, STAGING_AT, TABLES_AT = 1 << 20, 8 << 20, 16 << 20, 24 << 20
 SPACE = 32 << 20
 PINNED_TABLES = 4 << 20  # from a table's device spot to the host bytes it is copied from
 ORDERS = 8  # random orders each set of jobs runs in
+
+
+@pytest.fixture(autouse=True, params=submit_paths())
+def path(request: pytest.FixtureRequest) -> str:
+    """The submit path every test here runs on ("python" or "native")."""
+    global PATH
+    PATH = request.param
+    return PATH
+
+
+PATH = "python"
 
 
 def _setup(seed: int, to_host: bool, slot_blocks: int,
@@ -51,7 +67,11 @@ def _setup(seed: int, to_host: bool, slot_blocks: int,
         host_base=HOST_AT,
     )
     ctx.pointers = lambda plan: CopyContext.pointers(ctx, plan)  # type: ignore[arg-type]
+    if PATH == "native":
+        ctx.driver = native_enqueue(drv)
     strategy = StagedCopy(ctx)  # type: ignore[arg-type]
+    if PATH == "native":
+        native_enqueue(drv, strategy, ctx.driver)
     assert (strategy.shape is not None) is (blocks_per_chunk == 1), "by block iff one block a chunk"
     strategy.staging = SimpleNamespace(data_ptr=lambda: STAGING_AT)  # type: ignore[assignment]
     tables = {"at": TABLES_AT}
@@ -64,7 +84,7 @@ def _setup(seed: int, to_host: bool, slot_blocks: int,
         at = tables["at"]
         raw = np.ascontiguousarray(pages, dtype=np.uint64).view(np.uint8).reshape(-1)
         mem[at + PINNED_TABLES : at + PINNED_TABLES + raw.size] = raw
-        drv.memcpy(at, at + PINNED_TABLES, raw.size, stream)
+        strategy.kernel.driver.memcpy(at, at + PINNED_TABLES, raw.size, stream)
         tables["at"] += raw.size
         uploads.append(keep)
         return at
@@ -250,7 +270,10 @@ def test_a_job_forked_over_dma_streams_ends_after_every_part(seed: int, threads:
     rng = np.random.default_rng(300 + seed)
     mem = rng.integers(1, 256, 64 << 20, dtype=np.uint8)
     drv = SimDriver(mem)
-    ctx = SimpleNamespace(driver=drv, to_host=True, submit_threads=threads)
+    if PATH == "native" and threads:
+        pytest.skip("a native job goes in one call: no submit threads")
+    ctx = SimpleNamespace(driver=native_enqueue(drv) if PATH == "native" else drv, to_host=True,
+                          submit_threads=threads)
     home, compute = drv.create_stream(), drv.create_stream()
     fresh = 30 << 20  # where the compute's new bytes come from
     dma = MultiStreamDma(ctx, home, 4)  # type: ignore[arg-type]
@@ -271,10 +294,15 @@ def test_a_job_forked_over_dma_streams_ends_after_every_part(seed: int, threads:
                              np.full(hit.size, size, dtype=np.uint64), compute)
             written, start, stop = drv.create_event(), drv.create_event(), drv.create_event()
             drv.record(written, compute)
-            drv.stream_wait(home, written)  # as DmaCopy.enqueue waits on the dependency
-            drv.record(start, home)
+            if PATH == "native":
+                ctx.driver.bind(home, drv.create_event())
+                ctx.driver.open()
+            ctx.driver.stream_wait(home, written)  # as DmaCopy.enqueue waits on the dependency
+            ctx.driver.record(start, home)
             dma.issue(batch, fork=start)
-            drv.record(stop, home)
+            ctx.driver.record(stop, home)
+            if PATH == "native":
+                ctx.driver.commit()
             jobs.append((dst, src, sizes))
             stops.append(stop)
     finally:
@@ -314,8 +342,8 @@ def test_a_failure_after_the_table_copy_is_queued_ends_behind_it(to_host: bool) 
     copied = drv.create_event()
 
     def upload(pages: np.ndarray, stream: int, keep: bool = False) -> int:
-        drv.memcpy(TABLES_AT, TABLES_AT + PINNED_TABLES, 64, stream)
-        drv.record(copied, stream)
+        strategy.kernel.driver.memcpy(TABLES_AT, TABLES_AT + PINNED_TABLES, 64, stream)
+        strategy.kernel.driver.record(copied, stream)
         raise RuntimeError("the driver failed after queueing the copy")
 
     strategy.kernel.upload = upload  # type: ignore[method-assign]

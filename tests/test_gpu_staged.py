@@ -64,9 +64,9 @@ class _CountingLaunches:
     def __init__(self, driver: Any) -> None:
         self._driver, self.launches = driver, 0
 
-    def launch(self, *args: Any) -> None:
+    def launch(self, *args: Any, **kwargs: Any) -> None:
         self.launches += 1
-        self._driver.launch(*args)
+        self._driver.launch(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._driver, name)

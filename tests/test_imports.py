@@ -45,6 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # The CUDA package, lowest first: each module imports only those before it.
 CUDA_ORDER = [
     "aiokv.backends.cuda",  # its __init__ imports nothing
+    "aiokv.backends.cuda.native",  # the native helper's loading (no cuda-python)
+    "aiokv.backends.cuda.program",  # a job's driver calls as one native call
     "aiokv.backends.cuda.driver.codes",
     "aiokv.backends.cuda.driver.batch",
     "aiokv.backends.cuda.driver.facade",

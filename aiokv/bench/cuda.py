@@ -20,7 +20,7 @@ import torch
 
 from .cuda_rows import Conditions, strategy_rows
 from .cuda_setup import BLOCKS, CHUNKS, LAYERS, BenchSetup, Contiguous, Gemm, JobIds, baselines
-from .cuda_wakeup import OTHER_LOOPS, loop_available, run_on_loop, wakeup_rows
+from .cuda_wakeup import OTHER_LOOPS, loop_available, native_rows, run_on_loop, wakeup_rows
 from .report import BenchRow
 
 __all__ = ["OTHER_LOOPS", "loop_available", "run_cuda_bench", "run_on_loop"]
@@ -89,6 +89,8 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
         rows += strategy_rows(setup, name, streams, threads, issuer, env, say)
     say("wake-up latency")
     rows += wakeup_rows(per_layer, big, quick)
+    say("submit paths: native beside python")
+    rows += native_rows(per_layer, quick)
     say("baselines")
     try:
         rows += baselines(per_layer, reps, ceil)

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from .. import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
-from .cuda_rows import issued
+from .cuda_rows import bursts, device_rate, issued
 from .cuda_setup import BenchSetup, BusyThread, JobIds, submit_job
 from .report import BenchRow
 
-__all__ = ["OTHER_LOOPS", "loop_available", "run_on_loop", "wakeup_rows"]
+__all__ = ["OTHER_LOOPS", "loop_available", "native_rows", "run_on_loop", "wakeup_rows"]
 
 T = TypeVar("T")
 
@@ -189,4 +189,59 @@ def wakeup_rows(per_layer: BenchSetup, big: BenchSetup, quick: bool) -> list[Ben
                     f"per job over a {w['await'] * 1e6:.0f} us await; {w['polls']:.0f} polls per job")
             cpu = 100 * w["cpu_wait"]
             rows.append(BenchRow(sec, f"{label}: CPU while awaiting", cpu, "% core", None, note))
+    return rows
+
+
+async def _submit_path_figures(setup: BenchSetup, native: bool, busy: bool, quick: bool) -> dict[str, float]:
+    """One submit path, idle or beside a busy Python thread: the per-layer job's host
+    submit after an ``await`` and back to back with its device time, and a 1-block job's
+    round trip and wake-up."""
+    ids = JobIds()
+    opts = {"strategy": "auto", "native": native}
+    worker = AsyncOffloadingWorker(setup.kv, num_cpu_chunks=setup.chunks, backend="cuda", options=opts)
+    t = torch.randn(64, 1024, device="cuda").view(torch.uint8)
+    tiny = AsyncOffloadingWorker(CanonicalKVCaches.from_tensors([t]), num_cpu_chunks=64, backend="cuda",
+                                 options={"native": native})
+    async with worker, tiny:
+        with BusyThread() if busy else contextlib.nullcontext():
+            rate, _ = await device_rate(worker, setup, True, 3, ids)
+            warm, cold = await bursts(worker, setup, True, ids, bursts=4 if quick else 8)
+            w = await _wakeups(
+                tiny, lambda i: tiny.submit_store(i, GPULoadStoreSpec([i % 64]), CPULoadStoreSpec([i % 64])),
+                100 if quick else 400)
+    return {"transfer": setup.job_bytes / rate / 1e9, "warm": warm, "cold": cold, **w}
+
+
+def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
+    """The native submit path beside the Python one, in the same run: host submit as a
+    share of the per-layer job's transfer (after an ``await``, back to back), a 1-block
+    job's round trip p50/p99 and wake-up p50, idle and beside a busy Python thread."""
+    from ..backends.cuda import native
+
+    sec = "submit path: one native call per job beside the Python path (store, asyncio)"
+    usable, why = native.status(None)
+    if not usable:
+        return [BenchRow(sec, "native rows: skipped", 0.0, "", None, f"the native path is off here: {why}")]
+    rows: list[BenchRow] = []
+    for busy in (False, True):
+        where = ", a busy Python thread beside" if busy else ""
+        for flag, name in ((True, "native"), (False, "python")):
+            label = f"{name}{where}"
+            try:
+                f = asyncio.run(_submit_path_figures(per_layer, flag, busy, quick))
+            except Exception as exc:
+                rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
+                continue
+            transfer_us = f["transfer"] * 1e6
+            rows += [
+                BenchRow(sec, f"{label}: per-layer job submit after an await", f["cold"] * 1e6, "us",
+                         transfer_us, "ratio = share of the job's transfer (device time)"),
+                BenchRow(sec, f"{label}: per-layer job submit back to back", f["warm"] * 1e6, "us",
+                         transfer_us, "ratio = share of the job's transfer; 2nd-4th of bursts of 4"),
+                BenchRow(sec, f"{label}: 1-block round trip p50", f["trip50"] * 1e6, "us", None,
+                         f"submit {f['submit'] * 1e6:.0f} us, device {f['device'] * 1e6:.0f} us"),
+                BenchRow(sec, f"{label}: 1-block round trip p99", f["trip99"] * 1e6, "us"),
+                BenchRow(sec, f"{label}: 1-block wake-up p50", f["wake50"] * 1e6, "us", None,
+                         "upper bound, as in the wake-up rows"),
+            ]
     return rows

@@ -14,11 +14,13 @@ from ...options import WorkerOptions
 from ...plan import HostLayout
 from ...specs import Direction
 from ..base import Backend, HostPool, Lane
+from . import native
 from .dma import DmaCopy
 from .driver import Driver
 from .host_pool import PinnedHostPool
 from .kernel import KernelCopy
 from .lane import CudaLane, Dependency
+from .program import Recorder
 from .staged import StagedCopy
 from .strategy import CopyContext, CopyStrategy
 
@@ -58,6 +60,29 @@ class CudaBackend(Backend):
         self.driver = Driver(self.torch_device.index)
         self._lanes: list[CudaLane] = []
         self._capture_stream: Any = None  # where a caller's event is waited on (see capture)
+        # The native helper's driver table (None: every driver call is made from Python).
+        self.native_table: Any = None
+        self.native_why = ""
+        try:
+            self._open_native()
+        except BaseException:
+            self.driver.close()
+            raise
+
+    def _open_native(self) -> None:
+        wanted = self.options.native
+        usable, why = native.status(wanted)
+        if usable:
+            try:
+                self.native_table = native.helper().Table(*self.driver.native_procs())
+            except Exception as exc:  # e.g. a driver without an entry point the helper takes
+                usable, why = False, f"the native helper refused this driver ({exc})"
+        self.native_why = why
+        if wanted and not usable:
+            raise InvalidSpec(f"WorkerOptions(native=True), but {why}; install with a C compiler "
+                              "(pip reinstalls build it), or leave native at None")
+        if not usable:
+            _log.debug("aiokv: CUDA jobs are issued from Python (%s)", why)
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
         for i, t in enumerate(kv.tensors):
@@ -76,15 +101,16 @@ class CudaBackend(Backend):
         if what is None:
             return None
         kind, handle = what
+        # Recorded by the lane on this thread as it launches the job (on the native path,
+        # as the first rows of the job's one call): see ``Dependency``.
         if kind == "event":
             # The caller may record its event again before the copy's stream waits on it
             # (long jobs are enqueued later, by the lane's issuer thread): wait on its
-            # current record now, from a side stream, and hand the copy an event of ours.
+            # record at submit, from a side stream, and hand the copy an event of ours.
             if self._capture_stream is None:
                 self._capture_stream = drv.create_stream()
-            drv.stream_wait(self._capture_stream, drv.wrap_event(handle))
-            return self._record_on(self._capture_stream)
-        return self._record_on(handle)
+            return Dependency(drv.take_sync_event(), self._capture_stream, drv.wrap_event(handle))
+        return Dependency(drv.take_sync_event(), handle)
 
     def check_after(self, after: Any) -> None:
         if after is not None:
@@ -118,32 +144,30 @@ class CudaBackend(Backend):
             f"__cuda_stream__ or a raw stream handle (int); got {type(after).__name__}"
         )
 
-    def _record_on(self, stream: Any) -> Dependency:
-        event = self.driver.take_sync_event()
-        try:
-            self.driver.record(event, int(stream))
-        except BaseException:
-            self.driver.give_sync_event(event)
-            raise
-        return Dependency(event)
-
     def open_lane(
         self, direction: Direction, kv: CanonicalKVCaches, layout: HostLayout, pool: HostPool
     ) -> Lane:
         self.driver.ensure_context()
+        table = self.native_table
+        # The torch index ops of ``kernel`` go on the stream as they are called, so that
+        # strategy's own driver calls cannot wait to be issued together: it stays on Python.
+        recorder = None
+        if table is not None and self.options.strategy != "kernel":
+            recorder = Recorder(self.driver, table, 0, 0, self.driver.fail)
         ctx = CopyContext(
-            driver=self.driver,
+            driver=recorder if recorder is not None else self.driver,  # type: ignore[arg-type]
             direction=direction,
             kv=kv,
             layout=layout,
             pool=pool,
             device=self.torch_device,
             streams=self.options.streams_per_direction,
-            submit_threads=self.options.submit_threads,
+            # One native call per job: its batches go in it rather than to submit threads.
+            submit_threads=0 if recorder is not None else self.options.submit_threads,
             staging_bytes=self.options.staging_bytes,
         )
         lane = CudaLane(self.driver, direction, make_strategy(self.options.strategy, ctx),
-                        issue_thread=self.options.issue_thread)
+                        issue_thread=self.options.issue_thread, recorder=recorder, table=table)
         self._lanes.append(lane)
         return lane
 

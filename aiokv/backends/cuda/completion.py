@@ -22,15 +22,19 @@ class CudaCompletion(Completion):
 
     __slots__ = (
         "_bell_stream", "_bells", "_done", "_driver", "_elapsed", "_error", "_events", "_issued",
-        "_lock", "_orphan", "_started", "_unsettled", "_waiting",
+        "_lock", "_orphan", "_started", "_unsettled", "_waiter", "_waiting",
     )
 
     def __init__(
         self, driver: Driver, events: JobEvents, error: BaseException | None = None,
         bell_stream: Any = None, started: float | None = None, issued_later: bool = False,
+        waiter: Any = None,
     ) -> None:
         """``issued_later``: the lane has an issuer thread, so the job counts as not yet
-        enqueued until ``mark_issued`` (whichever thread ends up enqueueing it)."""
+        enqueued until ``mark_issued`` (whichever thread ends up enqueueing it).
+        ``waiter``: the lane's native waiter thread, which rings doorbells (else the
+        driver's host functions do)."""
+        self._waiter = waiter
         self._driver = driver
         self._started = started
         self._bell_stream = bell_stream
@@ -152,10 +156,16 @@ class CudaCompletion(Completion):
                 if self._bell_stream is None:
                     return False
                 if self._pending_issue():
-                    if not self._driver.can_ring():
+                    if self._waiter is None and not self._driver.can_ring():
                         return False
                     self._bells.append(bell)  # armed by ``mark_issued``
                     return True
+                if self._waiter is not None and bell.ring_fd() >= 0:
+                    try:  # the waiter thread rings it: no Python, no driver callback thread
+                        if self._waiter.watch(events.done, bell.ring_fd()) == 0:
+                            return True
+                    except Exception:
+                        pass  # refused (a dup failed, say): the host function may still do
                 try:
                     return self._driver.ring_after(self._bell_stream, events.done, bell)
                 except Exception:

@@ -14,6 +14,8 @@ from ..base import Completion, Lane, LaneStatistics
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
 from .issuer import Issuer
+from .native import NativeWaiter
+from .program import Recorder
 from .strategy import CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
@@ -34,12 +36,32 @@ ISSUE_THREAD_KEEPS_GIL = True
 
 
 class Dependency:
-    """What a copy waits for: a pooled event recorded at submit time, ours to give back."""
+    """What a copy waits for: a pooled event of ours (given back once the job is enqueued),
+    recorded on the caller's ``stream`` (behind a wait on ``source``, a caller's event)
+    when the job is launched. On the native path that record is a row of the job's one
+    program; otherwise ``launch`` makes it on the submitting thread."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "source", "stream")
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, stream: Any = None, source: Any = None) -> None:
         self.event = event
+        self.stream = stream
+        self.source = source
+
+    @property
+    def pending(self) -> bool:
+        """Not recorded yet."""
+        return self.stream is not None
+
+    def resolve(self, driver: Any) -> None:
+        """Record the event where the copy's dependency lies (a ``Recorder`` records the
+        calls into the job's program)."""
+        if self.stream is None:
+            return
+        if self.source is not None:
+            driver.stream_wait(self.stream, self.source)
+        driver.record(self.event, self.stream)
+        self.stream = self.source = None
 
 
 class CudaLane(Lane):
@@ -51,12 +73,18 @@ class CudaLane(Lane):
     """
 
     def __init__(self, driver: Driver, direction: Direction, strategy: CopyStrategy, *,
-                 issue_thread: bool = False) -> None:
+                 issue_thread: bool = False, recorder: Recorder | None = None,
+                 table: Any = None) -> None:
+        """``recorder``: the strategy's stand-in driver, whose jobs run as one native call
+        each; ``table``: the native helper's driver table, for the lane's waiter thread
+        (None: the Python path, and host-function doorbells)."""
         self.direction = direction
         self._driver = driver
         self._strategy = strategy
         self.strategy_name: str = strategy.name
         self.stream = strategy.main_stream
+        self._recorder = recorder
+        self.waiter: NativeWaiter | None = None
         self._issuer = Issuer(f"aiokv-issue-{direction.value}") if issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
@@ -71,6 +99,15 @@ class CudaLane(Lane):
         except BaseException:
             strategy.close()
             raise
+        try:
+            if recorder is not None:
+                recorder.bind(self.stream, self._driver.create_event())
+            if table is not None:
+                self.waiter = NativeWaiter(table, self.bell_stream)
+        except BaseException:
+            self._driver.destroy_stream(self.bell_stream)
+            strategy.close()
+            raise
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
         drv = self._driver
@@ -81,11 +118,14 @@ class CudaLane(Lane):
         try:
             drv.ensure_context()
             drv.check_usable()
+            if dep is not None and dep.pending and (issuer is not None or self._recorder is None):
+                dep.resolve(drv)  # else a row of the job's program (``_issue``)
             events = drv.take_job_events()
         except BaseException:
             self._give_back(events, dep)
             raise
-        completion = CudaCompletion(drv, events, None, self.bell_stream, issued_later=issuer is not None)
+        completion = CudaCompletion(drv, events, None, self.bell_stream, issued_later=issuer is not None,
+                                    waiter=self.waiter)
         work = functools.partial(self._issue, plan, dep, completion, events)
         if issuer is None:
             work()
@@ -122,11 +162,27 @@ class CudaLane(Lane):
             drv.ensure_context()
             drv.check_usable()
             prepared = self._strategy.prepare(plan)
-            enqueuing = True
             started = time.perf_counter()  # the start event is recorded after this
             # The strategy records ``stop`` behind every copy: that is the job's end.
             dep_event = dep.event if dep is not None else None
-            self._strategy.enqueue(prepared, dep_event, events.start, events.stop, hold_gil=hold_gil)
+            rec = self._recorder
+            if rec is None:
+                enqueuing = True
+                self._strategy.enqueue(prepared, dep_event, events.start, events.stop, hold_gil=hold_gil)
+            else:  # the job, its dependency's record first, as one native call
+                rec.open()
+                try:
+                    if dep is not None:
+                        dep.resolve(rec)
+                    self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
+                except BaseException:
+                    rec.abort()  # enqueues what was recorded, as the Python path would have
+                    enqueuing = rec.ran
+                    raise
+                try:
+                    rec.commit(hold_gil)
+                finally:
+                    enqueuing = rec.ran  # False: refused before anything was enqueued
         except BaseException as exc:
             if not later and (not enqueuing or drv.broken is not None):
                 self._give_back(events if drv.broken is None else None, dep)
@@ -177,8 +233,10 @@ class CudaLane(Lane):
 
     def abandon(self) -> None:
         """Dropped unclosed: keep what queued copies may still read, and let the issuer
-        thread end after its queue."""
+        and waiter threads end after their queues."""
         self._strategy.abandon()
+        if self.waiter is not None:
+            self.waiter.abandon()
         if self._issuer is not None:
             self._issuer.stop()
 
@@ -195,6 +253,12 @@ class CudaLane(Lane):
                 self._driver.stream_synchronize(self.stream)
             except Exception:
                 pass
+            if self.waiter is not None:  # its rings are over: the bell stream was synchronised
+                try:
+                    self._driver.ensure_context()
+                    self.waiter.close()
+                except Exception:
+                    self.waiter.abandon()
             self._driver.destroy_stream(self.bell_stream)
         finally:
             self._strategy.close()

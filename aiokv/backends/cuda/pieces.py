@@ -33,7 +33,7 @@ import torch
 if TYPE_CHECKING:
     from .driver import Driver
 
-__all__ = ["PAGE_COLUMNS", "PieceKernel", "fits"]
+__all__ = ["PAGE_COLUMNS", "PARAM_OFFSETS", "PieceKernel", "fits"]
 
 THREADS = 256
 TILE_BYTES = 16384  # THREADS x 4 vectors of 16 bytes
@@ -48,6 +48,9 @@ PAGE_COLUMNS = 4  # device base, row stride, bytes, offset in the block image
 # Device rows per launch, passed in the launch's parameters (4 bytes each; the parameters
 # may hold 4 KiB). A slice of more blocks takes several launches.
 ROWS_PER_LAUNCH = 256
+# Where each parameter starts in the kernel's parameter block (8-byte ints): three u64,
+# five u32, then the rows (aligned to 4), as the PTX declares them.
+PARAM_OFFSETS = np.array([0, 8, 16, 24, 28, 32, 36, 40, 44], dtype=np.uint64)
 
 PTX = r"""
 .version 7.0
@@ -189,13 +192,17 @@ class PieceKernel:
         # One argument block, rewritten per launch: building the ctypes values and their
         # pointer array anew cost host time on every launch. Launches of one kernel never
         # overlap (a lane issues from one thread at a time) and the driver copies the values
-        # at launch.
+        # at launch. The values live in one blob laid out as the kernel's parameters, so a
+        # launch recorded for the native helper copies them at once (``packed``).
         u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-        self._args = (u64(), u64(), u64(), u32(), u32(), u32(), u32(), u32())
-        self._rows = (u32 * ROWS_PER_LAUNCH)()
+        self._blob = bytearray(PARAM_OFFSETS[-1] + 4 * ROWS_PER_LAUNCH)
+        kinds = (u64, u64, u64, u32, u32, u32, u32, u32)
+        self._args = tuple(kind.from_buffer(self._blob, int(at)) for kind, at in zip(kinds, PARAM_OFFSETS))
+        self._rows = (u32 * ROWS_PER_LAUNCH).from_buffer(self._blob, int(PARAM_OFFSETS[-1]))
         self._row_values = np.ctypeslib.as_array(self._rows)  # a view, to fill it
         self._params = (ctypes.c_void_p * (len(self._args) + 1))(
             *(ctypes.addressof(a) for a in self._args), ctypes.addressof(self._rows))
+        self._packed = (self._blob, PARAM_OFFSETS)
         self._tables: list[_TableSlot] = []
         self._kept: list[_TableSlot] = []
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
@@ -248,7 +255,8 @@ class PieceKernel:
             a_image.value, a_page.value, a_total.value = image, pages[0], total
             a_npages.value = pages[1] - pages[0]
             ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
+            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params,
+                               packed=self._packed)
             return
         # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
         # blocks, then pages, per launch.
@@ -263,7 +271,8 @@ class PieceKernel:
                 total = tiles * np_ * nb
                 a_page.value, a_npages.value, a_total.value = p, np_, total
                 ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-                self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params)
+                self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params,
+                               packed=self._packed)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""

@@ -304,10 +304,11 @@ class Driver(BatchCopies):
         return self._check(cu.cuModuleGetFunction(module, name), "cuModuleGetFunction")
 
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: Any,
-               params: ctypes.Array[ctypes.c_void_p]) -> None:
+               params: ctypes.Array[ctypes.c_void_p], packed: Any = None) -> None:
         """Enqueue ``function`` on ``stream``. ``params`` points at the ctypes values of its
         parameters in order; the caller may rewrite them once this returns (the driver
-        copies them at launch)."""
+        copies them at launch). ``packed`` (the same values as one blob, and offsets) is
+        for a ``program.Recorder`` and unused here."""
         gx, gy, gz = grid
         if self._launch_fn is not None:
             code = self._launch_fn(int(function), gx, gy, gz, block, 1, 1, 0, int(stream),
@@ -330,6 +331,29 @@ class Driver(BatchCopies):
     def wrap_event(self, handle: int) -> Any:
         """A raw event handle (e.g. a ``torch.cuda.Event``'s) as the driver calls take it."""
         return cu.CUevent(handle)
+
+    # -- the native helper ----------------------------------------------------------------
+
+    def native_procs(self) -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
+        """What ``_native.Table`` takes: the driver's entry points as addresses (from
+        ``cuGetProcAddress`` of the libcuda loaded here; 0 where absent), the batched calls'
+        signature version, the ``CUmemcpyAttributes`` address of each batch flag (bit 0
+        stream-ordered, bit 1 to host) and the context a waiter thread makes current."""
+        def at(fn: Any) -> int:
+            return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
+        def proc(name: bytes) -> int:
+            flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+            ret = cu.cuGetProcAddress(name, 12000, flags)
+            return int(ret[1]) if ret[0] == OK else 0
+
+        procs = (at(self._wait_fn), at(self._record_fn), at(self._memcpy_fn), at(self._launch_fn),
+                 at(self._batch_fn), at(self._batch3d_fn), at(self._event_sync),
+                 proc(b"cuEventCreate"), proc(b"cuEventDestroy"), proc(b"cuCtxSetCurrent"))
+        batched = self._batch_fn is not None
+        attrs = tuple(self._attr_at(bool(f & 1), bool(f & 2)) if batched else 0 for f in range(4))
+        version = 13000 if self.batch_kind == "batch13" else 12080
+        return procs, version, attrs, int(self.context)
 
     # -- device facts ---------------------------------------------------------------------
 

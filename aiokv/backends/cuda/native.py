@@ -1,0 +1,72 @@
+"""Whether the native helper (``_native``, built from ``_native.c`` at install time) is in
+use, and why; and the thin Python side of its waiter.
+
+The helper is optional: installed without a C compiler, or disabled with
+``AIOKV_NATIVE=0`` (or ``WorkerOptions(native=False)``), the CUDA backend issues each job's
+driver calls from Python instead, with the same results (docs/native.md). It needs no
+cuda-python: the driver facade hands it the driver's entry points as addresses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from ...errors import InvalidSpec
+
+__all__ = ["ENV", "NativeWaiter", "helper", "status"]
+
+ENV = "AIOKV_NATIVE"
+
+try:
+    _ext: Any = importlib.import_module(f"{__package__}._native")
+except ImportError as exc:  # not built (no compiler at install), or built for another Python
+    _ext = None
+    missing = isinstance(exc, ModuleNotFoundError) and exc.name == f"{__package__}._native"
+    _WHY = "not built" if missing else f"failed to load ({exc})"
+else:
+    _ext.set_error_class(InvalidSpec)
+    _WHY = "built"
+
+
+def helper() -> Any:
+    """The loaded extension module, or None where it is not built or failed to load."""
+    return _ext
+
+
+def status(requested: bool | None = None) -> tuple[bool, str]:
+    """(whether a worker uses the native submit path, why), for ``requested`` as in
+    ``WorkerOptions.native``: None follows ``AIOKV_NATIVE`` (unset: on where built)."""
+    if requested is False:
+        return False, "disabled by WorkerOptions(native=False)"
+    env = os.environ.get(ENV, "").strip().lower()
+    if requested is None and env in ("0", "false", "no", "off"):
+        return False, f"disabled by {ENV}={os.environ[ENV]}"
+    if _ext is None:
+        return False, f"native helper {_WHY}"
+    return True, "native helper built"
+
+
+class NativeWaiter:
+    """One lane's waiter thread (``_native.Waiter``): rings a doorbell when a job's end
+    event completes, with no Python thread involved. ``watch`` never blocks."""
+
+    def __init__(self, table: Any, stream: Any, slots: int = 64) -> None:
+        if _ext is None:
+            raise InvalidSpec(f"the native helper is {_WHY}")
+        self._waiter = _ext.Waiter(table, int(stream), slots)
+
+    def watch(self, event: Any, fd: int) -> int:
+        """0: armed; -1: cannot arm now (closed, or every slot busy); else the CUresult of
+        the driver call that failed (nothing armed)."""
+        return int(self._waiter.watch(int(event), fd))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._waiter.stats())
+
+    def close(self) -> None:
+        self._waiter.close()
+
+    def abandon(self) -> None:
+        self._waiter.abandon()

@@ -1,0 +1,305 @@
+"""One job's enqueue as a program of driver calls, run by one call into the native helper.
+
+``Recorder`` stands in for ``Driver`` inside a lane's copy strategy. Between ``open`` and
+``commit`` the strategy's enqueue calls (``record``, ``stream_wait``, ``memcpy``,
+``memcpy_batch``, ``memcpy_batch_at``, ``memcpy_pitched``, ``launch``) become rows of a
+``Program``; every other attribute, and any call outside a program, is the driver's.
+``commit`` hands the rows to ``_native.Table.enqueue``: the job's whole enqueue is one
+crossing out of Python, with no GIL hand-over between its driver calls. The strategies are
+the same code on both paths, so the Python path (the driver called directly) and the
+native one make the same calls in the same order (tests/test_cuda_native.py).
+
+The C call's contract (``_native.c`` has it in full): ``enqueue(ops, buffers, main,
+rescue, hold_gil)``; ``ops`` is rows of ``WORDS`` unsigned 64-bit words, opcode first:
+
+==========  ===========================================================================
+``WAIT``     stream, event: ``cuStreamWaitEvent(stream, event, 0)``
+``RECORD``   event, stream: ``cuEventRecord``
+``BATCH``    stream, dst, src, sizes, count, flags, first: ``cuMemcpyBatchAsync`` of copies
+             ``[first, first + count)`` of three tables in ``buffers`` (8-byte ints);
+             flags bit 0 stream-ordered, bit 1 to host
+``COPY``     stream, dst, src, nbytes: ``cuMemcpyAsync``
+``PITCHED``  stream, ops, count: ``cuMemcpy3DBatchAsync`` of a buffer of 14-word ops
+``LAUNCH``   stream, function, grid, block, blob, offsets, nparams: ``cuLaunchKernel`` with
+             ``params[i] = &blob[offsets[i]]``
+==========  ===========================================================================
+
+Every row is checked before the first call (bad input raises ``InvalidSpec``, nothing is
+enqueued); a failing call stops the program and every stream it used is joined into
+``main`` through the ``rescue`` event, so the lane's end event covers what was enqueued.
+
+Layerwise jobs: ``Program.layers`` (or ``issue_layers`` on either path) enqueues each
+layer's copies and records that layer's event behind them, all in the same one call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import InvalidSpec
+
+__all__ = [
+    "CALL_NAMES", "NATIVE_GIL_HELD_US", "OP_BATCH", "OP_COPY", "OP_LAUNCH", "OP_PITCHED",
+    "OP_RECORD", "OP_WAIT", "WORDS", "Program", "Recorder", "batch_flags", "issue_layers",
+]
+
+OP_WAIT, OP_RECORD, OP_BATCH, OP_COPY, OP_PITCHED, OP_LAUNCH = range(1, 7)
+WORDS = 8
+CALL_NAMES = {
+    OP_WAIT: "cuStreamWaitEvent", OP_RECORD: "cuEventRecord", OP_BATCH: "cuMemcpyBatchAsync",
+    OP_COPY: "cuMemcpyAsync", OP_PITCHED: "cuMemcpy3DBatchAsync", OP_LAUNCH: "cuLaunchKernel",
+}
+# A program whose driver calls should take longer than this (host microseconds, estimated
+# below) releases the GIL once for the whole call instead of holding it: the staged and
+# 2 MiB-page jobs hold it, a job of thousands of single-page descriptors does not
+# (docs/native.md, "The call").
+NATIVE_GIL_HELD_US = 200.0
+_US_PER_CALL, _US_PER_DESCRIPTOR, _US_PER_PITCHED_OP = 1.5, 0.8, 3.0
+
+
+def batch_flags(stream_ordered: bool = True, to_host: bool | None = None) -> int:
+    """The BATCH row's flags word: which of the table's copy attributes the call takes."""
+    return int(bool(stream_ordered)) | (2 if to_host else 0)
+
+
+class Program:
+    """Rows of driver calls and the buffers they name, built in order (see module doc)."""
+
+    __slots__ = ("buffers", "cost", "words")
+
+    def __init__(self) -> None:
+        self.words: list[int] = []
+        self.buffers: list[Any] = []
+        self.cost = 0.0  # estimated host microseconds of its driver calls
+
+    def __len__(self) -> int:
+        return len(self.words) // WORDS
+
+    def buffer(self, obj: Any) -> int:
+        """Keep ``obj`` (a buffer) for the call; its index for rows to name."""
+        self.buffers.append(obj)
+        return len(self.buffers) - 1
+
+    def wait(self, stream: Any, event: Any) -> None:
+        self.words += (OP_WAIT, int(stream), int(event), 0, 0, 0, 0, 0)
+        self.cost += _US_PER_CALL
+
+    def record(self, event: Any, stream: Any) -> None:
+        self.words += (OP_RECORD, int(event), int(stream), 0, 0, 0, 0, 0)
+        self.cost += _US_PER_CALL
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self.words += (OP_COPY, int(stream), int(dst), int(src), int(nbytes), 0, 0, 0)
+        self.cost += _US_PER_CALL
+
+    def batch(self, dst: Any, src: Any, sizes: Any, stream: Any, flags: int, count: int,
+              first: int = 0, *, ids: tuple[int, int, int] | None = None) -> None:
+        """Copies ``[first, first + count)`` of the tables (8-byte ints); ``ids``: the
+        tables are buffers of this program already."""
+        d, s, n = ids if ids is not None else (self.buffer(dst), self.buffer(src), self.buffer(sizes))
+        self.words += (OP_BATCH, int(stream), d, s, n, int(count), flags, int(first))
+        self.cost += _US_PER_CALL + _US_PER_DESCRIPTOR * count
+
+    def pitched(self, ops: np.ndarray, stream: Any) -> None:
+        count = int(ops.shape[0])
+        self.words += (OP_PITCHED, int(stream), self.buffer(ops), count, 0, 0, 0, 0)
+        self.cost += _US_PER_CALL + _US_PER_PITCHED_OP * count
+
+    def launch(self, function: Any, grid: int, block: int, stream: Any, blob: Any,
+               offsets: np.ndarray) -> None:
+        """``blob``: the parameters' bytes as laid out for the kernel; ``offsets``: where
+        each parameter starts in it (8-byte ints)."""
+        self.words += (OP_LAUNCH, int(stream), int(function), int(grid), int(block),
+                       self.buffer(blob), self.buffer(offsets), int(offsets.shape[0]))
+        self.cost += _US_PER_CALL
+
+    def layers(self, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+               bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
+               flags: int = 1) -> None:
+        """A layerwise job's copies on ``stream``: for each layer ``l`` the copies
+        ``[bounds[l], bounds[l + 1])`` of the tables as one batched call, then ``events[l]``
+        recorded behind them (a consumer's stream may wait on it, or the host query it,
+        while later layers still copy). Empty layers only record their event. Rows are
+        built with numpy, whatever the number of layers."""
+        cuts = np.asarray(bounds, dtype=np.int64)
+        nlayers = cuts.size - 1
+        if nlayers != len(events) or nlayers < 0 or (np.diff(cuts) < 0).any() or (
+                cuts.size and (cuts[0] < 0 or cuts[-1] > dst.shape[0])):
+            raise InvalidSpec(f"layer bounds {cuts.tolist()} do not cut {dst.shape[0]} copies into "
+                              f"{len(events)} layers")
+        ids = (self.buffer(dst), self.buffer(src), self.buffer(sizes))
+        counts = np.diff(cuts)
+        rows = np.zeros((nlayers, 2, WORDS), dtype=np.uint64)
+        rows[:, 0, :7] = (OP_BATCH, int(stream), *ids, 0, flags)
+        rows[:, 0, 5] = counts
+        rows[:, 0, 7] = cuts[:-1]
+        rows[:, 1, 0], rows[:, 1, 2] = OP_RECORD, int(stream)
+        rows[:, 1, 1] = [int(e) for e in events]
+        keep = np.ones((nlayers, 2), dtype=bool)
+        keep[:, 0] = counts > 0
+        self.words += rows[keep].ravel().tolist()
+        self.cost += _US_PER_CALL * (nlayers + int(keep[:, 0].sum())) + _US_PER_DESCRIPTOR * int(counts.sum())
+
+    def streams(self) -> list[int]:
+        """Every stream a row names, in first-use order."""
+        w = self.words
+        seen = dict.fromkeys(w[i + 2] if w[i] == OP_RECORD else w[i + 1] for i in range(0, len(w), WORDS))
+        return list(seen)
+
+
+class Recorder:
+    """A lane's stand-in for ``Driver``: records the strategy's enqueue calls while a
+    program is open and runs them in one native call (see the module doc).
+
+    ``main`` is the lane's main stream and ``rescue`` an event of the lane's: after a
+    failure, every stream the job used is joined into ``main`` through it. ``fail``
+    turns a driver code into the aiokv error (``Driver.fail``: a sticky code also marks
+    the backend broken).
+    """
+
+    def __init__(self, driver: Any, table: Any, main: Any, rescue: Any,
+                 fail: Callable[[int, str], Exception]) -> None:
+        self._driver = driver
+        self._table = table
+        self._fail = fail
+        self.main = int(main)
+        self.rescue = int(rescue)
+        self.program: Program | None = None
+        self.calls = 0  # native calls made: one per job
+        self.ran = False  # the last commit reached the driver (so may have enqueued part)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def bind(self, main: Any, rescue: Any) -> None:
+        """Set the lane's main stream and rescue event (known once the strategy exists)."""
+        self.main, self.rescue = int(main), int(rescue)
+
+    # -- recording ------------------------------------------------------------------------
+
+    def open(self) -> Program:
+        """Start recording one job."""
+        self.program = Program()
+        return self.program
+
+    def record(self, event: Any, stream: Any) -> None:
+        if self.program is None:
+            return self._driver.record(event, stream)
+        self.program.record(event, stream)
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        if self.program is None:
+            return self._driver.stream_wait(stream, event)
+        self.program.wait(stream, event)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if self.program is None:
+            return self._driver.memcpy(dst, src, nbytes, stream)
+        self.program.copy(dst, src, nbytes, stream)
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any, *,
+                     stream_ordered: bool = True, to_host: bool | None = None,
+                     hold_gil: bool | None = None) -> None:
+        if self.program is None:
+            return self._driver.memcpy_batch(dst, src, sizes, stream, stream_ordered=stream_ordered,
+                                             to_host=to_host, hold_gil=hold_gil)
+        n = int(dst.shape[0])
+        if n:
+            self.program.batch(dst, src, sizes, stream, batch_flags(stream_ordered, to_host), n)
+
+    def memcpy_batch_at(self, dst: int, src: int, sizes: int, n: int, stream: Any, *,
+                        stream_ordered: bool = True, to_host: bool | None = None,
+                        hold_gil: bool | None = None) -> None:
+        """The driver reads the three tables during its call and the caller may rewrite
+        them after it, so a recorded call copies them now."""
+        if self.program is None:
+            return self._driver.memcpy_batch_at(dst, src, sizes, n, stream, stream_ordered=stream_ordered,
+                                                to_host=to_host, hold_gil=hold_gil)
+        if n <= 0:
+            return
+        tables = np.empty((3, n), dtype=np.uint64)
+        at = tables.ctypes.data
+        for row, address in enumerate((dst, src, sizes)):
+            ctypes.memmove(at + 8 * n * row, address, 8 * n)
+        self.program.batch(tables[0], tables[1], tables[2], stream, batch_flags(stream_ordered, to_host), n)
+
+    def memcpy_pitched(self, ops: np.ndarray, stream: Any, *, hold_gil: bool | None = None) -> None:
+        if self.program is None:
+            return self._driver.memcpy_pitched(ops, stream, hold_gil=hold_gil)
+        if ops.shape[0]:
+            self.program.pitched(np.ascontiguousarray(ops, dtype=np.uint64), stream)
+
+    def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: Any,
+               params: Any, packed: tuple[Any, np.ndarray] | None = None) -> None:
+        """``packed``: (the parameters' bytes, each one's offset in them); the driver reads
+        the values at launch and the caller rewrites them after, so they are copied now."""
+        if self.program is None:
+            return self._driver.launch(function, grid, block, stream, params, packed=packed)
+        if packed is None or grid[1:] != (1, 1):
+            raise InvalidSpec("a launch recorded for the native helper needs a 1-D grid and its "
+                              "parameters packed (blob, offsets)")
+        blob, offsets = packed
+        self.program.launch(function, grid[0], block, stream, bytes(blob), offsets)
+
+    # -- running --------------------------------------------------------------------------
+
+    def commit(self, hold_gil: bool | None = None) -> None:
+        """Run the open program in one native call. Raises ``InvalidSpec`` (nothing
+        enqueued, ``ran`` False) on bad input, or the translated driver error of the call
+        that failed (``ran`` True: what came before it is enqueued, and joined into main)."""
+        program, self.program = self.program, None
+        self.ran = False
+        if program is None or not program.words:
+            return
+        if hold_gil is None:
+            hold_gil = program.cost <= NATIVE_GIL_HELD_US
+        done, code = self._table.enqueue(array("Q", program.words), tuple(program.buffers),
+                                         self.main, self.rescue, hold_gil)
+        self.ran = True
+        self.calls += 1
+        if code:
+            raise self._fail(int(code), CALL_NAMES.get(program.words[done * WORDS], "a driver call"))
+
+    def abort(self) -> None:
+        """The strategy raised while recording: enqueue what it recorded before (what the
+        Python path would have enqueued) and join every stream it used into main, as the
+        strategies' own cleanup does there. Driver errors here are dropped: the caller
+        raises the strategy's error."""
+        program, self.program = self.program, None
+        self.ran = False
+        if program is None or not program.words:
+            return
+        for stream in program.streams():
+            if stream != self.main:
+                program.record(self.rescue, stream)
+                program.wait(self.main, self.rescue)
+        try:
+            self._table.enqueue(array("Q", program.words), tuple(program.buffers), self.main,
+                                self.rescue, True)
+        except Exception:
+            pass
+        self.ran = True
+
+
+def issue_layers(drv: Any, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+                 bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
+                 to_host: bool | None = None) -> None:
+    """``Program.layers`` on either path: recorded into the open program of a
+    ``Recorder``, else one batched call and one record per layer on ``drv``."""
+    program = getattr(drv, "program", None) if isinstance(drv, Recorder) else None
+    if program is not None:
+        program.layers(stream, dst, src, sizes, bounds, events, flags=batch_flags(True, to_host))
+        return
+    cuts = [int(b) for b in bounds]
+    if len(cuts) - 1 != len(events):
+        raise InvalidSpec(f"{len(cuts) - 1} layers but {len(events)} layer events")
+    for layer, event in enumerate(events):
+        lo, hi = cuts[layer], cuts[layer + 1]
+        if hi > lo:
+            drv.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream, to_host=to_host)
+        drv.record(event, stream)

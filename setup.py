@@ -1,0 +1,20 @@
+"""Builds the optional native helper (aiokv/backends/cuda/_native*.c) with the system C
+compiler. It needs no CUDA toolkit. Without a compiler (or when the build fails) the
+install still succeeds and aiokv uses its pure-Python submit path (``aiokv info`` says
+which). Everything else about the package is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "aiokv.backends.cuda._native",
+            sources=["aiokv/backends/cuda/_native.c", "aiokv/backends/cuda/_native_waiter.c"],
+            depends=["aiokv/backends/cuda/_native.h"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                                "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)

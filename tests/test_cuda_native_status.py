@@ -1,0 +1,108 @@
+"""Which submit path a CUDA worker takes, and why, without a GPU: the native helper where
+it is built unless ``AIOKV_NATIVE=0`` or ``WorkerOptions(native=False)`` turn it off, the
+Python path where it is missing or refuses the driver (``native=True`` then raises), and
+``aiokv info`` says which. A fresh interpreter that cannot import the helper falls back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aiokv.backends.cuda import native
+from aiokv.backends.cuda.backend import CudaBackend
+from aiokv.errors import InvalidSpec
+from aiokv.info import collect_info
+from aiokv.options import WorkerOptions
+
+
+def _backend(native_option: bool | None, procs: Any) -> CudaBackend:
+    """A CUDA backend's native choice alone, on a stand-in driver."""
+    backend = object.__new__(CudaBackend)
+    backend.options = WorkerOptions(native=native_option)
+    backend.driver = SimpleNamespace(native_procs=procs)  # type: ignore[assignment]
+    backend.native_table = None
+    backend._open_native()
+    return backend
+
+
+def _fake_procs() -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
+    return (0,) * 10, 13000, (0,) * 4, 0
+
+
+@pytest.mark.parametrize(("env", "option", "used"), [
+    (None, None, True), ("1", None, True), ("0", None, False), ("off", None, False),
+    (None, False, False), ("0", True, True),
+])
+def test_the_option_and_the_environment_pick_the_path(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                                      option: bool | None, used: bool) -> None:
+    if native.helper() is None:
+        pytest.skip("the native helper is not built here")
+    if env is None:
+        monkeypatch.delenv(native.ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV, env)
+    usable, why = native.status(option)
+    assert usable is used
+    backend = _backend(option, _fake_procs)
+    assert (backend.native_table is not None) is used
+    assert why in backend.native_why
+    if not used:
+        assert "disabled" in why and (native.ENV in why or "native=False" in why)
+
+
+def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(native, "_WHY", "not built")
+    monkeypatch.delenv(native.ENV, raising=False)
+    assert native.status() == (False, "native helper not built")
+    assert _backend(None, _fake_procs).native_table is None
+    with pytest.raises(InvalidSpec, match=r"native=True.*not built"):
+        _backend(True, _fake_procs)
+    assert collect_info()["CUDA submit path"] == "python (native helper not built)"
+
+
+def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if native.helper() is None:
+        pytest.skip("the native helper is not built here")
+    monkeypatch.delenv(native.ENV, raising=False)
+
+    def bad() -> Any:
+        return (0,) * 3, 13000, (0,) * 4, 0  # the wrong number of entry points
+
+    backend = _backend(None, bad)
+    assert backend.native_table is None and "refused" in backend.native_why
+    with pytest.raises(InvalidSpec, match="refused"):
+        _backend(True, bad)
+
+
+def test_info_says_which_path_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV, "0")
+    assert collect_info()["CUDA submit path"] == "python (disabled by AIOKV_NATIVE=0)"
+    monkeypatch.delenv(native.ENV)
+    want = "native, one call per job (native helper built)" if native.helper() else "python (native helper"
+    assert collect_info()["CUDA submit path"].startswith(want)
+
+
+def test_native_must_be_none_or_a_bool() -> None:
+    with pytest.raises(InvalidSpec, match="native"):
+        WorkerOptions(native=1)  # type: ignore[arg-type]
+    assert WorkerOptions.coerce({"native": False}).native is False
+
+
+def test_an_interpreter_that_cannot_import_the_helper_falls_back() -> None:
+    """As on a machine installed without a compiler: the import fails, the path is Python."""
+    code = ("import sys; sys.modules['aiokv.backends.cuda._native'] = None\n"
+            "from aiokv.backends.cuda import native\n"
+            "from aiokv.info import collect_info\n"
+            "print(native.status(), collect_info()['CUDA submit path'])\n")
+    env = {k: v for k, v in os.environ.items() if k != native.ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert "(False, 'native helper not built')" in out and "python (native helper not built)" in out
