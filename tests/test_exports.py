@@ -15,7 +15,7 @@ def test_public_names_are_pinned() -> None:
         # tiers under the host pool
         "DiskTier", "RedisTier", "RestoreResult", "Tier", "TierCacheStats", "TierStatistics",
         # the rest of the error tree (aiokv.errors)
-        "CudaCallFailed", "HostMemoryError", "QueueFull", "TierError", "UsageError",
+        "CudaCallFailed", "HostMemoryError", "MissingExtra", "QueueFull", "TierError", "UsageError",
         # what the async face's poller did (for the bench)
         "PollerStatistics",
     }
@@ -33,6 +33,7 @@ def test_errors_derive_from_the_builtins_callers_catch() -> None:
     assert issubclass(aiokv.HostMemoryError, MemoryError)
     assert issubclass(aiokv.TierError, OSError)
     assert issubclass(aiokv.QueueFull, aiokv.UsageError)
+    assert issubclass(aiokv.MissingExtra, aiokv.UsageError) and issubclass(aiokv.MissingExtra, ImportError)
     for cls in (aiokv.InvalidSpec, aiokv.WorkerClosed, aiokv.WorkerBroken, aiokv.TransferFailed,
                 aiokv.UsageError, aiokv.HostMemoryError, aiokv.CudaCallFailed, aiokv.TierError):
         assert issubclass(cls, aiokv.AiokvError)
