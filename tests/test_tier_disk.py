@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from functools import partial
 from pathlib import Path
 
 import anyio
@@ -13,7 +12,7 @@ import pytest
 
 from aiokv.cache.policies import available_policies
 from aiokv.cache.tiers.codec import layout_fingerprint
-from aiokv.cache.tiers.disk import DiskTier, raw_read_ceiling
+from aiokv.cache.tiers.disk import DiskTier
 from aiokv.cache.tiers.disk_io import ALIGN, TEMP_PREFIX, BlockFiles, probe_direct
 from aiokv.errors import InvalidSpec, TierError, UsageError
 
@@ -448,21 +447,3 @@ async def test_misuse_raises(tmp_path: Path) -> None:
     await tier.aclose()
     with pytest.raises(UsageError):
         await tier.write(keys_of(1), payloads(1))
-
-
-async def test_raw_read_ceiling_measures_and_cleans_up(tmp_path: Path) -> None:
-    for direct in (None, False):
-        gbps = await anyio.to_thread.run_sync(partial(
-            raw_read_ceiling, str(tmp_path), 3 * ALIGN + 5, 4, 2 * ALIGN, direct=direct,
-            threads=2, rounds=1))
-        assert gbps > 0
-    assert os.listdir(tmp_path) == []
-    with pytest.raises(ValueError):
-        raw_read_ceiling(str(tmp_path), 0, 4)
-    tier = await opened(tmp_path)
-    with pytest.raises(UsageError):
-        await tier.read_ceiling(4)
-    await tier.write(keys_of(1), payloads(1))
-    assert await tier.read_ceiling(4, rounds=1) > 0
-    assert tier.io_size is not None and tier.io_size % ALIGN == 0 and tier.io_size > BLOCK
-    assert block_files(tier) and not temp_files(tier)

@@ -34,17 +34,15 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from .base import Tier, TierStatistics
-from .disk_ceiling import raw_read_ceiling, read_files_ceiling
 from .disk_io import (
     MAX_KEY_BYTES,
     BlockFiles,
     FileEntry,
     ReadStatus,
-    file_size,
     probe_direct,
 )
 
-__all__ = ["DiskTier", "raw_read_ceiling"]
+__all__ = ["DiskTier"]
 
 T = TypeVar("T")
 
@@ -129,40 +127,6 @@ class DiskTier(Tier):
     def block_bytes(self) -> int | None:
         """Payload bytes of one block, once a block was stored or found."""
         return self._block_bytes
-
-    @property
-    def io_size(self) -> int | None:
-        """Bytes one read call moves for one block (header page, payload, padding): the
-        I/O size to give ``raw_read_ceiling``. None until the block size is known."""
-        if self._block_bytes is None:
-            return None
-        return file_size(b"", self._block_bytes)
-
-    async def read_ceiling(self, count: int = 64, *, rounds: int = 3) -> float:
-        """GB/s of plain reads (no verification, no index) of up to ``count`` of this tier's
-        own block files, whole, with this tier's mode, I/O size and threads: what a restore
-        from this tier is measured against (the same bytes, through the same caches). A tier
-        that holds nothing measures ``count`` new block-sized files instead. Runs in a
-        thread; needs the block size known.
-        """
-        files = self._opened()
-        if self._block_bytes is None:
-            raise UsageError("the block size is known once a block was stored or found")
-        if count < 1:
-            raise InvalidSpec(f"count must be >= 1, got {count}")
-        paths = [files.path(key) for key in list(self._held)[-count:]]
-        if paths:
-            measure = partial(read_files_ceiling, paths, self._block_bytes,
-                              io_size=self.io_size, direct=files.direct,
-                              threads=self.io_threads, rounds=rounds)
-        else:
-            measure = partial(raw_read_ceiling, files.directory, self._block_bytes, count,
-                              self.io_size, direct=files.direct, threads=self.io_threads,
-                              rounds=rounds)
-        try:
-            return await anyio.to_thread.run_sync(measure)
-        except OSError as exc:  # a file evicted meanwhile, a failing disk
-            raise TierError(f"cannot measure the read ceiling: {exc}") from exc
 
     async def open(self, fingerprint: bytes) -> None:
         """Create or reopen this layout's directory, probe direct I/O and rebuild the index

@@ -77,7 +77,7 @@ class ReadStatus:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A verified block file found by ``BlockFiles.scan``."""
+    """A verified block file found by ``BlockFiles.check_blocks``."""
 
     key: bytes
     payload_len: int
@@ -363,19 +363,6 @@ class BlockFiles:
             os.close(fd)
 
     # -- the index at start ----------------------------------------------------------------
-
-    def scan(self) -> tuple[list[FileEntry], int, int]:
-        """``list_blocks`` then ``check_blocks`` in this thread (``DiskTier.open`` spreads
-        the checks over its threads instead).
-
-        Returns:
-            (entries oldest first, temporary files removed, bad files removed).
-        """
-        names, temps = self.list_blocks()
-        entries: list[FileEntry] = []
-        bad = self.check_blocks(names, entries)
-        entries.sort(key=lambda e: e.mtime_ns)
-        return entries, temps, bad
 
     def list_blocks(self) -> tuple[list[str], int]:
         """Names of the block files here, after removing temporary files (writes a crash

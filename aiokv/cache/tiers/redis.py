@@ -15,12 +15,13 @@ import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 import anyio.to_thread
 
 from ...errors import InvalidSpec, UsageError
+from ...extras import require
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics
@@ -29,7 +30,7 @@ from .redis_quota import WriteQuota
 if TYPE_CHECKING:
     from .redis_client import AsyncioRedis, Op, ThreadRedis
 
-__all__ = ["RedisTier", "raw_get_ceiling"]
+__all__ = ["RedisTier"]
 
 _HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
 # Checksums and copies of a group at least this large run on a worker thread, not the loop.
@@ -436,20 +437,8 @@ def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
 
 def _client_module() -> ModuleType:
     """``redis_client``, which imports the optional ``redis`` package: only when a tier is
-    built, so ``import aiokv`` neither needs nor pays for it."""
-    try:
-        from . import redis_client
-    except ImportError as exc:
-        if (exc.name or "").split(".")[0] not in ("redis", "hiredis"):
-            raise
-        raise UsageError(
-            "RedisTier needs the optional redis package: install the 'redis' extra "
-            "(python3 -m pip install -e '.[redis]' in a clone of aiokv)"
-        ) from exc
+    built, so ``import aiokv`` neither needs nor pays for it (``MissingExtra`` without it)."""
+    require("redis")
+    from . import redis_client
+
     return redis_client
-
-
-async def raw_get_ceiling(url: str, nbytes: int, count: int, **options: Any) -> float:
-    """GB/s of plain redis-py GETs of ``count`` values of ``nbytes`` from the server at
-    ``url`` (``redis_client.raw_get_ceiling``): the bench's ceiling for RedisTier restores."""
-    return float(await _client_module().raw_get_ceiling(url, nbytes, count, **options))

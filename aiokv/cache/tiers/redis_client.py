@@ -10,36 +10,30 @@ loop thread and restored 2-3x slower on loopback, so it is opt-in (``client="asy
 
 Both send every batch as a pipeline (one round trip per group of keys; a cluster client
 splits a pipeline per node, since one MGET may not span slots on several nodes) and bound
-every socket operation with the tier's timeout. ``redis`` is imported here only, so that
-``import aiokv`` works without the optional package.
+every socket operation with the tier's timeout. Imported only after ``extras.require``
+found the ``redis`` package, so ``import aiokv`` works without it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import anyio.to_thread
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ...errors import InvalidSpec
 from .redis_wire import WRONG_LENGTH, exist, read_into, write_from
 
-try:
-    import redis
-    import redis.asyncio
-    import redis.asyncio.cluster
-    import redis.cluster
-    from redis.asyncio.retry import Retry as AsyncRetry
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError as exc:  # the tier's package turns this into an install hint
-    raise ImportError(f"RedisTier needs the redis package: {exc}", name="redis") from exc
-
-__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "raw_get_ceiling",
-           "split_url"]
+__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "split_url"]
 
 # Bytes a hiredis reader takes from the socket per read: redis-py's 64 KiB reads a 2 MiB
 # value in 32 feeds; 1 MiB reads it in a few and doubled the GET rate on loopback.
@@ -199,42 +193,3 @@ class ThreadRedis:
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self._client.close, limiter=self.limiter)
-
-
-async def raw_get_ceiling(url: str, nbytes: int, count: int, *, cluster: bool | None = None,
-                          timeout: float = 10.0) -> float:
-    """GB/s of plain redis-py GETs of ``count`` random values of ``nbytes`` each, one GET
-    per round trip, from the server at ``url``: the ceiling the bench sets RedisTier's
-    restore rate beside. Writes and then deletes its own ``aiokv:ceiling:*`` keys.
-
-    Runs redis-py's blocking client on one worker thread (what any loop can run), with the
-    same socket options as the tier.
-    """
-    if nbytes <= 0 or count <= 0:
-        raise InvalidSpec(f"nbytes and count must be positive, got {nbytes} and {count}")
-    base, is_cluster = split_url(url, cluster)
-
-    def measure() -> float:
-        options = client_options(timeout)
-        client: Any = (redis.cluster.RedisCluster.from_url(base, **options) if is_cluster
-                       else redis.Redis.from_url(base, **options))
-        import os
-
-        keys = [f"aiokv:ceiling:{os.getpid()}:{i}" for i in range(count)]
-        try:
-            for key in keys:
-                client.set(key, os.urandom(nbytes))
-            client.get(keys[0])  # connect before the clock starts
-            start = time.perf_counter()
-            for key in keys:
-                value = client.get(key)
-                if value is None or len(value) != nbytes:
-                    raise OSError(f"GET {key} returned {None if value is None else len(value)} bytes")
-            seconds = time.perf_counter() - start
-        finally:
-            for key in keys:
-                client.delete(key)
-            client.close()
-        return nbytes * count / seconds / 1e9
-
-    return float(await anyio.to_thread.run_sync(measure))
