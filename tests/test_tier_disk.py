@@ -447,3 +447,29 @@ async def test_misuse_raises(tmp_path: Path) -> None:
     await tier.aclose()
     with pytest.raises(UsageError):
         await tier.write(keys_of(1), payloads(1))
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.5, "4096", None, 0, -BLOCK])
+def test_capacity_and_threads_take_the_shared_integer_check(tmp_path: Path, bad: object) -> None:
+    """The same rule as every tier's (and the worker's counts): an int, never a bool."""
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        DiskTier(tmp_path, capacity_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="io_threads"):
+        DiskTier(tmp_path, capacity_bytes=BLOCK, io_threads=bad)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_counts(tmp_path: Path) -> None:
+    import numpy as np
+
+    tier = DiskTier(tmp_path, capacity_bytes=np.int64(8 * BLOCK), io_threads=np.int32(2))  # type: ignore[arg-type]
+    assert type(tier.capacity_bytes) is int and tier.capacity_bytes == 8 * BLOCK
+    assert type(tier.io_threads) is int and tier.io_threads == 2
+
+
+@pytest.mark.parametrize("path", ["", b""])
+def test_an_empty_path_is_refused_rather_than_the_current_directory(
+        tmp_path: Path, path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidSpec, match="path"):
+        DiskTier(path, capacity_bytes=8 * BLOCK)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []

@@ -453,6 +453,36 @@ async def test_misuse_raises_and_io_trouble_does_not(server: RedisServer, anyio_
         await dead.aclose()
 
 
+@pytest.mark.parametrize("bad", [True, False, 1.5, "4096", 0, -1])
+def test_counts_take_the_shared_integer_check(bad: object) -> None:
+    """The disk tier's rule: an int, never a bool; capacity_bytes may also be None."""
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    for name in ("capacity_bytes", "threads", "group_bytes"):
+        with pytest.raises(InvalidSpec, match=name):
+            RedisTier("redis://127.0.0.1:6379/0", **{name: bad})
+
+
+@pytest.mark.parametrize("bad", [True, "5", 0, -1.0, float("nan"), float("inf")])
+def test_seconds_are_positive_finite_numbers(bad: object) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    for name in ("timeout", "ttl"):
+        with pytest.raises(InvalidSpec, match=name):
+            RedisTier("redis://127.0.0.1:6379/0", **{name: bad})
+
+
+def test_numpy_counts_are_accepted() -> None:
+    import numpy as np
+
+    from aiokv.cache.tiers.redis import RedisTier
+
+    tier = RedisTier("redis://127.0.0.1:6379/0", capacity_bytes=np.int64(1 << 20), threads=np.int8(2))
+    assert type(tier.capacity_bytes) is int and tier.capacity_bytes == 1 << 20
+
+
 def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.cache.tiers as tiers
     from aiokv.errors import MissingExtra

@@ -10,10 +10,34 @@ value is a miss (``False``) and is counted in ``statistics()``; only misuse rais
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Tier", "TierStatistics"]
+from ...errors import InvalidSpec
+from ...specs import as_count
+
+__all__ = ["Tier", "TierStatistics", "positive_count", "positive_seconds"]
+
+
+def positive_count(value: Any, what: str) -> int:
+    """``value`` as a positive Python int, by the rule every count in aiokv follows
+    (``specs.as_count``: numpy integers yes, bools and floats no); every tier checks its
+    sizes and thread counts with it."""
+    count = as_count(value, what)
+    if count <= 0:
+        raise InvalidSpec(f"{what} must be positive, got {value!r}")
+    return count
+
+
+def positive_seconds(value: Any, what: str) -> float:
+    """``value`` as a positive, finite number of seconds (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value <= 0:
+        raise InvalidSpec(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

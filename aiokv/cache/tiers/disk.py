@@ -25,7 +25,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -33,7 +33,7 @@ import anyio.to_thread
 
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
-from .base import Tier, TierStatistics
+from .base import Tier, TierStatistics, positive_count, positive_seconds
 from .disk_io import (
     MAX_KEY_BYTES,
     BlockFiles,
@@ -81,17 +81,12 @@ class DiskTier(Tier):
         fsync: bool = False,
         simulated_latency: float = 0.0,
     ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                or capacity_bytes <= 0:
-            raise InvalidSpec(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise InvalidSpec(f"io_threads must be an int >= 1, got {io_threads!r}")
-        if simulated_latency < 0:
-            raise InvalidSpec(f"simulated_latency must be >= 0, got {simulated_latency!r}")
-        self.path = os.fspath(path)
-        self.capacity_bytes = capacity_bytes
+        self.path = _directory(path)
+        self.capacity_bytes = positive_count(capacity_bytes, "capacity_bytes")
+        self.io_threads = positive_count(io_threads, "io_threads")
+        if simulated_latency != 0:
+            simulated_latency = positive_seconds(simulated_latency, "simulated_latency")
         self.write_through = bool(write_through)
-        self.io_threads = io_threads
         self._policy_spec = policy
         self._direct_wanted = direct
         self._fsync = bool(fsync)
@@ -458,3 +453,16 @@ class DiskTier(Tier):
         assert self._files is not None
         for key in keys:
             self._files.remove(key)
+
+
+def _directory(path: Any) -> str:
+    """The tier's directory as a str; an empty path would mean the current directory, which
+    is never what a cache directory should be."""
+    try:
+        text = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise InvalidSpec(f"path must be a directory path, got {type(path).__name__}") from None
+    if not text:
+        raise InvalidSpec("path is empty: give the disk tier a directory of its own "
+                          "(an empty path would be the current directory)")
+    return text

@@ -24,7 +24,7 @@ from ...errors import InvalidSpec, UsageError
 from ...extras import require
 from ...loops import loop_library
 from . import codec
-from .base import Tier, TierStatistics
+from .base import Tier, TierStatistics, positive_count, positive_seconds
 from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
@@ -88,24 +88,20 @@ class RedisTier(Tier):
     ) -> None:
         self._client_module = _client_module()
         self._url, self.cluster = self._client_module.split_url(url, cluster)
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
-            raise InvalidSpec(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
-        if not timeout > 0:
-            raise InvalidSpec(f"timeout must be positive seconds, got {timeout!r}")
-        if ttl is not None and not ttl > 0:
-            raise InvalidSpec(f"ttl must be positive seconds or None, got {ttl!r}")
+        if capacity_bytes is not None:
+            capacity_bytes = positive_count(capacity_bytes, "capacity_bytes")
+        self.timeout = positive_seconds(timeout, "timeout")
+        if ttl is not None:
+            ttl = positive_seconds(ttl, "ttl")
         if client not in ("auto", "asyncio", "thread"):
             raise InvalidSpec(f"client must be 'auto', 'asyncio' or 'thread', got {client!r}")
-        if threads < 1 or group_bytes < 1:
-            raise InvalidSpec(f"threads and group_bytes must be positive, got {threads}, {group_bytes}")
+        self._threads = positive_count(threads, "threads")
+        self._group_bytes = positive_count(group_bytes, "group_bytes")
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
         self.write_through = bool(write_through)
-        self.timeout = float(timeout)
         self._ttl = None if ttl is None else max(1, round(ttl))
         self._client_kind = client
-        self._threads = threads
-        self._group_bytes = group_bytes
         self._fp = b""
         self._prefix = b""
         self._io: AsyncioRedis | ThreadRedis | None = None
