@@ -483,6 +483,51 @@ def test_numpy_counts_are_accepted() -> None:
     assert type(tier.capacity_bytes) is int and tier.capacity_bytes == 1 << 20
 
 
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:99999/0", "redis://127.0.0.1:abc/0", "redis://127.0.0.1:-1/0",
+    "redis+cluster://127.0.0.1:70000", "rediss://h:6379/not-a-db", "redis://h:6379/0/1",
+    "redis://h:6379/0?db=x", "redis://h:0/0", "redis://h/0?socket_timeout=soon",
+])
+def test_a_url_that_cannot_connect_is_refused_at_construction(url: str) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match="Redis URL") as caught:
+        RedisTier(url)
+    assert "secret" not in str(caught.value)
+    with pytest.raises(InvalidSpec, match="Redis URL") as caught:
+        RedisTier(url.replace("://", "://user:secret@", 1))
+    assert "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379/0", "redis://127.0.0.1", "redis://u:p@h:1/15", "rediss://h:6380",
+    "redis+cluster://h:7000", "unix:///tmp/redis.sock?db=2", "redis://[::1]:6379/0",
+])
+def test_good_urls_are_accepted(url: str) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+
+    RedisTier(url)
+
+
+@pytest.mark.anyio
+async def test_a_unix_socket_url_round_trips(tmp_path: Path) -> None:
+    need_redis()
+    sock = tmp_path / "redis.sock"
+    with running(RedisServer(tmp_path / "unix", args=("--unixsocket", str(sock)))) as srv:
+        assert isinstance(srv, RedisServer)
+        tier = await opened(f"unix://{sock}?db=3", namespace="unix")
+        try:
+            keys, data = keys_of(3, "unix"), payloads(3)
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [True] * 3
+            out = buffers(3)
+            assert await tier.read(keys, out) == [True] * 3
+            assert [bytes(o) for o in out] == data
+            assert srv.cli("-n", "3", "DBSIZE") == "3"
+        finally:
+            await tier.aclose()
+
+
 def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.cache.tiers as tiers
     from aiokv.errors import MissingExtra

@@ -26,6 +26,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
+import redis.connection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -33,7 +34,8 @@ from redis.retry import Retry
 from ...errors import InvalidSpec
 from .redis_wire import WRONG_LENGTH, exist, read_into, write_from
 
-__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "split_url"]
+__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "redacted",
+           "split_url"]
 
 # Bytes a hiredis reader takes from the socket per read: redis-py's 64 KiB reads a 2 MiB
 # value in 32 feeds; 1 MiB reads it in a few and doubled the GET rate on loopback.
@@ -49,7 +51,8 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     """redis-py's URL and whether it names a cluster (``redis+cluster://``,
     ``rediss+cluster://`` or ``cluster=True``)."""
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidSpec(f"a Redis URL looks like redis://[user:pass@]host:port/db, got {url!r}")
+        shown = redacted(url) if isinstance(url, str) else url
+        raise InvalidSpec(f"a Redis URL looks like redis://[user:pass@]host:port/db, got {shown!r}")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     from_scheme = scheme.endswith("+cluster")
@@ -62,7 +65,39 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     is_cluster = from_scheme or bool(cluster)
     if is_cluster and base == "unix":
         raise InvalidSpec("a Redis cluster is reached over TCP, not a unix socket")
-    return urlunsplit((base, *parts[1:])), is_cluster
+    plain = base + url[len(parts.scheme):]  # urlunsplit would drop unix:///'s empty host
+    _check_url(plain, redacted(url))
+    return plain, is_cluster
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, fit for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", *parts[2:]))
+
+
+def _check_url(url: str, shown: str) -> None:
+    """Refuse at construction what could never connect, or what redis-py would quietly
+    read otherwise: a port out of range or not a number, a database that is not a number,
+    a query option redis-py cannot parse."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidSpec(f"Redis URL {shown!r}: {exc}") from None
+    if port == 0:
+        raise InvalidSpec(f"Redis URL {shown!r}: port 0 cannot be connected to")
+    if parts.scheme != "unix" and parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        raise InvalidSpec(f"Redis URL {shown!r}: the path names a database by its number "
+                          f"(redis://host:port/0), got {parts.path!r}")
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise InvalidSpec(f"Redis URL {shown!r}: {exc}") from None
 
 
 def client_options(timeout: float, *, asyncio: bool = False) -> dict[str, Any]:
