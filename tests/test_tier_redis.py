@@ -528,6 +528,27 @@ async def test_a_unix_socket_url_round_trips(tmp_path: Path) -> None:
             await tier.aclose()
 
 
+@pytest.mark.anyio
+async def test_long_keys_share_a_batch_with_short_ones(server: RedisServer, client: str) -> None:
+    from aiokv.cache.tiers import codec
+
+    tier = await opened(server.url, namespace="long", client=client)
+    try:
+        run = os.urandom(8)
+        keys = [b"s" + run, os.urandom((1 << 16) + 1), run * (1 << 17), b"x" * 1025 + run]
+        data = payloads(len(keys))
+        assert await tier.write(keys, [memoryview(d) for d in data]) == [True] * len(keys)
+        out = buffers(len(keys))
+        assert await tier.read(keys, out) == [True] * len(keys)
+        assert [bytes(o) for o in out] == data
+        assert await tier.exists(keys) == [True] * len(keys)
+        forged = codec.stored_key(keys[1])
+        assert await tier.read([forged], buffers(1)) == [False]
+        assert tier.statistics().errors == 0
+    finally:
+        await tier.aclose()
+
+
 def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.cache.tiers as tiers
     from aiokv.errors import MissingExtra

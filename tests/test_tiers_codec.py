@@ -121,3 +121,19 @@ def test_the_fast_checksum_is_zlibs_crc32(monkeypatch: pytest.MonkeyPatch) -> No
         data = rng.randbytes(size)
         assert codec.checksum(data) == zlib.crc32(data) & 0xFFFFFFFF
         assert codec.checksum(memoryview(bytearray(data))[1:]) == zlib.crc32(data[1:]) & 0xFFFFFFFF
+
+
+def test_stored_keys_are_the_key_or_a_marked_digest() -> None:
+    short, long_ = b"k" * codec.INLINE_KEY_BYTES, b"k" * (codec.INLINE_KEY_BYTES + 1)
+    assert codec.stored_key(short) == short
+    digest = codec.stored_key(long_)
+    assert digest != long_ and len(digest) < 64 and codec.stored_key(long_) == digest
+    assert codec.stored_key(long_ + b"x") != digest
+    # A short key that copies a digest is digested itself: it never poses as the long key.
+    assert codec.stored_key(digest) not in (digest, long_)
+    assert codec.header_size(digest) <= 4096
+    assert codec.stored_keys([short, long_]) == [short, digest]
+    with pytest.raises(InvalidSpec):
+        codec.stored_keys(["text"])  # type: ignore[list-item]
+    with pytest.raises(InvalidSpec):
+        codec.encode(FP, long_, b"payload")  # raw long keys go through stored_key first

@@ -35,6 +35,7 @@ from ...errors import InvalidSpec
 __all__ = [
     "FINGERPRINT_BYTES",
     "HEADER_FIXED_BYTES",
+    "INLINE_KEY_BYTES",
     "MAGIC",
     "VERSION",
     "Header",
@@ -45,6 +46,8 @@ __all__ = [
     "layout_fingerprint",
     "namespaced",
     "parse_header",
+    "stored_key",
+    "stored_keys",
     "verify",
 ]
 
@@ -53,7 +56,11 @@ VERSION = 1
 FINGERPRINT_BYTES = 16
 _FIXED = struct.Struct("<4sB3x16sIQII")
 HEADER_FIXED_BYTES = _FIXED.size
-_MAX_KEY = 1 << 20
+INLINE_KEY_BYTES = 1024
+"""Longest key a header holds as it is; longer keys are stored by digest (``stored_key``),
+so a header always fits one 4 KiB page however long the cache's keys are."""
+_DIGEST_MARK = b"\x00aiokv-key-blake2b-256:"
+_MAX_KEY = INLINE_KEY_BYTES
 
 
 def layout_fingerprint(
@@ -106,6 +113,28 @@ def key_bytes(key: object) -> bytes:
     return bytes(out)
 
 
+def stored_key(key: bytes) -> bytes:
+    """The key a tier names and verifies a block by: ``key`` itself, or for a key longer
+    than ``INLINE_KEY_BYTES`` a marked 256-bit digest of it.
+
+    A key that starts with the digest's marker is digested too, so no short key can pose
+    as a long key's digest: two keys share a stored key only if blake2b-256 collides.
+    """
+    if len(key) <= INLINE_KEY_BYTES and not key.startswith(_DIGEST_MARK):
+        return key
+    return _DIGEST_MARK + hashlib.blake2b(key, digest_size=32).digest()
+
+
+def stored_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``stored_key`` of each tier key; a key that is not ``bytes`` is misuse."""
+    out = []
+    for key in keys:
+        if type(key) is not bytes:
+            raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
+        out.append(stored_key(key))
+    return out
+
+
 def _zlib_crc32(payload: memoryview | bytes) -> int:
     return zlib.crc32(payload) & 0xFFFFFFFF
 
@@ -150,12 +179,13 @@ def encode(fingerprint: bytes, key: bytes, payload: memoryview | bytes, *, crc: 
 
     Args:
         fingerprint: the tier's fingerprint (``namespaced(layout_fingerprint(...), ns)``).
-        key: the tier key (``key_bytes(cache_key)``).
+        key: the stored key (``stored_key(key_bytes(cache_key))``).
         payload: the block's bytes.
         crc: the payload's ``checksum`` if the caller computed it already.
     """
     if len(key) > _MAX_KEY:
-        raise InvalidSpec(f"tier keys are at most {_MAX_KEY} bytes, got {len(key)}")
+        raise InvalidSpec(f"a header holds keys of at most {_MAX_KEY} bytes, got {len(key)}; "
+                          "pass codec.stored_key(key)")
     crc = checksum(payload) if crc is None else crc
     fixed = _FIXED.pack(MAGIC, VERSION, _tag(bytes(fingerprint)), len(key), _nbytes(payload), crc, 0)
     head = zlib.crc32(key, zlib.crc32(fixed[:-4])) & 0xFFFFFFFF

@@ -33,9 +33,9 @@ import anyio.to_thread
 
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
+from . import codec
 from .base import Tier, TierStatistics, positive_count, positive_seconds
 from .disk_io import (
-    MAX_KEY_BYTES,
     BlockFiles,
     FileEntry,
     ReadStatus,
@@ -206,11 +206,12 @@ class DiskTier(Tier):
     def holds(self, key: bytes) -> bool:
         """Whether ``key``'s block is on disk (from the in-memory index, no I/O)."""
         self._opened()
-        return key in self._held
+        return codec.stored_keys([key])[0] in self._held
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are held (the index answers; no I/O)."""
         self._opened()
+        keys = codec.stored_keys(keys)
         await anyio.lowlevel.checkpoint()
         return [key in self._held for key in keys]
 
@@ -223,12 +224,11 @@ class DiskTier(Tier):
         before it raises.
         """
         files = self._opened()
-        keys = list(keys)
+        keys = codec.stored_keys(keys)
         outs = [self._byte_view(v, writable=True) for v in out]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
-        for key, view in zip(keys, outs):
-            self._check_key(key)
+        for view in outs:
             if self._block_bytes is not None and view.nbytes != self._block_bytes:
                 raise InvalidSpec(f"read buffers must be {self._block_bytes} bytes, "
                                   f"got {view.nbytes}")
@@ -253,12 +253,11 @@ class DiskTier(Tier):
         is left either way.
         """
         files = self._opened()
-        keys = list(keys)
+        keys = codec.stored_keys(keys)
         views = [self._byte_view(p, writable=False) for p in payloads]
         if len(views) != len(keys):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(views)} payloads")
-        for key, view in zip(keys, views):
-            self._check_key(key)
+        for view in views:
             size = self._block_bytes if self._block_bytes is not None else views[0].nbytes
             if view.nbytes != size or size <= 0:
                 raise InvalidSpec(f"payloads must all be {size} bytes (one block), "
@@ -412,13 +411,6 @@ class DiskTier(Tier):
         if self._files is None:
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
-
-    @staticmethod
-    def _check_key(key: object) -> None:
-        if not isinstance(key, bytes):
-            raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
-        if len(key) > MAX_KEY_BYTES:
-            raise InvalidSpec(f"disk tier keys are at most {MAX_KEY_BYTES} bytes, got {len(key)}")
 
     @staticmethod
     def _byte_view(buffer: object, *, writable: bool) -> memoryview:

@@ -40,7 +40,6 @@ __all__ = [
     "ALIGN",
     "BINARY_FLAG",
     "DIRECT_FLAG",
-    "MAX_KEY_BYTES",
     "BLOCK_SUFFIX",
     "TEMP_PREFIX",
     "BlockFiles",
@@ -57,8 +56,6 @@ ALIGN = 4096
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = "lock"
-MAX_KEY_BYTES = 1 << 16
-"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
 DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
 """``os.O_DIRECT`` where the platform has it, else 0."""
@@ -412,11 +409,7 @@ class BlockFiles:
             return None  # not a regular file we can open (a symlink, a directory): not ours
         try:
             st = os.fstat(fd)
-            head = os.pread(fd, ALIGN, 0)
-            header = codec.parse_header(head)
-            if header is None and st.st_size > ALIGN:  # perhaps a long key
-                longest = min(st.st_size, codec.HEADER_FIXED_BYTES + MAX_KEY_BYTES)
-                header = codec.parse_header(os.pread(fd, longest, 0))
+            header = codec.parse_header(os.pread(fd, ALIGN, 0))  # stored keys fit one page
         finally:
             os.close(fd)
         if (header is None or not header.matches(self.fingerprint)

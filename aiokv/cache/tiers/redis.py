@@ -150,17 +150,21 @@ class RedisTier(Tier):
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a tier key in this layout and namespace (tests and tools)."""
         self._check_open()
-        return self._prefix + hashlib.blake2b(bytes(key), digest_size=20).hexdigest().encode()
+        return self._name(codec.stored_keys([key])[0])
+
+    def _name(self, stored: bytes) -> bytes:
+        return self._prefix + hashlib.blake2b(stored, digest_size=20).hexdigest().encode()
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the store holds (unverified: a read may still miss), by pipelined
         EXISTS; a failure answers False for the keys it covered."""
         self._check_open()
+        keys = codec.stored_keys(keys)
         answers = [False] * len(keys)
         io = self._io
         for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
             chunk = range(lo, min(lo + _EXISTS_PER_ROUND_TRIP, len(keys)))
-            names = [self.redis_key(keys[i]) for i in chunk]
+            names = [self._name(keys[i]) for i in chunk]
             replies: list[object] | None
             if io is not None and io.threaded:
                 thread_io = cast("ThreadRedis", io)
@@ -180,6 +184,7 @@ class RedisTier(Tier):
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
         """Fill ``out[i]`` with the verified payload of ``keys[i]``; False is a miss."""
         self._check_open()
+        keys = codec.stored_keys(keys)
         if len(keys) != len(out):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
         views = [_byte_view(o, writable=True) for o in out]
@@ -191,6 +196,7 @@ class RedisTier(Tier):
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         """Store each payload (SET, EX ttl if given) under its key; False: not stored."""
         self._check_open()
+        keys = codec.stored_keys(keys)
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
         views = [_byte_view(p) for p in payloads]
@@ -215,7 +221,7 @@ class RedisTier(Tier):
                 if quota is not None:
                     quota.remember(keys[pos], len(views[pos]))
         if evict:
-            await self._round_trip([("del", self.redis_key(k)) for k in evict])
+            await self._round_trip([("del", self._name(k)) for k in evict])
         return stored
 
     async def _striped(self, groups: list[list[int]],
@@ -258,7 +264,7 @@ class RedisTier(Tier):
                                                     limiter=self._limiter)
             try:
                 answers = await async_io.round_trip(
-                    [("set", self.redis_key(keys[j]), v, self._ttl) for j, v in zip(group, values)])
+                    [("set", self._name(keys[j]), v, self._ttl) for j, v in zip(group, values)])
             except Exception:  # as in _read_blocking
                 return 1
             for j, answer in zip(group, answers):
@@ -270,7 +276,7 @@ class RedisTier(Tier):
         for group in groups:
             headers = [codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])) for j in group]
             try:
-                answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
+                answers = io.write_from_blocking([self._name(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
             except Exception:  # the rest would wait out the same dead server
                 return 1
@@ -329,7 +335,7 @@ class RedisTier(Tier):
         for group in groups:
             try:
                 landed = io.read_into_blocking(
-                    [self.redis_key(keys[i]) for i in group],
+                    [self._name(keys[i]) for i in group],
                     [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
             except Exception:  # the rest of the batch would wait out the same dead server
                 return 1
@@ -354,7 +360,7 @@ class RedisTier(Tier):
         io = cast("AsyncioRedis", self._io)
         for group in groups:
             try:
-                replies = await io.round_trip([("get", self.redis_key(keys[i])) for i in group])
+                replies = await io.round_trip([("get", self._name(keys[i])) for i in group])
             except Exception:  # as in _read_blocking
                 return 1
             if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
