@@ -486,3 +486,39 @@ def test_an_empty_path_is_refused_rather_than_the_current_directory(
     with pytest.raises(InvalidSpec, match="path"):
         DiskTier(path, capacity_bytes=8 * BLOCK)  # type: ignore[arg-type]
     assert os.listdir(tmp_path) == []
+
+
+async def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
+    """Known at construction through the cache (check_block_bytes), else at open (blocks
+    found on disk), else at the first write: never a tier that silently stores nothing."""
+    small = DiskTier(tmp_path / "a", capacity_bytes=BLOCK - 1)
+    with pytest.raises(InvalidSpec, match=rf"capacity_bytes={BLOCK - 1}.*{BLOCK}-byte block"):
+        small.check_block_bytes(BLOCK)
+    DiskTier(tmp_path / "a", capacity_bytes=BLOCK).check_block_bytes(BLOCK)
+
+    unknown = await opened(tmp_path / "b", capacity_bytes=BLOCK - 1)
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        await unknown.write(keys_of(1), payloads(1))
+    assert unknown.statistics().writes == 0 and not block_files(unknown)
+    await unknown.aclose()
+
+    full = await opened(tmp_path / "c")
+    await full.write(keys_of(2), payloads(2))
+    await full.aclose()
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        await opened(tmp_path / "c", capacity_bytes=BLOCK // 2)
+    again = await opened(tmp_path / "c")  # the refused open left nothing locked, nothing removed
+    assert again.statistics().blocks == 2
+
+
+async def test_the_cache_refuses_a_disk_tier_too_small_for_one_block(tmp_path: Path) -> None:
+    from aiokv import AsyncOffloadingWorker, OffloadCache
+    from tests.conftest import make_layers
+
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, backend="cpu") as worker:
+        block_bytes = sum(worker.host_layout.page_sizes[0])
+        with pytest.raises(InvalidSpec, match="capacity_bytes"):
+            OffloadCache(worker, tiers=[DiskTier(tmp_path, capacity_bytes=block_bytes - 1)],
+                         staging_chunks=2)
+        assert os.listdir(tmp_path) == []

@@ -549,6 +549,24 @@ async def test_long_keys_share_a_batch_with_short_ones(server: RedisServer, clie
         await tier.aclose()
 
 
+@pytest.mark.anyio
+async def test_a_capacity_below_one_block_is_refused(server: RedisServer) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match=rf"capacity_bytes={BLOCK - 1}.*{BLOCK}-byte block"):
+        RedisTier(server.url, capacity_bytes=BLOCK - 1).check_block_bytes(BLOCK)
+    RedisTier(server.url, capacity_bytes=BLOCK).check_block_bytes(BLOCK)
+    RedisTier(server.url).check_block_bytes(BLOCK)  # no bound of its own: any block
+    tier = await opened(server.url, namespace="tiny", capacity_bytes=BLOCK - 1)
+    try:
+        with pytest.raises(InvalidSpec, match="capacity_bytes"):
+            await tier.write(keys_of(1), [memoryview(d) for d in payloads(1)])
+        assert tier.statistics().writes == 0
+    finally:
+        await tier.aclose()
+
+
 def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.cache.tiers as tiers
     from aiokv.errors import MissingExtra

@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import InvalidSpec
 from ...specs import as_count
 
-__all__ = ["Tier", "TierStatistics", "positive_count", "positive_seconds"]
+__all__ = ["Tier", "TierStatistics", "check_capacity", "positive_count", "positive_seconds"]
 
 
 def positive_count(value: Any, what: str) -> int:
@@ -63,6 +63,14 @@ class TierStatistics:
     evictions: int
 
 
+def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> None:
+    """Refuse a tier bound that holds no whole block (it would silently store nothing)."""
+    if capacity_bytes is not None and capacity_bytes < block_bytes:
+        raise InvalidSpec(
+            f"{tier}: capacity_bytes={capacity_bytes} holds no {block_bytes}-byte block; "
+            f"give it at least one block (N * {block_bytes} holds N blocks)")
+
+
 class Tier(abc.ABC):
     """A store of KV blocks below the host pool, driven by ``OffloadCache``.
 
@@ -78,6 +86,11 @@ class Tier(abc.ABC):
     name: str = "tier"
     remote: bool = False
     write_through: bool = False
+
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse (``InvalidSpec``) a configuration that cannot hold one block of
+        ``block_bytes``; the cache calls it when it is built, before ``open``. A tier that
+        has no bound of its own keeps this default, which accepts any size."""
 
     @abc.abstractmethod
     async def open(self, fingerprint: bytes) -> None:

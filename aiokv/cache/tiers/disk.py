@@ -34,7 +34,7 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from . import codec
-from .base import Tier, TierStatistics, positive_count, positive_seconds
+from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
 from .disk_io import (
     BlockFiles,
     FileEntry,
@@ -123,6 +123,14 @@ class DiskTier(Tier):
         """Payload bytes of one block, once a block was stored or found."""
         return self._block_bytes
 
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse a ``capacity_bytes`` below one block of ``block_bytes`` (the cache's block
+        size, named before ``open``), and keep that size: a file of another is not ours."""
+        block_bytes = positive_count(block_bytes, "block_bytes")
+        check_capacity("DiskTier", self.capacity_bytes, block_bytes)
+        if self._block_bytes is None and self._files is None:
+            self._block_bytes = block_bytes
+
     async def open(self, fingerprint: bytes) -> None:
         """Create or reopen this layout's directory, probe direct I/O and rebuild the index
         from the files there (dropping temporary files and files that do not verify)."""
@@ -166,6 +174,10 @@ class DiskTier(Tier):
                     tg.start_soon(check, part)
             bad = sum(bads)
             entries.sort(key=lambda e: e.mtime_ns)
+            # One layout has one block size: the cache's, else the newest file's.
+            block = self._block_bytes or (entries[-1].payload_len if entries else None)
+            if block is not None:
+                check_capacity("DiskTier", self.capacity_bytes, block)
         except BaseException as exc:
             for files in locked:
                 files.unlock()
@@ -177,8 +189,7 @@ class DiskTier(Tier):
         self._counts["corrupt"] += bad
         doomed: list[bytes] = []
         if entries:
-            # One layout has one block size; a file claiming another is not ours.
-            self._block_bytes = entries[-1].payload_len
+            self._block_bytes = block  # a file claiming another size is not ours
             keep = [e.key for e in entries if e.payload_len == self._block_bytes]
             self._counts["corrupt"] += len(entries) - len(keep)
             doomed += [e.key for e in entries if e.payload_len != self._block_bytes]
@@ -266,6 +277,7 @@ class DiskTier(Tier):
             return []
         if self._block_bytes is None:
             self._block_bytes = views[0].nbytes
+        check_capacity("DiskTier", self.capacity_bytes, self._block_bytes)
         policy = self._make_policy()
         stored: list[bool | None] = [None] * len(keys)
         first: dict[bytes, int] = {}  # a key repeated in one call shares its first fate

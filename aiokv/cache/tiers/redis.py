@@ -24,7 +24,7 @@ from ...errors import InvalidSpec, UsageError
 from ...extras import require
 from ...loops import loop_library
 from . import codec
-from .base import Tier, TierStatistics, positive_count, positive_seconds
+from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
 from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
@@ -112,6 +112,11 @@ class RedisTier(Tier):
                                  "errors", "corrupt", "evictions"), 0)
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse a ``capacity_bytes`` below one block of ``block_bytes`` (the cache calls
+        this before ``open``); without ``capacity_bytes`` any size is fine."""
+        check_capacity("RedisTier", self.capacity_bytes, positive_count(block_bytes, "block_bytes"))
 
     async def open(self, fingerprint: bytes) -> None:
         """Name this layout's key space and build the client for the calling loop (it
@@ -201,6 +206,8 @@ class RedisTier(Tier):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
         views = [_byte_view(p) for p in payloads]
         quota = self._quota
+        if quota is not None and views:
+            check_capacity("RedisTier", self.capacity_bytes, max(len(v) for v in views))
         wanted = list(range(len(views))) if quota is None else quota.fitting([len(v) for v in views])
         evict = [] if quota is None else quota.make_room([keys[i] for i in wanted],
                                                          [len(views[i]) for i in wanted])
