@@ -131,9 +131,9 @@ async def test_an_unusable_directory_or_a_cancelled_open(tmp_path: Path) -> None
 
 async def test_direct_true_where_the_filesystem_refuses_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiokv.cache.tiers.disk as disk
+    import aiokv.cache.tiers.disk_direct as disk_direct
 
-    monkeypatch.setattr(disk, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
+    monkeypatch.setattr(disk_direct, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
     with pytest.raises(TierError, match="O_DIRECT"):
         await opened(tmp_path, direct=True)
     tier = await opened(tmp_path)  # the default falls back, and the lock was released
@@ -522,3 +522,64 @@ async def test_the_cache_refuses_a_disk_tier_too_small_for_one_block(tmp_path: P
             OffloadCache(worker, tiers=[DiskTier(tmp_path, capacity_bytes=block_bytes - 1)],
                          staging_chunks=2)
         assert os.listdir(tmp_path) == []
+
+
+def fill_up(directory: Path) -> Path:
+    """Write one file until the filesystem is full; it frees the room when removed."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        chunk = os.urandom(64 << 10)
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:
+            pass
+        try:  # what is left is smaller than a chunk
+            while True:
+                f.write(chunk[:ALIGN])
+        except OSError:
+            pass
+    return filler
+
+
+async def test_a_full_disk_at_open_does_not_turn_direct_io_off_for_life(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The probe cannot write its page on a full disk: that says nothing about O_DIRECT.
+    The tier starts buffered, asks again at each write, and decides once there is room."""
+    if not probe_direct(str(small_disk)):
+        pytest.skip("this tmpfs refuses O_DIRECT (Linux < 6.6)")
+    assert probe_direct(str(small_disk)) is True
+    size = 2 * ALIGN
+    filler = fill_up(small_disk)
+    assert probe_direct(str(small_disk)) is None  # undecided, not refused
+    with caplog.at_level("WARNING", logger="aiokv"):
+        tier = await opened(small_disk, layout_fingerprint(block_bytes=size), capacity_bytes=8 * size)
+    assert not tier.direct
+    assert "cannot tell whether O_DIRECT works" in caplog.text
+    keys, data = keys_of(4), payloads(4, size)
+    assert await tier.write(keys[:1], data[:1]) == [False]  # still full
+    assert not tier.direct
+    filler.unlink()
+    assert await tier.write(keys, data) == [True] * 4
+    assert tier.direct
+    out = buffers(4, size)
+    assert await tier.read(keys, out) == [True] * 4
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    await tier.aclose()
+
+
+async def test_direct_true_on_a_full_disk_is_taken_at_its_word(small_disk: Path) -> None:
+    if not probe_direct(str(small_disk)):
+        pytest.skip("this tmpfs refuses O_DIRECT (Linux < 6.6)")
+    size = 2 * ALIGN
+    filler = fill_up(small_disk)
+    tier = await opened(small_disk, layout_fingerprint(block_bytes=size), direct=True,
+                        capacity_bytes=8 * size)
+    assert tier.direct
+    filler.unlink()
+    keys, data = keys_of(2), payloads(2, size)
+    assert await tier.write(keys, data) == [True, True]
+    out = buffers(2, size)
+    assert await tier.read(keys, out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    await tier.aclose()

@@ -21,6 +21,7 @@ error; ``simulated_latency`` models a slow one in tests.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,16 +36,17 @@ from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy, make_policy
 from . import codec
 from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .disk_direct import DirectMode
 from .disk_io import (
     BlockFiles,
     FileEntry,
     ReadStatus,
-    probe_direct,
 )
 
 __all__ = ["DiskTier"]
 
 T = TypeVar("T")
+_log = logging.getLogger("aiokv")
 
 
 class DiskTier(Tier):
@@ -59,7 +61,8 @@ class DiskTier(Tier):
             an unused ``EvictionPolicy`` instance.
         io_threads: worker threads doing file I/O at once (one batch is spread over them).
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
-            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it), False
+            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it; a full
+            disk cannot tell, so the tier is buffered until a later write can), False
             never does, True requires it (``open`` raises ``TierError`` where it fails).
         fsync: make each block durable before ``write`` reports it (see module docs).
         simulated_latency: seconds each I/O batch sleeps in its thread before it starts, to
@@ -110,7 +113,7 @@ class DiskTier(Tier):
 
     @property
     def direct(self) -> bool:
-        """Whether this tier uses direct I/O (known after ``open``)."""
+        """Whether this tier uses direct I/O now (known after ``open``; see ``direct=``)."""
         return self._files is not None and self._files.direct
 
     @property
@@ -147,11 +150,17 @@ class DiskTier(Tier):
 
         def prepare() -> tuple[BlockFiles, list[str], int]:
             os.makedirs(directory, exist_ok=True)
-            direct = want is not False and probe_direct(directory)
-            if want and not direct:
+            mode = DirectMode(directory, False if want is False else None)
+            answer = mode.decide()
+            if want and answer is False:
                 raise TierError(f"direct=True, but the filesystem of {directory} refuses "
                                 f"O_DIRECT; pass direct=None to fall back to buffered I/O")
-            files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
+            if want:
+                mode = DirectMode(directory, True)  # a probe that could not tell: as asked
+            elif answer is None:
+                _log.warning("disk tier at %s: cannot tell whether O_DIRECT works (a full "
+                             "disk?); buffered I/O until a write can tell", directory)
+            files = BlockFiles(directory, fingerprint, direct=mode, fsync=self._fsync,
                                delay=self._latency)
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
