@@ -365,15 +365,18 @@ async def test_a_read_error_is_a_miss(tmp_path: Path) -> None:
 
 
 async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(
-        small_disk: Path, direct: bool | None) -> None:
+        small_disk: Path, direct: bool | None, caplog: pytest.LogCaptureFixture) -> None:
     size = 60 * 1024
     tier = await opened(small_disk, layout_fingerprint(block_bytes=size), direct=direct,
                         capacity_bytes=100 * size)
     keys, data = keys_of(30), payloads(30, size)
     stored: list[bool] = []
-    for i in range(0, 30, 3):
-        stored += await tier.write(keys[i:i + 3], data[i:i + 3])
+    with caplog.at_level("WARNING", logger="aiokv"):
+        for i in range(0, 30, 3):
+            stored += await tier.write(keys[i:i + 3], data[i:i + 3])
     assert True in stored and False in stored  # ~16 blocks fit in 1 MiB
+    failing = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(failing) == 1 and "No space left" in failing[0] and str(small_disk) in failing[0]
     held = [k for k, ok in zip(keys, stored) if ok]
     assert [tier.holds(k) for k in keys] == stored
     assert tier.statistics().errors == stored.count(False)

@@ -6,6 +6,7 @@ trio."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -320,6 +321,67 @@ async def test_auth_through_the_url(tmp_path: Path) -> None:
         finally:
             for tier in (good, wrong, anonymous):
                 await tier.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_wrong_password_is_logged_once_and_check_raises_the_reason(
+        tmp_path: Path, client: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Counters alone left a wrong password silent: the first failure is logged with the
+    server's reason (the password never), later ones are not repeated within the interval,
+    and check=True makes open() raise TierError with that reason instead."""
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import TierError
+
+    need_redis()
+    with running(RedisServer(tmp_path / "auth", password="s3cret-pass")) as srv:
+        assert isinstance(srv, RedisServer)
+        wrong_url = srv.url.replace("s3cret-pass", "wrong-pass")
+        anonymous_url = f"redis://127.0.0.1:{srv.port}/0"
+        for url, reason in ((wrong_url, "WRONGPASS|invalid username-password"),
+                            (anonymous_url, "NOAUTH|Authentication required")):
+            with pytest.raises(TierError, match=reason) as caught:
+                await RedisTier(url, check=True, client=client, timeout=2.0).open(fingerprint())
+            assert "wrong-pass" not in str(caught.value)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="aiokv"):
+                tier = await opened(url, namespace="auth", client=client)
+                try:
+                    keys = keys_of(2, "auth")
+                    for _ in range(3):
+                        assert await tier.read(keys, buffers(2)) == [False, False]
+                        assert await tier.write(keys, buffers(2)) == [False, False]
+                finally:
+                    await tier.aclose()
+            failing = [r for r in caplog.records if "failing" in r.getMessage()]
+            assert len(failing) == 1, caplog.text
+            assert re.search(reason, failing[0].getMessage())
+            assert "wrong-pass" not in caplog.text
+        good = RedisTier(srv.url, check=True, client=client, timeout=2.0)
+        await good.open(fingerprint())  # the right password passes the check
+        await good.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_server_down_at_open_fails_the_check_and_recovery_is_logged(
+        own_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import TierError
+
+    own_server.kill()
+    with pytest.raises(TierError, match=r"127\.0\.0\.1"):
+        await RedisTier(own_server.url, check=True, timeout=1.0).open(fingerprint())
+    with caplog.at_level("INFO", logger="aiokv"):
+        tier = await opened(own_server.url, namespace="down", timeout=1.0)  # no check: opens
+        try:
+            keys, data = keys_of(2, "down"), payloads(2)
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [False, False]
+            own_server.start()
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [True, True]
+        finally:
+            await tier.aclose()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failing" in m for m in messages) == 1
+    assert sum("works again" in m for m in messages) == 1
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ from .disk_io import (
     FileEntry,
     ReadStatus,
 )
+from .health import FailureLog
 
 __all__ = ["DiskTier"]
 
@@ -108,6 +109,7 @@ class DiskTier(Tier):
              "corrupt", "evictions"), 0)
         self.temp_files_removed = 0
         """Temporary files (writes a crash interrupted) removed by ``open``."""
+        self._health = FailureLog(f"DiskTier({self.path})")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -388,6 +390,7 @@ class DiskTier(Tier):
 
     def _after_read(self, keys: list[bytes], outs: list[memoryview], status: list[int]) -> None:
         c = self._counts
+        failed = False
         c["reads"] += len(keys)
         hits: list[bytes] = []
         for key, view, s in zip(keys, outs, status):
@@ -403,11 +406,14 @@ class DiskTier(Tier):
                 self._drop(key)
             elif s == ReadStatus.ERROR:
                 c["errors"] += 1
+                failed = True
         if hits and self._policy is not None:
             self._policy.on_access([k for k in hits if k in self._held])
+        self._note(failed)
 
     def _after_write(self, keys: list[bytes], stored: list[bool | None], todo: list[int]) -> None:
         c = self._counts
+        failed = False
         new: list[bytes] = []
         for i in todo:
             key = keys[i]
@@ -419,10 +425,19 @@ class DiskTier(Tier):
                 c["write_bytes"] += self._block_bytes or 0
             elif stored[i] is False:
                 c["errors"] += 1
+                failed = True
             # None: never started (the call was cancelled first); the file may not exist.
         if new:
             assert self._policy is not None
             self._policy.on_insert(new)
+        if todo:
+            self._note(failed)
+
+    def _note(self, failed: bool) -> None:
+        if not failed:
+            self._health.succeeded()
+        elif self._files is not None:
+            self._health.failed(self._files.last_error or "an I/O error")
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Literal, cast
 import anyio
 import anyio.to_thread
 
-from ...errors import InvalidSpec, UsageError
+from ...errors import InvalidSpec, TierError, UsageError
 from ...extras import require
 from ...loops import loop_library
 from . import codec
 from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .health import FailureLog
 from .redis_quota import WriteQuota
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class RedisTier(Tier):
             batch run at once (the asyncio client checksums large values on them too).
         group_bytes: value bytes per round trip; larger blocks go one per round trip, which
             read fastest on loopback (batching 2 MiB values into one reply halved the rate).
+        check: PING the server at ``open`` and raise ``TierError`` with its reason if that
+            fails (a wrong password, nothing listening). Off by default, so a server that is
+            down when the cache starts is a miss until it is back, not a failed start;
+            either way the first failure is logged (``aiokv`` logger) with the reason.
     """
 
     name = "redis"
@@ -85,6 +90,7 @@ class RedisTier(Tier):
         client: Literal["auto", "asyncio", "thread"] = "auto",
         threads: int = 4,
         group_bytes: int = 1 << 20,
+        check: bool = False,
     ) -> None:
         self._client_module = _client_module()
         self._url, self.cluster = self._client_module.split_url(url, cluster)
@@ -110,6 +116,9 @@ class RedisTier(Tier):
         self._quota = WriteQuota(capacity_bytes) if capacity_bytes else None
         self._n = dict.fromkeys(("reads", "read_hits", "read_bytes", "writes", "write_bytes",
                                  "errors", "corrupt", "evictions"), 0)
+        self._check = bool(check)
+        label = self._client_module.redacted(url) + (f", namespace={namespace!r}" if namespace else "")
+        self._health = FailureLog(f"RedisTier({label})")
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -119,8 +128,10 @@ class RedisTier(Tier):
         check_capacity("RedisTier", self.capacity_bytes, positive_count(block_bytes, "block_bytes"))
 
     async def open(self, fingerprint: bytes) -> None:
-        """Name this layout's key space and build the client for the calling loop (it
-        connects on first use: a server that is down at open is a miss later, not an error)."""
+        """Name this layout's key space and build the client for the calling loop. Without
+        ``check`` it connects on first use (a server that is down at open is a miss later,
+        and logged); with ``check=True`` it sends a PING first and raises ``TierError`` with
+        the server's reason (a wrong password, a refused connection)."""
         if self._io is not None or self._closed:
             raise UsageError("RedisTier.open() is called once, before any other call")
         if not isinstance(fingerprint, bytes) or len(fingerprint) < codec.FINGERPRINT_BYTES:
@@ -138,6 +149,16 @@ class RedisTier(Tier):
             thread_io = self._client_module.ThreadRedis(self._url, self.cluster, self.timeout,
                                                         self._threads)
             self._io, self._limiter = thread_io, thread_io.limiter
+        if self._check:
+            io = self._io
+            try:
+                await io.ping()
+            except Exception as exc:
+                self._io = None
+                with anyio.CancelScope(shield=True):
+                    await io.aclose()
+                raise TierError(f"{self._health.tier} cannot serve: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close the client's connections; idempotent."""
@@ -165,6 +186,7 @@ class RedisTier(Tier):
         EXISTS; a failure answers False for the keys it covered."""
         self._check_open()
         keys = codec.stored_keys(keys)
+        errors = self._n["errors"]
         answers = [False] * len(keys)
         io = self._io
         for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
@@ -175,7 +197,8 @@ class RedisTier(Tier):
                 thread_io = cast("ThreadRedis", io)
                 try:
                     replies = await thread_io.run(functools.partial(thread_io.exists_blocking, names))
-                except Exception:  # as in _round_trip
+                except Exception as exc:  # as in _round_trip
+                    self._health.failed(exc)
                     self._n["errors"] += 1
                     replies = None
             else:
@@ -183,7 +206,11 @@ class RedisTier(Tier):
             if replies is None:
                 break
             for i, reply in zip(chunk, replies):
+                if isinstance(reply, Exception):  # a per-command error (NOAUTH)
+                    self._health.failed(reply)
+                    self._n["errors"] += 1
                 answers[i] = reply is True or reply == 1
+        self._settle(errors)
         return answers
 
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
@@ -194,9 +221,12 @@ class RedisTier(Tier):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
         views = [_byte_view(o, writable=True) for o in out]
         status = [_MISS] * len(keys)
+        errors = self._n["errors"]
         groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
         await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
-        return self._account_reads(keys, views, status)
+        hits = self._account_reads(keys, views, status)
+        self._settle(errors)
+        return hits
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         """Store each payload (SET, EX ttl if given) under its key; False: not stored."""
@@ -205,6 +235,7 @@ class RedisTier(Tier):
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
         views = [_byte_view(p) for p in payloads]
+        errors = self._n["errors"]
         quota = self._quota
         if quota is not None and views:
             check_capacity("RedisTier", self.capacity_bytes, max(len(v) for v in views))
@@ -220,6 +251,7 @@ class RedisTier(Tier):
         stored = [False] * len(payloads)
         for pos, reply in enumerate(replies):
             if isinstance(reply, Exception):
+                self._health.failed(reply)
                 self._n["errors"] += 1  # a per-command error (NOAUTH, OOM) or a dead node
             elif reply is True:
                 stored[wanted[pos]] = True
@@ -229,6 +261,7 @@ class RedisTier(Tier):
                     quota.remember(keys[pos], len(views[pos]))
         if evict:
             await self._round_trip([("del", self._name(k)) for k in evict])
+        self._settle(errors)
         return stored
 
     async def _striped(self, groups: list[list[int]],
@@ -272,7 +305,8 @@ class RedisTier(Tier):
             try:
                 answers = await async_io.round_trip(
                     [("set", self._name(keys[j]), v, self._ttl) for j, v in zip(group, values)])
-            except Exception:  # as in _read_blocking
+            except Exception as exc:  # as in _read_blocking
+                self._health.failed(exc)
                 return 1
             for j, answer in zip(group, answers):
                 replies[j] = answer
@@ -285,7 +319,8 @@ class RedisTier(Tier):
             try:
                 answers = io.write_from_blocking([self._name(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
-            except Exception:  # the rest would wait out the same dead server
+            except Exception as exc:  # the rest would wait out the same dead server
+                self._health.failed(exc)
                 return 1
             for j, answer in zip(group, answers):
                 replies[j] = answer
@@ -303,6 +338,11 @@ class RedisTier(Tier):
         )
 
     # -- internals ------------------------------------------------------------------------
+
+    def _settle(self, errors_before: int) -> None:
+        """A call that met no error tells the failure log the tier works (again)."""
+        if self._n["errors"] == errors_before:
+            self._health.succeeded()
 
     def _check_open(self) -> None:
         if self._io is None:
@@ -331,7 +371,8 @@ class RedisTier(Tier):
                 thread_io = cast("ThreadRedis", io)
                 return await thread_io.run(lambda: thread_io.round_trip_blocking(ops))
             return await cast("AsyncioRedis", io).round_trip(ops)
-        except Exception:  # any client failure (timeout, refused, cluster down) is a miss
+        except Exception as exc:  # any client failure (timeout, refused, cluster down) is a miss
+            self._health.failed(exc)
             self._n["errors"] += 1
             return None
 
@@ -344,7 +385,8 @@ class RedisTier(Tier):
                 landed = io.read_into_blocking(
                     [self._name(keys[i]) for i in group],
                     [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
-            except Exception:  # the rest of the batch would wait out the same dead server
+            except Exception as exc:  # the rest of the batch would wait out the same dead server
+                self._health.failed(exc)
                 return 1
             self._check_landed(keys, views, group, landed, status)
         return 0
@@ -361,6 +403,7 @@ class RedisTier(Tier):
                 status[i] = _CORRUPT
             else:
                 status[i] = _FAILED
+                self._health.failed(reply)
 
     async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
                           groups: list[list[int]], status: list[int]) -> int:
@@ -368,7 +411,8 @@ class RedisTier(Tier):
         for group in groups:
             try:
                 replies = await io.round_trip([("get", self._name(keys[i])) for i in group])
-            except Exception:  # as in _read_blocking
+            except Exception as exc:  # as in _read_blocking
+                self._health.failed(exc)
                 return 1
             if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
                 await anyio.to_thread.run_sync(self._land, keys, views, group, replies, status,
@@ -385,6 +429,7 @@ class RedisTier(Tier):
                 status[i] = _MISS
             elif not isinstance(reply, bytes):
                 status[i] = _FAILED  # a per-command error (e.g. WRONGTYPE)
+                self._health.failed(reply)
             else:
                 value = memoryview(reply)
                 size = codec.header_size(keys[i])

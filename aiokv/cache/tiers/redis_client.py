@@ -152,6 +152,11 @@ class AsyncioRedis:
             _queue(pipe, ops)
             return list(await pipe.execute(raise_on_error=False))
 
+    async def ping(self) -> None:
+        """One PING, bounded by the timeout; raises what the client raised."""
+        with anyio.fail_after(self._timeout * 2):
+            await self._client.ping()
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -225,6 +230,11 @@ class ThreadRedis:
         """Run ``work`` on a worker thread. Not abandoned on cancellation: the socket
         timeouts bound it, and no thread may write into a caller's buffer after it left."""
         return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+
+    async def ping(self) -> None:
+        """One PING on a worker thread (every node of a cluster); raises what the client
+        raised."""
+        await self.run(self._client.ping)
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self._client.close, limiter=self.limiter)
