@@ -586,3 +586,24 @@ async def test_direct_true_on_a_full_disk_is_taken_at_its_word(small_disk: Path)
     assert await tier.read(keys, out) == [True, True]
     assert [bytes(o) for o in out] == [bytes(d) for d in data]
     await tier.aclose()
+
+
+async def test_a_read_only_filesystem_fails_open_with_tier_error(small_disk: Path) -> None:
+    """Raised by the tier itself, typed: a caller's ``except TierError`` sees it."""
+    import subprocess
+
+    existing = await opened(small_disk)  # a layout directory that exists already
+    await existing.write(keys_of(1), payloads(1))
+    await existing.aclose()
+    done = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {done.stderr.decode().strip()}")
+    try:
+        for fp in (FP, OTHER_FP):  # a layout seen before, and a new one
+            with pytest.raises(TierError, match="Read-only file system") as caught:
+                await opened(small_disk, fp)
+            assert str(small_disk) in str(caught.value)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], capture_output=True)
+    again = await opened(small_disk)  # nothing was left locked
+    assert again.holds(keys_of(1)[0])
