@@ -384,6 +384,53 @@ async def test_a_server_down_at_open_fails_the_check_and_recovery_is_logged(
     assert sum("works again" in m for m in messages) == 1
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize(("other_dtype", "other_page", "shared"), [
+    ("bfloat16", (4, 2, 16), True),  # the same layout: a prefix written once is found
+    ("float16", (4, 2, 16), False),  # same bytes per block, another dtype
+    ("bfloat16", (8, 1, 16), False),  # same bytes per block, twice the tokens per block
+])
+async def test_caches_share_redis_only_with_the_same_dtype_and_page_shape(
+        server: RedisServer, other_dtype: str, other_page: tuple[int, ...], shared: bool) -> None:
+    """The default fingerprint sees what the tensors are (dtype, page shape: tokens per
+    block), not only their bytes: an fp16 and a bf16 model on one Redis never read each
+    other's blocks as hits."""
+    import torch
+
+    from aiokv import AsyncOffloadingWorker, OffloadCache
+    from aiokv.cache.tiers.redis import RedisTier
+    from tests.conftest import make_layers
+
+    tag = os.urandom(4).hex()
+    keys = [f"{tag}-{i}" for i in range(4)]
+    kv_a = make_layers(num_layers=2, num_blocks=8, page_shape=(4, 2, 16), dtype=torch.bfloat16)
+    kv_b = make_layers(num_layers=2, num_blocks=8, page_shape=other_page,
+                       dtype=getattr(torch, other_dtype), seed=1)
+    async with AsyncOffloadingWorker(kv_a.kv, num_cpu_chunks=6, backend="cpu") as wa, \
+            AsyncOffloadingWorker(kv_b.kv, num_cpu_chunks=6, backend="cpu") as wb:
+        tier_a = RedisTier(server.url, write_through=True, timeout=2.0)
+        tier_b = RedisTier(server.url, write_through=True, timeout=2.0)
+        async with OffloadCache(wa, tiers=[tier_a], staging_chunks=2) as a, \
+                OffloadCache(wb, tiers=[tier_b], staging_chunks=2) as b:
+            assert (await a.offload(keys, [0, 1, 2, 3])).stored == 4
+            await a.drain()
+            assert await tier_a.exists([tier_a_key(k) for k in keys]) == [True] * 4
+            found = await b.alookup(keys)
+            assert int(found) == (4 if shared else 0)
+            restored = await b.restore(keys, [4, 5, 6, 7])
+            assert bool(restored) == shared
+            if shared:
+                for i in range(4):
+                    assert torch.equal(kv_b.layers[0][:, 4 + i].view(torch.uint8),
+                                       kv_a.layers[0][:, i].view(torch.uint8))
+
+
+def tier_a_key(key: str) -> bytes:
+    from aiokv.cache.tiers import codec
+
+    return codec.key_bytes(key)
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     need_redis()

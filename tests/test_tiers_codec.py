@@ -137,3 +137,29 @@ def test_stored_keys_are_the_key_or_a_marked_digest() -> None:
         codec.stored_keys(["text"])  # type: ignore[list-item]
     with pytest.raises(InvalidSpec):
         codec.encode(FP, long_, b"payload")  # raw long keys go through stored_key first
+
+
+def test_the_default_fingerprint_sees_dtype_and_page_shape() -> None:
+    import torch
+
+    from aiokv.layout import CanonicalKVCaches
+    from aiokv.plan import HostLayout
+
+    def fp(dtype: torch.dtype, page: tuple[int, ...], block_dim: int = 1) -> bytes:
+        layers = [torch.zeros(2, 4, *page, dtype=dtype) for _ in range(2)]
+        kv = CanonicalKVCaches.from_tensors(layers, block_dim)
+        return codec.default_fingerprint(HostLayout.build(kv, 1))
+
+    base = fp(torch.bfloat16, (16, 8, 64))
+    assert base == fp(torch.bfloat16, (16, 8, 64))
+    assert base != fp(torch.float16, (16, 8, 64))  # same bytes, another dtype
+    assert base != fp(torch.bfloat16, (32, 4, 64))  # same bytes, another block size
+    assert base != fp(torch.bfloat16, (8, 16, 64))  # HND instead of NHD
+    # A description of raw bytes (vLLM's) has no formats: sizes only, as before.
+    kv = CanonicalKVCaches.from_tensors([torch.zeros(2, 4, 16 * 8 * 64 * 2, dtype=torch.uint8)], 1)
+    for t in kv.tensors:
+        t.page_format = ""
+    raw = HostLayout.build(kv, 1)
+    size = 16 * 8 * 64 * 2
+    assert codec.default_fingerprint(raw) == codec.layout_fingerprint(block_bytes=2 * size,
+                                                                      page_sizes=[size, size])

@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from ...errors import InvalidSpec
 
@@ -40,6 +41,7 @@ __all__ = [
     "VERSION",
     "Header",
     "checksum",
+    "default_fingerprint",
     "encode",
     "header_size",
     "key_bytes",
@@ -89,6 +91,24 @@ def layout_fingerprint(
              b",".join(str(d).encode() for d in dtypes),
              str(int(num_layers)).encode(), str(int(block_size)).encode(), bytes(extra)]
     return hashlib.blake2b(_frame(parts), digest_size=FINGERPRINT_BYTES).digest()
+
+
+def default_fingerprint(host_layout: Any) -> bytes:
+    """The fingerprint a cache uses when it is given none: its worker's pages (group 0) in
+    order, each by its size and, where the worker was built from tensors
+    (``CanonicalKVCaches.from_tensors``), by its dtype and page shape, which holds the tokens
+    per block. So an fp16 and a bf16 model, or two block sizes of one model, never share
+    blocks. A layout described as raw bytes (vLLM's) has no formats: pass a fingerprint
+    that names the model, dtype and block size, or a tier ``namespace=``.
+
+    Args:
+        host_layout: the worker's ``HostLayout`` (``worker.host_layout``).
+    """
+    sizes = [int(p) for p in host_layout.page_sizes[0]]
+    groups = getattr(host_layout, "page_formats", ())
+    formats = list(groups[0]) if groups else []
+    dtypes = formats if any(formats) else []
+    return layout_fingerprint(block_bytes=sum(sizes), page_sizes=sizes, dtypes=dtypes)
 
 
 def namespaced(fingerprint: bytes, namespace: str | bytes | None) -> bytes:
