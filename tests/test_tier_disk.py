@@ -318,10 +318,10 @@ async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: P
     held = [k for k in universe if tier.holds(k)]
     stats = tier.statistics()
     assert len(held) == stats.blocks <= 6 and stats.errors == 0 and stats.corrupt == 0
-    assert tier._policy is not None and len(tier._policy) == len(held)
+    assert tier._index.policy is not None and len(tier._index.policy) == len(held)
     names = {os.path.basename(tier._opened().path(k)) for k in held}
     assert set(block_files(tier)) == names and not temp_files(tier)
-    assert not tier._pins and not tier._pending and not tier._removing
+    assert not tier._index.pins and not tier._index.pending and not tier._index.removing
     assert stats.writes - stats.evictions == len(held)
 
 
@@ -420,10 +420,10 @@ async def test_a_cancelled_read_or_write_leaves_nothing_behind(tmp_path: Path) -
     assert await tier.write(keys[:2], data[:2]) == [True, True]
     with anyio.move_on_after(0.03):
         await tier.read(keys[:2], buffers(2))
-    assert not tier._pins
+    assert not tier._index.pins
     with anyio.move_on_after(0.03):
         await tier.write(keys[2:5], data[2:5])
-    assert not tier._pending and not tier._removing
+    assert not tier._index.pending and not tier._index.removing
     held = [tier.holds(k) for k in keys]
     assert held[:2] == [True, True] and held[5] is False
     out = buffers(6)
