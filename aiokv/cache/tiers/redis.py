@@ -27,13 +27,24 @@ from . import codec
 from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
 from .health import FailureLog
 from .redis_quota import WriteQuota
+from .redis_values import (
+    CORRUPT,
+    FAILED,
+    HIT,
+    MISS,
+    byte_view,
+    check_landed,
+    encode_headers,
+    encode_values,
+    groups_of,
+    land_replies,
+)
 
 if TYPE_CHECKING:
     from .redis_client import AsyncioRedis, Op, ThreadRedis
 
 __all__ = ["RedisTier"]
 
-_HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
 # Checksums and copies of a group at least this large run on a worker thread, not the loop.
 _OFFLOAD_BYTES = 256 << 10
 _EXISTS_PER_ROUND_TRIP = 4096
@@ -219,10 +230,11 @@ class RedisTier(Tier):
         keys = codec.stored_keys(keys)
         if len(keys) != len(out):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
-        views = [_byte_view(o, writable=True) for o in out]
-        status = [_MISS] * len(keys)
+        views = [byte_view(o, writable=True) for o in out]
+        status = [MISS] * len(keys)
         errors = self._n["errors"]
-        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        groups = groups_of([len(v) + codec.header_size(k) for k, v in zip(keys, views)],
+                           self._group_bytes)
         await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
         hits = self._account_reads(keys, views, status)
         self._settle(errors)
@@ -234,7 +246,7 @@ class RedisTier(Tier):
         keys = codec.stored_keys(keys)
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
-        views = [_byte_view(p) for p in payloads]
+        views = [byte_view(p) for p in payloads]
         errors = self._n["errors"]
         quota = self._quota
         if quota is not None and views:
@@ -246,7 +258,8 @@ class RedisTier(Tier):
         keys = [keys[i] for i in wanted]
         views = [views[i] for i in wanted]
         replies: list[object] = [None] * len(keys)
-        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        groups = groups_of([len(v) + codec.header_size(k) for k, v in zip(keys, views)],
+                           self._group_bytes)
         await self._striped(groups, lambda stripe: self._write_stripe(keys, views, stripe, replies))
         stored = [False] * len(payloads)
         for pos, reply in enumerate(replies):
@@ -300,7 +313,7 @@ class RedisTier(Tier):
                 lambda: self._write_blocking(thread_io, keys, views, groups, replies)))
         async_io = cast("AsyncioRedis", io)
         for group in groups:
-            values = await anyio.to_thread.run_sync(self._encode_all, keys, views, group,
+            values = await anyio.to_thread.run_sync(encode_values, self._fp, keys, views, group,
                                                     limiter=self._limiter)
             try:
                 answers = await async_io.round_trip(
@@ -315,7 +328,7 @@ class RedisTier(Tier):
     def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
                         groups: list[list[int]], replies: list[object]) -> int:
         for group in groups:
-            headers = [codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])) for j in group]
+            headers = encode_headers(self._fp, keys, views, group)
             try:
                 answers = io.write_from_blocking([self._name(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
@@ -348,21 +361,6 @@ class RedisTier(Tier):
         if self._io is None:
             raise UsageError("RedisTier is closed" if self._closed else "call await open() first")
 
-    def _groups(self, sizes: Sequence[int]) -> list[list[int]]:
-        """Indices cut into round trips of at most ``group_bytes`` (at least one key each)."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        total = 0
-        for i, size in enumerate(sizes):
-            if current and total + size > self._group_bytes:
-                groups.append(current)
-                current, total = [], 0
-            current.append(i)
-            total += size
-        if current:
-            groups.append(current)
-        return groups
-
     async def _round_trip(self, ops: list[Op]) -> list[object] | None:
         """One pipeline; None (and one error counted) if it failed as a whole."""
         io = self._io
@@ -388,22 +386,10 @@ class RedisTier(Tier):
             except Exception as exc:  # the rest of the batch would wait out the same dead server
                 self._health.failed(exc)
                 return 1
-            self._check_landed(keys, views, group, landed, status)
+            for error in check_landed(self._fp, keys, views, group, landed, status,
+                                      self._client_module.WRONG_LENGTH):
+                self._health.failed(error)
         return 0
-
-    def _check_landed(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
-                      landed: list[object], status: list[int]) -> None:
-        """Verify payloads that ``read_into`` put in the caller's buffers."""
-        for i, reply in zip(group, landed):
-            if reply is None:
-                status[i] = _MISS
-            elif isinstance(reply, bytearray):
-                status[i] = _HIT if _verified(self._fp, keys[i], reply, views[i]) else _CORRUPT
-            elif reply is self._client_module.WRONG_LENGTH:
-                status[i] = _CORRUPT
-            else:
-                status[i] = _FAILED
-                self._health.failed(reply)
 
     async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
                           groups: list[list[int]], status: list[int]) -> int:
@@ -415,78 +401,29 @@ class RedisTier(Tier):
                 self._health.failed(exc)
                 return 1
             if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
-                await anyio.to_thread.run_sync(self._land, keys, views, group, replies, status,
-                                               limiter=self._limiter)
+                errors = await anyio.to_thread.run_sync(land_replies, self._fp, keys, views, group,
+                                                        replies, status, limiter=self._limiter)
             else:
-                self._land(keys, views, group, replies, status)
+                errors = land_replies(self._fp, keys, views, group, replies, status)
+            for error in errors:
+                self._health.failed(error)
         return 0
-
-    def _land(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
-              replies: list[object], status: list[int]) -> None:
-        """Verify each reply and copy its payload into the caller's buffer."""
-        for i, reply in zip(group, replies):
-            if reply is None:
-                status[i] = _MISS
-            elif not isinstance(reply, bytes):
-                status[i] = _FAILED  # a per-command error (e.g. WRONGTYPE)
-                self._health.failed(reply)
-            else:
-                value = memoryview(reply)
-                size = codec.header_size(keys[i])
-                payload = value[size:]
-                if (len(value) == size + len(views[i])
-                        and _verified(self._fp, keys[i], value[:size], payload)):
-                    views[i][:] = payload
-                    status[i] = _HIT
-                else:
-                    status[i] = _CORRUPT
 
     def _account_reads(self, keys: Sequence[bytes], views: list[memoryview],
                        status: list[int]) -> list[bool]:
         n = self._n
         n["reads"] += len(keys)
-        hits = [s == _HIT for s in status]
+        hits = [s == HIT for s in status]
         for i, hit in enumerate(hits):
             if hit:
                 n["read_hits"] += 1
                 n["read_bytes"] += len(views[i])
                 if self._quota is not None:
                     self._quota.touch(keys[i])
-        n["corrupt"] += status.count(_CORRUPT)
-        n["errors"] += status.count(_FAILED)
+        n["corrupt"] += status.count(CORRUPT)
+        n["errors"] += status.count(FAILED)
         return hits
 
-    def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
-        """Header + payload as one value per key (the asyncio client sends whole values)."""
-        return [b"".join((codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])), views[j]))
-                for j in group]
-
-
-def _verified(fingerprint: bytes, key: bytes, header: bytes | bytearray | memoryview,
-              payload: memoryview) -> bool:
-    """``codec.verify`` with ``checksum`` for the payload (same checks, same answer)."""
-    parsed = codec.parse_header(memoryview(header))
-    return (
-        parsed is not None
-        and parsed.size == len(header)
-        and parsed.matches(fingerprint)
-        and parsed.key == bytes(key)
-        and parsed.payload_len == len(payload)
-        and codec.checksum(payload) == parsed.crc
-    )
-
-
-def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
-    """A flat byte view of a caller's buffer; a buffer the tier cannot use is misuse."""
-    try:
-        view = memoryview(buffer)
-    except TypeError as exc:
-        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
-    if not view.c_contiguous:
-        raise InvalidSpec("tier buffers must be contiguous")
-    if writable and view.readonly:
-        raise InvalidSpec("read() needs writable buffers to fill")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _client_module() -> ModuleType:
