@@ -94,11 +94,13 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"aiokv bench: --loop {loop} needs {loop} installed", file=sys.stderr)
         return 2
     if args.plot:
+        from .errors import MissingExtra
+        from .extras import require
+
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("aiokv bench: --plot needs matplotlib: pip install matplotlib (or the plot extra)",
-                  file=sys.stderr)
+            require("plot")
+        except MissingExtra as exc:
+            print(f"aiokv bench: {exc}", file=sys.stderr)
             return 2
     if args.what == "cache" and args.tiers:
         from .bench.cache import find_traces

@@ -11,6 +11,8 @@ ValueError`` around a submit keeps working::
      +-- UsageError (RuntimeError)         a call in the wrong state or from the wrong thread
      |    +-- WorkerClosed                 you closed the worker (or never opened it)
      |    +-- QueueFull                    ``max_in_flight`` jobs are in flight already
+     |    +-- MissingExtra (ImportError)   an optional package is not installed; the
+     |                                     message names the extra that brings it
      +-- WorkerBroken (RuntimeError)       the device failed under you (sticky CUDA error)
      +-- HostMemoryError (MemoryError)     the host pool cannot be allocated or pinned
      +-- CudaCallFailed (RuntimeError)     a driver call failed: neither bad input nor broken
@@ -37,6 +39,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidSpec",
     "KeyNotLoadable",
+    "MissingExtra",
     "QueueFull",
     "TierError",
     "TransferFailed",
@@ -74,6 +77,12 @@ class WorkerClosed(UsageError):
 class QueueFull(UsageError):
     """``WorkerOptions.max_in_flight`` jobs are in flight already; nothing was enqueued.
     Wait for room (``await worker.wait_for_room()`` on the async face) and submit again."""
+
+
+class MissingExtra(UsageError, ImportError):
+    """An optional package a feature needs is not installed (``aiokv.extras``); the message
+    names the extra that brings it and the command that installs it. Also an
+    ``ImportError``, so ``except ImportError`` around an optional feature keeps working."""
 
 
 class WorkerBroken(AiokvError, RuntimeError):

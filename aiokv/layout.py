@@ -28,6 +28,10 @@ class CanonicalKVCacheTensor:
     tensor: torch.Tensor
     # Bytes of one block's page in this tensor.
     page_size_bytes: int
+    # What the bytes are, as the engine allocated them ("torch.bfloat16[16x8x128]": dtype
+    # and page shape, tokens per block included), when known: lower cache tiers key their
+    # blocks by it, so caches of another dtype or block size never share them. "" if unknown.
+    page_format: str = ""
 
 
 @dataclass
@@ -66,7 +70,8 @@ class CanonicalKVCaches:
                 )
             return cls(
                 tensors=[
-                    CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes))
+                    CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes),
+                                           str(getattr(t, "page_format", "") or ""))
                     for t in kv.tensors  # type: ignore[attr-defined]
                 ],
                 group_data_refs=[
@@ -190,4 +195,5 @@ def _page_view(part: torch.Tensor, layer: int) -> CanonicalKVCacheTensor:
     # the CPU lane copies with, has no fp8 and would convert bools).
     base = part.as_strided((num_blocks, expected), (part.stride(0), 1))
     as_bytes = base.view(torch.uint8).as_strided((num_blocks, page_bytes), (row_stride, 1))
-    return CanonicalKVCacheTensor(tensor=as_bytes, page_size_bytes=page_bytes)
+    page_format = f"{part.dtype}[{'x'.join(str(int(d)) for d in page_shape)}]"
+    return CanonicalKVCacheTensor(tensor=as_bytes, page_size_bytes=page_bytes, page_format=page_format)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .core import WorkerStatistics
 from .errors import InvalidSpec, TransferFailed
+from .extras import require
 from .specs import Direction, TransferResult
 
 if TYPE_CHECKING:
@@ -50,15 +51,8 @@ class _HasStatistics(Protocol):
 
 
 def _prometheus() -> Any:
-    """Import prometheus_client, or say how to get it."""
-    try:
-        import prometheus_client
-    except ImportError as exc:
-        raise ImportError(
-            "aiokv.metrics needs prometheus_client; install it with "
-            "`pip install 'aiokv[metrics]'` (or `pip install prometheus-client`)"
-        ) from exc
-    return prometheus_client
+    """Import prometheus_client, or say how to get it (``MissingExtra``)."""
+    return require("metrics")
 
 
 def _direction(direction: Direction | str) -> str:

@@ -55,6 +55,8 @@ class HostLayout:
     page_offsets: tuple[tuple[int, ...], ...]
     row_strides: tuple[int, ...]
     num_gpu_blocks: tuple[int, ...]
+    # Per group, each page's ``CanonicalKVCacheTensor.page_format`` ("" where unknown).
+    page_formats: tuple[tuple[str, ...], ...] = ()
 
     @classmethod
     def build(cls, kv: CanonicalKVCaches, blocks_per_chunk: int) -> HostLayout:
@@ -72,6 +74,7 @@ class HostLayout:
                 )
             row_strides.append(int(tensor.stride(0)))
         idx, sizes, offsets, nblocks = [], [], [], []
+        formats: list[tuple[str, ...]] = []
         widest = 0
         for g, refs in enumerate(kv.group_data_refs):
             g_idx, g_sizes = [], []
@@ -95,6 +98,7 @@ class HostLayout:
                 off += g_sizes[k] * blocks_per_chunk
             widest = max(widest, off)
             idx.append(tuple(g_idx))
+            formats.append(tuple(kv.tensors[i].page_format for i in g_idx))
             sizes.append(tuple(g_sizes))
             offsets.append(tuple(g_offs))
             nblocks.append(min(int(kv.tensors[i].tensor.shape[0]) for i in g_idx))
@@ -107,6 +111,7 @@ class HostLayout:
             page_offsets=tuple(offsets),
             row_strides=tuple(row_strides),
             num_gpu_blocks=tuple(nblocks),
+            page_formats=tuple(formats),
         )
 
     @functools.cached_property

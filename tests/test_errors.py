@@ -23,6 +23,7 @@ from aiokv.errors import (
     HostMemoryError,
     InvalidSpec,
     KeyNotLoadable,
+    MissingExtra,
     QueueFull,
     TierError,
     TransferFailed,
@@ -48,6 +49,7 @@ def test_errors_derive_from_the_builtins_callers_catch() -> None:
     assert issubclass(HostMemoryError, MemoryError)
     assert issubclass(CudaCallFailed, RuntimeError)
     assert issubclass(TierError, OSError)
+    assert issubclass(MissingExtra, UsageError) and issubclass(MissingExtra, ImportError)
     assert not issubclass(WorkerBroken, UsageError)  # the device failed, not the caller
     for cls in ERRORS:
         assert issubclass(cls, AiokvError), f"{cls.__name__} is outside the tree"

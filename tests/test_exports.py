@@ -15,7 +15,8 @@ def test_public_names_are_pinned() -> None:
         # tiers under the host pool
         "DiskTier", "RedisTier", "RestoreResult", "Tier", "TierCacheStats", "TierStatistics",
         # the rest of the error tree (aiokv.errors)
-        "CudaCallFailed", "DriverError", "HostMemoryError", "QueueFull", "TierError", "UsageError",
+        "CudaCallFailed", "DriverError", "HostMemoryError", "MissingExtra", "QueueFull", "TierError",
+        "UsageError",
         # what the async face's poller did (for the bench)
         "PollerStatistics",
     }

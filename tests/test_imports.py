@@ -25,9 +25,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("aiokv.errors",)),
     # The transfer vocabulary, the worker options, the doorbell (an OS pipe that a
     # completion rings: a leaf primitive of the standard library, used by backends and the
-    # async face alike) and the worker's lifecycle states (the core and both faces read
-    # them; added by the faces' branch).
-    ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle")),
+    # async face alike), the worker's lifecycle states (the core and both faces read
+    # them; added by the faces' branch) and the optional-extras helper.
+    ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle",
+                    "aiokv.extras")),
     ("layout", ("aiokv.layout",)),
     ("plan", ("aiokv.plan",)),
     ("backend interfaces", ("aiokv.backends.base",)),

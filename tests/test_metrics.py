@@ -143,9 +143,9 @@ def test_missing_prometheus_client_says_how_to_install(monkeypatch: pytest.Monke
     worker = _sync_worker()
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     try:
-        with pytest.raises(ImportError, match=r"aiokv\[metrics\]"):
+        with pytest.raises(ImportError, match=r"pip install -e '\.\[metrics\]'"):
             OffloadMetrics()
-        with pytest.raises(ImportError, match=r"aiokv\[metrics\]"):
+        with pytest.raises(ImportError, match=r"pip install -e '\.\[metrics\]'"):
             WorkerCollector(worker)
     finally:
         worker.shutdown()

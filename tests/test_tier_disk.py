@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from functools import partial
 from pathlib import Path
 
 import anyio
@@ -13,7 +12,7 @@ import pytest
 
 from aiokv.cache.policies import available_policies
 from aiokv.cache.tiers.codec import layout_fingerprint
-from aiokv.cache.tiers.disk import DiskTier, raw_read_ceiling
+from aiokv.cache.tiers.disk import DiskTier
 from aiokv.cache.tiers.disk_io import ALIGN, TEMP_PREFIX, BlockFiles, probe_direct
 from aiokv.errors import InvalidSpec, TierError, UsageError
 
@@ -132,9 +131,9 @@ async def test_an_unusable_directory_or_a_cancelled_open(tmp_path: Path) -> None
 
 async def test_direct_true_where_the_filesystem_refuses_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiokv.cache.tiers.disk as disk
+    import aiokv.cache.tiers.disk_direct as disk_direct
 
-    monkeypatch.setattr(disk, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
+    monkeypatch.setattr(disk_direct, "probe_direct", lambda directory: False)  # as tmpfs < 6.6 says
     with pytest.raises(TierError, match="O_DIRECT"):
         await opened(tmp_path, direct=True)
     tier = await opened(tmp_path)  # the default falls back, and the lock was released
@@ -220,20 +219,33 @@ async def test_open_drops_temp_files_and_files_that_do_not_verify(tmp_path: Path
     assert [bytes(o) for o in out] == [bytes(d) for d in data[:2]]
 
 
-async def test_long_keys_survive_a_reopen(tmp_path: Path) -> None:
-    """A key longer than a page pushes the payload to the next aligned offset."""
-    keys = [os.urandom(5000), os.urandom(3 * ALIGN)]
-    data = payloads(2)
-    tier = await opened(tmp_path)
-    assert await tier.write(keys, data) == [True, True]
+async def test_long_keys_survive_a_reopen(tmp_path: Path, direct: bool | None) -> None:
+    """Keys of any length, a 1 MiB one too, share a batch with short ones: none is refused,
+    each reads back its own bytes, and a reopened tier finds them all."""
+    keys = [b"short", os.urandom(5000), os.urandom(3 * ALIGN), os.urandom((1 << 16) + 1),
+            bytes(1 << 20), b"x" * 1024, b"x" * 1025]
+    data = payloads(len(keys))
+    tier = await opened(tmp_path, direct=direct)
+    assert await tier.write(keys, data) == [True] * len(keys)
     await tier.aclose()
-    again = await opened(tmp_path)
-    assert [again.holds(k) for k in keys] == [True, True]
-    out = buffers(2)
-    assert await again.read(keys, out) == [True, True]
-    assert [bytes(o) for o in out] == [bytes(d) for d in data]
-    with pytest.raises(InvalidSpec):
-        await again.write([bytes(1 << 17)], payloads(1))
+    again = await opened(tmp_path, direct=direct)
+    assert [again.holds(k) for k in keys] == [True] * len(keys)
+    out = buffers(len(keys))
+    assert await again.read(keys[::-1], out) == [True] * len(keys)
+    assert [bytes(o) for o in out] == [bytes(d) for d in data[::-1]]
+    assert await again.exists([bytes(1 << 20), bytes((1 << 20) - 1)]) == [True, False]
+    assert again.statistics().corrupt == 0
+
+
+async def test_a_short_key_that_looks_like_a_digest_is_not_a_long_keys_block(tmp_path: Path) -> None:
+    from aiokv.cache.tiers import codec
+
+    long_key = os.urandom(1 << 12)
+    tier = await opened(tmp_path)
+    assert await tier.write([long_key], payloads(1)) == [True]
+    forged = codec.stored_key(long_key)  # what the tier names the long key by
+    assert len(forged) < 100 and not tier.holds(forged)
+    assert await tier.read([forged], buffers(1)) == [False]
 
 
 async def test_capacity_counts_payload_bytes_and_evicts_by_policy(tmp_path: Path) -> None:
@@ -306,10 +318,10 @@ async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: P
     held = [k for k in universe if tier.holds(k)]
     stats = tier.statistics()
     assert len(held) == stats.blocks <= 6 and stats.errors == 0 and stats.corrupt == 0
-    assert tier._policy is not None and len(tier._policy) == len(held)
+    assert tier._index.policy is not None and len(tier._index.policy) == len(held)
     names = {os.path.basename(tier._opened().path(k)) for k in held}
     assert set(block_files(tier)) == names and not temp_files(tier)
-    assert not tier._pins and not tier._pending and not tier._removing
+    assert not tier._index.pins and not tier._index.pending and not tier._index.removing
     assert stats.writes - stats.evictions == len(held)
 
 
@@ -353,15 +365,18 @@ async def test_a_read_error_is_a_miss(tmp_path: Path) -> None:
 
 
 async def test_a_full_disk_refuses_writes_and_keeps_earlier_blocks(
-        small_disk: Path, direct: bool | None) -> None:
+        small_disk: Path, direct: bool | None, caplog: pytest.LogCaptureFixture) -> None:
     size = 60 * 1024
     tier = await opened(small_disk, layout_fingerprint(block_bytes=size), direct=direct,
                         capacity_bytes=100 * size)
     keys, data = keys_of(30), payloads(30, size)
     stored: list[bool] = []
-    for i in range(0, 30, 3):
-        stored += await tier.write(keys[i:i + 3], data[i:i + 3])
+    with caplog.at_level("WARNING", logger="aiokv"):
+        for i in range(0, 30, 3):
+            stored += await tier.write(keys[i:i + 3], data[i:i + 3])
     assert True in stored and False in stored  # ~16 blocks fit in 1 MiB
+    failing = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(failing) == 1 and "No space left" in failing[0] and str(small_disk) in failing[0]
     held = [k for k, ok in zip(keys, stored) if ok]
     assert [tier.holds(k) for k in keys] == stored
     assert tier.statistics().errors == stored.count(False)
@@ -405,10 +420,10 @@ async def test_a_cancelled_read_or_write_leaves_nothing_behind(tmp_path: Path) -
     assert await tier.write(keys[:2], data[:2]) == [True, True]
     with anyio.move_on_after(0.03):
         await tier.read(keys[:2], buffers(2))
-    assert not tier._pins
+    assert not tier._index.pins
     with anyio.move_on_after(0.03):
         await tier.write(keys[2:5], data[2:5])
-    assert not tier._pending and not tier._removing
+    assert not tier._index.pending and not tier._index.removing
     held = [tier.holds(k) for k in keys]
     assert held[:2] == [True, True] and held[5] is False
     out = buffers(6)
@@ -450,19 +465,145 @@ async def test_misuse_raises(tmp_path: Path) -> None:
         await tier.write(keys_of(1), payloads(1))
 
 
-async def test_raw_read_ceiling_measures_and_cleans_up(tmp_path: Path) -> None:
-    for direct in (None, False):
-        gbps = await anyio.to_thread.run_sync(partial(
-            raw_read_ceiling, str(tmp_path), 3 * ALIGN + 5, 4, 2 * ALIGN, direct=direct,
-            threads=2, rounds=1))
-        assert gbps > 0
+@pytest.mark.parametrize("bad", [True, False, 1.5, "4096", None, 0, -BLOCK])
+def test_capacity_and_threads_take_the_shared_integer_check(tmp_path: Path, bad: object) -> None:
+    """The same rule as every tier's (and the worker's counts): an int, never a bool."""
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        DiskTier(tmp_path, capacity_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="io_threads"):
+        DiskTier(tmp_path, capacity_bytes=BLOCK, io_threads=bad)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_counts(tmp_path: Path) -> None:
+    import numpy as np
+
+    tier = DiskTier(tmp_path, capacity_bytes=np.int64(8 * BLOCK), io_threads=np.int32(2))  # type: ignore[arg-type]
+    assert type(tier.capacity_bytes) is int and tier.capacity_bytes == 8 * BLOCK
+    assert type(tier.io_threads) is int and tier.io_threads == 2
+
+
+@pytest.mark.parametrize("path", ["", b""])
+def test_an_empty_path_is_refused_rather_than_the_current_directory(
+        tmp_path: Path, path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidSpec, match="path"):
+        DiskTier(path, capacity_bytes=8 * BLOCK)  # type: ignore[arg-type]
     assert os.listdir(tmp_path) == []
-    with pytest.raises(ValueError):
-        raw_read_ceiling(str(tmp_path), 0, 4)
-    tier = await opened(tmp_path)
-    with pytest.raises(UsageError):
-        await tier.read_ceiling(4)
-    await tier.write(keys_of(1), payloads(1))
-    assert await tier.read_ceiling(4, rounds=1) > 0
-    assert tier.io_size is not None and tier.io_size % ALIGN == 0 and tier.io_size > BLOCK
-    assert block_files(tier) and not temp_files(tier)
+
+
+async def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
+    """Known at construction through the cache (check_block_bytes), else at open (blocks
+    found on disk), else at the first write: never a tier that silently stores nothing."""
+    small = DiskTier(tmp_path / "a", capacity_bytes=BLOCK - 1)
+    with pytest.raises(InvalidSpec, match=rf"capacity_bytes={BLOCK - 1}.*{BLOCK}-byte block"):
+        small.check_block_bytes(BLOCK)
+    DiskTier(tmp_path / "a", capacity_bytes=BLOCK).check_block_bytes(BLOCK)
+
+    unknown = await opened(tmp_path / "b", capacity_bytes=BLOCK - 1)
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        await unknown.write(keys_of(1), payloads(1))
+    assert unknown.statistics().writes == 0 and not block_files(unknown)
+    await unknown.aclose()
+
+    full = await opened(tmp_path / "c")
+    await full.write(keys_of(2), payloads(2))
+    await full.aclose()
+    with pytest.raises(InvalidSpec, match="capacity_bytes"):
+        await opened(tmp_path / "c", capacity_bytes=BLOCK // 2)
+    again = await opened(tmp_path / "c")  # the refused open left nothing locked, nothing removed
+    assert again.statistics().blocks == 2
+
+
+async def test_the_cache_refuses_a_disk_tier_too_small_for_one_block(tmp_path: Path) -> None:
+    from aiokv import AsyncOffloadingWorker, OffloadCache
+    from tests.conftest import make_layers
+
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, backend="cpu") as worker:
+        block_bytes = sum(worker.host_layout.page_sizes[0])
+        with pytest.raises(InvalidSpec, match="capacity_bytes"):
+            OffloadCache(worker, tiers=[DiskTier(tmp_path, capacity_bytes=block_bytes - 1)],
+                         staging_chunks=2)
+        assert os.listdir(tmp_path) == []
+
+
+def fill_up(directory: Path) -> Path:
+    """Write one file until the filesystem is full; it frees the room when removed."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        chunk = os.urandom(64 << 10)
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:
+            pass
+        try:  # what is left is smaller than a chunk
+            while True:
+                f.write(chunk[:ALIGN])
+        except OSError:
+            pass
+    return filler
+
+
+async def test_a_full_disk_at_open_does_not_turn_direct_io_off_for_life(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The probe cannot write its page on a full disk: that says nothing about O_DIRECT.
+    The tier starts buffered, asks again at each write, and decides once there is room."""
+    if not probe_direct(str(small_disk)):
+        pytest.skip("this tmpfs refuses O_DIRECT (Linux < 6.6)")
+    assert probe_direct(str(small_disk)) is True
+    size = 2 * ALIGN
+    filler = fill_up(small_disk)
+    assert probe_direct(str(small_disk)) is None  # undecided, not refused
+    with caplog.at_level("WARNING", logger="aiokv"):
+        tier = await opened(small_disk, layout_fingerprint(block_bytes=size), capacity_bytes=8 * size)
+    assert not tier.direct
+    assert "cannot tell whether O_DIRECT works" in caplog.text
+    keys, data = keys_of(4), payloads(4, size)
+    assert await tier.write(keys[:1], data[:1]) == [False]  # still full
+    assert not tier.direct
+    filler.unlink()
+    assert await tier.write(keys, data) == [True] * 4
+    assert tier.direct
+    out = buffers(4, size)
+    assert await tier.read(keys, out) == [True] * 4
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    await tier.aclose()
+
+
+async def test_direct_true_on_a_full_disk_is_taken_at_its_word(small_disk: Path) -> None:
+    if not probe_direct(str(small_disk)):
+        pytest.skip("this tmpfs refuses O_DIRECT (Linux < 6.6)")
+    size = 2 * ALIGN
+    filler = fill_up(small_disk)
+    tier = await opened(small_disk, layout_fingerprint(block_bytes=size), direct=True,
+                        capacity_bytes=8 * size)
+    assert tier.direct
+    filler.unlink()
+    keys, data = keys_of(2), payloads(2, size)
+    assert await tier.write(keys, data) == [True, True]
+    out = buffers(2, size)
+    assert await tier.read(keys, out) == [True, True]
+    assert [bytes(o) for o in out] == [bytes(d) for d in data]
+    await tier.aclose()
+
+
+async def test_a_read_only_filesystem_fails_open_with_tier_error(small_disk: Path) -> None:
+    """Raised by the tier itself, typed: a caller's ``except TierError`` sees it."""
+    import subprocess
+
+    existing = await opened(small_disk)  # a layout directory that exists already
+    await existing.write(keys_of(1), payloads(1))
+    await existing.aclose()
+    done = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {done.stderr.decode().strip()}")
+    try:
+        for fp in (FP, OTHER_FP):  # a layout seen before, and a new one
+            with pytest.raises(TierError, match="Read-only file system") as caught:
+                await opened(small_disk, fp)
+            assert str(small_disk) in str(caught.value)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], capture_output=True)
+    again = await opened(small_disk)  # nothing was left locked
+    assert again.holds(keys_of(1)[0])

@@ -6,6 +6,7 @@ trio."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -322,6 +323,114 @@ async def test_auth_through_the_url(tmp_path: Path) -> None:
                 await tier.aclose()
 
 
+@pytest.mark.anyio
+async def test_a_wrong_password_is_logged_once_and_check_raises_the_reason(
+        tmp_path: Path, client: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Counters alone left a wrong password silent: the first failure is logged with the
+    server's reason (the password never), later ones are not repeated within the interval,
+    and check=True makes open() raise TierError with that reason instead."""
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import TierError
+
+    need_redis()
+    with running(RedisServer(tmp_path / "auth", password="s3cret-pass")) as srv:
+        assert isinstance(srv, RedisServer)
+        wrong_url = srv.url.replace("s3cret-pass", "wrong-pass")
+        anonymous_url = f"redis://127.0.0.1:{srv.port}/0"
+        for url, reason in ((wrong_url, "WRONGPASS|invalid username-password"),
+                            (anonymous_url, "NOAUTH|Authentication required")):
+            with pytest.raises(TierError, match=reason) as caught:
+                await RedisTier(url, check=True, client=client, timeout=2.0).open(fingerprint())
+            assert "wrong-pass" not in str(caught.value)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="aiokv"):
+                tier = await opened(url, namespace="auth", client=client)
+                try:
+                    keys = keys_of(2, "auth")
+                    for _ in range(3):
+                        assert await tier.read(keys, buffers(2)) == [False, False]
+                        assert await tier.write(keys, buffers(2)) == [False, False]
+                finally:
+                    await tier.aclose()
+            failing = [r for r in caplog.records if "failing" in r.getMessage()]
+            assert len(failing) == 1, caplog.text
+            assert re.search(reason, failing[0].getMessage())
+            assert "wrong-pass" not in caplog.text
+        good = RedisTier(srv.url, check=True, client=client, timeout=2.0)
+        await good.open(fingerprint())  # the right password passes the check
+        await good.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_server_down_at_open_fails_the_check_and_recovery_is_logged(
+        own_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import TierError
+
+    own_server.kill()
+    with pytest.raises(TierError, match=r"127\.0\.0\.1"):
+        await RedisTier(own_server.url, check=True, timeout=1.0).open(fingerprint())
+    with caplog.at_level("INFO", logger="aiokv"):
+        tier = await opened(own_server.url, namespace="down", timeout=1.0)  # no check: opens
+        try:
+            keys, data = keys_of(2, "down"), payloads(2)
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [False, False]
+            own_server.start()
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [True, True]
+        finally:
+            await tier.aclose()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failing" in m for m in messages) == 1
+    assert sum("works again" in m for m in messages) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("other_dtype", "other_page", "shared"), [
+    ("bfloat16", (4, 2, 16), True),  # the same layout: a prefix written once is found
+    ("float16", (4, 2, 16), False),  # same bytes per block, another dtype
+    ("bfloat16", (8, 1, 16), False),  # same bytes per block, twice the tokens per block
+])
+async def test_caches_share_redis_only_with_the_same_dtype_and_page_shape(
+        server: RedisServer, other_dtype: str, other_page: tuple[int, ...], shared: bool) -> None:
+    """The default fingerprint sees what the tensors are (dtype, page shape: tokens per
+    block), not only their bytes: an fp16 and a bf16 model on one Redis never read each
+    other's blocks as hits."""
+    import torch
+
+    from aiokv import AsyncOffloadingWorker, OffloadCache
+    from aiokv.cache.tiers.redis import RedisTier
+    from tests.conftest import make_layers
+
+    tag = os.urandom(4).hex()
+    keys = [f"{tag}-{i}" for i in range(4)]
+    kv_a = make_layers(num_layers=2, num_blocks=8, page_shape=(4, 2, 16), dtype=torch.bfloat16)
+    kv_b = make_layers(num_layers=2, num_blocks=8, page_shape=other_page,
+                       dtype=getattr(torch, other_dtype), seed=1)
+    async with AsyncOffloadingWorker(kv_a.kv, num_cpu_chunks=6, backend="cpu") as wa, \
+            AsyncOffloadingWorker(kv_b.kv, num_cpu_chunks=6, backend="cpu") as wb:
+        tier_a = RedisTier(server.url, write_through=True, timeout=2.0)
+        tier_b = RedisTier(server.url, write_through=True, timeout=2.0)
+        async with OffloadCache(wa, tiers=[tier_a], staging_chunks=2) as a, \
+                OffloadCache(wb, tiers=[tier_b], staging_chunks=2) as b:
+            assert (await a.offload(keys, [0, 1, 2, 3])).stored == 4
+            await a.drain()
+            assert await tier_a.exists([tier_a_key(k) for k in keys]) == [True] * 4
+            found = await b.alookup(keys)
+            assert int(found) == (4 if shared else 0)
+            restored = await b.restore(keys, [4, 5, 6, 7])
+            assert bool(restored) == shared
+            if shared:
+                for i in range(4):
+                    assert torch.equal(kv_b.layers[0][:, 4 + i].view(torch.uint8),
+                                       kv_a.layers[0][:, i].view(torch.uint8))
+
+
+def tier_a_key(key: str) -> bytes:
+    from aiokv.cache.tiers import codec
+
+    return codec.key_bytes(key)
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     need_redis()
@@ -453,24 +562,129 @@ async def test_misuse_raises_and_io_trouble_does_not(server: RedisServer, anyio_
         await dead.aclose()
 
 
-def test_ceiling_measures_and_cleans_up(server: RedisServer) -> None:
-    from aiokv.cache.tiers.redis_client import raw_get_ceiling
+@pytest.mark.parametrize("bad", [True, False, 1.5, "4096", 0, -1])
+def test_counts_take_the_shared_integer_check(bad: object) -> None:
+    """The disk tier's rule: an int, never a bool; capacity_bytes may also be None."""
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
 
-    before = server.cli("DBSIZE")
-    rate = anyio.run(raw_get_ceiling, server.url, 1 << 16, 8)
-    assert rate > 0
-    assert server.cli("DBSIZE") == before
+    for name in ("capacity_bytes", "threads", "group_bytes"):
+        with pytest.raises(InvalidSpec, match=name):
+            RedisTier("redis://127.0.0.1:6379/0", **{name: bad})
+
+
+@pytest.mark.parametrize("bad", [True, "5", 0, -1.0, float("nan"), float("inf")])
+def test_seconds_are_positive_finite_numbers(bad: object) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    for name in ("timeout", "ttl"):
+        with pytest.raises(InvalidSpec, match=name):
+            RedisTier("redis://127.0.0.1:6379/0", **{name: bad})
+
+
+def test_numpy_counts_are_accepted() -> None:
+    import numpy as np
+
+    from aiokv.cache.tiers.redis import RedisTier
+
+    tier = RedisTier("redis://127.0.0.1:6379/0", capacity_bytes=np.int64(1 << 20), threads=np.int8(2))
+    assert type(tier.capacity_bytes) is int and tier.capacity_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:99999/0", "redis://127.0.0.1:abc/0", "redis://127.0.0.1:-1/0",
+    "redis+cluster://127.0.0.1:70000", "rediss://h:6379/not-a-db", "redis://h:6379/0/1",
+    "redis://h:6379/0?db=x", "redis://h:0/0", "redis://h/0?socket_timeout=soon",
+])
+def test_a_url_that_cannot_connect_is_refused_at_construction(url: str) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match="Redis URL") as caught:
+        RedisTier(url)
+    assert "secret" not in str(caught.value)
+    with pytest.raises(InvalidSpec, match="Redis URL") as caught:
+        RedisTier(url.replace("://", "://user:secret@", 1))
+    assert "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379/0", "redis://127.0.0.1", "redis://u:p@h:1/15", "rediss://h:6380",
+    "redis+cluster://h:7000", "unix:///tmp/redis.sock?db=2", "redis://[::1]:6379/0",
+])
+def test_good_urls_are_accepted(url: str) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+
+    RedisTier(url)
+
+
+@pytest.mark.anyio
+async def test_a_unix_socket_url_round_trips(tmp_path: Path) -> None:
+    need_redis()
+    sock = tmp_path / "redis.sock"
+    with running(RedisServer(tmp_path / "unix", args=("--unixsocket", str(sock)))) as srv:
+        assert isinstance(srv, RedisServer)
+        tier = await opened(f"unix://{sock}?db=3", namespace="unix")
+        try:
+            keys, data = keys_of(3, "unix"), payloads(3)
+            assert await tier.write(keys, [memoryview(d) for d in data]) == [True] * 3
+            out = buffers(3)
+            assert await tier.read(keys, out) == [True] * 3
+            assert [bytes(o) for o in out] == data
+            assert srv.cli("-n", "3", "DBSIZE") == "3"
+        finally:
+            await tier.aclose()
+
+
+@pytest.mark.anyio
+async def test_long_keys_share_a_batch_with_short_ones(server: RedisServer, client: str) -> None:
+    from aiokv.cache.tiers import codec
+
+    tier = await opened(server.url, namespace="long", client=client)
+    try:
+        run = os.urandom(8)
+        keys = [b"s" + run, os.urandom((1 << 16) + 1), run * (1 << 17), b"x" * 1025 + run]
+        data = payloads(len(keys))
+        assert await tier.write(keys, [memoryview(d) for d in data]) == [True] * len(keys)
+        out = buffers(len(keys))
+        assert await tier.read(keys, out) == [True] * len(keys)
+        assert [bytes(o) for o in out] == data
+        assert await tier.exists(keys) == [True] * len(keys)
+        forged = codec.stored_key(keys[1])
+        assert await tier.read([forged], buffers(1)) == [False]
+        assert tier.statistics().errors == 0
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_capacity_below_one_block_is_refused(server: RedisServer) -> None:
+    from aiokv.cache.tiers.redis import RedisTier
+    from aiokv.errors import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match=rf"capacity_bytes={BLOCK - 1}.*{BLOCK}-byte block"):
+        RedisTier(server.url, capacity_bytes=BLOCK - 1).check_block_bytes(BLOCK)
+    RedisTier(server.url, capacity_bytes=BLOCK).check_block_bytes(BLOCK)
+    RedisTier(server.url).check_block_bytes(BLOCK)  # no bound of its own: any block
+    tier = await opened(server.url, namespace="tiny", capacity_bytes=BLOCK - 1)
+    try:
+        with pytest.raises(InvalidSpec, match="capacity_bytes"):
+            await tier.write(keys_of(1), [memoryview(d) for d in payloads(1)])
+        assert tier.statistics().writes == 0
+    finally:
+        await tier.aclose()
 
 
 def test_without_the_package_construction_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.cache.tiers as tiers
-    from aiokv.errors import UsageError
+    from aiokv.errors import MissingExtra
 
     monkeypatch.setitem(sys.modules, "redis", None)
     for name in ("redis", "redis_client", "redis_wire"):  # as if never imported
         monkeypatch.delitem(sys.modules, f"aiokv.cache.tiers.{name}", raising=False)
         monkeypatch.delattr(tiers, name, raising=False)
-    with pytest.raises(UsageError, match=r"the 'redis' extra"):
+    with pytest.raises(MissingExtra, match=r"the 'redis' extra with python3 -m pip install -e '\.\[redis\]'"):
         tiers.RedisTier("redis://127.0.0.1:6379/0")
 
 

@@ -121,3 +121,45 @@ def test_the_fast_checksum_is_zlibs_crc32(monkeypatch: pytest.MonkeyPatch) -> No
         data = rng.randbytes(size)
         assert codec.checksum(data) == zlib.crc32(data) & 0xFFFFFFFF
         assert codec.checksum(memoryview(bytearray(data))[1:]) == zlib.crc32(data[1:]) & 0xFFFFFFFF
+
+
+def test_stored_keys_are_the_key_or_a_marked_digest() -> None:
+    short, long_ = b"k" * codec.INLINE_KEY_BYTES, b"k" * (codec.INLINE_KEY_BYTES + 1)
+    assert codec.stored_key(short) == short
+    digest = codec.stored_key(long_)
+    assert digest != long_ and len(digest) < 64 and codec.stored_key(long_) == digest
+    assert codec.stored_key(long_ + b"x") != digest
+    # A short key that copies a digest is digested itself: it never poses as the long key.
+    assert codec.stored_key(digest) not in (digest, long_)
+    assert codec.header_size(digest) <= 4096
+    assert codec.stored_keys([short, long_]) == [short, digest]
+    with pytest.raises(InvalidSpec):
+        codec.stored_keys(["text"])  # type: ignore[list-item]
+    with pytest.raises(InvalidSpec):
+        codec.encode(FP, long_, b"payload")  # raw long keys go through stored_key first
+
+
+def test_the_default_fingerprint_sees_dtype_and_page_shape() -> None:
+    import torch
+
+    from aiokv.layout import CanonicalKVCaches
+    from aiokv.plan import HostLayout
+
+    def fp(dtype: torch.dtype, page: tuple[int, ...], block_dim: int = 1) -> bytes:
+        layers = [torch.zeros(2, 4, *page, dtype=dtype) for _ in range(2)]
+        kv = CanonicalKVCaches.from_tensors(layers, block_dim)
+        return codec.default_fingerprint(HostLayout.build(kv, 1))
+
+    base = fp(torch.bfloat16, (16, 8, 64))
+    assert base == fp(torch.bfloat16, (16, 8, 64))
+    assert base != fp(torch.float16, (16, 8, 64))  # same bytes, another dtype
+    assert base != fp(torch.bfloat16, (32, 4, 64))  # same bytes, another block size
+    assert base != fp(torch.bfloat16, (8, 16, 64))  # HND instead of NHD
+    # A description of raw bytes (vLLM's) has no formats: sizes only, as before.
+    kv = CanonicalKVCaches.from_tensors([torch.zeros(2, 4, 16 * 8 * 64 * 2, dtype=torch.uint8)], 1)
+    for t in kv.tensors:
+        t.page_format = ""
+    raw = HostLayout.build(kv, 1)
+    size = 16 * 8 * 64 * 2
+    assert codec.default_fingerprint(raw) == codec.layout_fingerprint(block_bytes=2 * size,
+                                                                      page_sizes=[size, size])

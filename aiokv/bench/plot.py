@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..extras import require
 from .report import BenchRow
 
 
 def plot_rows(rows: Sequence[BenchRow], path: str, title: str) -> None:
     """One panel per direction: a line per strategy, and the ceiling dashed."""
-    import matplotlib
-
+    matplotlib = require("plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require("plot", "matplotlib.pyplot")
 
     points: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     ceilings: dict[str, list[tuple[int, float]]] = defaultdict(list)

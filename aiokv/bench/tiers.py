@@ -28,6 +28,7 @@ from ..cache.tiers.base import Tier
 from ..cache.trace import Request, load_trace, replay
 from ..layout import CanonicalKVCaches
 from ..worker import AsyncOffloadingWorker
+from .ceilings import disk_read_ceiling
 from .report import BenchRow
 
 __all__ = ["parse_tiers", "run_tier_bench"]
@@ -194,8 +195,8 @@ async def _restore_rows(name: str, count: int, redis_url: str | None, tier_dir: 
 
 async def _ceiling(name: str, tier: Any, redis_url: str | None, block_bytes: int, count: int) -> float:
     if name == "disk":
-        return float(await tier.read_ceiling(count))
-    from ..cache.tiers.redis_client import raw_get_ceiling
+        return float(await disk_read_ceiling(tier, count))
+    from .ceilings import redis_get_ceiling as raw_get_ceiling
 
     assert redis_url is not None
     return float(await raw_get_ceiling(redis_url, block_bytes, count))

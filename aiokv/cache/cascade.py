@@ -98,6 +98,8 @@ class Cascade:
             raise InvalidSpec(f"queue_bytes must be >= 0, got {queue_bytes}")
         self.pages = pages
         self.block_bytes = block_bytes = pages.payload_bytes
+        for tier in tiers:
+            tier.check_block_bytes(block_bytes)  # a tier that holds no block fails here
         limit = max(1, queue_bytes // block_bytes)
         self.links = [TierLink(t, limit) for t in tiers]
         self._writing = False

@@ -48,7 +48,7 @@ from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
 from .restore import Staging, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
-from .tiers.codec import layout_fingerprint
+from .tiers.codec import default_fingerprint
 
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult", "RestoreResult"]
 
@@ -87,8 +87,9 @@ class OffloadCache:
             last ``staging_chunks`` of its chunks for restores from the tiers.
         staging_chunks: chunks kept aside for tier restores (default 64, at most a quarter).
         fingerprint: names the KV layout for the tiers (``codec.layout_fingerprint``); the
-            default folds in the page sizes only, so pass one naming the model, dtype and
-            layers when tiers are shared between servers.
+            default (``codec.default_fingerprint``) folds in each page's size, dtype and
+            shape, so pass one naming the model when servers of different models with the
+            same layout share a tier (or give each model its own tier ``namespace=``).
         queue_bytes: per tier, bytes of blocks allowed to wait for writing; more are dropped.
     """
 
@@ -129,8 +130,7 @@ class OffloadCache:
         self._cascade = cascade
         self._staging = Staging(staging)
         self._fingerprint = fingerprint or (
-            layout_fingerprint(block_bytes=cascade.pages.payload_bytes, page_sizes=cascade.pages.sizes)
-            if cascade is not None else b""
+            default_fingerprint(worker.host_layout) if cascade is not None else b""
         )
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: np.ndarray | None = None

@@ -10,10 +10,34 @@ value is a miss (``False``) and is counted in ``statistics()``; only misuse rais
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Tier", "TierStatistics"]
+from ...errors import InvalidSpec
+from ...specs import as_count
+
+__all__ = ["Tier", "TierStatistics", "check_capacity", "positive_count", "positive_seconds"]
+
+
+def positive_count(value: Any, what: str) -> int:
+    """``value`` as a positive Python int, by the rule every count in aiokv follows
+    (``specs.as_count``: numpy integers yes, bools and floats no); every tier checks its
+    sizes and thread counts with it."""
+    count = as_count(value, what)
+    if count <= 0:
+        raise InvalidSpec(f"{what} must be positive, got {value!r}")
+    return count
+
+
+def positive_seconds(value: Any, what: str) -> float:
+    """``value`` as a positive, finite number of seconds (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value <= 0:
+        raise InvalidSpec(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,14 @@ class TierStatistics:
     evictions: int
 
 
+def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> None:
+    """Refuse a tier bound that holds no whole block (it would silently store nothing)."""
+    if capacity_bytes is not None and capacity_bytes < block_bytes:
+        raise InvalidSpec(
+            f"{tier}: capacity_bytes={capacity_bytes} holds no {block_bytes}-byte block; "
+            f"give it at least one block (N * {block_bytes} holds N blocks)")
+
+
 class Tier(abc.ABC):
     """A store of KV blocks below the host pool, driven by ``OffloadCache``.
 
@@ -54,6 +86,11 @@ class Tier(abc.ABC):
     name: str = "tier"
     remote: bool = False
     write_through: bool = False
+
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse (``InvalidSpec``) a configuration that cannot hold one block of
+        ``block_bytes``; the cache calls it when it is built, before ``open``. A tier that
+        has no bound of its own keeps this default, which accepts any size."""
 
     @abc.abstractmethod
     async def open(self, fingerprint: bytes) -> None:

@@ -29,22 +29,27 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from ...errors import InvalidSpec
 
 __all__ = [
     "FINGERPRINT_BYTES",
     "HEADER_FIXED_BYTES",
+    "INLINE_KEY_BYTES",
     "MAGIC",
     "VERSION",
     "Header",
     "checksum",
+    "default_fingerprint",
     "encode",
     "header_size",
     "key_bytes",
     "layout_fingerprint",
     "namespaced",
     "parse_header",
+    "stored_key",
+    "stored_keys",
     "verify",
 ]
 
@@ -53,7 +58,11 @@ VERSION = 1
 FINGERPRINT_BYTES = 16
 _FIXED = struct.Struct("<4sB3x16sIQII")
 HEADER_FIXED_BYTES = _FIXED.size
-_MAX_KEY = 1 << 20
+INLINE_KEY_BYTES = 1024
+"""Longest key a header holds as it is; longer keys are stored by digest (``stored_key``),
+so a header always fits one 4 KiB page however long the cache's keys are."""
+_DIGEST_MARK = b"\x00aiokv-key-blake2b-256:"
+_MAX_KEY = INLINE_KEY_BYTES
 
 
 def layout_fingerprint(
@@ -84,6 +93,24 @@ def layout_fingerprint(
     return hashlib.blake2b(_frame(parts), digest_size=FINGERPRINT_BYTES).digest()
 
 
+def default_fingerprint(host_layout: Any) -> bytes:
+    """The fingerprint a cache uses when it is given none: its worker's pages (group 0) in
+    order, each by its size and, where the worker was built from tensors
+    (``CanonicalKVCaches.from_tensors``), by its dtype and page shape, which holds the tokens
+    per block. So an fp16 and a bf16 model, or two block sizes of one model, never share
+    blocks. A layout described as raw bytes (vLLM's) has no formats: pass a fingerprint
+    that names the model, dtype and block size, or a tier ``namespace=``.
+
+    Args:
+        host_layout: the worker's ``HostLayout`` (``worker.host_layout``).
+    """
+    sizes = [int(p) for p in host_layout.page_sizes[0]]
+    groups = getattr(host_layout, "page_formats", ())
+    formats = list(groups[0]) if groups else []
+    dtypes = formats if any(formats) else []
+    return layout_fingerprint(block_bytes=sum(sizes), page_sizes=sizes, dtypes=dtypes)
+
+
 def namespaced(fingerprint: bytes, namespace: str | bytes | None) -> bytes:
     """The fingerprint with a tenant's namespace folded in (unchanged for None or empty), so
     values of another namespace fail ``verify`` even if their key names collided."""
@@ -104,6 +131,28 @@ def key_bytes(key: object) -> bytes:
     out = bytearray()
     _put_key(out, key, 0)
     return bytes(out)
+
+
+def stored_key(key: bytes) -> bytes:
+    """The key a tier names and verifies a block by: ``key`` itself, or for a key longer
+    than ``INLINE_KEY_BYTES`` a marked 256-bit digest of it.
+
+    A key that starts with the digest's marker is digested too, so no short key can pose
+    as a long key's digest: two keys share a stored key only if blake2b-256 collides.
+    """
+    if len(key) <= INLINE_KEY_BYTES and not key.startswith(_DIGEST_MARK):
+        return key
+    return _DIGEST_MARK + hashlib.blake2b(key, digest_size=32).digest()
+
+
+def stored_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """``stored_key`` of each tier key; a key that is not ``bytes`` is misuse."""
+    out = []
+    for key in keys:
+        if type(key) is not bytes:
+            raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
+        out.append(stored_key(key))
+    return out
 
 
 def _zlib_crc32(payload: memoryview | bytes) -> int:
@@ -150,12 +199,13 @@ def encode(fingerprint: bytes, key: bytes, payload: memoryview | bytes, *, crc: 
 
     Args:
         fingerprint: the tier's fingerprint (``namespaced(layout_fingerprint(...), ns)``).
-        key: the tier key (``key_bytes(cache_key)``).
+        key: the stored key (``stored_key(key_bytes(cache_key))``).
         payload: the block's bytes.
         crc: the payload's ``checksum`` if the caller computed it already.
     """
     if len(key) > _MAX_KEY:
-        raise InvalidSpec(f"tier keys are at most {_MAX_KEY} bytes, got {len(key)}")
+        raise InvalidSpec(f"a header holds keys of at most {_MAX_KEY} bytes, got {len(key)}; "
+                          "pass codec.stored_key(key)")
     crc = checksum(payload) if crc is None else crc
     fixed = _FIXED.pack(MAGIC, VERSION, _tag(bytes(fingerprint)), len(key), _nbytes(payload), crc, 0)
     head = zlib.crc32(key, zlib.crc32(fixed[:-4])) & 0xFFFFFFFF

@@ -21,32 +21,34 @@ error; ``simulated_latency`` models a slow one in tests.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
 from ...errors import InvalidSpec, TierError, UsageError
-from ..policies import EvictionPolicy, make_policy
-from .base import Tier, TierStatistics
-from .disk_ceiling import raw_read_ceiling, read_files_ceiling
+from ..policies import EvictionPolicy
+from . import codec
+from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .disk_direct import DirectMode
+from .disk_index import DiskIndex
 from .disk_io import (
-    MAX_KEY_BYTES,
     BlockFiles,
     FileEntry,
     ReadStatus,
-    file_size,
-    probe_direct,
 )
+from .health import FailureLog
 
-__all__ = ["DiskTier", "raw_read_ceiling"]
+__all__ = ["DiskTier"]
 
 T = TypeVar("T")
+_log = logging.getLogger("aiokv")
 
 
 class DiskTier(Tier):
@@ -61,7 +63,8 @@ class DiskTier(Tier):
             an unused ``EvictionPolicy`` instance.
         io_threads: worker threads doing file I/O at once (one batch is spread over them).
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
-            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it), False
+            ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it; a full
+            disk cannot tell, so the tier is buffered until a later write can), False
             never does, True requires it (``open`` raises ``TierError`` where it fails).
         fsync: make each block durable before ``write`` reports it (see module docs).
         simulated_latency: seconds each I/O batch sleeps in its thread before it starts, to
@@ -83,41 +86,28 @@ class DiskTier(Tier):
         fsync: bool = False,
         simulated_latency: float = 0.0,
     ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                or capacity_bytes <= 0:
-            raise InvalidSpec(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise InvalidSpec(f"io_threads must be an int >= 1, got {io_threads!r}")
-        if simulated_latency < 0:
-            raise InvalidSpec(f"simulated_latency must be >= 0, got {simulated_latency!r}")
-        self.path = os.fspath(path)
-        self.capacity_bytes = capacity_bytes
+        self.path = _directory(path)
+        self.capacity_bytes = positive_count(capacity_bytes, "capacity_bytes")
+        self.io_threads = positive_count(io_threads, "io_threads")
+        if simulated_latency != 0:
+            simulated_latency = positive_seconds(simulated_latency, "simulated_latency")
         self.write_through = bool(write_through)
-        self.io_threads = io_threads
-        self._policy_spec = policy
         self._direct_wanted = direct
         self._fsync = bool(fsync)
         self._latency = float(simulated_latency)
         self._files: BlockFiles | None = None
         self._closed = False
         self._limiter: anyio.CapacityLimiter | None = None
-        self._policy: EvictionPolicy | None = None
-        self._block_bytes: int | None = None
-        self._held: dict[bytes, None] = {}  # keys whose file is in place
-        self._pending: set[bytes] = set()  # keys being written
-        self._removing: set[bytes] = set()  # keys whose file is being removed
-        self._pins: dict[bytes, int] = {}  # keys being read (not evictable)
-        self._counts = dict.fromkeys(
-            ("reads", "read_hits", "read_bytes", "writes", "write_bytes", "errors",
-             "corrupt", "evictions"), 0)
+        self._index = DiskIndex(self.capacity_bytes, policy)
         self.temp_files_removed = 0
         """Temporary files (writes a crash interrupted) removed by ``open``."""
+        self._health = FailureLog(f"DiskTier({self.path})")
 
     # -- lifecycle -------------------------------------------------------------------------
 
     @property
     def direct(self) -> bool:
-        """Whether this tier uses direct I/O (known after ``open``)."""
+        """Whether this tier uses direct I/O now (known after ``open``; see ``direct=``)."""
         return self._files is not None and self._files.direct
 
     @property
@@ -128,41 +118,15 @@ class DiskTier(Tier):
     @property
     def block_bytes(self) -> int | None:
         """Payload bytes of one block, once a block was stored or found."""
-        return self._block_bytes
+        return self._index.block_bytes
 
-    @property
-    def io_size(self) -> int | None:
-        """Bytes one read call moves for one block (header page, payload, padding): the
-        I/O size to give ``raw_read_ceiling``. None until the block size is known."""
-        if self._block_bytes is None:
-            return None
-        return file_size(b"", self._block_bytes)
-
-    async def read_ceiling(self, count: int = 64, *, rounds: int = 3) -> float:
-        """GB/s of plain reads (no verification, no index) of up to ``count`` of this tier's
-        own block files, whole, with this tier's mode, I/O size and threads: what a restore
-        from this tier is measured against (the same bytes, through the same caches). A tier
-        that holds nothing measures ``count`` new block-sized files instead. Runs in a
-        thread; needs the block size known.
-        """
-        files = self._opened()
-        if self._block_bytes is None:
-            raise UsageError("the block size is known once a block was stored or found")
-        if count < 1:
-            raise InvalidSpec(f"count must be >= 1, got {count}")
-        paths = [files.path(key) for key in list(self._held)[-count:]]
-        if paths:
-            measure = partial(read_files_ceiling, paths, self._block_bytes,
-                              io_size=self.io_size, direct=files.direct,
-                              threads=self.io_threads, rounds=rounds)
-        else:
-            measure = partial(raw_read_ceiling, files.directory, self._block_bytes, count,
-                              self.io_size, direct=files.direct, threads=self.io_threads,
-                              rounds=rounds)
-        try:
-            return await anyio.to_thread.run_sync(measure)
-        except OSError as exc:  # a file evicted meanwhile, a failing disk
-            raise TierError(f"cannot measure the read ceiling: {exc}") from exc
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse a ``capacity_bytes`` below one block of ``block_bytes`` (the cache's block
+        size, named before ``open``), and keep that size: a file of another is not ours."""
+        block_bytes = positive_count(block_bytes, "block_bytes")
+        check_capacity("DiskTier", self.capacity_bytes, block_bytes)
+        if self._index.block_bytes is None and self._files is None:
+            self._index.block_bytes = block_bytes
 
     async def open(self, fingerprint: bytes) -> None:
         """Create or reopen this layout's directory, probe direct I/O and rebuild the index
@@ -180,11 +144,17 @@ class DiskTier(Tier):
 
         def prepare() -> tuple[BlockFiles, list[str], int]:
             os.makedirs(directory, exist_ok=True)
-            direct = want is not False and probe_direct(directory)
-            if want and not direct:
+            mode = DirectMode(directory, False if want is False else None)
+            answer = mode.decide()
+            if want and answer is False:
                 raise TierError(f"direct=True, but the filesystem of {directory} refuses "
                                 f"O_DIRECT; pass direct=None to fall back to buffered I/O")
-            files = BlockFiles(directory, fingerprint, direct=direct, fsync=self._fsync,
+            if want:
+                mode = DirectMode(directory, True)  # a probe that could not tell: as asked
+            elif answer is None:
+                _log.warning("disk tier at %s: cannot tell whether O_DIRECT works (a full "
+                             "disk?); buffered I/O until a write can tell", directory)
+            files = BlockFiles(directory, fingerprint, direct=mode, fsync=self._fsync,
                                delay=self._latency)
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
@@ -207,6 +177,10 @@ class DiskTier(Tier):
                     tg.start_soon(check, part)
             bad = sum(bads)
             entries.sort(key=lambda e: e.mtime_ns)
+            # One layout has one block size: the cache's, else the newest file's.
+            block = self._index.block_bytes or (entries[-1].payload_len if entries else None)
+            if block is not None:
+                check_capacity("DiskTier", self.capacity_bytes, block)
         except BaseException as exc:
             for files in locked:
                 files.unlock()
@@ -215,23 +189,11 @@ class DiskTier(Tier):
             raise
         self._files = files
         self.temp_files_removed = temps
-        self._counts["corrupt"] += bad
-        doomed: list[bytes] = []
-        if entries:
-            # One layout has one block size; a file claiming another is not ours.
-            self._block_bytes = entries[-1].payload_len
-            keep = [e.key for e in entries if e.payload_len == self._block_bytes]
-            self._counts["corrupt"] += len(entries) - len(keep)
-            doomed += [e.key for e in entries if e.payload_len != self._block_bytes]
-            limit = self._capacity_blocks()
-            if len(keep) > limit:  # reopened with less capacity: the oldest go
-                doomed += keep[: len(keep) - limit]
-                self._counts["evictions"] += len(keep) - limit
-                keep = keep[len(keep) - limit:]
-            self._held = dict.fromkeys(keep)
-            self._make_policy().on_insert(keep)
-        if doomed:
-            await self._run(self._remove_files, doomed)
+        self._index.counts["corrupt"] += bad
+        if entries and block is not None:
+            doomed = self._index.adopt(entries, block)
+            if doomed:
+                await self._run(self._remove_files, doomed)
 
     async def aclose(self) -> None:
         """Stop serving and unlock the directory; the files stay for the next tier opened
@@ -247,13 +209,15 @@ class DiskTier(Tier):
     def holds(self, key: bytes) -> bool:
         """Whether ``key``'s block is on disk (from the in-memory index, no I/O)."""
         self._opened()
-        return key in self._held
+        return codec.stored_keys([key])[0] in self._index.held
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are held (the index answers; no I/O)."""
         self._opened()
+        keys = codec.stored_keys(keys)
         await anyio.lowlevel.checkpoint()
-        return [key in self._held for key in keys]
+        held = self._index.held
+        return [key in held for key in keys]
 
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
         """Fill ``out[i]`` with the verified block of ``keys[i]``; False is a miss.
@@ -264,25 +228,24 @@ class DiskTier(Tier):
         before it raises.
         """
         files = self._opened()
-        keys = list(keys)
+        keys = codec.stored_keys(keys)
         outs = [self._byte_view(v, writable=True) for v in out]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
-        for key, view in zip(keys, outs):
-            self._check_key(key)
-            if self._block_bytes is not None and view.nbytes != self._block_bytes:
-                raise InvalidSpec(f"read buffers must be {self._block_bytes} bytes, "
+        index = self._index
+        for view in outs:
+            if index.block_bytes is not None and view.nbytes != index.block_bytes:
+                raise InvalidSpec(f"read buffers must be {index.block_bytes} bytes, "
                                   f"got {view.nbytes}")
         status = [0] * len(keys)
-        todo = [i for i, key in enumerate(keys) if key in self._held]
-        for i in todo:
-            self._pins[keys[i]] = self._pins.get(keys[i], 0) + 1
+        todo = [i for i, key in enumerate(keys) if key in index.held]
+        pinned = [keys[i] for i in todo]
+        index.pin(pinned)
         try:
             await self._spread(partial(files.read_many, keys, outs, status), todo)
         finally:
-            for i in todo:
-                self._unpin(keys[i])
-            self._after_read(keys, outs, status)
+            index.unpin(pinned)
+            self._note(index.after_read(keys, outs, status))
         return [s == ReadStatus.HIT for s in status]
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
@@ -294,158 +257,44 @@ class DiskTier(Tier):
         is left either way.
         """
         files = self._opened()
-        keys = list(keys)
+        keys = codec.stored_keys(keys)
         views = [self._byte_view(p, writable=False) for p in payloads]
         if len(views) != len(keys):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(views)} payloads")
-        for key, view in zip(keys, views):
-            self._check_key(key)
-            size = self._block_bytes if self._block_bytes is not None else views[0].nbytes
+        index = self._index
+        for view in views:
+            size = index.block_bytes if index.block_bytes is not None else views[0].nbytes
             if view.nbytes != size or size <= 0:
                 raise InvalidSpec(f"payloads must all be {size} bytes (one block), "
                                   f"got {view.nbytes}")
         if not keys:
             return []
-        if self._block_bytes is None:
-            self._block_bytes = views[0].nbytes
-        policy = self._make_policy()
+        if index.block_bytes is None:
+            index.block_bytes = views[0].nbytes
+        check_capacity("DiskTier", self.capacity_bytes, index.block_bytes)
         stored: list[bool | None] = [None] * len(keys)
-        first: dict[bytes, int] = {}  # a key repeated in one call shares its first fate
-        todo: list[int] = []
-        for i, key in enumerate(keys):
-            if key in first:
-                continue
-            first[key] = i
-            if key in self._held:
-                stored[i] = True
-            elif key in self._pending or key in self._removing:
-                stored[i] = False  # another call is writing or removing it right now
-            else:
-                todo.append(i)
-        held = [key for key, i in first.items() if stored[i]]
-        if held:
-            policy.on_access(held)
-        todo, doomed = self._make_room(todo, keys, stored)
-        for key in doomed:
-            self._evict(key)
-        for i in todo:
-            self._pending.add(keys[i])
-        self._removing.update(doomed)
+        todo, doomed, first = index.plan_write(keys, stored)
         try:
             if doomed:  # free the room first: on a nearly full disk it is needed
                 await self._run(self._remove_files, doomed)
             await self._spread(partial(files.write_many, keys, views, stored), todo)
         finally:
-            self._removing.difference_update(doomed)
-            self._after_write(keys, stored, todo)
+            failed = index.after_write(keys, stored, todo, doomed)
+            if todo:
+                self._note(failed)
         return [bool(stored[first[key]]) for key in keys]
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters (``blocks``/``bytes_held``: payload only)."""
-        c = self._counts
-        blocks = len(self._held)
-        return TierStatistics(
-            name=self.name, blocks=blocks, bytes_held=blocks * (self._block_bytes or 0),
-            reads=c["reads"], read_hits=c["read_hits"], read_bytes=c["read_bytes"],
-            writes=c["writes"], write_bytes=c["write_bytes"], errors=c["errors"],
-            corrupt=c["corrupt"], evictions=c["evictions"],
-        )
-
-    # -- bookkeeping (loop thread only) ----------------------------------------------------
-
-    def _capacity_blocks(self) -> int:
-        assert self._block_bytes is not None
-        return self.capacity_bytes // self._block_bytes
-
-    def _make_policy(self) -> EvictionPolicy:
-        if self._policy is None:
-            self._policy = make_policy(self._policy_spec, max(1, self._capacity_blocks()))
-        return self._policy
-
-    def _make_room(self, todo: list[int], keys: list[bytes],
-                   stored: list[bool | None]) -> tuple[list[int], list[bytes]]:
-        """Which of ``todo`` get written, and the held keys evicted to make room for them.
-
-        Keys being read are not evictable. What does not fit even after evicting everything
-        else is refused from the tail, so a request's head is what gets stored.
-        """
-        capacity = self._capacity_blocks()
-        pinned = sum(1 for k in self._pins if k in self._held)
-        used = len(self._held) + len(self._pending)
-        fits = max(0, min(len(todo), capacity - used + len(self._held) - pinned))
-        for i in todo[fits:]:
-            stored[i] = False
-        todo = todo[:fits]
-        need = used + len(todo) - capacity
-        if need <= 0:
-            return todo, []
-        assert self._policy is not None
-        held, pins = self._held, self._pins
-        victims = self._policy.victims(need, lambda k: k in held and k not in pins)
-        if victims is None:  # a policy that lost track of keys: store nothing rather than overfill
-            for i in todo:
-                stored[i] = False
-            return [], []
-        return todo, [k for k in victims if isinstance(k, bytes)]
-
-    def _evict(self, key: bytes) -> None:
-        del self._held[key]
-        assert self._policy is not None
-        self._policy.on_remove(key, evicted=True)
-        self._counts["evictions"] += 1
-
-    def _drop(self, key: bytes) -> None:
-        if key in self._held:
-            del self._held[key]
-            if self._policy is not None:
-                self._policy.on_remove(key, evicted=False)
-
-    def _unpin(self, key: bytes) -> None:
-        left = self._pins[key] - 1
-        if left:
-            self._pins[key] = left
-        else:
-            del self._pins[key]
-
-    def _after_read(self, keys: list[bytes], outs: list[memoryview], status: list[int]) -> None:
-        c = self._counts
-        c["reads"] += len(keys)
-        hits: list[bytes] = []
-        for key, view, s in zip(keys, outs, status):
-            if s == ReadStatus.HIT:
-                hits.append(key)
-                c["read_hits"] += 1
-                c["read_bytes"] += view.nbytes
-            elif s == ReadStatus.CORRUPT:
-                c["corrupt"] += 1
-                self._drop(key)
-            elif s == ReadStatus.ABSENT:
-                c["errors"] += 1
-                self._drop(key)
-            elif s == ReadStatus.ERROR:
-                c["errors"] += 1
-        if hits and self._policy is not None:
-            self._policy.on_access([k for k in hits if k in self._held])
-
-    def _after_write(self, keys: list[bytes], stored: list[bool | None], todo: list[int]) -> None:
-        c = self._counts
-        new: list[bytes] = []
-        for i in todo:
-            key = keys[i]
-            self._pending.discard(key)
-            if stored[i]:
-                self._held[key] = None
-                new.append(key)
-                c["writes"] += 1
-                c["write_bytes"] += self._block_bytes or 0
-            elif stored[i] is False:
-                c["errors"] += 1
-            # None: never started (the call was cancelled first); the file may not exist.
-        if new:
-            assert self._policy is not None
-            self._policy.on_insert(new)
+        return self._index.statistics(self.name)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _note(self, failed: bool) -> None:
+        if not failed:
+            self._health.succeeded()
+        elif self._files is not None:
+            self._health.failed(self._files.last_error or "an I/O error")
 
     def _opened(self) -> BlockFiles:
         if self._closed:
@@ -453,13 +302,6 @@ class DiskTier(Tier):
         if self._files is None:
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
-
-    @staticmethod
-    def _check_key(key: object) -> None:
-        if not isinstance(key, bytes):
-            raise InvalidSpec(f"tier keys are bytes (codec.key_bytes), got {type(key).__name__}")
-        if len(key) > MAX_KEY_BYTES:
-            raise InvalidSpec(f"disk tier keys are at most {MAX_KEY_BYTES} bytes, got {len(key)}")
 
     @staticmethod
     def _byte_view(buffer: object, *, writable: bool) -> memoryview:
@@ -494,3 +336,16 @@ class DiskTier(Tier):
         assert self._files is not None
         for key in keys:
             self._files.remove(key)
+
+
+def _directory(path: Any) -> str:
+    """The tier's directory as a str; an empty path would mean the current directory, which
+    is never what a cache directory should be."""
+    try:
+        text = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise InvalidSpec(f"path must be a directory path, got {type(path).__name__}") from None
+    if not text:
+        raise InvalidSpec("path is empty: give the disk tier a directory of its own "
+                          "(an empty path would be the current directory)")
+    return text

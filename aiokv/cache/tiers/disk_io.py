@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
 import secrets
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 try:
     import fcntl
@@ -35,12 +31,12 @@ except ImportError:  # Windows: no flock; one tier per directory is then up to t
     fcntl = None  # type: ignore[assignment]
 
 from . import codec
+from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
 
 __all__ = [
     "ALIGN",
     "BINARY_FLAG",
     "DIRECT_FLAG",
-    "MAX_KEY_BYTES",
     "BLOCK_SUFFIX",
     "TEMP_PREFIX",
     "BlockFiles",
@@ -52,16 +48,10 @@ __all__ = [
     "round_up",
 ]
 
-ALIGN = 4096
-"""Alignment of offsets, lengths and buffers for direct I/O (covers 512 B and 4 KiB sectors)."""
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = "lock"
-MAX_KEY_BYTES = 1 << 16
-"""Longest key a block file names in its header (a cache key is a few hundred bytes)."""
 
-DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
-"""``os.O_DIRECT`` where the platform has it, else 0."""
 BINARY_FLAG = getattr(os, "O_BINARY", 0)
 """``os.O_BINARY`` on Windows, else 0."""
 
@@ -77,16 +67,11 @@ class ReadStatus:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A verified block file found by ``BlockFiles.scan``."""
+    """A verified block file found by ``BlockFiles.check_blocks``."""
 
     key: bytes
     payload_len: int
     mtime_ns: int
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``align``."""
-    return -(-n // align) * align
 
 
 def header_span(key: bytes) -> int:
@@ -99,87 +84,35 @@ def file_size(key: bytes, payload_len: int) -> int:
     return round_up(header_span(key) + payload_len)
 
 
-def _address(view: memoryview) -> int:
-    """Address of a contiguous buffer, read-only or not (to test its alignment)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def _aligned(view: memoryview) -> bool:
-    return view.nbytes % ALIGN == 0 and _address(view) % ALIGN == 0
-
-
-class _Bounce(threading.local):
-    """One page-aligned buffer per worker thread (anonymous mmaps are page-aligned)."""
-
-    def __init__(self) -> None:
-        self.buf: mmap.mmap | None = None
-
-    def get(self, size: int) -> memoryview:
-        if self.buf is None or len(self.buf) < size:
-            if self.buf is not None:
-                try:
-                    self.buf.close()
-                except BufferError:  # a view of it is still alive; let it go with the view
-                    pass
-            self.buf = mmap.mmap(-1, round_up(size, mmap.PAGESIZE))
-        return memoryview(self.buf)[:size]
-
-
-def probe_direct(directory: str) -> bool:
-    """Whether ``directory``'s filesystem takes aligned ``O_DIRECT`` writes and reads.
-
-    tmpfs refuses ``O_DIRECT`` at open (EINVAL); some filesystems accept the flag and fail
-    the first I/O instead, so this writes and reads one aligned page back.
-    """
-    if not DIRECT_FLAG:
-        return False
-    path = os.path.join(directory, f"{TEMP_PREFIX}probe-{secrets.token_hex(8)}")
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        buf.write(secrets.token_bytes(ALIGN))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | DIRECT_FLAG, 0o600)
-        try:
-            if os.pwritev(fd, [buf], 0) != ALIGN:
-                return False
-            back = mmap.mmap(-1, ALIGN)
-            try:
-                return os.preadv(fd, [back], 0) == ALIGN and back[:] == buf[:]
-            finally:
-                back.close()
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        buf.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 class BlockFiles:
     """The block files of one layout under one directory; every method blocks.
 
     Args:
         directory: the layout's own directory (created if missing).
         fingerprint: the tier's fingerprint; headers must match it.
-        direct: use ``O_DIRECT`` (the caller probed that the filesystem allows it).
+        direct: use ``O_DIRECT``: a bool, or a ``DirectMode`` that may decide later.
         fsync: fsync each file before its rename and the directory after it, so a stored
             block survives a power loss; without it a crash may lose recent blocks (they
             read as misses or are dropped at the next scan), never turn them into wrong bytes.
         delay: seconds to sleep before each batch, to model a slow device (tests, benches).
     """
 
-    def __init__(self, directory: str, fingerprint: bytes, *, direct: bool, fsync: bool,
-                 delay: float = 0.0) -> None:
+    def __init__(self, directory: str, fingerprint: bytes, *, direct: bool | DirectMode,
+                 fsync: bool, delay: float = 0.0) -> None:
         self.directory = directory
         self.fingerprint = bytes(fingerprint)
-        self.direct = direct
+        self.mode = direct if isinstance(direct, DirectMode) else DirectMode(directory, bool(direct))
         self.fsync = fsync
         self.delay = delay
-        self._bounce = _Bounce()
+        self.last_error: OSError | None = None
+        """The latest I/O error a read or write met (for the tier's failure log)."""
+        self._bounce = Bounce()
         self._lock_fd = -1
+
+    @property
+    def direct(self) -> bool:
+        """Whether block files are read and written with ``O_DIRECT`` now."""
+        return self.mode.on
 
     def lock(self) -> bool:
         """Take the directory's lock (an flock the kernel drops if the process dies);
@@ -236,20 +169,22 @@ class BlockFiles:
         span = header_span(key)
         length = out.nbytes
         size = file_size(key, length)
-        flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
+        direct = self.mode.on  # read once: another thread may decide it meanwhile
+        flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if direct else 0)
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
             return ReadStatus.ABSENT
-        except OSError:
+        except OSError as exc:
+            self.last_error = exc
             return ReadStatus.ERROR
         try:
-            if not self.direct:
+            if not direct:
                 head = bytearray(span)
                 got = os.preadv(fd, [head, out], 0)
                 head_view = memoryview(head)
                 payload = out
-            elif _aligned(out):
+            elif aligned(out):
                 # Direct into the caller's buffer: the header lands in the bounce buffer.
                 head_view = self._bounce.get(span)
                 got = os.preadv(fd, [head_view, out], 0)
@@ -268,7 +203,8 @@ class BlockFiles:
             if payload is not out:
                 out[:] = payload
             return ReadStatus.HIT
-        except OSError:
+        except OSError as exc:
+            self.last_error = exc
             return ReadStatus.ERROR
         finally:
             os.close(fd)
@@ -287,6 +223,7 @@ class BlockFiles:
                    stored: list[bool | None], todo: deque[int]) -> None:
         """Write ``keys[i]`` for each ``i`` taken from ``todo``, setting ``stored[i]``
         (the queue and list are shared as in ``read_many``)."""
+        self.mode.decide()  # a no-op once decided: see DirectMode
         if self.delay:
             time.sleep(self.delay)
         while True:
@@ -305,18 +242,19 @@ class BlockFiles:
         span = header_span(key)
         length = payload.nbytes
         size = file_size(key, length)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | BINARY_FLAG | (DIRECT_FLAG if self.direct else 0)
+        direct = self.mode.on  # read once: another thread may decide it meanwhile
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | BINARY_FLAG | (DIRECT_FLAG if direct else 0)
         fd = -1
         try:
             fd = os.open(temp, flags, 0o644)
-            if self.direct and _aligned(payload):
+            if direct and aligned(payload):
                 # The payload goes straight from the caller's buffer; only the header page
                 # is staged.
                 head = self._bounce.get(span)
                 head[: len(header)] = header
                 head[len(header):] = bytes(span - len(header))
                 _write_all(fd, [head, payload])
-            elif self.direct:
+            elif direct:
                 whole = self._bounce.get(size)
                 whole[: len(header)] = header
                 whole[len(header):span] = bytes(span - len(header))
@@ -331,7 +269,8 @@ class BlockFiles:
             os.close(fd)
             fd = -1
             os.replace(temp, final)
-        except OSError:
+        except OSError as exc:
+            self.last_error = exc
             if fd >= 0:
                 os.close(fd)
             try:
@@ -363,19 +302,6 @@ class BlockFiles:
             os.close(fd)
 
     # -- the index at start ----------------------------------------------------------------
-
-    def scan(self) -> tuple[list[FileEntry], int, int]:
-        """``list_blocks`` then ``check_blocks`` in this thread (``DiskTier.open`` spreads
-        the checks over its threads instead).
-
-        Returns:
-            (entries oldest first, temporary files removed, bad files removed).
-        """
-        names, temps = self.list_blocks()
-        entries: list[FileEntry] = []
-        bad = self.check_blocks(names, entries)
-        entries.sort(key=lambda e: e.mtime_ns)
-        return entries, temps, bad
 
     def list_blocks(self) -> tuple[list[str], int]:
         """Names of the block files here, after removing temporary files (writes a crash
@@ -425,11 +351,7 @@ class BlockFiles:
             return None  # not a regular file we can open (a symlink, a directory): not ours
         try:
             st = os.fstat(fd)
-            head = os.pread(fd, ALIGN, 0)
-            header = codec.parse_header(head)
-            if header is None and st.st_size > ALIGN:  # perhaps a long key
-                longest = min(st.st_size, codec.HEADER_FIXED_BYTES + MAX_KEY_BYTES)
-                header = codec.parse_header(os.pread(fd, longest, 0))
+            header = codec.parse_header(os.pread(fd, ALIGN, 0))  # stored keys fit one page
         finally:
             os.close(fd)
         if (header is None or not header.matches(self.fingerprint)

@@ -15,23 +15,36 @@ import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 import anyio.to_thread
 
-from ...errors import InvalidSpec, UsageError
+from ...errors import InvalidSpec, TierError, UsageError
+from ...extras import require
 from ...loops import loop_library
 from . import codec
-from .base import Tier, TierStatistics
+from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .health import FailureLog
 from .redis_quota import WriteQuota
+from .redis_values import (
+    CORRUPT,
+    FAILED,
+    HIT,
+    MISS,
+    byte_view,
+    check_landed,
+    encode_headers,
+    encode_values,
+    groups_of,
+    land_replies,
+)
 
 if TYPE_CHECKING:
     from .redis_client import AsyncioRedis, Op, ThreadRedis
 
-__all__ = ["RedisTier", "raw_get_ceiling"]
+__all__ = ["RedisTier"]
 
-_HIT, _MISS, _CORRUPT, _FAILED = 0, 1, 2, 3
 # Checksums and copies of a group at least this large run on a worker thread, not the loop.
 _OFFLOAD_BYTES = 256 << 10
 _EXISTS_PER_ROUND_TRIP = 4096
@@ -66,6 +79,10 @@ class RedisTier(Tier):
             batch run at once (the asyncio client checksums large values on them too).
         group_bytes: value bytes per round trip; larger blocks go one per round trip, which
             read fastest on loopback (batching 2 MiB values into one reply halved the rate).
+        check: PING the server at ``open`` and raise ``TierError`` with its reason if that
+            fails (a wrong password, nothing listening). Off by default, so a server that is
+            down when the cache starts is a miss until it is back, not a failed start;
+            either way the first failure is logged (``aiokv`` logger) with the reason.
     """
 
     name = "redis"
@@ -84,27 +101,24 @@ class RedisTier(Tier):
         client: Literal["auto", "asyncio", "thread"] = "auto",
         threads: int = 4,
         group_bytes: int = 1 << 20,
+        check: bool = False,
     ) -> None:
         self._client_module = _client_module()
         self._url, self.cluster = self._client_module.split_url(url, cluster)
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
-            raise InvalidSpec(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
-        if not timeout > 0:
-            raise InvalidSpec(f"timeout must be positive seconds, got {timeout!r}")
-        if ttl is not None and not ttl > 0:
-            raise InvalidSpec(f"ttl must be positive seconds or None, got {ttl!r}")
+        if capacity_bytes is not None:
+            capacity_bytes = positive_count(capacity_bytes, "capacity_bytes")
+        self.timeout = positive_seconds(timeout, "timeout")
+        if ttl is not None:
+            ttl = positive_seconds(ttl, "ttl")
         if client not in ("auto", "asyncio", "thread"):
             raise InvalidSpec(f"client must be 'auto', 'asyncio' or 'thread', got {client!r}")
-        if threads < 1 or group_bytes < 1:
-            raise InvalidSpec(f"threads and group_bytes must be positive, got {threads}, {group_bytes}")
+        self._threads = positive_count(threads, "threads")
+        self._group_bytes = positive_count(group_bytes, "group_bytes")
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
         self.write_through = bool(write_through)
-        self.timeout = float(timeout)
         self._ttl = None if ttl is None else max(1, round(ttl))
         self._client_kind = client
-        self._threads = threads
-        self._group_bytes = group_bytes
         self._fp = b""
         self._prefix = b""
         self._io: AsyncioRedis | ThreadRedis | None = None
@@ -113,12 +127,22 @@ class RedisTier(Tier):
         self._quota = WriteQuota(capacity_bytes) if capacity_bytes else None
         self._n = dict.fromkeys(("reads", "read_hits", "read_bytes", "writes", "write_bytes",
                                  "errors", "corrupt", "evictions"), 0)
+        self._check = bool(check)
+        label = self._client_module.redacted(url) + (f", namespace={namespace!r}" if namespace else "")
+        self._health = FailureLog(f"RedisTier({label})")
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Refuse a ``capacity_bytes`` below one block of ``block_bytes`` (the cache calls
+        this before ``open``); without ``capacity_bytes`` any size is fine."""
+        check_capacity("RedisTier", self.capacity_bytes, positive_count(block_bytes, "block_bytes"))
+
     async def open(self, fingerprint: bytes) -> None:
-        """Name this layout's key space and build the client for the calling loop (it
-        connects on first use: a server that is down at open is a miss later, not an error)."""
+        """Name this layout's key space and build the client for the calling loop. Without
+        ``check`` it connects on first use (a server that is down at open is a miss later,
+        and logged); with ``check=True`` it sends a PING first and raises ``TierError`` with
+        the server's reason (a wrong password, a refused connection)."""
         if self._io is not None or self._closed:
             raise UsageError("RedisTier.open() is called once, before any other call")
         if not isinstance(fingerprint, bytes) or len(fingerprint) < codec.FINGERPRINT_BYTES:
@@ -136,6 +160,16 @@ class RedisTier(Tier):
             thread_io = self._client_module.ThreadRedis(self._url, self.cluster, self.timeout,
                                                         self._threads)
             self._io, self._limiter = thread_io, thread_io.limiter
+        if self._check:
+            io = self._io
+            try:
+                await io.ping()
+            except Exception as exc:
+                self._io = None
+                with anyio.CancelScope(shield=True):
+                    await io.aclose()
+                raise TierError(f"{self._health.tier} cannot serve: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close the client's connections; idempotent."""
@@ -153,23 +187,29 @@ class RedisTier(Tier):
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a tier key in this layout and namespace (tests and tools)."""
         self._check_open()
-        return self._prefix + hashlib.blake2b(bytes(key), digest_size=20).hexdigest().encode()
+        return self._name(codec.stored_keys([key])[0])
+
+    def _name(self, stored: bytes) -> bytes:
+        return self._prefix + hashlib.blake2b(stored, digest_size=20).hexdigest().encode()
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the store holds (unverified: a read may still miss), by pipelined
         EXISTS; a failure answers False for the keys it covered."""
         self._check_open()
+        keys = codec.stored_keys(keys)
+        errors = self._n["errors"]
         answers = [False] * len(keys)
         io = self._io
         for lo in range(0, len(keys), _EXISTS_PER_ROUND_TRIP):
             chunk = range(lo, min(lo + _EXISTS_PER_ROUND_TRIP, len(keys)))
-            names = [self.redis_key(keys[i]) for i in chunk]
+            names = [self._name(keys[i]) for i in chunk]
             replies: list[object] | None
             if io is not None and io.threaded:
                 thread_io = cast("ThreadRedis", io)
                 try:
                     replies = await thread_io.run(functools.partial(thread_io.exists_blocking, names))
-                except Exception:  # as in _round_trip
+                except Exception as exc:  # as in _round_trip
+                    self._health.failed(exc)
                     self._n["errors"] += 1
                     replies = None
             else:
@@ -177,27 +217,40 @@ class RedisTier(Tier):
             if replies is None:
                 break
             for i, reply in zip(chunk, replies):
+                if isinstance(reply, Exception):  # a per-command error (NOAUTH)
+                    self._health.failed(reply)
+                    self._n["errors"] += 1
                 answers[i] = reply is True or reply == 1
+        self._settle(errors)
         return answers
 
     async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
         """Fill ``out[i]`` with the verified payload of ``keys[i]``; False is a miss."""
         self._check_open()
+        keys = codec.stored_keys(keys)
         if len(keys) != len(out):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(out)} buffers")
-        views = [_byte_view(o, writable=True) for o in out]
-        status = [_MISS] * len(keys)
-        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        views = [byte_view(o, writable=True) for o in out]
+        status = [MISS] * len(keys)
+        errors = self._n["errors"]
+        groups = groups_of([len(v) + codec.header_size(k) for k, v in zip(keys, views)],
+                           self._group_bytes)
         await self._striped(groups, lambda stripe: self._read_stripe(keys, views, stripe, status))
-        return self._account_reads(keys, views, status)
+        hits = self._account_reads(keys, views, status)
+        self._settle(errors)
+        return hits
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         """Store each payload (SET, EX ttl if given) under its key; False: not stored."""
         self._check_open()
+        keys = codec.stored_keys(keys)
         if len(keys) != len(payloads):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(payloads)} payloads")
-        views = [_byte_view(p) for p in payloads]
+        views = [byte_view(p) for p in payloads]
+        errors = self._n["errors"]
         quota = self._quota
+        if quota is not None and views:
+            check_capacity("RedisTier", self.capacity_bytes, max(len(v) for v in views))
         wanted = list(range(len(views))) if quota is None else quota.fitting([len(v) for v in views])
         evict = [] if quota is None else quota.make_room([keys[i] for i in wanted],
                                                          [len(views[i]) for i in wanted])
@@ -205,11 +258,13 @@ class RedisTier(Tier):
         keys = [keys[i] for i in wanted]
         views = [views[i] for i in wanted]
         replies: list[object] = [None] * len(keys)
-        groups = self._groups([len(v) + codec.header_size(k) for k, v in zip(keys, views)])
+        groups = groups_of([len(v) + codec.header_size(k) for k, v in zip(keys, views)],
+                           self._group_bytes)
         await self._striped(groups, lambda stripe: self._write_stripe(keys, views, stripe, replies))
         stored = [False] * len(payloads)
         for pos, reply in enumerate(replies):
             if isinstance(reply, Exception):
+                self._health.failed(reply)
                 self._n["errors"] += 1  # a per-command error (NOAUTH, OOM) or a dead node
             elif reply is True:
                 stored[wanted[pos]] = True
@@ -218,7 +273,8 @@ class RedisTier(Tier):
                 if quota is not None:
                     quota.remember(keys[pos], len(views[pos]))
         if evict:
-            await self._round_trip([("del", self.redis_key(k)) for k in evict])
+            await self._round_trip([("del", self._name(k)) for k in evict])
+        self._settle(errors)
         return stored
 
     async def _striped(self, groups: list[list[int]],
@@ -257,12 +313,13 @@ class RedisTier(Tier):
                 lambda: self._write_blocking(thread_io, keys, views, groups, replies)))
         async_io = cast("AsyncioRedis", io)
         for group in groups:
-            values = await anyio.to_thread.run_sync(self._encode_all, keys, views, group,
+            values = await anyio.to_thread.run_sync(encode_values, self._fp, keys, views, group,
                                                     limiter=self._limiter)
             try:
                 answers = await async_io.round_trip(
-                    [("set", self.redis_key(keys[j]), v, self._ttl) for j, v in zip(group, values)])
-            except Exception:  # as in _read_blocking
+                    [("set", self._name(keys[j]), v, self._ttl) for j, v in zip(group, values)])
+            except Exception as exc:  # as in _read_blocking
+                self._health.failed(exc)
                 return 1
             for j, answer in zip(group, answers):
                 replies[j] = answer
@@ -271,11 +328,12 @@ class RedisTier(Tier):
     def _write_blocking(self, io: ThreadRedis, keys: list[bytes], views: list[memoryview],
                         groups: list[list[int]], replies: list[object]) -> int:
         for group in groups:
-            headers = [codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])) for j in group]
+            headers = encode_headers(self._fp, keys, views, group)
             try:
-                answers = io.write_from_blocking([self.redis_key(keys[j]) for j in group], headers,
+                answers = io.write_from_blocking([self._name(keys[j]) for j in group], headers,
                                                  [views[j] for j in group], self._ttl)
-            except Exception:  # the rest would wait out the same dead server
+            except Exception as exc:  # the rest would wait out the same dead server
+                self._health.failed(exc)
                 return 1
             for j, answer in zip(group, answers):
                 replies[j] = answer
@@ -294,24 +352,14 @@ class RedisTier(Tier):
 
     # -- internals ------------------------------------------------------------------------
 
+    def _settle(self, errors_before: int) -> None:
+        """A call that met no error tells the failure log the tier works (again)."""
+        if self._n["errors"] == errors_before:
+            self._health.succeeded()
+
     def _check_open(self) -> None:
         if self._io is None:
             raise UsageError("RedisTier is closed" if self._closed else "call await open() first")
-
-    def _groups(self, sizes: Sequence[int]) -> list[list[int]]:
-        """Indices cut into round trips of at most ``group_bytes`` (at least one key each)."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        total = 0
-        for i, size in enumerate(sizes):
-            if current and total + size > self._group_bytes:
-                groups.append(current)
-                current, total = [], 0
-            current.append(i)
-            total += size
-        if current:
-            groups.append(current)
-        return groups
 
     async def _round_trip(self, ops: list[Op]) -> list[object] | None:
         """One pipeline; None (and one error counted) if it failed as a whole."""
@@ -321,7 +369,8 @@ class RedisTier(Tier):
                 thread_io = cast("ThreadRedis", io)
                 return await thread_io.run(lambda: thread_io.round_trip_blocking(ops))
             return await cast("AsyncioRedis", io).round_trip(ops)
-        except Exception:  # any client failure (timeout, refused, cluster down) is a miss
+        except Exception as exc:  # any client failure (timeout, refused, cluster down) is a miss
+            self._health.failed(exc)
             self._n["errors"] += 1
             return None
 
@@ -332,124 +381,55 @@ class RedisTier(Tier):
         for group in groups:
             try:
                 landed = io.read_into_blocking(
-                    [self.redis_key(keys[i]) for i in group],
+                    [self._name(keys[i]) for i in group],
                     [codec.header_size(keys[i]) for i in group], [views[i] for i in group])
-            except Exception:  # the rest of the batch would wait out the same dead server
+            except Exception as exc:  # the rest of the batch would wait out the same dead server
+                self._health.failed(exc)
                 return 1
-            self._check_landed(keys, views, group, landed, status)
+            for error in check_landed(self._fp, keys, views, group, landed, status,
+                                      self._client_module.WRONG_LENGTH):
+                self._health.failed(error)
         return 0
-
-    def _check_landed(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
-                      landed: list[object], status: list[int]) -> None:
-        """Verify payloads that ``read_into`` put in the caller's buffers."""
-        for i, reply in zip(group, landed):
-            if reply is None:
-                status[i] = _MISS
-            elif isinstance(reply, bytearray):
-                status[i] = _HIT if _verified(self._fp, keys[i], reply, views[i]) else _CORRUPT
-            elif reply is self._client_module.WRONG_LENGTH:
-                status[i] = _CORRUPT
-            else:
-                status[i] = _FAILED
 
     async def _read_async(self, keys: Sequence[bytes], views: list[memoryview],
                           groups: list[list[int]], status: list[int]) -> int:
         io = cast("AsyncioRedis", self._io)
         for group in groups:
             try:
-                replies = await io.round_trip([("get", self.redis_key(keys[i])) for i in group])
-            except Exception:  # as in _read_blocking
+                replies = await io.round_trip([("get", self._name(keys[i])) for i in group])
+            except Exception as exc:  # as in _read_blocking
+                self._health.failed(exc)
                 return 1
             if sum(len(views[i]) for i in group) >= _OFFLOAD_BYTES:
-                await anyio.to_thread.run_sync(self._land, keys, views, group, replies, status,
-                                               limiter=self._limiter)
+                errors = await anyio.to_thread.run_sync(land_replies, self._fp, keys, views, group,
+                                                        replies, status, limiter=self._limiter)
             else:
-                self._land(keys, views, group, replies, status)
+                errors = land_replies(self._fp, keys, views, group, replies, status)
+            for error in errors:
+                self._health.failed(error)
         return 0
-
-    def _land(self, keys: Sequence[bytes], views: list[memoryview], group: list[int],
-              replies: list[object], status: list[int]) -> None:
-        """Verify each reply and copy its payload into the caller's buffer."""
-        for i, reply in zip(group, replies):
-            if reply is None:
-                status[i] = _MISS
-            elif not isinstance(reply, bytes):
-                status[i] = _FAILED  # a per-command error (e.g. WRONGTYPE)
-            else:
-                value = memoryview(reply)
-                size = codec.header_size(keys[i])
-                payload = value[size:]
-                if (len(value) == size + len(views[i])
-                        and _verified(self._fp, keys[i], value[:size], payload)):
-                    views[i][:] = payload
-                    status[i] = _HIT
-                else:
-                    status[i] = _CORRUPT
 
     def _account_reads(self, keys: Sequence[bytes], views: list[memoryview],
                        status: list[int]) -> list[bool]:
         n = self._n
         n["reads"] += len(keys)
-        hits = [s == _HIT for s in status]
+        hits = [s == HIT for s in status]
         for i, hit in enumerate(hits):
             if hit:
                 n["read_hits"] += 1
                 n["read_bytes"] += len(views[i])
                 if self._quota is not None:
                     self._quota.touch(keys[i])
-        n["corrupt"] += status.count(_CORRUPT)
-        n["errors"] += status.count(_FAILED)
+        n["corrupt"] += status.count(CORRUPT)
+        n["errors"] += status.count(FAILED)
         return hits
 
-    def _encode_all(self, keys: list[bytes], views: list[memoryview], group: list[int]) -> list[bytes]:
-        """Header + payload as one value per key (the asyncio client sends whole values)."""
-        return [b"".join((codec.encode(self._fp, keys[j], views[j], crc=codec.checksum(views[j])), views[j]))
-                for j in group]
-
-
-def _verified(fingerprint: bytes, key: bytes, header: bytes | bytearray | memoryview,
-              payload: memoryview) -> bool:
-    """``codec.verify`` with ``checksum`` for the payload (same checks, same answer)."""
-    parsed = codec.parse_header(memoryview(header))
-    return (
-        parsed is not None
-        and parsed.size == len(header)
-        and parsed.matches(fingerprint)
-        and parsed.key == bytes(key)
-        and parsed.payload_len == len(payload)
-        and codec.checksum(payload) == parsed.crc
-    )
-
-
-def _byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
-    """A flat byte view of a caller's buffer; a buffer the tier cannot use is misuse."""
-    try:
-        view = memoryview(buffer)
-    except TypeError as exc:
-        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
-    if not view.c_contiguous:
-        raise InvalidSpec("tier buffers must be contiguous")
-    if writable and view.readonly:
-        raise InvalidSpec("read() needs writable buffers to fill")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _client_module() -> ModuleType:
     """``redis_client``, which imports the optional ``redis`` package: only when a tier is
-    built, so ``import aiokv`` neither needs nor pays for it."""
-    try:
-        from . import redis_client
-    except ImportError as exc:
-        if (exc.name or "").split(".")[0] not in ("redis", "hiredis"):
-            raise
-        raise UsageError(
-            "RedisTier needs the optional redis package: install the 'redis' extra "
-            "(python3 -m pip install -e '.[redis]' in a clone of aiokv)"
-        ) from exc
+    built, so ``import aiokv`` neither needs nor pays for it (``MissingExtra`` without it)."""
+    require("redis")
+    from . import redis_client
+
     return redis_client
-
-
-async def raw_get_ceiling(url: str, nbytes: int, count: int, **options: Any) -> float:
-    """GB/s of plain redis-py GETs of ``count`` values of ``nbytes`` from the server at
-    ``url`` (``redis_client.raw_get_ceiling``): the bench's ceiling for RedisTier restores."""
-    return float(await _client_module().raw_get_ceiling(url, nbytes, count, **options))

@@ -10,35 +10,31 @@ loop thread and restores slower (docs/tiers.md), so it is opt-in (``client="asyn
 
 Both send every batch as a pipeline (one round trip per group of keys; a cluster client
 splits a pipeline per node, since one MGET may not span slots on several nodes) and bound
-every socket operation with the tier's timeout. ``redis`` is imported here only, so that
-``import aiokv`` works without the optional package.
+every socket operation with the tier's timeout. Imported only after ``extras.require``
+found the ``redis`` package, so ``import aiokv`` works without it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import anyio.to_thread
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+import redis.connection
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ...errors import InvalidSpec
 from .redis_wire import WRONG_LENGTH, exist, read_into, write_from
 
-try:
-    import redis
-    import redis.asyncio
-    import redis.asyncio.cluster
-    import redis.cluster
-    from redis.asyncio.retry import Retry as AsyncRetry
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError as exc:  # the tier's package turns this into an install hint
-    raise ImportError(f"RedisTier needs the redis package: {exc}", name="redis") from exc
-
-__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "raw_get_ceiling",
+__all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "redacted",
            "split_url"]
 
 # Bytes a hiredis reader takes from the socket per read: redis-py's 64 KiB reads a 2 MiB
@@ -55,7 +51,8 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     """redis-py's URL and whether it names a cluster (``redis+cluster://``,
     ``rediss+cluster://`` or ``cluster=True``)."""
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidSpec(f"a Redis URL looks like redis://[user:pass@]host:port/db, got {url!r}")
+        shown = redacted(url) if isinstance(url, str) else url
+        raise InvalidSpec(f"a Redis URL looks like redis://[user:pass@]host:port/db, got {shown!r}")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     from_scheme = scheme.endswith("+cluster")
@@ -68,7 +65,39 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     is_cluster = from_scheme or bool(cluster)
     if is_cluster and base == "unix":
         raise InvalidSpec("a Redis cluster is reached over TCP, not a unix socket")
-    return urlunsplit((base, *parts[1:])), is_cluster
+    plain = base + url[len(parts.scheme):]  # urlunsplit would drop unix:///'s empty host
+    _check_url(plain, redacted(url))
+    return plain, is_cluster
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, fit for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", *parts[2:]))
+
+
+def _check_url(url: str, shown: str) -> None:
+    """Refuse at construction what could never connect, or what redis-py would quietly
+    read otherwise: a port out of range or not a number, a database that is not a number,
+    a query option redis-py cannot parse."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidSpec(f"Redis URL {shown!r}: {exc}") from None
+    if port == 0:
+        raise InvalidSpec(f"Redis URL {shown!r}: port 0 cannot be connected to")
+    if parts.scheme != "unix" and parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        raise InvalidSpec(f"Redis URL {shown!r}: the path names a database by its number "
+                          f"(redis://host:port/0), got {parts.path!r}")
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise InvalidSpec(f"Redis URL {shown!r}: {exc}") from None
 
 
 def client_options(timeout: float, *, asyncio: bool = False) -> dict[str, Any]:
@@ -122,6 +151,11 @@ class AsyncioRedis:
             pipe = self._client.pipeline(transaction=False)
             _queue(pipe, ops)
             return list(await pipe.execute(raise_on_error=False))
+
+    async def ping(self) -> None:
+        """One PING, bounded by the timeout; raises what the client raised."""
+        with anyio.fail_after(self._timeout * 2):
+            await self._client.ping()
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -197,44 +231,10 @@ class ThreadRedis:
         timeouts bound it, and no thread may write into a caller's buffer after it left."""
         return await anyio.to_thread.run_sync(work, limiter=self.limiter)
 
+    async def ping(self) -> None:
+        """One PING on a worker thread (every node of a cluster); raises what the client
+        raised."""
+        await self.run(self._client.ping)
+
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self._client.close, limiter=self.limiter)
-
-
-async def raw_get_ceiling(url: str, nbytes: int, count: int, *, cluster: bool | None = None,
-                          timeout: float = 10.0) -> float:
-    """GB/s of plain redis-py GETs of ``count`` random values of ``nbytes`` each, one GET
-    per round trip, from the server at ``url``: the ceiling the bench sets RedisTier's
-    restore rate beside. Writes and then deletes its own ``aiokv:ceiling:*`` keys.
-
-    Runs redis-py's blocking client on one worker thread (what any loop can run), with the
-    same socket options as the tier.
-    """
-    if nbytes <= 0 or count <= 0:
-        raise InvalidSpec(f"nbytes and count must be positive, got {nbytes} and {count}")
-    base, is_cluster = split_url(url, cluster)
-
-    def measure() -> float:
-        options = client_options(timeout)
-        client: Any = (redis.cluster.RedisCluster.from_url(base, **options) if is_cluster
-                       else redis.Redis.from_url(base, **options))
-        import os
-
-        keys = [f"aiokv:ceiling:{os.getpid()}:{i}" for i in range(count)]
-        try:
-            for key in keys:
-                client.set(key, os.urandom(nbytes))
-            client.get(keys[0])  # connect before the clock starts
-            start = time.perf_counter()
-            for key in keys:
-                value = client.get(key)
-                if value is None or len(value) != nbytes:
-                    raise OSError(f"GET {key} returned {None if value is None else len(value)} bytes")
-            seconds = time.perf_counter() - start
-        finally:
-            for key in keys:
-                client.delete(key)
-            client.close()
-        return nbytes * count / seconds / 1e9
-
-    return float(await anyio.to_thread.run_sync(measure))
