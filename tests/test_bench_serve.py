@@ -322,8 +322,9 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
     assert "host" in overall["host"]["extra"]["hit"]
     assert overall["oracle"]["extra"]["hit"] == overall["disk"]["extra"]["hit"]  # the same hits
     names = {(r["section"].split(",")[0], r["name"]) for r in rows}
-    for cls in ("gpu", "host", "disk"):
+    for cls in ("GPU", "host", "disk"):
         assert ("serve arm: disk", f"TTFT p50 {cls} hits") in names
+    assert ("serve arm: recompute", "TTFT p50 misses") in names
     assert ("serve arm: recompute", "model FLOP utilisation") in names
     assert ("serve arm: host", "GPU-seconds saved vs recompute") in names
     assert any(r["name"] == "host arm / recompute" for r in rows)

@@ -48,7 +48,7 @@ class ServeConfig:
     prefix_tokens: int | None = None
     suffix_tokens: int | None = None
     compress: float | None = None
-    load: float = 0.8
+    load: float = 0.5
     gpu_blocks: int | None = None
     host_blocks: int | None = None
     disk_blocks: int | None = None
@@ -98,9 +98,9 @@ class ServeConfig:
         if self.gpu_blocks is None:
             self.gpu_blocks = max(need, min(gpu_cap, int(q[0]) + need))
         if self.host_blocks is None:
-            self.host_blocks = max(2 * self.gpu_blocks, min(host_cap, int(q[1])))
+            self.host_blocks = min(host_cap, max(2 * self.gpu_blocks, int(q[1])))
         if self.disk_blocks is None:
-            self.disk_blocks = max(2 * self.host_blocks, min(disk_cap, int(1.05 * q[2])))
+            self.disk_blocks = min(disk_cap, max(2 * self.host_blocks, int(1.05 * q[2])))
         if self.staging_blocks is None:
             self.staging_blocks = max(1, min(64, self.host_blocks // 3))
         if self.gpu_blocks < need - 16:
@@ -157,7 +157,3 @@ class ServeConfig:
                 return name
         return None
 
-
-def percentiles(values: list[float] | np.ndarray, qs: tuple[int, ...] = (50, 90, 99)) -> list[float]:
-    arr = np.asarray(values, dtype=float)
-    return [float(np.percentile(arr, q)) for q in qs] if arr.size else [float("nan")] * len(qs)

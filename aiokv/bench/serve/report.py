@@ -17,7 +17,7 @@ import numpy as np
 
 from ..report import BenchRow
 from .arms import ArmResult
-from .config import ARM_TEXT, percentiles
+from .config import ARM_TEXT
 from .model import BLOCK_TOKENS, ModelConfig
 from .server import HIT_CLASSES, Served
 
@@ -26,6 +26,7 @@ __all__ = ["BUCKETS", "Ceilings", "arm_rows", "bucket_of", "lower_bounds", "targ
 BUCKETS = ((0, 0, "0"), (1, 1023, "1-1023"), (1024, 4095, "1k-4k"), (4096, 16383, "4k-16k"),
            (16384, 1 << 62, ">=16k"))
 """Prefix-length buckets (tokens some earlier request had computed: the reusable prefix)."""
+CLASS_LABELS = {"miss": "misses", "gpu": "GPU hits", "host": "host hits", "disk": "disk hits"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True
         finish = max(s.arrival, finish) + transfer + s.prefill_s
         out[s.index] = finish - s.arrival
     return out
+
+
+def percentiles(values: Sequence[float], qs: tuple[int, ...] = (50, 90, 99)) -> list[float]:
+    arr = np.asarray(values, dtype=float)
+    return [float(np.percentile(arr, q)) for q in qs] if arr.size else [float("nan")] * len(qs)
 
 
 def _ms(values: Sequence[float]) -> list[float]:
@@ -90,7 +96,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     for cls in HIT_CLASSES:
         group = [s for s in served if s.hit == cls]
         if group:
-            rows.append(_class_row(section, f"{cls} hits", group, bounds))
+            rows.append(_class_row(section, CLASS_LABELS[cls], group, bounds))
     for _, _, name in BUCKETS:
         group = [s for s in served if bucket_of(s.reusable) == name]
         if group:

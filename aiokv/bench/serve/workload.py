@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,8 @@ import numpy as np
 from ...cache.trace import load_trace
 from .model import BLOCK_TOKENS
 
-__all__ = ["ServeRequest", "Workload", "block_keys", "prefix_workload", "reuse_distances", "trace_workload"]
+__all__ = ["ServeRequest", "Workload", "block_keys", "describe", "prefix_workload", "reuse_distances",
+           "trace_workload"]
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens behind one Mooncake hash id."""
@@ -206,6 +206,3 @@ def describe(workload: Workload) -> str:
             f"prompt tokens mean {lengths.mean():.0f}, p50 {np.percentile(lengths, 50):.0f}, "
             f"max {lengths.max()}; {reuse:.0%} of prompt tokens reusable")
 
-
-def lengths(requests: Sequence[ServeRequest]) -> np.ndarray:
-    return np.array([len(r.tokens) for r in requests])
