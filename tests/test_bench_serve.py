@@ -358,6 +358,7 @@ def test_correctness_mode_alone(tmp_path: Path, capsys) -> None:
     (["--load", "0"], "--load must be"),
     (["--compress", "-1"], "--compress must be > 0"),
     (["--tier-dir", "/no/such/folder"], "is not a folder"),
+    (["--model", "llama3-8b"], "runs on CUDA"),
 ])
 def test_bad_serve_options_exit_2_before_running(argv, message, capsys, tmp_path: Path) -> None:
     trace = conversation_trace(tmp_path / "c.jsonl", conversations=2, turns=2)

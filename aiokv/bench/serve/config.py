@@ -1,5 +1,6 @@
 """What a serve run does: mode, model, workload, pools and arms, with the defaults of each
-kind of run (the GPU run, a CPU run, and ``--quick``, which runs anywhere)."""
+kind of run: the GPU run, and the run on the CPU backend (``--quick``, or any run without
+CUDA), which has the tiny model and small sizes."""
 
 from __future__ import annotations
 
@@ -67,11 +68,11 @@ class ServeConfig:
         prefix = given.get("mode") == "prefix"
         base = cls(
             backend=backend, quick=quick, model="llama3-8b" if big else "tiny",
-            requests=(200 if big else 100) if prefix else 400 if big else (200 if quick else 600),
-            warmup=0 if prefix else 400 if big else (200 if quick else 600),
+            requests=100 if prefix else 400 if big else 200,
+            warmup=0 if prefix else 400 if big else 200,
             block_tokens=32 if big else 16,
             max_tokens=16384 if big else 2048,
-            prefix_tokens=8192 if big else 512,
+            prefix_tokens=4096 if big else 512,
             suffix_tokens=128 if big else 32,
             decode_tokens=32 if big else 16,
         )
@@ -129,6 +130,11 @@ class ServeConfig:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown or not self.arms:
             raise ValueError(f"--arms takes names from {', '.join(ARMS)} (got {', '.join(self.arms)})")
+        if self.model not in ("tiny", "llama3-8b"):
+            raise ValueError(f"--model is tiny or llama3-8b, got {self.model!r}")
+        if self.model == "llama3-8b" and self.backend != "cuda":
+            raise ValueError("the llama3-8b shape runs on CUDA (its float32 weights alone would "
+                             "take 30 GB here); the CPU backend runs --model tiny")
         if "oracle" in self.arms and not {"gpu", "host", "disk"} & set(self.arms):
             raise ValueError("the oracle mirrors a caching arm: add gpu, host or disk to --arms")
         if self.compress is not None and not self.compress > 0:
