@@ -128,7 +128,9 @@ def _class_row(section: str, label: str, group: Sequence[Served], bounds: dict[i
     p = percentiles(_ms([s.ttft for s in group]))
     b = percentiles(_ms([bounds[s.index] for s in group]))
     return BenchRow(section, f"TTFT p50 {label}", p[0], "ms", b[0],
-                    note=f"n={len(group)}; p90 {p[1]:.1f}, p99 {p[2]:.1f} ms")
+                    note=f"n={len(group)}; p90 {p[1]:.1f}, p99 {p[2]:.1f} ms",
+                    extra={"n": len(group), "p90_ms": p[1], "p99_ms": p[2],
+                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]})
 
 
 def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
