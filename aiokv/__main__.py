@@ -1,4 +1,4 @@
-"""Command line: ``aiokv info`` and ``aiokv bench``."""
+"""Command line: ``aiokv info`` and ``aiokv bench`` (transfer, cache, serve)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .bench.serve.cli import SERVE_OPTIONS, add_serve_arguments, backend_of, serve_rows
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,30 +17,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"aiokv {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, link, versions and pinnable memory")
-    b = sub.add_parser("bench", help="measure transfers (default) or replay a cache trace")
-    b.add_argument("what", nargs="?", choices=["transfer", "cache"], default="transfer",
-                   help="transfer: GB/s beside a contiguous copy; cache: replay a request trace")
+    b = sub.add_parser("bench", help="measure transfers (default), replay a cache trace, or serve one")
+    b.add_argument("what", nargs="?", choices=["transfer", "cache", "serve"], default="transfer",
+                   help="transfer: GB/s beside a contiguous copy; cache: replay a request trace; "
+                        "serve: time to first token on a served model, per arm")
     b.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto uses CUDA when usable, else the CPU backend")
     b.add_argument("--quick", action="store_true", help="smaller jobs and fewer repetitions")
     b.add_argument("--loop", choices=["asyncio", "trio"], default=None,
-                   help="transfer: event loop of the CPU bench (default asyncio)")
+                   help="transfer, serve: event loop of the CPU bench / the server (default asyncio)")
     b.add_argument("--json", metavar="FILE",
                    help="also write the rows as JSON; '-' writes them to stdout "
                         "(the table then goes to stderr)")
-    b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling")
+    b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling "
+                                                      "(serve: TTFT CDFs per arm)")
     b.add_argument("--trace", metavar="PATH", action="append",
                    help="cache: Mooncake-format trace (repeatable; default: $AIOKV_TRACE_DIR, "
                         "else shared/data/mooncake beside or inside the checkout)")
     b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
                    help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
-    b.add_argument("--policy", default=None, help="cache: policy name (default: the recommended one)")
+    b.add_argument("--policy", default=None, help="cache, serve: policy name (default: the recommended one)")
     b.add_argument("--tiers", metavar="SPEC",
                    help="cache: tiers under the host, e.g. host=2000,disk=32000[,redis=8000] (blocks): "
                         "hit rate per tier and restore GB/s from each beside its ceiling")
     b.add_argument("--redis-url", metavar="URL", help="cache --tiers: the Redis/Valkey server for redis=N")
-    b.add_argument("--tier-dir", metavar="DIR", help="cache --tiers: where the disk tier writes "
+    b.add_argument("--tier-dir", metavar="DIR", help="cache --tiers, serve: where the disk tier writes "
                                                      "(default: the system's temporary folder)")
+    add_serve_arguments(b)
     return p
 
 
@@ -53,18 +57,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _bench(args)
 
 
-# Options only one kind of run reads: given to the other kind they would be ignored
+# Options only some kinds of run read: given to another kind they would be ignored
 # silently, and a user would read figures that are not what they asked for.
-_CACHE_ONLY = (("--trace", "trace"), ("--capacity", "capacity"), ("--policy", "policy"))
-_TRANSFER_ONLY = (("--loop", "loop"), ("--plot", "plot"))
+_READ_BY: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("--trace", "trace", ("cache", "serve")), ("--capacity", "capacity", ("cache",)),
+    ("--policy", "policy", ("cache", "serve")), ("--loop", "loop", ("transfer", "serve")),
+    ("--plot", "plot", ("transfer", "serve")), ("--tiers", "tiers", ("cache",)),
+    ("--redis-url", "redis_url", ("cache",)), ("--tier-dir", "tier_dir", ("cache", "serve")),
+    *((flag, attr, ("serve",)) for flag, attr in SERVE_OPTIONS),
+)
 
 
 def _misplaced_option(args: argparse.Namespace) -> str | None:
     """The first option given that this kind of run would ignore, as a usage message."""
-    own, other = ("cache", "transfer") if args.what == "cache" else ("transfer", "cache")
-    for flag, attr in _TRANSFER_ONLY if own == "cache" else _CACHE_ONLY:
-        if getattr(args, attr) is not None:
-            return f"aiokv bench {own}: {flag} is an option of `aiokv bench {other}`; drop it or run that"
+    for flag, attr, kinds in _READ_BY:
+        if args.what not in kinds and getattr(args, attr) is not None:
+            which = " and ".join(f"`aiokv bench {k}`" for k in kinds)
+            return f"aiokv bench {args.what}: {flag} is an option of {which}; drop it or run that"
     return None
 
 
@@ -102,7 +111,14 @@ def _bench(args: argparse.Namespace) -> int:
         except MissingExtra as exc:
             print(f"aiokv bench: {exc}", file=sys.stderr)
             return 2
-    if args.what == "cache" and args.tiers:
+    if args.what == "serve":
+        try:
+            rows, serve_meta = serve_rows(args, backend_of(args, cuda_usable), say)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"aiokv bench serve: {exc}", file=sys.stderr)
+            return 2
+        meta = {**bench_meta(backend_of(args, cuda_usable)), **serve_meta}
+    elif args.what == "cache" and args.tiers:
         from .bench.cache import find_traces
         from .bench.tiers import parse_tiers, run_tier_bench
 
@@ -138,7 +154,12 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.json:
         write_json(args.json, rows, meta)
         say(f"wrote {os.path.abspath(args.json)}")
-    if args.plot:
+    if args.plot and args.what == "serve":
+        from .bench.serve.report import plot_cdfs
+
+        plot_cdfs(rows, args.plot, title=f"aiokv bench serve: TTFT per arm ({meta['backend']})")
+        say(f"wrote {os.path.abspath(args.plot)}")
+    elif args.plot:
         from .bench.plot import plot_rows
 
         plot_rows(rows, args.plot, title=f"aiokv bench ({meta['backend']})")

@@ -1,0 +1,127 @@
+"""What the serve bench times with: the model's prefill off the loop, the same-run ceilings
+(a contiguous copy of KV bytes, a GEMM for the FLOP peak) and a prefill-time calibration.
+
+On CUDA a prefill is timed with CUDA events around its kernels and waited for with the
+end event's ``synchronize`` in a worker thread, so the event loop keeps serving copies'
+completions meanwhile; on the CPU the prefill itself runs in that thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio.to_thread
+import numpy as np
+import torch
+
+from .model import LlamaModel
+
+__all__ = ["Device", "PrefillFit", "load_ceiling", "peak_flops"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the model runs ("cpu" or "cuda") and how its prefills are timed."""
+
+    kind: str
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+
+    def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
+                     kv: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """Run one prefill to its first token: (greedy token, seconds the device spent)."""
+        if self.kind == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            token = model.prefill(tokens, start, table, kv).argmax()
+            end.record()
+            end.synchronize()
+            return int(token.item()), begin.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        token = model.prefill(tokens, start, table, kv).argmax()
+        return int(token.item()), time.perf_counter() - t0
+
+    async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
+                      kv: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
+        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv)
+
+
+def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:
+    """GB/s of the fastest contiguous host-to-device copy of ``nbytes``, and what it was.
+
+    The transfer bench's ceiling code: a pinned copy on CUDA (``Contiguous``), on the CPU
+    backend the best of one numpy copy and page-sized pieces (the CPU lane's own copies).
+    """
+    nbytes = max(nbytes, page_bytes)
+    if device.kind == "cuda":
+        from ..cuda_setup import Contiguous
+
+        rate = Contiguous(nbytes).rates(reps)["load"]
+        torch.cuda.empty_cache()
+        return rate, f"contiguous pinned copy of {_size(nbytes)}"
+    from ..transfer import _best_rate, _contiguous_copies
+
+    gen = torch.Generator().manual_seed(3)
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    copies = _contiguous_copies(host, dev, "cpu", page_bytes)
+    rate = max(_best_rate(fn, "cpu", nbytes, reps) for kind, fn in copies.items() if kind.startswith("load"))
+    return rate, f"contiguous numpy copy of {_size(nbytes)} (whole or in pages)"
+
+
+def peak_flops(device: Device, seconds: float = 1.0) -> tuple[float, str]:
+    """FLOP/s of a GEMM measured now, and its name: the peak the model's utilisation is
+    measured against (bf16 8192^3 on CUDA, float32 1024^3 on one CPU thread's torch)."""
+    if device.kind == "cuda":
+        from ..cuda_setup import Gemm
+
+        return Gemm(8192, 8192, 8192).alone(seconds) * 1e12, "bf16 GEMM 8192^3 in this run"
+    n = 1024
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best, f"float32 GEMM {n}^3 in this run"
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Prefill seconds of a prompt from scratch, interpolated between measured lengths."""
+
+    lengths: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, tokens: int) -> float:
+        xs, ys = np.asarray(self.lengths, float), np.asarray(self.seconds, float)
+        if tokens <= xs[-1]:
+            return float(np.interp(tokens, xs, ys))
+        return float(ys[-1] * (tokens / xs[-1]) ** 2)  # past the longest: attention grows
+
+    @classmethod
+    def measure(cls, model: LlamaModel, kv: Sequence[torch.Tensor], device: Device,
+                max_tokens: int, num_blocks: int, reps: int = 2) -> PrefillFit:
+        """Time prefills of a few lengths up to ``max_tokens`` (best of ``reps`` after a
+        warm-up run, which also loads kernels before anything is timed)."""
+        top = max(16, min(max_tokens, num_blocks * 16))
+        lengths = sorted({int(x) for x in np.geomspace(16, top, 6)})
+        table = list(range(-(-top // 16)))
+        gen = np.random.default_rng(5)
+        seconds = []
+        for n in lengths:
+            tokens = gen.integers(0, model.config.vocab, n)
+            device.prefill_sync(model, tokens, 0, table, kv)
+            seconds.append(min(device.prefill_sync(model, tokens, 0, table, kv)[1] for _ in range(reps)))
+        return cls(tuple(lengths), tuple(seconds))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"

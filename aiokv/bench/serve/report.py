@@ -1,0 +1,209 @@
+"""The serve bench's rows: TTFT per arm, hit class and prefix length beside each arm's
+computed lower bound, prefill rate, model FLOP utilisation and GPU-seconds saved.
+
+The lower bound of a request is the same queue with each service time cut to what the
+hardware allows: its host-restored bytes at the load ceiling, its disk-restored bytes at
+the slower of the disk read and load ceilings, plus the prefill seconds the arm measured
+for it (the oracle moves nothing, so its bound is its prefill alone). First come, first
+served from the same arrivals, so queueing is in the bound as in the figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..report import BenchRow
+from .arms import ArmResult
+from .config import ARM_TEXT
+from .model import BLOCK_TOKENS, ModelConfig
+from .server import HIT_CLASSES, Served
+
+__all__ = ["BUCKETS", "Ceilings", "arm_rows", "bucket_of", "lower_bounds", "target_rows"]
+
+BUCKETS = ((0, 0, "0"), (1, 1023, "1-1023"), (1024, 4095, "1k-4k"), (4096, 16383, "4k-16k"),
+           (16384, 1 << 62, ">=16k"))
+"""Prefix-length buckets (tokens some earlier request had computed: the reusable prefix)."""
+CLASS_LABELS = {"miss": "misses", "gpu": "GPU hits", "host": "host hits", "disk": "disk hits"}
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The run's measured limits: load GB/s, GEMM FLOP/s, and the disk tier's read GB/s."""
+
+    load_gbps: float
+    load_name: str
+    peak_flops: float
+    peak_name: str
+    block_bytes: int
+    disk_gbps: float | None = None
+
+
+def bucket_of(tokens: int) -> str:
+    return next(name for lo, hi, name in BUCKETS if lo <= tokens <= hi)
+
+
+def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True) -> dict[int, float]:
+    """Per request index, the TTFT of the same FCFS queue at the ceilings (module docs)."""
+    load = ceil.load_gbps * 1e9
+    disk = min(ceil.disk_gbps, ceil.load_gbps) * 1e9 if ceil.disk_gbps else load
+    per_token = ceil.block_bytes / BLOCK_TOKENS
+    finish = float("-inf")
+    out: dict[int, float] = {}
+    for s in sorted(served, key=lambda s: (s.arrival, s.start)):
+        transfer = (s.host_tokens * per_token / load + s.disk_tokens * per_token / disk) if moves else 0.0
+        finish = max(s.arrival, finish) + transfer + s.prefill_s
+        out[s.index] = finish - s.arrival
+    return out
+
+
+def percentiles(values: Sequence[float], qs: tuple[int, ...] = (50, 90, 99)) -> list[float]:
+    arr = np.asarray(values, dtype=float)
+    return [float(np.percentile(arr, q)) for q in qs] if arr.size else [float("nan")] * len(qs)
+
+
+def _ms(values: Sequence[float]) -> list[float]:
+    return [v * 1e3 for v in values]
+
+
+def _ttft_rows(section: str, label: str, group: Sequence[Served], bounds: dict[int, float],
+               extra: dict[str, object] | None = None) -> list[BenchRow]:
+    ttft = _ms([s.ttft for s in group])
+    bound = _ms([bounds[s.index] for s in group])
+    p, b = percentiles(ttft), percentiles(bound)
+    return [BenchRow(section, f"TTFT p{q} {label}".rstrip(), p[i], "ms", b[i],
+                     note=f"n={len(group)}" if i == 0 else "",
+                     extra=(extra or {}) if i == 0 else {})
+            for i, q in enumerate((50, 90, 99))]
+
+
+def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: ArmResult | None,
+             mirrors: str | None = None) -> list[BenchRow]:
+    """Every figure of one arm (see the module docs for the bound)."""
+    served = arm.served
+    text = ARM_TEXT[arm.name] + (f" ({mirrors})" if mirrors else "")
+    section = f"serve arm: {arm.name}, {text}"
+    bounds = lower_bounds(served, ceil, moves=arm.name != "oracle")
+    rows = _ttft_rows(section, "", served, bounds, extra={
+        "arm": arm.name, "ttft_ms": _ms([s.ttft for s in served]),
+        "bound_ms": _ms([bounds[s.index] for s in served]),
+        "hit": [s.hit for s in served], "index": [s.index for s in served],
+        "prefill_ms": _ms([s.prefill_s for s in served]), "busy_ms": _ms([s.busy for s in served]),
+        "load_ms": _ms([s.load_s for s in served])})
+    rows[0].note = f"n={len(served)}; ceiling column: this arm's lower bound"
+    for cls in HIT_CLASSES:
+        group = [s for s in served if s.hit == cls]
+        if group:
+            rows.append(_class_row(section, CLASS_LABELS[cls], group, bounds))
+    for _, _, name in BUCKETS:
+        group = [s for s in served if bucket_of(s.reusable) == name]
+        if group:
+            rows.append(_class_row(section, f"prefix {name}", group, bounds))
+    computed = sum(s.computed for s in served)
+    prefill = sum(s.prefill_s for s in served)
+    prompt = sum(s.prompt for s in served)
+    reused = {k: sum(getattr(s, f"{k}_tokens") for s in served) for k in ("gpu", "host", "disk")}
+    rows.append(BenchRow(section, "prefill tokens/s", computed / prefill if prefill else 0.0, "tok/s",
+                         note=f"{computed:,} computed of {prompt:,} prompt tokens; reused: "
+                              + ", ".join(f"{k} {v / max(1, prompt):.1%}" for k, v in reused.items()),
+                         extra={"computed_tokens": computed, "prompt_tokens": prompt, **reused}))
+    busy = sum(s.busy for s in served)
+    if recompute is not None and arm.name != "recompute":
+        base = sum(s.busy for s in recompute.served)
+        rows.append(BenchRow(section, "GPU-seconds saved vs recompute", base - busy, "s",
+                             note=f"model busy {busy:.2f} s vs {base:.2f} s"))
+    if arm.name == "recompute":
+        flops = sum(config.prefill_flops(s.computed, s.prompt - s.computed) for s in served)
+        achieved = flops / prefill if prefill else 0.0
+        rows.append(BenchRow(section, "model FLOP utilisation", 100 * achieved / ceil.peak_flops, "%",
+                             note=f"{achieved / 1e12:.3g} TFLOP/s of {ceil.peak_flops / 1e12:.3g} "
+                                  f"(peak: {ceil.peak_name})"))
+    rows += _restore_rows(section, arm, ceil)
+    return rows
+
+
+def _class_row(section: str, label: str, group: Sequence[Served], bounds: dict[int, float]) -> BenchRow:
+    p = percentiles(_ms([s.ttft for s in group]))
+    b = percentiles(_ms([bounds[s.index] for s in group]))
+    return BenchRow(section, f"TTFT p50 {label}", p[0], "ms", b[0],
+                    note=f"n={len(group)}; p90 {p[1]:.1f}, p99 {p[2]:.1f} ms",
+                    extra={"n": len(group), "p90_ms": p[1], "p99_ms": p[2],
+                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]})
+
+
+def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
+    """Restore GB/s (bytes over the wall time of ``restore``) of 1k tokens or more."""
+    rows = []
+    per_token = ceil.block_bytes / BLOCK_TOKENS
+    for where, pick in (("host", lambda s: s.host_tokens and not s.disk_tokens),
+                        ("disk", lambda s: s.disk_tokens)):
+        loads = [s for s in arm.served if pick(s) and s.load_s > 0]
+        if not loads:
+            continue
+        big = [s for s in loads if s.host_tokens + s.disk_tokens >= 1024]
+        group, label = (big, ">= 1k tokens") if big else (loads, "all sizes")
+        nbytes = sum((s.host_tokens + s.disk_tokens) * per_token for s in group)
+        seconds = sum(s.load_s for s in group)
+        ceiling = ceil.load_gbps if where == "host" else min(ceil.disk_gbps or ceil.load_gbps, ceil.load_gbps)
+        rows.append(BenchRow(section, f"restore GB/s, {where} hits, {label}", nbytes / seconds / 1e9, "GB/s",
+                             ceiling, note=f"{len(group)} restores, await to return"
+                             + ("" if big else "; none of >= 1k tokens")))
+    if arm.cache is not None:
+        st = arm.cache
+        tiers = "; ".join(f"{t.name}: demoted {t.demoted}, dropped {t.demotions_dropped}, "
+                          f"read misses {t.read_misses}" for t in st.tiers)
+        rows.append(BenchRow(section, "cache hit rate (keys, lookup)", 100 * st.hit_rate, "%",
+                             note=f"stored {st.stored_keys:,}, evicted {st.evictions:,}, "
+                                  f"GPU evictions {arm.gpu_evictions:,}" + (f"; {tiers}" if tiers else "")))
+    return rows
+
+
+def target_rows(arms: dict[str, ArmResult], mirrored: str | None) -> list[BenchRow]:
+    """The issue's targets on the same requests: host-hit TTFT p50 against recompute's and,
+    for the arm the oracle mirrors, the oracle's."""
+    section = "serve targets: host-hit requests, TTFT p50 on the same requests"
+    rows = []
+    by_index = {name: {s.index: s for s in arm.served} for name, arm in arms.items()}
+    for name in ("host", "disk"):
+        if name not in arms:
+            continue
+        hits = [s for s in arms[name].served if s.hit == "host"]
+        if not hits:
+            continue
+        mine = float(np.median([s.ttft for s in hits]))
+        for other, target in (("recompute", 0.5), ("oracle", 1.3)):
+            if other not in arms or (other == "oracle" and mirrored != name):
+                continue
+            theirs = float(np.median([by_index[other][s.index].ttft for s in hits]))
+            ratio = mine / theirs if theirs > 0 else float("nan")
+            rows.append(BenchRow(section, f"{name} arm / {other}", ratio, "x",
+                                 note=f"n={len(hits)}; {mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms; "
+                                      f"target <= {target}"))
+    return rows
+
+
+def plot_cdfs(rows: Sequence[BenchRow], path: str, title: str) -> None:
+    """TTFT CDF per arm (log time axis); needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for row in rows:
+        values = row.extra.get("ttft_ms")
+        if not values:
+            continue
+        xs = np.sort(np.asarray(values, dtype=float))
+        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=str(row.extra.get("arm")))
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

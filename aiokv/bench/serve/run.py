@@ -1,0 +1,171 @@
+"""``aiokv bench serve``: build the model and the workload, measure the ceilings, run every
+arm on the same requests, check decoding from restored KV, and return the rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from ..report import BenchRow
+from .arms import ArmResult, oracle_hits, run_arm
+from .config import ARM_TEXT, ServeConfig
+from .correctness import blocks_needed, decode_check
+from .measure import Device, PrefillFit, load_ceiling, peak_flops
+from .model import BLOCK_TOKENS, LlamaModel
+from .report import Ceilings, arm_rows, target_rows
+from .workload import Workload, describe, prefix_workload, trace_workload
+
+__all__ = ["run_serve_bench"]
+
+Progress = Callable[[str], None]
+
+
+def run_serve_bench(cfg: ServeConfig,
+                    progress: Progress | None = None) -> tuple[list[BenchRow], dict[str, Any]]:
+    """Run what ``cfg`` asks for; the rows and a description of the run for ``meta``.
+
+    On the CPU backend torch runs on one thread for the run (the copy lanes and the event
+    loop have the other cores; a second torch thread on a busy 2-core host slows GEMMs
+    erratically), and gets its thread count back afterwards.
+    """
+    cfg.check()
+    say = progress or (lambda _msg: None)
+    threads = torch.get_num_threads()
+    if cfg.backend == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return anyio.run(_main, cfg, say, backend=cfg.loop)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _correctness_blocks(cfg: ServeConfig) -> int:
+    return 64 if cfg.model == "llama3-8b" else 8
+
+
+async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[str, Any]]:
+    device = Device(cfg.backend)
+    mc = cfg.model_config()
+    block_bytes = mc.block_bytes(cfg.dtype)
+    say(f"model {mc.name}, {mc.layers} layers, {str(cfg.dtype).removeprefix('torch.')} on {device.kind}: "
+        f"{mc.params_per_layer() * mc.layers / 1e9:.3g} B layer parameters, "
+        f"{mc.page_bytes(cfg.dtype) >> 10} KiB K/V pages, {block_bytes / 2**20:.3g} MiB a block")
+    model = LlamaModel(mc, device=device.kind, dtype=cfg.dtype, seed=cfg.seed)
+    check_blocks = blocks_needed(_correctness_blocks(cfg), cfg.decode_tokens)
+    meta: dict[str, Any] = {"serve": dataclasses.asdict(cfg),
+                            "model": dataclasses.asdict(mc)}
+    if cfg.mode == "correctness":
+        kv = model.new_kv_cache(check_blocks)
+        say("correctness: greedy decode from restored KV against recomputed KV")
+        return await _check(cfg, model, kv, device, say), meta
+    workload = _workload(cfg, mc.vocab)
+    say(describe(workload))
+    cfg.resolve_pools(workload, block_bytes)
+    assert cfg.gpu_blocks is not None
+    say(f"pools (blocks of 16 tokens): GPU {cfg.gpu_blocks:,}, host {cfg.host_blocks:,}, "
+        f"disk {cfg.disk_blocks:,} (+{cfg.staging_blocks} staging)")
+    kv = model.new_kv_cache(max(cfg.gpu_blocks, check_blocks))
+    say("calibrating prefill time (also warms the model up)")
+    fit = PrefillFit.measure(model, kv, device, int(max(len(r.tokens) for r in workload.requests)),
+                             cfg.gpu_blocks)
+    factor, offered = _compress(cfg, workload, fit)
+    say(f"timestamps compressed {factor:.3g}x: estimated offered load of the recompute arm {offered:.2f}")
+    ceil_bytes = 64 * block_bytes  # the KV of 1k tokens
+    load_first, load_name = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
+    peak, peak_name = peak_flops(device, 1.0 if device.kind == "cuda" else 0.3)
+    say(f"ceilings: load {load_first:.2f} GB/s ({load_name}); peak {peak / 1e12:.3g} TFLOP/s ({peak_name})")
+    arms: dict[str, ArmResult] = {}
+    mirrored = cfg.mirrored_arm()
+    for name in cfg.ordered_arms():
+        say(f"arm {name}: {ARM_TEXT[name]}")
+        t0 = time.perf_counter()
+        hits = oracle_hits(arms[mirrored]) if name == "oracle" and mirrored in arms else None
+        arms[name] = await run_arm(name, cfg, model, kv, device, workload, block_bytes=block_bytes,
+                                   oracle=hits, progress=say)
+        p50 = np.median([s.ttft for s in arms[name].served]) * 1e3
+        say(f"arm {name}: TTFT p50 {p50:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+    load_last, _ = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
+    disk = arms["disk"].disk_ceiling if "disk" in arms else None
+    ceil = Ceilings(max(load_first, load_last), load_name, peak, peak_name, block_bytes, disk)
+    rows = _setup_rows(cfg, workload, ceil, (load_first, load_last), factor, offered, arms)
+    for name, arm in arms.items():
+        rows += arm_rows(arm, ceil, mc, recompute=arms.get("recompute"),
+                         mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
+    rows += target_rows(arms, mirrored)
+    rows += await _check(cfg, model, kv, device, say)
+    meta["workload"] = describe(workload)
+    meta["compression"] = factor
+    return rows, meta
+
+
+async def _check(cfg: ServeConfig, model: LlamaModel, kv: list[torch.Tensor], device: Device,
+                 say: Progress) -> list[BenchRow]:
+    rows = await decode_check(model, kv, device, prompt_blocks=_correctness_blocks(cfg),
+                              decode_tokens=cfg.decode_tokens, tier_dir=cfg.tier_dir, seed=cfg.seed)
+    say("correctness: " + "; ".join(f"{r.name}: {r.note}" for r in rows))
+    return rows
+
+
+def _workload(cfg: ServeConfig, vocab: int) -> Workload:
+    assert cfg.requests is not None and cfg.warmup is not None
+    if cfg.mode == "prefix":
+        assert cfg.prefix_tokens is not None and cfg.suffix_tokens is not None
+        return prefix_workload(prefixes=cfg.prefixes, prefix_tokens=cfg.prefix_tokens,
+                               suffix_tokens=cfg.suffix_tokens, requests=cfg.requests,
+                               warmup=cfg.warmup, vocab=vocab, seed=cfg.seed)
+    from ..cache import find_traces
+
+    paths = find_traces(cfg.traces)
+    if cfg.traces and len(paths) > 1:
+        raise ValueError(f"serve replays one trace; --trace named {len(paths)} files")
+    path = next((p for p in paths if Path(p).stem.startswith("conversation")), paths[0])
+    assert cfg.block_tokens is not None and cfg.max_tokens is not None
+    return trace_workload(path, requests=cfg.requests, warmup=cfg.warmup, block_tokens=cfg.block_tokens,
+                          max_tokens=cfg.max_tokens, vocab=vocab, seed=cfg.seed)
+
+
+def _compress(cfg: ServeConfig, workload: Workload, fit: PrefillFit) -> tuple[float, float]:
+    """The compression factor (given, or the one that offers the recompute arm ``cfg.load``
+    of the model's time, by the calibration) and the offered load it gives."""
+    work = sum(fit(len(r.tokens)) for r in workload.measured)
+    span = workload.span_seconds
+    if span <= 0:  # every request arrives at once
+        workload.compress(1.0)
+        return 1.0, float("inf")
+    factor = cfg.compress if cfg.compress is not None else cfg.load * span / work
+    workload.compress(factor)
+    return factor, work / (span / factor)
+
+
+def _setup_rows(cfg: ServeConfig, workload: Workload, ceil: Ceilings, loads: tuple[float, float],
+                factor: float, offered: float, arms: dict[str, ArmResult]) -> list[BenchRow]:
+    mc = cfg.model_config()
+    section = (f"serve setup: {mc.name} x{mc.layers} layers on {cfg.backend}, {workload.name}, "
+               f"{len(workload.measured)} requests")
+    mib = ceil.block_bytes / 2**20
+    rows = [
+        BenchRow(section, "load ceiling", ceil.load_gbps, "GB/s",
+                 note=f"{ceil.load_name}; best of start {loads[0]:.2f} / end {loads[1]:.2f}"),
+        BenchRow(section, "peak FLOP/s", ceil.peak_flops / 1e12, "TFLOP/s", note=f"peak: {ceil.peak_name}"),
+        BenchRow(section, "timestamp compression", factor, "x",
+                 note=f"offered load of the recompute arm ~{offered:.2f} (prefill calibration)"
+                 if cfg.compress is None else "given with --compress"),
+    ]
+    if "disk" in arms:
+        disk = arms["disk"]
+        rows.append(BenchRow(section, "disk tier read ceiling", disk.disk_ceiling or 0.0, "GB/s",
+                             note="DiskTier.read_ceiling: plain reads of its own files"
+                             if disk.disk_ceiling else f"not measured: {disk.disk_ceiling_error}"))
+    for name, blocks in (("GPU pool", cfg.gpu_blocks), ("host pool", cfg.host_blocks),
+                         ("disk tier", cfg.disk_blocks)):
+        assert blocks is not None
+        rows.append(BenchRow(section, name, float(blocks), "blocks",
+                             note=f"{blocks * mib:,.1f} MiB; {BLOCK_TOKENS} tokens a block"))
+    return rows

@@ -1,0 +1,180 @@
+"""The server loop of one arm: requests arrive on the clock, one model serves them in order.
+
+An arrival task releases each measured request at its (compressed) arrival time; the
+engine takes them first come, first served. For each it finds the leading blocks the GPU
+prefix cache holds, asks the ``OffloadCache`` (host pool and tiers below it) for the next
+ones and restores them into free GPU blocks, prefills the rest over that cached prefix, and
+stamps the first token. The request's full blocks are then offloaded in the background
+while the next request runs; they stay held in the GPU pool until that copy is over.
+A request's TTFT runs from its arrival, so time queued behind earlier requests counts.
+Only the public API of aiokv is used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import torch
+
+from ...cache.offload import OffloadCache
+from .measure import Device
+from .model import BLOCK_TOKENS, LlamaModel
+from .pool import BlockPool
+from .workload import ServeRequest, Workload
+
+__all__ = ["HIT_CLASSES", "Served", "Server"]
+
+HIT_CLASSES = ("miss", "gpu", "host", "disk")
+"""A request's class is the lowest tier any of its reused blocks came from."""
+
+
+@dataclass
+class Served:
+    """What one measured request saw; times in seconds since the measured part began."""
+
+    index: int
+    prompt: int
+    reusable: int
+    arrival: float
+    start: float
+    first_token: float
+    token: int
+    gpu_tokens: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    prefill_s: float = 0.0
+    load_s: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def busy(self) -> float:
+        """Seconds the model was taken by this request (restore included)."""
+        return self.first_token - self.start
+
+    @property
+    def computed(self) -> int:
+        return self.prompt - self.gpu_tokens - self.host_tokens - self.disk_tokens
+
+    @property
+    def hit(self) -> str:
+        if self.disk_tokens:
+            return "disk"
+        if self.host_tokens:
+            return "host"
+        return "gpu" if self.gpu_tokens else "miss"
+
+
+@dataclass
+class Server:
+    """One arm's server: the model, its paged KV, a pool, and the caches below it.
+
+    ``oracle`` maps a request index to the tokens another arm served from its GPU cache,
+    host and disk; such a server allocates blocks for them and prefills only the rest,
+    moving nothing: the same hits at zero transfer time.
+    """
+
+    model: LlamaModel
+    kv: Sequence[torch.Tensor]
+    device: Device
+    pool: BlockPool
+    cache: OffloadCache | None = None
+    oracle: dict[int, tuple[int, int, int]] | None = None
+    progress: Callable[[str], None] = lambda _msg: None
+    _offloads: int = field(default=0, init=False)
+    _clock0: float = field(default=0.0, init=False)
+
+    async def run(self, workload: Workload, *, warm: bool = True) -> list[Served]:
+        """Serve the warm-up requests back to back (untimed), let their copies settle,
+        then replay the measured ones on the clock."""
+        async with anyio.create_task_group() as tg:
+            if warm and workload.warm:
+                for i, req in enumerate(workload.warm):
+                    await self._serve(req, tg, arrival=self._now())
+                    if i % 100 == 99:
+                        self.progress(f"  warm-up {i + 1}/{len(workload.warm)}")
+                await self._settle()
+            measured = workload.measured
+            send, receive = anyio.create_memory_object_stream[tuple[ServeRequest, float]](math.inf)
+            self._clock0 = time.perf_counter()
+            tg.start_soon(self._arrivals, measured, send)
+            out: list[Served] = []
+            async with receive:
+                async for req, arrival in receive:
+                    out.append(await self._serve(req, tg, arrival=arrival))
+                    if len(out) % 100 == 0:
+                        self.progress(f"  {len(out)}/{len(measured)} requests")
+            await self._settle()
+        return out
+
+    async def _arrivals(self, requests: list[ServeRequest],
+                        send: anyio.abc.ObjectSendStream[tuple[ServeRequest, float]]) -> None:
+        async with send:
+            for req in requests:
+                delay = req.arrival - self._now()
+                if delay > 0:
+                    await anyio.sleep(delay)
+                await send.send((req, req.arrival))  # stamped when due, not when noticed
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._clock0
+
+    async def _settle(self) -> None:
+        """Wait for the offloads in flight and the tier writes behind them."""
+        while self._offloads:
+            await anyio.sleep(0.001)
+        if self.cache is not None:
+            await self.cache.drain()
+
+    async def _serve(self, req: ServeRequest, tg: anyio.abc.TaskGroup, *, arrival: float) -> Served:
+        start = self._now()
+        pool, n = self.pool, req.cacheable_blocks
+        gpu = pool.match(req.keys[:n])
+        reused: list[int] = []
+        host = disk = 0
+        load_s = 0.0
+        if self.oracle is not None:
+            gpu_t, host_t, disk_t = self.oracle.get(req.index, (0, 0, 0))
+            host, disk = host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS
+            gpu = await pool.take_waiting(gpu_t // BLOCK_TOKENS)
+            reused = await pool.take_waiting(host + disk)
+        elif self.cache is not None and len(gpu) < n:
+            rest = req.keys[len(gpu):n]
+            hits = self.cache.lookup(rest)
+            if hits:
+                reused = await pool.take_waiting(hits)
+                t0 = time.perf_counter()
+                result = await self.cache.restore(rest[:hits], reused)
+                load_s = time.perf_counter() - t0
+                disk = min(result.from_tiers, result.restored)
+                host = result.restored - disk
+        cached = len(gpu) + host + disk
+        blocks = -(-len(req.tokens) // BLOCK_TOKENS)
+        table = gpu + reused + await pool.take_waiting(blocks - len(gpu) - len(reused))
+        begin = cached * BLOCK_TOKENS
+        token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
+        first = self._now()
+        full = len(req.keys)
+        pool.register(req.keys, table[:full])
+        if self.cache is not None and full:
+            pool.hold(table[:full])
+            self._offloads += 1
+            tg.start_soon(self._offload, req.keys, table[:full])
+        pool.release(table)
+        return Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
+                      gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=host * BLOCK_TOKENS,
+                      disk_tokens=disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=load_s)
+
+    async def _offload(self, keys: list[int], blocks: list[int]) -> None:
+        try:
+            await self.cache.offload(keys, blocks)  # type: ignore[union-attr]
+        finally:
+            self.pool.release(blocks)
+            self._offloads -= 1

@@ -1,0 +1,388 @@
+"""``aiokv bench serve``: the model's paged prefill, the workload's tokens and keys, the GPU
+pool, the lower bounds, greedy decode from restored KV, and the ``--quick`` command end to
+end on a small conversation trace (every arm and every hit class must appear)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv.__main__ import main
+from aiokv.bench.serve import correctness
+from aiokv.bench.serve.config import ARMS, ServeConfig
+from aiokv.bench.serve.correctness import blocks_needed, decode_check
+from aiokv.bench.serve.measure import Device
+from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
+from aiokv.bench.serve.pool import BlockPool
+from aiokv.bench.serve.report import Ceilings, lower_bounds
+from aiokv.bench.serve.server import Served
+from aiokv.bench.serve.workload import (
+    block_keys,
+    prefix_workload,
+    reuse_distances,
+    trace_workload,
+)
+from aiokv.cache.offload import OffloadCache
+
+
+def conversation_trace(path: Path, conversations: int = 24, turns: int = 4, seed: int = 0) -> Path:
+    """Conversations that share a first block and grow turn by turn, in shuffled rounds: a
+    turn's prefix comes back after the other conversations' turns, near and far."""
+    rng = random.Random(seed)
+    next_id, t = 1, 0
+    history = {c: [0] for c in range(conversations)}
+    with path.open("w") as f:
+        for _ in range(turns):
+            for c in rng.sample(range(conversations), conversations):
+                k = rng.randint(1, 3)
+                history[c] = history[c] + list(range(next_id, next_id + k))
+                next_id += k
+                row = {"timestamp": t, "input_length": 512 * len(history[c]) - rng.randint(0, 300),
+                       "output_length": 8, "hash_ids": history[c]}
+                f.write(json.dumps(row) + "\n")
+                t += rng.randint(50, 500)
+    return path
+
+
+# -- the model ---------------------------------------------------------------------------
+
+
+def test_llama3_8b_shapes_give_32_kib_pages() -> None:
+    c = ModelConfig.llama3_8b()
+    assert (c.layers, c.hidden, c.heads, c.kv_heads, c.head_dim, c.ffn, c.vocab) == \
+        (32, 4096, 32, 8, 128, 14336, 128256)
+    assert c.page_bytes(torch.bfloat16) == 32 << 10
+    assert c.block_bytes(torch.bfloat16) == 2 * 32 * (32 << 10)
+    assert c.params_per_layer() * 32 == pytest.approx(6.98e9, rel=0.01)  # 8B less embeddings
+    assert ModelConfig.llama3_8b(4).with_layers(8).layers == 8
+    # Cached tokens cost only the attention over them.
+    assert c.prefill_flops(512, 512) < c.prefill_flops(1024, 0)
+
+
+@pytest.mark.parametrize("split", [16, 48, 64, 100, 200])
+def test_prefill_over_a_cached_prefix_equals_prefill_in_one_go(split: int) -> None:
+    """Prefix, then the suffix over the prefix's KV read back from other (scattered) pages:
+    the same logits and the same KV as one prefill of the whole prompt (float32)."""
+    model = LlamaModel(ModelConfig.tiny(), seed=3)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab, 215)
+    blocks = -(-len(prompt) // BLOCK_TOKENS)
+    kv_one, kv_two = model.new_kv_cache(64), model.new_kv_cache(64)
+    one_table = list(range(blocks))
+    two_table = list(np.random.default_rng(1).permutation(np.arange(20, 64))[:blocks])
+    whole = model.prefill(prompt, 0, one_table, kv_one)
+    model.prefill(prompt[:split], 0, two_table, kv_two)
+    parts = model.prefill(prompt[split:], split, two_table, kv_two)
+    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-4)
+    positions = len(prompt)
+    for a, b in zip(kv_one, kv_two):
+        flat_a = a.view(2, -1, *a.shape[3:])[:, [one_table[p // 16] * 16 + p % 16 for p in range(positions)]]
+        flat_b = b.view(2, -1, *b.shape[3:])[:, [two_table[p // 16] * 16 + p % 16 for p in range(positions)]]
+        torch.testing.assert_close(flat_b, flat_a, rtol=1e-4, atol=1e-4)
+    assert whole.abs().max() > 0.1  # not a degenerate model
+
+
+def test_decoding_token_by_token_equals_prefill() -> None:
+    model = LlamaModel(ModelConfig.tiny(), seed=4)
+    prompt = np.random.default_rng(2).integers(0, model.config.vocab, 40)
+    kv_a, kv_b = model.new_kv_cache(8), model.new_kv_cache(8)
+    whole = model.prefill(prompt, 0, [0, 1, 2], kv_a)
+    model.prefill(prompt[:33], 0, [5, 6, 7], kv_b)
+    for pos in range(33, 40):
+        last = model.prefill(prompt[pos:pos + 1], pos, [5, 6, 7], kv_b)
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_refuses_a_short_block_table() -> None:
+    model = LlamaModel(ModelConfig.tiny(), seed=0)
+    with pytest.raises(ValueError, match="block table"):
+        model.prefill(np.arange(40), 0, [0, 1], model.new_kv_cache(4))
+    with pytest.raises(ValueError, match=">= 1 token"):
+        model.prefill(np.arange(0), 0, [0], model.new_kv_cache(4))
+
+
+# -- the workload ------------------------------------------------------------------------
+
+
+def test_equal_trace_prefixes_give_equal_tokens_and_keys(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [[0, 1, 2], [0, 1, 3], [5, 1, 2], [0, 1, 2, 4], [0, 1, 2]]
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 512 * len(ids),
+                                         "output_length": 1, "hash_ids": ids}) + "\n"
+                             for i, ids in enumerate(rows)))
+    w = trace_workload(trace, requests=4, warmup=1, block_tokens=32, max_tokens=100, vocab=512)
+    a, b, c, d, e = w.requests
+    assert len(a.tokens) == 96 and len(d.tokens) == 100  # cut at max_tokens
+    assert np.array_equal(a.tokens[:64], b.tokens[:64]) and not np.array_equal(a.tokens[64:], b.tokens[64:])
+    assert a.keys[:4] == b.keys[:4] and a.keys[4] != b.keys[4]
+    assert not set(c.keys) & set(a.keys)  # a different first block changes every key after it
+    assert d.keys[:6] == a.keys[:6]
+    assert [r.warm for r in w.requests] == [True, False, False, False, False]
+    # e repeats a: all of it was seen, but its last token is computed (its logits are the output)
+    assert [r.reusable for r in w.requests] == [0, 64, 0, 96, 80] and np.array_equal(e.tokens, a.tokens)
+    w.compress(2.0)
+    assert [r.arrival for r in w.measured] == [0.0, 0.5, 1.0, 1.5]
+    with pytest.raises(ValueError):
+        w.compress(0)
+
+
+def test_block_keys_chain_the_whole_prefix() -> None:
+    tokens = np.arange(50, dtype=np.int32)
+    keys = block_keys(tokens)
+    assert len(keys) == 3 and len(set(keys)) == 3 and all(0 <= k < 2**63 for k in keys)
+    changed = tokens.copy()
+    changed[3] = 999
+    assert all(x != y for x, y in zip(block_keys(changed), keys))
+    assert block_keys(tokens[:48]) == keys
+
+
+def test_prefix_repetition_requests_share_their_prefix() -> None:
+    w = prefix_workload(prefixes=3, prefix_tokens=64, suffix_tokens=8, requests=20, warmup=2, vocab=512)
+    assert len(w.warm) == 5 and len(w.measured) == 20
+    heads = {tuple(r.tokens[:64]) for r in w.requests}
+    assert len(heads) == 3
+    assert all(r.reusable == 64 for r in w.measured)  # every prefix was seen in the warm-up
+    assert len({tuple(r.tokens[64:]) for r in w.requests}) == len(w.requests)
+
+
+def test_reuse_distances_match_an_lru_stack(tmp_path: Path) -> None:
+    w = trace_workload(conversation_trace(tmp_path / "c.jsonl", conversations=6, turns=3),
+                       requests=9, warmup=9, block_tokens=16, max_tokens=4096, vocab=512)
+    stack: list[int] = []
+    expected = []
+    for r in w.requests:
+        lead = r.reusable // BLOCK_TOKENS
+        for i, key in enumerate(r.keys):
+            if key in stack:
+                if not r.warm and i < lead:
+                    expected.append(len(stack) - 1 - stack.index(key))
+                stack.remove(key)
+            stack.append(key)
+    assert expected and reuse_distances(w).tolist() == expected
+
+
+def test_pools_are_sized_from_reuse_and_hold_the_largest_request(tmp_path: Path) -> None:
+    w = trace_workload(conversation_trace(tmp_path / "c.jsonl"), requests=48, warmup=48,
+                       block_tokens=16, max_tokens=4096, vocab=512)
+    cfg = ServeConfig.defaults(backend="cpu", quick=True)
+    cfg.resolve_pools(w, 8192)
+    assert cfg.gpu_blocks and cfg.host_blocks and cfg.disk_blocks
+    assert w.max_blocks() <= cfg.gpu_blocks < cfg.host_blocks < cfg.disk_blocks
+    small = ServeConfig.defaults(backend="cpu", quick=True, gpu_blocks=2)
+    with pytest.raises(ValueError, match="largest request"):
+        small.resolve_pools(w, 8192)
+
+
+# -- the GPU pool ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_pool_evicts_least_recently_used_and_never_a_held_block() -> None:
+    pool = BlockPool(4, caching=True)
+    a = pool.take(2)
+    assert a is not None
+    pool.register([10, 11], a)
+    pool.release(a)
+    b = pool.take(2)
+    assert b is not None and not set(a) & set(b)  # free blocks go first
+    pool.register([20, 21], b)
+    pool.release(b)
+    assert pool.match([20, 21, 99]) == b  # 20, 21 held now, and most recent
+    c = pool.take(2)
+    assert c == a and pool.evictions == 2 and pool.match([10]) == []
+    assert pool.take(1) is None  # everything is held
+    pool.release(b + c)
+    assert pool.match([20]) == b[:1]
+    pool.release(b[:1])
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(c)
+
+
+@pytest.mark.anyio
+async def test_pool_without_caching_registers_nothing() -> None:
+    pool = BlockPool(2, caching=False)
+    blocks = pool.take(2)
+    assert blocks is not None
+    pool.register([1, 2], blocks)
+    pool.release(blocks)
+    assert pool.match([1]) == [] and pool.cached() == 0 and pool.take(2) is not None
+
+
+@pytest.mark.anyio
+async def test_pool_take_waiting_waits_for_a_release() -> None:
+    pool = BlockPool(2, caching=True)
+    held = pool.take(2)
+    assert held is not None
+    got: list[list[int]] = []
+
+    async def want() -> None:
+        got.append(await pool.take_waiting(1))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want)
+        await anyio.sleep(0.01)
+        assert not got
+        pool.release(held[:1])
+    assert got == [held[:1]]
+    with pytest.raises(ValueError, match="pool has 2"):
+        await pool.take_waiting(3)
+
+
+# -- the lower bound ---------------------------------------------------------------------
+
+
+def test_lower_bound_queues_first_come_first_served() -> None:
+    ceil = Ceilings(1.0, "copy", 1e12, "gemm", block_bytes=16 * 10**6)  # 1 GB/s, 1 MB a token
+    served = [
+        Served(0, 100, 0, arrival=0.0, start=0.0, first_token=1.0, token=1, host_tokens=16, prefill_s=0.5),
+        Served(1, 100, 0, arrival=0.1, start=1.0, first_token=1.5, token=1, prefill_s=0.2),
+        Served(2, 100, 0, arrival=5.0, start=5.0, first_token=5.5, token=1, prefill_s=0.3),
+    ]
+    bounds = lower_bounds(served, ceil)
+    assert bounds[0] == pytest.approx(0.516)  # 16 MB at 1 GB/s, then 0.5 s
+    assert bounds[1] == pytest.approx(0.516 + 0.2 - 0.1)  # queued behind the first
+    assert bounds[2] == pytest.approx(0.3)
+    assert lower_bounds(served, ceil, moves=False)[0] == pytest.approx(0.5)
+
+
+# -- greedy decode from restored KV ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_greedy_decode_from_restored_kv_equals_recompute(tmp_path: Path) -> None:
+    model = LlamaModel(ModelConfig.tiny(), seed=5)
+    kv = model.new_kv_cache(blocks_needed(6, 12))
+    rows = await decode_check(model, kv, Device("cpu"), prompt_blocks=6, decode_tokens=12,
+                              tier_dir=str(tmp_path))
+    assert [r.name for r in rows] == ["host restore: tokens equal to recompute",
+                                      "disk restore: tokens equal to recompute"]
+    for row in rows:
+        assert not row.failed and row.value == 12 and "bytes equal, tokens equal" in row.note
+        assert row.extra["tokens"] == row.extra["reference"] and len(set(row.extra["tokens"])) > 1
+    assert "6 of them from the disk tier" in rows[1].note
+    assert not list(tmp_path.iterdir())  # the tier's folder is gone
+
+
+@pytest.mark.anyio
+async def test_decode_check_fails_when_restored_bytes_are_wrong(tmp_path: Path, monkeypatch) -> None:
+    class Corrupting(OffloadCache):
+        async def restore(self, keys, gpu_block_ids, **kw):  # type: ignore[no-untyped-def]
+            result = await super().restore(keys, gpu_block_ids, **kw)
+            kv[0][0, int(gpu_block_ids[-1]), 3].add_(1.0)  # one K vector of the last block
+            return result
+
+    monkeypatch.setattr(correctness, "OffloadCache", Corrupting)
+    model = LlamaModel(ModelConfig.tiny(), seed=5)
+    kv = model.new_kv_cache(blocks_needed(4, 4))
+    rows = await decode_check(model, kv, Device("cpu"), prompt_blocks=4, decode_tokens=4,
+                              tier_dir=str(tmp_path))
+    assert all(r.failed and "BYTES DIFFER" in r.note for r in rows)
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str, Path]:
+    tmp = tmp_path_factory.mktemp("serve")
+    trace = conversation_trace(tmp / "conversation_trace.jsonl")
+    out = tmp / "serve.json"
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", "serve", "--quick", "--trace", str(trace), "--requests", "48",
+                     "--warmup", "48", "--tier-dir", str(tmp), "--json", str(out)])
+    return code, json.loads(out.read_text()), stdout.getvalue(), tmp
+
+
+def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
+    code, payload, table, tmp = quick_run
+    assert code == 0
+    rows = payload["rows"]
+    sections = {r["section"].split(",")[0] for r in rows}
+    for arm in ARMS:
+        assert f"serve arm: {arm}" in sections
+        assert f"== serve arm: {arm}," in table
+    overall = {r["extra"]["arm"]: r for r in rows if "ttft_ms" in r["extra"]}
+    assert set(overall) == set(ARMS)
+    for arm, row in overall.items():
+        assert len(row["extra"]["ttft_ms"]) == 48 and row["ceiling"] > 0
+        if arm in ("recompute", "gpu", "oracle"):  # nothing moved: the bound is the same queue
+            # with only the measured prefills in it, so it never exceeds the figure
+            assert all(b <= t + 1e-6 for b, t in zip(row["extra"]["bound_ms"], row["extra"]["ttft_ms"]))
+    assert set(overall["recompute"]["extra"]["hit"]) == {"miss"}
+    assert {"gpu", "host", "disk"} <= set(overall["disk"]["extra"]["hit"])
+    assert "host" in overall["host"]["extra"]["hit"]
+    assert overall["oracle"]["extra"]["hit"] == overall["disk"]["extra"]["hit"]  # the same hits
+    names = {(r["section"].split(",")[0], r["name"]) for r in rows}
+    for cls in ("GPU", "host", "disk"):
+        assert ("serve arm: disk", f"TTFT p50 {cls} hits") in names
+    assert ("serve arm: recompute", "TTFT p50 misses") in names
+    assert ("serve arm: recompute", "model FLOP utilisation") in names
+    assert ("serve arm: host", "GPU-seconds saved vs recompute") in names
+    assert any(r["name"] == "host arm / recompute" for r in rows)
+    assert any(r["name"] == "disk arm / oracle" for r in rows)
+    checks = [r for r in rows if r["section"].startswith("serve correctness")]
+    assert len(checks) == 2 and not any(r["failed"] for r in rows)
+    assert payload["meta"]["backend"] == "cpu" and payload["meta"]["model"]["name"] == "tiny"
+    assert not [p for p in tmp.iterdir() if p.name.startswith("aiokv-serve")]  # tier folders removed
+
+
+def test_quick_serve_table_has_prefix_buckets_and_lower_bounds(quick_run) -> None:
+    _, payload, table, _ = quick_run
+    assert "TTFT p50 prefix 1-1023" in table and "this arm's lower bound" in table
+    setup = {r["name"]: r for r in payload["rows"] if r["section"].startswith("serve setup")}
+    assert {"load ceiling", "peak FLOP/s", "timestamp compression", "disk tier read ceiling",
+            "GPU pool", "host pool", "disk tier"} <= set(setup)
+    assert setup["load ceiling"]["value"] > 0 and setup["disk tier read ceiling"]["value"] > 0
+
+
+def test_correctness_mode_alone(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "serve", "--mode", "correctness", "--quick", "--decode-tokens", "6",
+                 "--tier-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "host restore: tokens equal to recompute" in out and "serve arm" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "recompute,warp"], "--arms takes names"),
+    (["--arms", "recompute,oracle"], "mirrors a caching arm"),
+    (["--requests", "0"], "--requests must be >= 1"),
+    (["--load", "0"], "--load must be"),
+    (["--compress", "-1"], "--compress must be > 0"),
+    (["--tier-dir", "/no/such/folder"], "is not a folder"),
+    (["--model", "llama3-8b"], "runs on CUDA"),
+])
+def test_bad_serve_options_exit_2_before_running(argv, message, capsys, tmp_path: Path) -> None:
+    trace = conversation_trace(tmp_path / "c.jsonl", conversations=2, turns=2)
+    assert main(["bench", "serve", "--quick", "--trace", str(trace), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--requests", "10"],
+    ["bench", "cache", "--layers", "2"],
+    ["bench", "serve", "--capacity", "10"],
+    ["bench", "serve", "--tiers", "host=1,disk=2"],
+])
+def test_options_of_another_bench_are_refused(argv, capsys) -> None:
+    assert main(argv) == 2
+    assert "is an option of `aiokv bench " in capsys.readouterr().err
+
+
+def test_plot_draws_cdfs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from aiokv.bench.report import BenchRow
+    from aiokv.bench.serve.report import plot_cdfs
+
+    rows = [BenchRow("s", "TTFT p50", 1.0, "ms", extra={"arm": a, "ttft_ms": [1.0, 2.0, 5.0]})
+            for a in ("recompute", "host")]
+    plot_cdfs(rows, str(tmp_path / "cdf.png"), "t")
+    assert (tmp_path / "cdf.png").stat().st_size > 1000
