@@ -27,8 +27,9 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+import aiokv.integrations.vllm.options as plugin_options  # noqa: E402
 from aiokv.backends.cpu import CpuLane  # noqa: E402
-from aiokv.errors import InvalidSpec, KeyNotLoadable, UsageError  # noqa: E402
+from aiokv.errors import HostMemoryError, InvalidSpec, KeyNotLoadable, UsageError  # noqa: E402
 
 from .harness import (  # noqa: E402
     DEVICE_POINTERS,
@@ -75,6 +76,9 @@ def test_documented_config_builds_the_spec_through_vllms_factory(model_dir) -> N
     ("extra", "match"),
     [
         ({"aiokv_polcy": "lru"}, "aiokv_policy"),
+        ({"aiokv-policy": "lru"}, "'aiokv-policy': did you mean 'aiokv_policy'"),
+        ({"AIOKV_POLICY": "lru"}, "'AIOKV_POLICY': did you mean 'aiokv_policy'"),
+        ({"cpu_bytes_to_use": 1e30}, "int32 chunk ids"),
         ({"aiokv_policy": "fifo"}, "'arc'"),
         ({"aiokv_backend": "tpu"}, "'cpu'"),
         ({"cpu_bytes_to_use": "much"}, "cpu_bytes_to_use"),
@@ -85,6 +89,12 @@ def test_documented_config_builds_the_spec_through_vllms_factory(model_dir) -> N
 def test_bad_config_is_refused_at_construction(model_dir, extra, match) -> None:
     with pytest.raises(InvalidSpec, match=match):
         make_spec(model_dir, extra)
+
+
+def test_a_pool_larger_than_the_host_is_refused_typed(model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(plugin_options, "available_host_memory", lambda: 1 << 30)
+    with pytest.raises(HostMemoryError, match="lower cpu_bytes_to_use"):
+        make_spec(model_dir, {"cpu_bytes_to_use": 2 << 30})
 
 
 def test_vllm_outside_the_tested_range_is_refused(model_dir, monkeypatch) -> None:
