@@ -49,6 +49,9 @@ for req in md.requires("vllm") or []:
     if name not in skip:
         print(req)
 EOF
+  if [ -n "$skip" ]; then
+    echo "CI: vLLM $version installed without: $skip (pip's resolver may say it is missing)"
+  fi
   "$venv/bin/python" -m pip install -q -r "$reqs"
   "$venv/bin/python" -m pip install -q --no-deps -e .
   "$venv/bin/python" -m pip install -q 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3'
