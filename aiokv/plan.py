@@ -25,6 +25,7 @@ from .errors import InvalidSpec
 from .layout import CanonicalKVCaches
 
 __all__ = [
+    "CHUNK_ALIGN",
     "BlockMapping",
     "CopyPlan",
     "HostLayout",
@@ -32,7 +33,9 @@ __all__ = [
     "plan_copies",
 ]
 
-_CHUNK_ALIGN = 512
+CHUNK_ALIGN = 512
+"""Host chunks are padded to a multiple of this many bytes, so every chunk starts aligned
+(engines that size their own pools, such as the vLLM plug-in, must pad the same way)."""
 _INT64_MAX = (1 << 63) - 1
 # Jobs up to this many blocks (one group) / pages are planned in plain Python: numpy's
 # per-call overhead would be most of a small job's submit time.
@@ -102,7 +105,7 @@ class HostLayout:
             sizes.append(tuple(g_sizes))
             offsets.append(tuple(g_offs))
             nblocks.append(min(int(kv.tensors[i].tensor.shape[0]) for i in g_idx))
-        chunk_bytes = -(-widest // _CHUNK_ALIGN) * _CHUNK_ALIGN
+        chunk_bytes = -(-widest // CHUNK_ALIGN) * CHUNK_ALIGN
         return cls(
             blocks_per_chunk=blocks_per_chunk,
             chunk_bytes=chunk_bytes,

@@ -1,14 +1,16 @@
 """Builds vLLM's own objects around the plug-in the way vLLM builds them (vLLM tests only).
 
 The kv-transfer config comes from docs/vllm.md itself, so the page's configuration is the
-one these tests run. Import only after ``pytest.importorskip("vllm")``.
+one these tests run. Import only after ``pytest.importorskip("vllm")``. Where vLLM 0.33 and
+0.34 differ in what a caller builds (``ModelRunnerOutput``, the device side of a job), the
+helpers here build what the installed release builds, found by feature, not by version.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,11 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_offload import base as kv_offload_base
+from vllm.v1.outputs import ModelRunnerOutput
+
+# vLLM 0.34 hands its workers device addresses (DevicePointers) instead of GPU block ids.
+DEVICE_POINTERS = hasattr(kv_offload_base, "DevicePointers")
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 
@@ -171,3 +178,20 @@ def connectors(
     with set_current_vllm_config(vllm_config):
         worker.register_kv_caches(caches)
     return scheduler, worker
+
+
+def device_side(connector_worker: Any, spec: Any) -> Any:
+    """The device side of a job as this vLLM's connector hands it to its worker: 0.34
+    resolves the GPU spec to addresses in the registered KV caches, 0.33 passes it on."""
+    if not DEVICE_POINTERS:
+        return spec
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    return resolve_device_pointers(spec, connector_worker._kv_caches)
+
+
+def model_runner_output(req_ids: list[str], **kw: Any) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` for ``req_ids`` (0.33 also wants ``req_id_to_index``)."""
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **kw)

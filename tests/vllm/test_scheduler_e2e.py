@@ -24,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from .harness import Group, build_configs, layer_caches, write_tiny_model
+from .harness import Group, build_configs, layer_caches, model_runner_output, write_tiny_model
 
 BS = 16
 
@@ -133,9 +133,8 @@ def test_vllm_scheduler_serves_offloaded_prefixes_byte_exact(
         running = list(scheduler.running)
         scheduler.update_from_output(
             out,
-            ModelRunnerOutput(
-                req_ids=[r.request_id for r in running],
-                req_id_to_index={r.request_id: i for i, r in enumerate(running)},
+            model_runner_output(
+                [r.request_id for r in running],
                 sampled_token_ids=[[int(rng.integers(10, 900))] for _ in running],
                 logprobs=None,
                 prompt_logprobs_dict={},

@@ -1,5 +1,6 @@
 """The spec as vLLM's factory builds it: config keys, attributes the connector reads, the
-manager's semantics, tensor-parallel chunk ids and the worker's errors."""
+manager's semantics, tensor-parallel chunk ids, the worker's errors, the device side of a
+job in each release's form, and failed transfers as vLLM's connector worker sees them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingConnectorMetadata,
+    TransferJob,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (  # noqa: E402
     build_offloading_config,
 )
@@ -19,14 +24,19 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from aiokv.errors import InvalidSpec, KeyNotLoadable, UsageError  # noqa: E402
+import aiokv.integrations.vllm.options as plugin_options  # noqa: E402
+from aiokv.backends.cpu import CpuLane  # noqa: E402
+from aiokv.errors import HostMemoryError, InvalidSpec, KeyNotLoadable, UsageError  # noqa: E402
 
 from .harness import (  # noqa: E402
+    DEVICE_POINTERS,
     Group,
     build_configs,
     connectors,
+    device_side,
     documented_kv_transfer_config,
     layer_caches,
     write_tiny_model,
@@ -66,6 +76,9 @@ def test_documented_config_builds_the_spec_through_vllms_factory(model_dir) -> N
     ("extra", "match"),
     [
         ({"aiokv_polcy": "lru"}, "aiokv_policy"),
+        ({"aiokv-policy": "lru"}, "'aiokv-policy': did you mean 'aiokv_policy'"),
+        ({"AIOKV_POLICY": "lru"}, "'AIOKV_POLICY': did you mean 'aiokv_policy'"),
+        ({"cpu_bytes_to_use": 1e30}, "int32 chunk ids"),
         ({"aiokv_policy": "fifo"}, "'arc'"),
         ({"aiokv_backend": "tpu"}, "'cpu'"),
         ({"cpu_bytes_to_use": "much"}, "cpu_bytes_to_use"),
@@ -78,9 +91,16 @@ def test_bad_config_is_refused_at_construction(model_dir, extra, match) -> None:
         make_spec(model_dir, extra)
 
 
+def test_a_pool_larger_than_the_host_is_refused_typed(model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(plugin_options, "available_host_memory", lambda: 1 << 30)
+    with pytest.raises(HostMemoryError, match="lower cpu_bytes_to_use"):
+        make_spec(model_dir, {"cpu_bytes_to_use": 2 << 30})
+
+
 def test_vllm_outside_the_tested_range_is_refused(model_dir, monkeypatch) -> None:
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.raises(UsageError, match=r"vllm>=0\.33,<0\.34"):
+    make_spec(model_dir)  # the installed release is in the range
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(UsageError, match=r"vllm>=0\.33,<0\.35"):
         make_spec(model_dir)
 
 
@@ -207,7 +227,7 @@ def test_tensor_parallel_ranks_share_chunk_ids_with_their_own_bytes(model_dir) -
         vc.parallel_config.rank = rank
         caches, rows = layer_caches(kc, seed=100 + rank)
         scheduler, worker = connectors(vc, kc, caches)
-        ranks.append((scheduler.connector_scheduler.manager, worker.connector_worker.worker, rows))
+        ranks.append((scheduler.connector_scheduler.manager, worker.connector_worker, rows))
     manager = ranks[0][0]
     assert manager.num_chunks == 16
     ctx = ReqContext(req_id="tp")
@@ -215,15 +235,15 @@ def test_tensor_parallel_ranks_share_chunk_ids_with_their_own_bytes(model_dir) -
     out = manager.prepare_store(keys, ctx)
     src = GPULoadStoreSpec([5, 6, 7, 5, 6, 7], group_sizes=[3, 3], block_indices=[0, 0])
     dst = GPULoadStoreSpec([20, 21, 22, 30, 31, 32], group_sizes=[3, 3], block_indices=[0, 0])
-    for _, worker, _ in ranks:
-        assert worker.submit_store(1, src, out.store_spec)
-        worker.wait({1})
+    for _, cw, _ in ranks:  # each rank resolves the spec against its own tensors
+        assert cw.worker.submit_store(1, device_side(cw, src), out.store_spec)
+        cw.worker.wait({1})
     manager.complete_store(keys, ctx)
     load = manager.prepare_load(keys, ctx)
-    for _, worker, _ in ranks:
-        assert worker.submit_load(2, load, dst, expedited=True)
-        worker.wait({2})
-        assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    for _, cw, _ in ranks:
+        assert cw.worker.submit_load(2, load, device_side(cw, dst), expedited=True)
+        cw.worker.wait({2})
+        assert sorted(r.job_id for r in cw.worker.get_finished()) == [1, 2]
     for _, _, rows in ranks:
         for layer, (a, b) in {"l0": (20, 5), "l1": (20, 5), "l2": (30, 5)}.items():
             for i in range(3):
@@ -231,8 +251,8 @@ def test_tensor_parallel_ranks_share_chunk_ids_with_their_own_bytes(model_dir) -
                 n = page or GROUPS[1].spec(16).unpadded_page_size_bytes
                 assert torch.equal(rows[layer][a + i, :n], rows[layer][b + i, :n]), (layer, i)
     assert not torch.equal(ranks[0][2]["l0"][20], ranks[1][2]["l0"][20])
-    for _, worker, _ in ranks:
-        worker.shutdown()
+    for _, cw, _ in ranks:
+        cw.worker.shutdown()
 
 
 def test_worker_refuses_bad_specs_and_stays_usable(model_dir) -> None:
@@ -242,8 +262,6 @@ def test_worker_refuses_bad_specs_and_stays_usable(model_dir) -> None:
     worker = worker_conn.connector_worker.worker
     cpu = worker_conn.connector_worker.spec  # the worker process's spec
     assert cpu.num_chunks == 8
-    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
     bad_block = GPULoadStoreSpec([99, 1], group_sizes=[1, 1], block_indices=[0, 0])
     with pytest.raises(InvalidSpec):
         worker.submit_store(1, bad_block, CPULoadStoreSpec([0, 1]))
@@ -256,6 +274,98 @@ def test_worker_refuses_bad_specs_and_stays_usable(model_dir) -> None:
     assert result.job_id == 1 and result.success and result.transfer_size > 0
     assert type(result).__module__ == "vllm.v1.kv_offload.base"
     worker.shutdown()
+
+
+def _worker_rig(model_dir, seed: int, **extra):
+    vc, kc = build_configs(
+        model_dir, extra={"cpu_bytes_to_use": 8 * 2560, **extra}, groups=GROUPS, num_gpu_blocks=16
+    )
+    caches, rows = layer_caches(kc, seed=seed)
+    _, worker_conn = connectors(vc, kc, caches)
+    return worker_conn.connector_worker, rows
+
+
+@pytest.mark.skipif(not DEVICE_POINTERS, reason="vLLM before 0.34 hands workers block ids")
+def test_worker_refuses_pointers_that_are_not_its_blocks_and_enqueues_nothing(model_dir) -> None:
+    cw, _ = _worker_rig(model_dir, seed=4)
+    worker = cw.worker
+    good = device_side(cw, GPULoadStoreSpec([3, 4, 5], group_sizes=[2, 1], block_indices=[0, 0]))
+    off_by_one = type(good)(**{**vars(good), "ptrs": good.ptrs + np.uint64(1)})
+    other = torch.empty(16, 2560, dtype=torch.int8)  # a tensor vLLM never registered
+    foreign = type(good)(**{**vars(good), "ptrs": good.ptrs - good.ptrs[0] + np.uint64(other.data_ptr())})
+    for bad in (off_by_one, foreign):
+        with pytest.raises(InvalidSpec, match="does not start a block of the registered tensor"):
+            worker.submit_store(1, bad, CPULoadStoreSpec([0, 1, 2]))
+        with pytest.raises(InvalidSpec, match="does not start a block"):
+            worker.submit_load(2, CPULoadStoreSpec([0, 1, 2]), bad, expedited=True)
+    stats = worker.aiokv_worker.statistics()
+    assert sum(stats.completed.values()) == sum(stats.in_flight.values()) == 0
+    assert worker.get_finished() == []
+    assert worker.submit_store(1, good, CPULoadStoreSpec([0, 1, 2]))  # the same ids, now enqueued
+    worker.wait({1})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    worker.shutdown()
+
+
+def test_the_null_block_placeholder_keeps_later_blocks_at_their_chunk_offsets(model_dir) -> None:
+    # vLLM 0.34 keeps null pages (block 0) inside a stored chunk so the blocks after them
+    # keep their logical offsets; the null block is copied like any other.
+    cw, rows = _worker_rig(model_dir, seed=6, blocks_per_chunk=2)
+    worker = cw.worker
+    before = {name: r.clone() for name, r in rows.items()}
+    src = GPULoadStoreSpec([0, 5, 6, 0], group_sizes=[2, 2], block_indices=[0, 0])
+    assert worker.submit_store(1, device_side(cw, src), CPULoadStoreSpec([2, 3]))
+    worker.wait({1})
+    dst = GPULoadStoreSpec([10, 11, 12, 13], group_sizes=[2, 2], block_indices=[0, 0])
+    assert worker.submit_load(2, CPULoadStoreSpec([2, 3]), device_side(cw, dst), expedited=True)
+    worker.wait({2})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    moved = {"l0": {10: 0, 11: 5}, "l1": {10: 0, 11: 5}, "l2": {12: 6, 13: 0}}
+    for layer, pairs in moved.items():
+        group = GROUPS[0] if layer != "l2" else GROUPS[1]
+        n = group.spec(16).unpadded_page_size_bytes
+        for dst_block, src_block in pairs.items():
+            assert torch.equal(rows[layer][dst_block, :n], before[layer][src_block, :n]), (layer, dst_block)
+    worker.shutdown()
+
+
+def test_failed_transfers_reach_vllms_connector_worker(model_dir, monkeypatch) -> None:
+    """A copy that fails is reported with success=False, never as a hit. vLLM 0.34 turns a
+    failed load into a failed receive of its request, a failed expedited load into an error
+    in the step, a failed store into a failed job; vLLM 0.33 asserts on every failure."""
+    cw, _ = _worker_rig(model_dir, seed=8)
+
+    def fail(self, plan):
+        raise OSError("simulated device fault")
+
+    monkeypatch.setattr(CpuLane, "_copy", fail)
+    gpu = GPULoadStoreSpec([3], group_sizes=[1, 0], block_indices=[0, 0])
+
+    def step(load_jobs: dict | None = None, store_jobs: dict | None = None) -> None:
+        """One step's transfers in the model runner's order: stores queued by the last
+        step are submitted with this step's loads (sync ones waited on)."""
+        cw.prepare_store_kv(OffloadingConnectorMetadata(load_jobs={}, store_jobs=store_jobs or {}))
+        cw.start_kv_transfers(OffloadingConnectorMetadata(load_jobs=load_jobs or {}, store_jobs={}))
+        cw.worker.wait({*(load_jobs or {}), *(store_jobs or {})})
+
+    step(store_jobs={1: TransferJob(req_id="s", src_spec=gpu, dst_spec=CPULoadStoreSpec([0]))})
+    step(load_jobs={2: TransferJob(req_id="a", src_spec=CPULoadStoreSpec([1]), dst_spec=gpu)})
+    try:
+        if not DEVICE_POINTERS:
+            with pytest.raises(AssertionError):
+                cw.get_finished(set())
+            return
+        _, recving = cw.get_finished(set())
+        assert recving == {"a"} and cw.take_failed_recving() == {"a"}
+        meta = cw.build_connector_worker_meta()
+        assert set(meta.completed_jobs) == {1, 2} and meta.failed_jobs == {1, 2}
+        step(load_jobs={3: TransferJob(req_id="b", src_spec=CPULoadStoreSpec([1]), dst_spec=gpu, sync=True)})
+        with pytest.raises(RuntimeError, match="sync load job 3 failed"):
+            cw.get_finished(set())
+        failed = cw.worker.aiokv_worker.statistics().failed
+        assert failed["store"] == 1 and sum(failed.values()) == 3, failed
+    finally:
+        cw.worker.shutdown()
 
 
 def test_import_aiokv_does_not_import_an_installed_vllm() -> None:

@@ -47,7 +47,8 @@ def __getattr__(name: str) -> Any:
 
         raise UsageError(
             f"aiokv.integrations.vllm.{name} needs vllm{SUPPORTED_RANGE} with its "
-            f"vllm.v1.kv_offload API ({exc}); install it with: pip install 'aiokv[vllm]'"
+            f"vllm.v1.kv_offload API ({exc}); install it with pip install 'vllm{SUPPORTED_RANGE}', "
+            "or pip install -e '.[vllm]' in a clone of aiokv"
         ) from exc
     globals()[name] = value
     return value

@@ -13,9 +13,9 @@ from ...errors import UsageError
 
 __all__ = ["SUPPORTED_RANGE", "check_vllm_version"]
 
-SUPPORTED_RANGE = ">=0.33,<0.34"
+SUPPORTED_RANGE = ">=0.33,<0.35"
 _MIN = (0, 33)
-_MAX = (0, 34)  # exclusive
+_MAX = (0, 35)  # exclusive
 
 _RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)")
 
@@ -34,6 +34,6 @@ def check_vllm_version(version: str) -> None:
     if not _MIN <= release < _MAX:
         raise UsageError(
             f"aiokv's vLLM plug-in was tested with vllm{SUPPORTED_RANGE} but vLLM {version} is "
-            f"installed; install a supported release (pip install 'aiokv[vllm]') or use vLLM's "
-            "own CPUOffloadingSpec"
+            f"installed; install a supported release (pip install 'vllm{SUPPORTED_RANGE}', or "
+            "pip install -e '.[vllm]' in a clone of aiokv) or use vLLM's own CPUOffloadingSpec"
         )

@@ -127,6 +127,8 @@ class AiokvOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(chunk_ids)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
+        """Count a use of ``keys`` (vLLM 0.33's ABC has this hook; 0.34 dropped it and
+        reuse is counted when a held key is offered again, see ``prepare_store``)."""
         self._chunks.touch(_prefix_order(list(keys), req_context))
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
@@ -203,7 +205,3 @@ class AiokvOffloadingManager(OffloadingManager):
         """Forget every block. vLLM never completes jobs from before a reset, and keeps new
         stores away from chunks that in-flight jobs may still touch until they report."""
         self._chunks = ChunkManager(self.num_chunks, policy=self._policy_name, admission=self._admission_name)
-
-    def stats_snapshot(self) -> Any:
-        """The chunk manager's ``CacheStats``."""
-        return self._chunks.stats()

@@ -5,18 +5,24 @@ Kept free of vLLM imports so the checks are testable wherever aiokv is installed
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...backends import BACKENDS
 from ...cache import available_admissions, available_policies
-from ...errors import InvalidSpec
+from ...core import available_host_memory
+from ...errors import HostMemoryError, InvalidSpec
 from ...options import STRATEGIES, WorkerOptions
+from ...plan import CHUNK_ALIGN
 
-__all__ = ["BACKENDS", "CPU_SPEC_KEYS", "KEYS", "PluginOptions", "read_cpu_bytes"]
+__all__ = ["CPU_SPEC_KEYS", "KEYS", "MAX_CHUNKS", "PluginOptions", "read_cpu_bytes", "size_host_pool"]
 
-BACKENDS = ("auto", "cuda", "cpu")
+# vLLM carries chunk ids as numpy int32 (its CPULoadStoreSpec), so no pool may hold more.
+MAX_CHUNKS = 2**31 - 1
 
 # Every aiokv_ key the plug-in reads, with what it sets (docs/vllm.md lists the same).
 KEYS = {
@@ -55,9 +61,12 @@ class PluginOptions:
             InvalidSpec: an unknown ``aiokv_`` key or a bad value; the message names the
                 valid keys or values.
         """
-        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("aiokv_") and k not in KEYS)
+        unknown = sorted(k for k in extra if isinstance(k, str) and k not in KEYS and _looks_like_ours(k))
         if unknown:
-            raise InvalidSpec(f"unknown kv_connector_extra_config keys {unknown}; aiokv reads {sorted(KEYS)}")
+            guesses = "; ".join(f"{k!r}: did you mean {_closest(k)!r}?" for k in unknown)
+            raise InvalidSpec(
+                f"unknown kv_connector_extra_config keys {unknown} ({guesses}); aiokv reads {sorted(KEYS)}"
+            )
         ignored = sorted(k for k in CPU_SPEC_KEYS if k in extra)
         if ignored:
             instead = "; ".join(f"{k}: use {CPU_SPEC_KEYS[k]}" for k in ignored)
@@ -78,6 +87,26 @@ class PluginOptions:
             raise InvalidSpec("set the copy strategy with aiokv_strategy, not inside aiokv_worker_options")
         worker_options = WorkerOptions.coerce({**dict(raw), "strategy": strategy})
         return cls(policy, admission, strategy, backend, worker_options)
+
+
+def _normal(key: str) -> str:
+    """``key`` lower-cased with every run of separators as one underscore."""
+    return re.sub(r"[^a-z0-9]+", "_", key.lower())
+
+
+def _looks_like_ours(key: str) -> bool:
+    """A key meant for aiokv (``aiokv_policy`` misspelled as ``aiokv-policy``,
+    ``AIOKV_POLICY``, ``aiokv_polcy``): refused, since vLLM would ignore it silently."""
+    return _normal(key).startswith("aiokv")
+
+
+def _closest(key: str) -> str:
+    """The aiokv key ``key`` most likely means."""
+    normal = _normal(key)
+    if normal in KEYS:
+        return normal
+    close = difflib.get_close_matches(normal, list(KEYS), n=1, cutoff=0.0)
+    return close[0]
 
 
 def _choice(extra: Mapping[str, Any], key: str, default: str | None, valid: Any) -> str:
@@ -104,3 +133,41 @@ def read_cpu_bytes(extra: Mapping[str, Any]) -> int:
     if not math.isfinite(value) or value != int(value) or value < 1:
         raise InvalidSpec(f"cpu_bytes_to_use must be a positive whole number of bytes, got {raw!r}")
     return int(value)
+
+
+def size_host_pool(cpu_bytes: int, kv_bytes_per_block_chunk: int, world_size: int) -> tuple[int, int]:
+    """``(bytes of one chunk, chunks)`` of each rank's pool for ``cpu_bytes`` over all ranks.
+
+    A chunk is laid out as the worker will: every group shares one chunk size and chunks
+    start on aligned offsets (aiokv.plan). ``kv_bytes_per_block_chunk`` is vLLM's
+    ``worker_kv_bytes_per_block`` times ``blocks_per_chunk``; 0 (nothing offloadable)
+    gives no chunks, which the spec reports when asked for a manager or worker.
+
+    Raises:
+        InvalidSpec: the pool holds no chunk, or more than vLLM's int32 chunk ids address.
+        HostMemoryError: one rank's pool exceeds the memory this host has available.
+    """
+    if not kv_bytes_per_block_chunk:
+        return 0, 0
+    chunk_bytes = -(-kv_bytes_per_block_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+    num_chunks = cpu_bytes // (chunk_bytes * world_size)
+    if num_chunks < 1:
+        raise InvalidSpec(
+            f"cpu_bytes_to_use={cpu_bytes} holds no chunk: one chunk takes "
+            f"{chunk_bytes} bytes on each of {world_size} rank(s)"
+        )
+    if num_chunks > MAX_CHUNKS:
+        raise InvalidSpec(
+            f"cpu_bytes_to_use={cpu_bytes} makes {num_chunks} host chunks of {chunk_bytes} bytes "
+            f"per rank, more than vLLM's int32 chunk ids address ({MAX_CHUNKS}); lower "
+            "cpu_bytes_to_use (host bytes for all ranks together)"
+        )
+    per_rank = num_chunks * chunk_bytes
+    available = available_host_memory()
+    if available is not None and per_rank > available:
+        raise HostMemoryError(
+            f"cpu_bytes_to_use={cpu_bytes} gives each of {world_size} rank(s) a host pool of "
+            f"{per_rank / 2**30:.3g} GiB, but this host has {available / 2**30:.3g} GiB available; "
+            "lower cpu_bytes_to_use (host bytes for all ranks together)"
+        )
+    return chunk_bytes, num_chunks

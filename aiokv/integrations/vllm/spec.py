@@ -18,16 +18,12 @@ from vllm.v1.kv_offload.base import OffloadingSpec
 from ...errors import InvalidSpec
 from ._compat import check_vllm_version
 from .manager import AiokvOffloadingManager
-from .options import PluginOptions, read_cpu_bytes
+from .options import PluginOptions, read_cpu_bytes, size_host_pool
 from .worker import AiokvOffloadingWorker
 
 __all__ = ["AiokvOffloadingSpec"]
 
 _log = logging.getLogger("aiokv")
-
-# aiokv starts every host chunk on a 512-byte boundary (aiokv.plan); the chunk count is
-# derived before any worker exists, so the scheduler and every rank agree on it.
-_CHUNK_ALIGN = 512
 
 
 class AiokvOffloadingSpec(OffloadingSpec):
@@ -36,8 +32,11 @@ class AiokvOffloadingSpec(OffloadingSpec):
 
     Raises (at construction):
         UsageError: the installed vLLM is outside the tested range.
-        InvalidSpec: an unknown ``aiokv_`` key, a bad value, a missing or too small
-            ``cpu_bytes_to_use``, or vLLM's canonical layout (not supported).
+        InvalidSpec: an unknown or misspelled ``aiokv_`` key, a bad value, a missing,
+            too small or too large ``cpu_bytes_to_use``, or vLLM's canonical layout (not
+            supported).
+        HostMemoryError: one rank's share of ``cpu_bytes_to_use`` exceeds this host's
+            available memory.
     """
 
     def __init__(self, config: Any) -> None:
@@ -54,17 +53,12 @@ class AiokvOffloadingSpec(OffloadingSpec):
         # CPU spec sets this only when ranks share one mapped region).
         self.replicated_layout = False
         self.world_size = max(1, int(config.parallel.world_size))
-        # Bytes of one chunk in one rank's pool, as the worker will lay it out: every
-        # group shares one chunk size and chunks start on aligned offsets.
-        per_rank = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
-        self.kv_bytes_per_chunk = -(-per_rank // _CHUNK_ALIGN) * _CHUNK_ALIGN
-        all_ranks = self.kv_bytes_per_chunk * self.world_size
-        self.num_chunks = self.cpu_bytes_to_use // all_ranks if per_rank else 0
-        if per_rank and self.num_chunks < 1:
-            raise InvalidSpec(
-                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no chunk: one chunk takes "
-                f"{self.kv_bytes_per_chunk} bytes on each of {self.world_size} ranks"
-            )
+        # Derived before any worker exists, so the scheduler and every rank agree on it.
+        self.kv_bytes_per_chunk, self.num_chunks = size_host_pool(
+            self.cpu_bytes_to_use,
+            int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk,
+            self.world_size,
+        )
         self._manager: AiokvOffloadingManager | None = None
         self._worker: AiokvOffloadingWorker | None = None
 

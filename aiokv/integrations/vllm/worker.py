@@ -2,8 +2,9 @@
 
 vLLM's connector calls ``submit_store`` / ``submit_load`` / ``get_finished`` / ``wait`` /
 ``shutdown`` from the model runner's thread. aiokv's ``SyncOffloadingWorker`` has exactly
-that face; this class only turns aiokv's results into vLLM's ``TransferResult`` (the type
-vLLM's statistics read) and keeps vLLM's return conventions.
+that face; this class reads vLLM 0.34's ``DevicePointers`` back as block ids (0.33 passes
+block ids already), turns aiokv's results into vLLM's ``TransferResult`` (the type vLLM's
+statistics read) and keeps vLLM's return conventions.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from ...sync import SyncOffloadingWorker
 from .options import PluginOptions
+from .pointers import PointerMap, is_device_pointers
 
 __all__ = ["AiokvOffloadingWorker"]
 
@@ -23,10 +25,12 @@ class AiokvOffloadingWorker(OffloadingWorker):
     """Moves blocks between this rank's KV cache and its own host pool of ``num_chunks``.
 
     Takes vLLM's ``CanonicalKVCaches`` as the connector builds them (padded pages, several
-    groups, packed layouts) and vLLM's spec objects (numpy int32 ``block_ids``,
-    ``group_sizes``, ``block_indices``). Bad specs raise ``aiokv.InvalidSpec`` before
-    anything is enqueued; a transfer that fails on the device is reported with
-    ``success=False``, never as a hit.
+    groups, packed layouts), the device side of a job as vLLM 0.34's ``DevicePointers``
+    (addresses into those tensors) or vLLM 0.33's ``GPULoadStoreSpec`` (numpy int32
+    ``block_ids``, ``group_sizes``, ``block_indices``), and the null block 0 as a placeholder
+    inside a stored chunk. Bad specs, and addresses that are not exactly a block of the
+    registered tensors, raise ``aiokv.InvalidSpec`` before anything is enqueued; a transfer
+    that fails on the device is reported with ``success=False``, never as a hit.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class AiokvOffloadingWorker(OffloadingWorker):
             backend=options.backend,
             options=options.worker_options,
         )
+        self._pointers = PointerMap(kv_caches)
 
     @property
     def aiokv_worker(self) -> SyncOffloadingWorker:
@@ -46,10 +51,14 @@ class AiokvOffloadingWorker(OffloadingWorker):
         return self._sync
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._sync.submit_store(job_id, src_spec, dst_spec)
+        return self._sync.submit_store(job_id, self._device_spec(src_spec), dst_spec)
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        return self._sync.submit_load(job_id, src_spec, dst_spec, expedited)
+        return self._sync.submit_load(job_id, src_spec, self._device_spec(dst_spec), expedited)
+
+    def _device_spec(self, spec: Any) -> Any:
+        """The device side as block ids: 0.34's pointers translated, 0.33's spec as it is."""
+        return self._pointers.to_spec(spec) if is_device_pointers(spec) else spec
 
     def get_finished(self) -> list[TransferResult]:
         return [
