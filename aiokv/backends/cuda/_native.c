@@ -437,7 +437,7 @@ PyInit__native(void)
     if (PyModule_AddObject(m, "Table", (PyObject *)&aiokv_TableType) < 0 ||
         PyModule_AddObject(m, "Waiter", (PyObject *)&aiokv_WaiterType) < 0 ||
         PyModule_AddIntConstant(m, "WORDS", WORDS) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+        PyModule_AddIntConstant(m, "ABI", 1) < 0) { /* native.py's _ABI: raise both together */
         Py_DECREF(m);
         return NULL;
     }
