@@ -260,13 +260,15 @@ class OffloadCore:
     def next_end(self, bound: float) -> Wait | None:
         """What a waiting face waits on next: the oldest job in flight (the oldest head), for
         at most ``bound`` seconds, or a slice of that while several directions are busy
-        (another head may end first); None when nothing is in flight."""
+        (another head may end first) or no bound is set (a thread's wait without a timeout
+        is, on CUDA, one blocking driver call, where a KeyboardInterrupt lands only once the
+        job ends); None when nothing is in flight."""
         heads = self.heads()
         if not heads:
             return None
-        timeout = min(bound, _SLICE_SECONDS) if len(heads) > 1 else bound
+        timeout = min(bound, _SLICE_SECONDS) if len(heads) > 1 or math.isinf(bound) else bound
         oldest = min(heads, key=lambda j: j.submitted_at)
-        return Wait(oldest, None if math.isinf(timeout) else timeout)
+        return Wait(oldest, timeout)
 
     def drain(self, idle_timeout: float, collect: Callable[[], object]) -> Drain:
         """The drain of a closing face, its idle clock starting now; ``collect`` pops what

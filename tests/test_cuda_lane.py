@@ -1,7 +1,8 @@
 """The CUDA lane's issue logic on a fake driver (no GPU): a job the issuer thread has not
 enqueued is never reported done, doorbells asked for meanwhile are armed once it is, and
 every failure path either raises at submit with the job's pooled events given back or
-fails the job, never both and never neither."""
+fails the job, never both and never neither. Those tests run on both submit paths (the
+strategy's calls made from Python, or recorded and run as one native call)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from aiokv.backends.cuda.lane import CudaLane, Dependency
 from aiokv.errors import CudaCallFailed, InvalidSpec, WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
 
-from .native_fakes import FakeTable
+from .native_fakes import FakeTable, submit_paths
 
 
 class FakeDriver:
@@ -131,10 +132,25 @@ class Bell:
 
 
 def make_lane(issue_thread: bool = True, rings: bool = True) -> tuple[CudaLane, FakeDriver, FakeStrategy]:
+    """A lane on the fake driver, on the submit path of the test (``path``): on the native
+    one the strategy's calls are recorded and run through a fake table forwarding to it."""
     driver = FakeDriver(rings)
-    strategy = FakeStrategy(driver)
-    lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread)  # type: ignore[arg-type]
+    rec = FakeTable(target=driver).recorder(driver, 0, 0) if PATH == "native" else None
+    strategy = FakeStrategy(rec if rec is not None else driver)  # type: ignore[arg-type]
+    lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread,  # type: ignore[arg-type]
+                    recorder=rec)
     return lane, driver, strategy
+
+
+PATH = "python"
+
+
+@pytest.fixture(autouse=True, params=submit_paths())
+def path(request: pytest.FixtureRequest) -> str:
+    """The submit path every ``make_lane`` test runs on ("python" or "native")."""
+    global PATH
+    PATH = request.param
+    return PATH
 
 
 def plan(nbytes: int) -> Any:
@@ -198,6 +214,15 @@ def test_small_job_on_an_idle_lane_is_enqueued_by_the_caller() -> None:
 
 def test_only_the_issuer_thread_keeps_the_gil_through_its_batched_copies() -> None:
     lane, _, strategy = make_lane()
+    rec = lane._recorder
+    if rec is not None:  # native: the choice goes to the job's one call, not to its batches
+        commit = rec.commit
+
+        def spy(hold_gil: bool | None = None) -> None:
+            strategy.hold_gil = hold_gil
+            commit(hold_gil)
+
+        rec.commit = spy  # type: ignore[method-assign]
     assert lane.launch(plan(1024), None).query()
     assert strategy.hold_gil is None  # the caller's thread: the driver decides by batch size
     assert lane.launch(plan(LONG), None).wait(10)
@@ -369,7 +394,10 @@ def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> Non
 
 # -- the native path: the strategy's calls, recorded, go as one native call per job ---------
 
-native_only = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+def native_only(test: Any) -> Any:
+    """A test of the native path alone: run once, where the helper is built."""
+    test = pytest.mark.parametrize("path", ["native"], indirect=True)(test)
+    return pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")(test)
 
 
 def make_native_lane(issue_thread: bool = False,

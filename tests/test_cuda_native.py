@@ -44,6 +44,7 @@ pytestmark = pytest.mark.skipif(native.helper() is None, reason="the native help
 
 MAIN, SIDE, RESCUE = 0x100, 0x200, 0x300
 U64 = np.uint64
+FOREIGN = np.dtype(U64).newbyteorder()  # 8-byte integers in the other byte order
 
 
 def run(fake: FakeTable, program: Program, hold_gil: bool = True) -> tuple[int, int]:
@@ -325,6 +326,7 @@ ONE = np.ones(4, dtype=U64)
     ([OP_BATCH, MAIN, 0, 0, 0, 1, 1, 0], (np.ones(4, dtype=np.float64),), "8-byte integers"),
     ([OP_BATCH, MAIN, 0, 0, 0, 1, 1, 0], (np.ones(4, dtype=np.int32),), "8-byte integers"),
     ([OP_BATCH, MAIN, 0, 0, 0, 1, 1, 0], (np.ones(8, dtype=U64)[::2],), "contiguous"),
+    ([OP_BATCH, MAIN, 0, 0, 0, 1, 1, 0], (np.ones(4, dtype=U64).astype(FOREIGN),), "8-byte integers"),
     ([OP_COPY, MAIN, 0, 1, 64, 0, 0, 0], (), "destination"),
     ([OP_COPY, MAIN, 1, 1, 0, 0, 0, 0], (), "size"),
     ([OP_PITCHED, MAIN, 0, 1, 0, 0, 0, 0], (ONE,), "holds 4 values"),

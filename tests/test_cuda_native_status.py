@@ -106,3 +106,23 @@ def test_an_interpreter_that_cannot_import_the_helper_falls_back() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env).stdout
     assert "(False, 'native helper not built')" in out and "python (native helper not built)" in out
+
+
+def test_a_helper_built_from_other_sources_is_not_used() -> None:
+    """An in-place build left from older sources (an editable install after a pull): its
+    ``ABI`` differs from what this Python side speaks, so its rows could mean other calls.
+    The path is Python, and ``aiokv info`` says the helper must be rebuilt."""
+    code = ("import sys, types\n"
+            "stale = types.ModuleType('aiokv.backends.cuda._native')\n"
+            "stale.ABI, stale.WORDS = 0, 8\n"
+            "stale.set_error_class = lambda cls: None\n"
+            "sys.modules[stale.__name__] = stale\n"
+            "from aiokv.backends.cuda import native\n"
+            "from aiokv.info import collect_info\n"
+            "print(native.status(), native.helper(), '|', collect_info()['CUDA submit path'])\n")
+    env = {k: v for k, v in os.environ.items() if k != native.ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    status, info = out.split("|")
+    assert status.startswith("(False,") and "None" in status and "rebuild" in status
+    assert info.strip().startswith("python (") and "rebuild" in info

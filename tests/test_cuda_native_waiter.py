@@ -224,3 +224,19 @@ def test_a_loop_napping_on_the_bell_wakes_on_the_waiters_ring(loop: str, bell: D
         assert waiter.stats()["rung"] == 1
     finally:
         waiter.close()
+
+
+def test_a_closed_waiter_is_not_initialised_again() -> None:
+    """``__init__`` on a closed waiter started a thread that nothing could stop any more
+    (close, abandon and the finalizer all saw it closed): refused like a second init."""
+    import os
+
+    fake = FakeTable()
+    waiter = native.helper().Waiter(fake.table, STREAM)
+    with pytest.raises(RuntimeError, match="once"):
+        waiter.__init__(fake.table, STREAM)
+    waiter.close()
+    threads = len(os.listdir("/proc/self/task"))
+    with pytest.raises(RuntimeError, match="once"):
+        waiter.__init__(fake.table, STREAM)
+    assert len(os.listdir("/proc/self/task")) == threads, "a thread was started that nothing stops"

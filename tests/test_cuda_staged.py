@@ -337,8 +337,10 @@ def test_device_rows_past_32_bits_plan_piece_by_piece(rows: int, by_block: bool)
 @pytest.mark.parametrize("to_host", [True, False])
 def test_a_failure_after_the_table_copy_is_queued_ends_behind_it(to_host: bool) -> None:
     """The lane records a failed job's end on the main stream: it must cover a table copy
-    already queued on the kernel stream (a store's main stream is the DMA stream)."""
-    strategy, drv, layout, _ = _setup(0, to_host, slot_blocks=2)
+    already queued on the kernel stream (a store's main stream is the DMA stream). A job
+    planned piece by piece uploads its own table as it is enqueued (the layout's table of
+    by-block jobs goes up in ``prepare``)."""
+    strategy, drv, layout, _ = _setup(0, to_host, slot_blocks=2, blocks_per_chunk=2)
     copied = drv.create_event()
 
     def upload(pages: np.ndarray, stream: int, keep: bool = False) -> int:
@@ -347,7 +349,8 @@ def test_a_failure_after_the_table_copy_is_queued_ends_behind_it(to_host: bool) 
         raise RuntimeError("the driver failed after queueing the copy")
 
     strategy.kernel.upload = upload  # type: ignore[method-assign]
-    job = _prepared(strategy, layout, np.arange(5), np.arange(5), to_host)
+    job = _prepared(strategy, layout, np.arange(6), np.arange(3), to_host)
+    assert isinstance(job, StagedJob) and job.pages is not None
     start, stop = drv.create_event(), drv.create_event()
     with pytest.raises(RuntimeError, match="after queueing"):
         strategy.enqueue(job, None, start, stop)
@@ -396,3 +399,40 @@ def test_a_failure_mid_job_ends_behind_what_every_stream_holds(to_host: bool, fa
     for _ in range(ORDERS * 4):
         drv.run(rng)
     assert len(seen) == ORDERS * 4
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_a_first_job_failing_before_its_table_copy_leaves_no_table_unfilled(to_host: bool) -> None:
+    """The first by-block job fails on a driver call before the layout's page table is
+    copied to the device (its start record, say an invalid handle): the next job must not
+    launch on that table's never-filled spot. On the native path the whole job is recorded
+    before any call runs, so the strategy cannot learn from a raise where the calls stop."""
+    from aiokv.errors import CudaCallFailed
+
+    strategy, drv, layout, device_base = _setup(7, to_host, slot_blocks=2)
+    failed_start = drv.create_event()
+    if PATH == "native":
+        strategy.ctx.driver.fake.fail["cuEventRecord"] = (2, 2)  # after the ring's join
+    else:
+        record = drv.record
+
+        def failing(event: int, stream: int) -> None:
+            if event == failed_start:
+                raise CudaCallFailed("cuEventRecord failed", 2)
+            record(event, stream)
+
+        drv.record = failing  # type: ignore[method-assign]
+    first = _prepared(strategy, layout, np.arange(5), np.arange(5), to_host)
+    with pytest.raises(CudaCallFailed):
+        strategy.enqueue(first, None, failed_start, stop := drv.create_event())
+    drv.record(stop, strategy.main_stream)  # what CudaLane._issue does then
+    blocks, chunks = np.arange(5, 10), np.arange(12, 17)
+    job = _prepared(strategy, layout, blocks, chunks, to_host)
+    strategy.enqueue(job, None, drv.create_event(), drv.create_event())
+    before = drv.mem.copy()
+    want = _expected(before, layout, device_base, [(blocks, chunks)], to_host)
+    rng = np.random.default_rng(8)
+    for _ in range(ORDERS):
+        drv.mem[:] = before
+        drv.run(rng)
+        assert np.array_equal(drv.mem[:STAGING_AT], want[:STAGING_AT])

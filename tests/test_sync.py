@@ -629,3 +629,31 @@ def test_an_interrupt_while_memory_is_freed_loses_no_result(monkeypatch) -> None
     assert worker.closed
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     worker.shutdown()  # closed: returns at once
+
+
+def test_an_unbounded_drain_waits_in_slices_so_an_interrupt_lands(monkeypatch) -> None:
+    """``drain_timeout=math.inf``: a wait with no timeout is, on CUDA, one blocking
+    cuEventSynchronize, where a Ctrl-C is not acted on until the job ends (never, for a
+    job that hangs). The drain must wait in bounded slices, so the interrupt lands."""
+    import math
+
+    from aiokv.backends.cpu import CpuCompletion
+
+    worker, _pages = make_sync(num_blocks=8, chunks=8)
+    never = threading.Event()
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=never)
+    waits: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        if timeout is None:
+            raise AssertionError("an unbounded wait: a Ctrl-C lands only once the job ends")
+        raise KeyboardInterrupt  # the Ctrl-C, seen when the slice comes back
+
+    monkeypatch.setattr(CpuCompletion, "wait", wait)
+    with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="interrupted.*store job 1"):
+        worker.shutdown(drain_timeout=math.inf)
+    monkeypatch.undo()
+    assert waits and None not in waits
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False)]
+    never.set()

@@ -63,13 +63,22 @@ Table_init(TableObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
-/* A buffer of 8-byte integers (numpy int64/uint64, array('Q'), ...), C-contiguous. */
+/* A buffer of 8-byte integers in this machine's byte order (numpy int64/uint64,
+ * array('Q'), ...), C-contiguous. A byte-swapped one ('>Q' here) would be read as other
+ * addresses and sizes, so it is refused like any other wrong format. */
 static int
 is_words(const Py_buffer *b)
 {
+#if PY_BIG_ENDIAN
+    static const char swapped[] = "<";
+#else
+    static const char swapped[] = "!>";
+#endif
     if (b->itemsize != 8)
         return 0;
     const char *f = b->format ? b->format : "B";
+    if (*f != '\0' && strchr(swapped, *f) != NULL)
+        return 0;
     if (*f == '@' || *f == '=' || *f == '<' || *f == '!' || *f == '>')
         f++;
     return f[0] != '\0' && f[1] == '\0' && strchr("qQlLnN", f[0]) != NULL;
@@ -428,7 +437,7 @@ PyInit__native(void)
     if (PyModule_AddObject(m, "Table", (PyObject *)&aiokv_TableType) < 0 ||
         PyModule_AddObject(m, "Waiter", (PyObject *)&aiokv_WaiterType) < 0 ||
         PyModule_AddIntConstant(m, "WORDS", WORDS) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+        PyModule_AddIntConstant(m, "ABI", 1) < 0) { /* native.py's _ABI: raise both together */
         Py_DECREF(m);
         return NULL;
     }

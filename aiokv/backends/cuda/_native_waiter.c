@@ -110,7 +110,7 @@ Waiter_init(WaiterObject *self, PyObject *args, PyObject *kw)
     TableObject *table;
     unsigned long long stream;
     int slots = 64;
-    if (self->st != NULL) {
+    if (self->st != NULL || self->closed) { /* closed: a new thread nothing would stop */
         PyErr_SetString(PyExc_RuntimeError, "a Waiter is initialised once");
         return -1;
     }

@@ -18,6 +18,9 @@ from ...errors import InvalidSpec
 __all__ = ["ENV", "NativeWaiter", "helper", "status"]
 
 ENV = "AIOKV_NATIVE"
+# The contract of the rows and calls this Python side speaks; ``_native.c`` exports its own
+# (``ABI``): raise both together whenever an opcode, a row's words or a call changes.
+_ABI, _WORDS = 1, 8
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._native")
@@ -26,8 +29,14 @@ except ImportError as exc:  # not built (no compiler at install), or built for a
     missing = isinstance(exc, ModuleNotFoundError) and exc.name == f"{__package__}._native"
     _WHY = "not built" if missing else f"failed to load ({exc})"
 else:
-    _ext.set_error_class(InvalidSpec)
-    _WHY = "built"
+    if (getattr(_ext, "ABI", None), getattr(_ext, "WORDS", None)) != (_ABI, _WORDS):
+        # An in-place build left from older sources (an editable install after a pull).
+        _WHY = (f"built from other sources (ABI {getattr(_ext, 'ABI', None)}, this aiokv speaks "
+                f"{_ABI}): rebuild it (python3 setup.py build_ext --inplace, or reinstall)")
+        _ext = None
+    else:
+        _ext.set_error_class(InvalidSpec)
+        _WHY = "built"
 
 
 def helper() -> Any:

@@ -230,6 +230,7 @@ class StagedCopy(CopyStrategy):
             shape, mapping = self.shape, plan.mapping
             if shape is not None and mapping is not None and shape[1] <= self.slot_bytes:
                 if self.staging is not None or self._allocate_staging():
+                    self._upload_layout_table()
                     cb, base = ctx.layout.chunk_bytes, ctx.host_base
                     if mapping.by_host is not None:
                         rows, chunks = mapping.by_host
@@ -244,6 +245,15 @@ class StagedCopy(CopyStrategy):
                 device, host = (src, dst) if ctx.to_host else (dst, src)
                 return piece_job(device, host, sizes, self.slot_bytes)
         return self.dma.split(*ctx.pointers(plan), min_descriptors=MIN_SLICE_DESCRIPTORS)
+
+    def _upload_layout_table(self) -> None:
+        """Queue the layout's page table to the device once, on the kernel stream, ahead of
+        the first by-block job. In ``prepare``, not ``enqueue``: there a native lane only
+        records the calls, so a job failing before its copy would leave ``page_table`` set
+        to a table never filled, which every later job would launch on."""
+        if self.page_table is None:
+            assert self.shape is not None
+            self.page_table = self.kernel.upload(self.shape[0], self.kernel_stream, keep=True)
 
     def _allocate_staging(self) -> bool:
         """Take the ring on first use, so a lane that never stages holds none. Without the
@@ -293,10 +303,8 @@ class StagedCopy(CopyStrategy):
             drv.record(start, d)
             if job.pages is not None:
                 table = self.kernel.upload(job.pages, k)
-            else:  # the layout's page table, uploaded once
-                if self.page_table is None:
-                    assert self.shape is not None
-                    self.page_table = self.kernel.upload(self.shape[0], k, keep=True)
+            else:  # the layout's page table, uploaded by ``prepare``
+                assert self.page_table is not None
                 table = self.page_table
             if to_host and dependency is not None:
                 drv.stream_wait(k, dependency)  # the source's pending writers

@@ -109,7 +109,10 @@ class CopyContext:
 class CopyStrategy:
     """Executes plans on a main stream whose order is the lane's order.
 
-    ``prepare`` is host-only work that may raise before anything is enqueued;
+    ``prepare`` is host work that may raise before anything of the job is enqueued (it
+    may queue one-time setup on the strategy's own streams, such as the staged ring's page
+    table, which the calls of every later job are behind); its driver calls are made at
+    once, also on the native path, where ``enqueue``'s are recorded and run together after;
     ``enqueue`` waits on the dependency, records ``start`` and ``stop`` (timing events) on
     the device around the copies, and leaves the main stream behind every copy it issued;
     ``stop``, recorded last on the main stream, is also the job's completion event.
