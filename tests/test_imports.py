@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # them; added by the faces' branch).
     ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle")),
     ("layout", ("aiokv.layout",)),
-    ("plan", ("aiokv.plan",)),
+    ("plan", ("aiokv.plan", "aiokv.layer_plan")),
     ("backend interfaces", ("aiokv.backends.base",)),
     ("backends", ("aiokv.backends.cpu", "aiokv.backends.cuda", "aiokv.backends.cuda.*")),
     ("backend selection", ("aiokv.backends",)),
