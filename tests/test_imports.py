@@ -34,8 +34,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("aiokv.backends.cpu", "aiokv.backends.cuda", "aiokv.backends.cuda.*")),
     ("backend selection", ("aiokv.backends",)),
     ("handler", ("aiokv.handler",)),
+    # Layerwise jobs' bookkeeping, the same for both faces (the core holds it).
+    ("layerwise jobs", ("aiokv.layers",)),
     ("core", ("aiokv.core",)),
-    ("faces", ("aiokv.loops", "aiokv.future", "aiokv.poller", "aiokv.worker", "aiokv.sync")),
+    ("faces", ("aiokv.loops", "aiokv.future", "aiokv.layer_future", "aiokv.poller", "aiokv.worker",
+               "aiokv.sync")),
     ("users of the faces", ("aiokv.cache", "aiokv.cache.*", "aiokv.metrics")),
     ("public package", ("aiokv",)),
     ("tools and integrations", ("aiokv.integrations", "aiokv.integrations.*", "aiokv.bench",
