@@ -64,6 +64,7 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.pieces",
     "aiokv.backends.cuda.staged",
     "aiokv.backends.cuda.completion",
+    "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.lane",
     "aiokv.backends.cuda.backend",
 ]
