@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,10 @@ class LayerMap:
     # The groups each layer has pages in (a job's blocks of those groups move with it).
     layer_groups: tuple[tuple[int, ...], ...]
     refusal: str | None
+    # Whether layer order is the refs' own order, group after group (no gather needed).
+    in_ref_order: bool = False
+    # refs_per_layer[l, g]: how many refs of group g layer l has (its copies per block).
+    refs_per_layer: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
 
     @classmethod
     def build(cls, kv: CanonicalKVCaches, layout: HostLayout) -> LayerMap:
@@ -78,8 +82,12 @@ class LayerMap:
                 "layer can move on its own. Layerwise jobs need per-layer tensors "
                 "(CanonicalKVCaches.from_tensors(per_layer_tensors)); submit this job without layerwise"
             )
+        in_ref_order = [(g, k) for _, g, k in entries] == [(g, k) for g, group in enumerate(layers)
+                                                            for k in range(len(group))]
+        per_layer = np.zeros((num_layers, len(groups)), dtype=np.int64)
+        np.add.at(per_layer, (cols[0], cols[1]), 1)
         return cls(num_layers, cols[0].copy(), cols[1].copy(), cols[2].copy(),
-                   tuple(tuple(sorted(s)) for s in touched), refusal)
+                   tuple(tuple(sorted(s)) for s in touched), refusal, in_ref_order, per_layer)
 
     def check(self) -> None:
         """Raise ``InvalidSpec`` where layerwise jobs cannot run on this layout."""
@@ -145,7 +153,7 @@ class LayerPlan(CopySlice):
         self.mapping = mapping
         self.layout = layout
         self.layer_map = layer_map
-        self.total_bytes = int(self.nbytes.sum()) if self.nbytes.size else 0
+        self.total_bytes = sum(int(b.size) * size for b, size in zip(mapping.gpu_blocks, layout.block_bytes))
 
     @property
     def num_layers(self) -> int:
@@ -185,20 +193,20 @@ def plan_layers(mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap) 
         cols[1].append((strides * blocks[None, :]).ravel())
         cols[2].append((chunk[None, :] * cb + offsets + sub * pages).ravel())
         cols[3].append(np.repeat(pages.ravel(), n))
-    t, d, h, s = (np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols)
-    # Where each group's copies start in the page-major arrays; ref k of group g is the run
-    # [start[g] + k * n[g], ... + n[g]).
-    sizes = np.array([len(r) for r in layout.tensor_idx], dtype=np.int64) * counts
-    group_start = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    g_of, k_of = layer_map.order_group, layer_map.order_ref
-    run_len = counts[g_of]
-    run_start = group_start[g_of] + k_of * run_len
-    total = int(run_len.sum())
-    before = np.cumsum(run_len) - run_len
-    order = np.repeat(run_start - before, run_len) + np.arange(total, dtype=np.int64)
-    t, d, h, s = t[order], d[order], h[order], s[order]
-    per_layer = np.bincount(layer_map.order_layer, weights=run_len, minlength=layer_map.num_layers)
-    cuts = np.concatenate(([0], np.cumsum(per_layer.astype(np.int64))))
+    t, d, h, s = (c[0] if len(c) == 1 else np.concatenate(c) for c in cols)
+    total = int(t.shape[0])
+    if not layer_map.in_ref_order:  # else the page-major arrays are in layer order already
+        # Ref k of group g is the run [start[g] + k * n[g], ... + n[g]) of the arrays.
+        sizes = np.array([len(r) for r in layout.tensor_idx], dtype=np.int64) * counts
+        group_start = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        g_of = layer_map.order_group
+        run_len = counts[g_of]
+        run_start = group_start[g_of] + layer_map.order_ref * run_len
+        before = np.cumsum(run_len) - run_len
+        order = np.repeat(run_start - before, run_len) + np.arange(total, dtype=np.int64)
+        t, d, h, s = t[order], d[order], h[order], s[order]
+    cuts = np.zeros(layer_map.num_layers + 1, dtype=np.int64)
+    np.cumsum(layer_map.refs_per_layer @ counts, out=cuts[1:])
     if total > 1:
         joins = (t[1:] == t[:-1]) & (d[1:] == d[:-1] + s[:-1]) & (h[1:] == h[:-1] + s[:-1])
         inner = cuts[(cuts > 0) & (cuts < total)]
