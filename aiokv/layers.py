@@ -142,9 +142,9 @@ class LayerwiseJob:
                 return self._settle(index, FAILED)
             why = ("is not pushed yet" if not self._pushed[index]
                    else "waits behind an older open store's pushes")
-            raise UsageError(f"layer {index} of store job {self.job_id} {why}, so nothing is enqueued for a "
-                             "gate to wait on; gate a store layer after its push reached the lane, or use "
-                             "wait_layer()")
+            raise UsageError(f"layer {index} of store job {self.job_id} {why}, so nothing is enqueued "
+                             "for a gate to wait on; gate a store layer once its push reached the lane, "
+                             "or use wait_layer()")
         if not run.gate(index, consumer, owner.meter):
             return self._settle(index, FAILED)
         return READY

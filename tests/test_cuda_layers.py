@@ -296,6 +296,30 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
     assert run.completion.query() and run.completion.error is None
 
 
+def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
+    gate = hold(lane)
+    try:
+        run = lane.open_layers(kv_plan(True, [1], [3])[0])
+        assert run.push(2, Dependency(0xD3, stream=0x6)) is True  # queued behind the held work
+        assert ("record", 0xD3, 0x6) in drv.calls  # its dependency taken now, on this thread
+        assert run.enqueued(2) and not run.query(2)
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(2, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(0.05)
+        assert consumer.is_alive() and drv.of("wait") == [], "the gate waited before the record"
+        gate.set()
+        consumer.join(10)
+        event = layer_events(run)[2]
+        assert result == [True]
+        assert drv.calls.index(("record", event, MAIN)) < drv.calls.index(("wait", CONSUMER, event))
+    finally:
+        gate.set()
+        lane.close()
+
+
 def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False)

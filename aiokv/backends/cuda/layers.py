@@ -97,6 +97,7 @@ class CudaLayerRun(LayerRun):
             self.give_back()
             raise
         self._recorded = bytearray(n)
+        self._pushed = bytearray(n)  # a store layer handed to ``push`` (its record may be to come)
         self._seen = bytearray(n)  # a query found the layer done
         self._errors: list[BaseException | None] = [None] * n
         self._lock = threading.Lock()  # a driver call on a layer event vs their return to the pool
@@ -204,6 +205,7 @@ class CudaLayerRun(LayerRun):
     def push(self, layer: int, dependency: Any) -> bool:
         issuer = self._lane.issuer
         dep: Dependency | None = dependency
+        self._pushed[layer] = 1
         if issuer is None:
             return self._issue_push(layer, dep)
         try:
@@ -308,9 +310,6 @@ class CudaLayerRun(LayerRun):
             for event in events:
                 self._drv.give_sync_event(event)
 
-    def enqueued(self, layer: int) -> bool:
-        return bool(self._recorded[layer])
-
     def query(self, layer: int) -> bool:
         if self._errors[layer] is not None or self._seen[layer] or self._over:
             return True
@@ -344,6 +343,11 @@ class CudaLayerRun(LayerRun):
                 lambda: bool(self._recorded[layer]) or self._errors[layer] is not None or self._over
                 or self.abandoned is not None or (self._issued and not self._store), timeout)
 
+    def enqueued(self, layer: int) -> bool:
+        """Whether the layer's record is enqueued. A store layer pushed to a lane whose
+        issuer thread still holds the push counts: a gate waits for its record."""
+        return bool(self._recorded[layer] or (self._store and self._pushed[layer]))
+
     def wait(self, layer: int, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._wait_recorded(layer, timeout):
@@ -359,8 +363,8 @@ class CudaLayerRun(LayerRun):
         return True
 
     def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
-        if not self._recorded[layer] and not self._store:
-            self._wait_recorded(layer, None)  # a load still with the issuer thread
+        if not self._recorded[layer] and (not self._store or self._pushed[layer]):
+            self._wait_recorded(layer, None)  # its enqueue is still with the issuer thread
         if self.abandoned is not None and not self._seen[layer]:
             return False
         if self._errors[layer] is not None or not self._recorded[layer]:
