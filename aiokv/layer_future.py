@@ -130,6 +130,7 @@ class LayerwiseFuture(TransferFuture):
         job = self._layers
         status = job.layer_status(index)
         if status is not LayerStatus.PENDING:
+            job.note_wait(0.0 if status is LayerStatus.READY else None)
             await anyio.lowlevel.checkpoint()
             return status
         if threading.get_ident() != self._thread:

@@ -209,10 +209,12 @@ class LayerwiseJob:
             self._next += 1
         return self._next
 
-    def note_wait(self, seconds: float) -> None:
-        """Count a wait made elsewhere (an awaited layer) and its stall."""
+    def note_wait(self, seconds: float | None) -> None:
+        """Count a wait made elsewhere (an awaited layer) and its stall (None: none, the
+        layer had failed)."""
         self._owner.count("waits")
-        self._owner.meter.add(seconds)
+        if seconds is not None:
+            self._owner.meter.add(seconds)
 
     def ring_when_done(self, layer: int, bell: Any) -> bool:
         """Have ``bell`` rung when layer ``layer`` ends (False where it cannot be armed)."""

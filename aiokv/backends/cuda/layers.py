@@ -214,6 +214,7 @@ class CudaLayerRun(LayerRun):
                 dep.resolve(self._drv)  # on the caller's thread: its stream as it stands now
         except Exception as exc:
             return self._push_failed(layer, exc, dep)
+
         def issue() -> None:
             self._issue_push(layer, dep)  # a failure is the layer's (``_push_failed``)
 
