@@ -33,12 +33,12 @@ class LayerWatch:
     """The awaited layers of one async face's jobs (used on its loop thread only)."""
 
     def __init__(self) -> None:
-        self._waiters: dict[LayerwiseJob, list[tuple[int, LoopEvent]]] = {}
+        # Per job with awaited layers, its waiters; empty while none is awaited (the
+        # poller tests it on every poll, so a plain dict: no call).
+        self.waiting: dict[LayerwiseJob, list[tuple[int, LoopEvent]]] = {}
+        self._waiters = self.waiting
         # Per watched job: the layer asked to ring the doorbell, and whether it will.
         self._armed: dict[LayerwiseJob, tuple[int, bool]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._waiters)
 
     def add(self, job: LayerwiseJob, layer: int) -> LoopEvent:
         event = loop_event()

@@ -278,12 +278,12 @@ class AsyncOffloadingWorker:
     def _complete_finished(self) -> int:
         done = self._core.poll()
         if not done:
-            return self._watch.poll() if self._watch else 0
+            return self._watch.poll() if self._watch.waiting else 0
         self._forecast.saw(done)
         escaped = self._resolve(done)
         if escaped is not None:
             raise escaped
-        return len(done) + (self._watch.poll() if self._watch else 0)
+        return len(done) + (self._watch.poll() if self._watch.waiting else 0)
 
     def _settle(self) -> None:
         self._core.settle()
@@ -326,7 +326,7 @@ class AsyncOffloadingWorker:
             if state is False:  # asked once: None means it cannot ring
                 state = self._armed[job] = True if job.completion.ring_when_done(bell) else None
             armed = armed and state is True
-        if self._watch:
+        if self._watch.waiting:
             armed = self._watch.arm(bell) and armed
         return armed
 

@@ -167,7 +167,7 @@ async def test_async_layers_resolve_in_order_each_with_its_bytes_in_place() -> N
             go.set()
         assert sorted(seen) == list(range(6))
         assert (await load).success and load.failed_blocks() == set()
-        assert not w._watch  # no waiter left behind
+        assert not w._watch.waiting  # no waiter left behind
 
 
 @pytest.mark.anyio

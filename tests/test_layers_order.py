@@ -100,7 +100,7 @@ async def test_cancelling_a_layer_await_cancels_the_wait_not_the_copy() -> None:
         assert other == [READY]
         assert (await load).success
         assert all(same_layer(kv, layer, [8, 9], [1, 2], before) for layer in range(LAYERS))
-        assert not w._watch
+        assert not w._watch.waiting
 
 
 def test_shutdown_with_a_store_half_pushed_is_bounded_and_reports_everything() -> None:
