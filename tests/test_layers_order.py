@@ -78,6 +78,23 @@ def test_a_plain_store_behind_an_open_one_lands_last_in_its_chunk() -> None:
     w.shutdown()
 
 
+def test_a_layerwise_load_runs_and_reports_in_order_with_plain_loads() -> None:
+    kv = make_layers(num_layers=LAYERS, num_blocks=16, seed=16)
+    w = sync_worker(kv, chunks=8)
+    w.submit_store(1, GPULoadStoreSpec([1, 2, 3]), CPULoadStoreSpec([0, 1, 2]))
+    w.wait([1])
+    go = threading.Event()
+    w.submit_load(2, CPULoadStoreSpec([0]), GPULoadStoreSpec([8]), after=go)
+    job = w.submit_load(3, CPULoadStoreSpec([1]), GPULoadStoreSpec([9]), layerwise=True)
+    w.submit_load(4, CPULoadStoreSpec([2]), GPULoadStoreSpec([10]))
+    assert job.wait_layer(0, timeout=0.05) is PENDING  # behind load 2, which waits on go
+    go.set()
+    w.wait([2, 3, 4])
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True), (3, True), (4, True)]
+    assert job.layer_status(LAYERS - 1) is READY
+    w.shutdown()
+
+
 @pytest.mark.anyio
 async def test_cancelling_a_layer_await_cancels_the_wait_not_the_copy() -> None:
     kv = make_layers(num_layers=LAYERS, num_blocks=16, seed=13)
