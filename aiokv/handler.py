@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .backends.base import Completion, FailedCompletion, Lane, LayerRun
 from .doorbell import Doorbell
@@ -33,6 +33,8 @@ __all__ = ["Handler", "HeldCompletion", "Job", "LayerJob", "Wait"]
 class Job:
     """A submitted transfer and, once popped, its result."""
 
+    # Whether its host-clock span and device time measure the lane's copy rate.
+    teaches_rate: ClassVar[bool] = True
     job_id: int
     direction: Direction
     nbytes: int
@@ -83,6 +85,9 @@ class LayerJob(Job):
     """A layerwise job: ``run`` holds its layers' ends. A store held behind an open one
     gets its pushes enqueued by ``release`` (True once it then has every layer)."""
 
+    # Its time says little of the lane's rate (a store waits on the forward between
+    # pushes; a load runs on one stream): the poller's forecast does not learn from it.
+    teaches_rate: ClassVar[bool] = False
     run: LayerRun | None = field(default=None, repr=False)
     release: Callable[[], bool] | None = field(default=None, repr=False)
 
