@@ -33,10 +33,12 @@ from .errors import (
     WorkerClosed,
 )
 from .future import TransferFuture
+from .layer_future import LayerwiseFuture
+from .layers import LayerStatistics, LayerwiseJob
 from .layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from .options import WorkerOptions
 from .poller import PollerStatistics
-from .specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, LoadStoreSpec, TransferResult
+from .specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, LayerStatus, LoadStoreSpec, TransferResult
 from .sync import OffloadingWorker, SyncOffloadingWorker
 from .worker import AsyncOffloadingWorker
 
@@ -68,6 +70,10 @@ __all__ = [
     "InvalidSpec",
     "KeyNotLoadable",
     "LaneStatistics",
+    "LayerStatistics",
+    "LayerStatus",
+    "LayerwiseFuture",
+    "LayerwiseJob",
     "LoadStoreSpec",
     "LookupResult",
     "MissingExtra",

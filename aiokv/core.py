@@ -26,9 +26,10 @@ from .backends import resolve_backend
 from .backends.base import HostPool, Lane, LaneStatistics
 from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
 from .handler import Handler, Job, Wait
+from .layers import LayerStatistics, Layerwise, LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
-from .options import WorkerOptions
+from .options import WorkerOptions, chunk_count
 from .plan import CopyPlan, HostLayout, map_blocks, plan_copies
 from .specs import Direction, as_count, as_job_id, side_of
 
@@ -54,6 +55,8 @@ class WorkerStatistics:
     bytes_moved: dict[str, int] = field(default_factory=dict)
     # Per direction: the lane's strategy and its counters (``LaneStatistics``).
     lanes: dict[str, LaneStatistics] = field(default_factory=dict)
+    # Layerwise jobs: pushes, gates, failed layers and per-layer stalls.
+    layers: LayerStatistics = field(default_factory=LayerStatistics)
 
 
 class OffloadCore:
@@ -77,7 +80,7 @@ class OffloadCore:
             self.options = self.options.with_strategy(strategy)
         self.kv_caches = kv_caches
         self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
-        self.num_cpu_chunks = _chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
+        self.num_cpu_chunks = chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
         _check_host_memory(self.num_cpu_chunks, self.layout.chunk_bytes)
         self.lifecycle = Lifecycle()
         self.backend = resolve_backend(backend, kv_caches, self.options)
@@ -92,6 +95,7 @@ class OffloadCore:
             raise
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
+        self.layerwise = Layerwise(kv_caches, self.layout, self.backend, self._lock, self.lifecycle)
         # A worker dropped without shutdown()/aclose(): say so, let lane threads end, and
         # keep a pinned pool that copies may still write.
         self._finalizer = weakref.finalize(
@@ -119,14 +123,32 @@ class OffloadCore:
         with self._lock:
             self._check_new_id(job_id, reserved)
             if bound and len(self._jobs) >= bound:
-                raise QueueFull(
-                    f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
-                    "wait for room (await worker.wait_for_room()) and submit again"
-                )
+                raise self._full(bound)
             dependency = self.backend.capture(after)
             job = self.handlers[direction].submit(job_id, plan, dependency)
             self._jobs[job_id] = job
         return job
+
+    def submit_layers(self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None,
+                      *, reserved: Collection[int] = ()) -> LayerwiseJob:
+        """``submit`` of a layerwise job (``aiokv.layers``): a load's layers are enqueued now,
+        a store's as they are pushed; ``InvalidSpec`` where the layout has no layers."""
+        self.check_healthy()
+        job_id, plan = self._plan(direction, job_id, src, dst)
+        layers = self.layerwise.plan(plan, direction, after)
+        bound = self.options.max_in_flight
+        with self._lock:
+            self._check_new_id(job_id, reserved)
+            if bound and len(self._jobs) >= bound:
+                raise self._full(bound)
+            dependency = None if direction.to_host else self.backend.capture(after)
+            job = self.layerwise.submit(self.handlers[direction], job_id, layers, dependency)
+            self._jobs[job_id] = job._job
+        return job
+
+    def _full(self, bound: int) -> QueueFull:
+        return QueueFull(f"{len(self._jobs)} jobs are in flight, the bound set by max_in_flight={bound}; "
+                         "wait for room (await worker.wait_for_room()) and submit again")
 
     def check(
         self, direction: Direction, job_id: Any, src: Any, dst: Any, after: Any = None
@@ -271,8 +293,11 @@ class OffloadCore:
         return Wait(oldest, timeout)
 
     def drain(self, idle_timeout: float, collect: Callable[[], object]) -> Drain:
-        """The drain of a closing face, its idle clock starting now; ``collect`` pops what
-        ended and reports it the face's way (see ``Drain``)."""
+        """The drain of a closing face (once closing began), its idle clock starting now;
+        ``collect`` pops what ended and reports it the face's way (see ``Drain``). Open
+        layerwise stores take no more pushes: each ends behind the layers it has."""
+        with self._lock:
+            self.layerwise.seal("the worker is closing")
         return Drain(self, idle_timeout, collect)
 
     @property
@@ -325,6 +350,7 @@ class OffloadCore:
                                  "(its bytes may or may not have moved)")
             for job in abandoned:
                 job.fail(error)
+            self.layerwise.abandon(abandoned, error)
             try:
                 if report is not None:
                     report(finished + abandoned)
@@ -378,6 +404,7 @@ class OffloadCore:
             failed={d.value: h.failed for d, h in hs},
             bytes_moved={d.value: h.bytes_moved for d, h in hs},
             lanes={d.value: h.lane.statistics() for d, h in hs},
+            layers=self.layerwise.statistics(),
         )
 
     def describe(self) -> str:
@@ -470,29 +497,3 @@ def _check_host_memory(num_chunks: int, chunk_bytes: int) -> None:
             f"was asked for, but only {available / 2**30:.3g} GiB of host memory is available; "
             "ask for fewer chunks (num_cpu_chunks=) or bytes (cpu_bytes=)"
         )
-
-
-def _chunk_count(num_cpu_chunks: Any, cpu_bytes: Any, chunk_bytes: int) -> int:
-    """Exactly one of the two sizes: a chunk count, or bytes rounded down to chunks."""
-    if (num_cpu_chunks is None) == (cpu_bytes is None):
-        raise InvalidSpec("pass exactly one of num_cpu_chunks= and cpu_bytes=")
-    if num_cpu_chunks is not None:
-        chunks = _positive(num_cpu_chunks)
-        if chunks is None:
-            raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
-        return chunks
-    nbytes = _positive(cpu_bytes)
-    if nbytes is None or nbytes < chunk_bytes:
-        raise InvalidSpec(
-            f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}"
-        )
-    return nbytes // chunk_bytes
-
-
-def _positive(value: Any) -> int | None:
-    """``value`` as a positive int (numpy integers too), or None."""
-    try:
-        count = as_count(value, "size")
-    except InvalidSpec:
-        return None
-    return count if count >= 1 else None

@@ -52,6 +52,10 @@ class CanonicalKVCaches:
     # group_data_refs[g] lists the pages that one block of group g owns (the host chunk
     # holds them in device address order; see aiokv.plan).
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
+    # ref_layers[g][k]: the model layer (0, 1, ... in forward order) that ref k of group g
+    # belongs to, for layerwise jobs. None: each ref is a layer of its own, group after
+    # group (vLLM's description: one ref per attention layer). ``from_tensors`` sets it.
+    ref_layers: list[list[int]] | None = None
 
     @classmethod
     def coerce(cls, kv: object) -> CanonicalKVCaches:
@@ -78,6 +82,7 @@ class CanonicalKVCaches:
                     [CanonicalKVCacheRef(int(r.tensor_idx), int(r.page_size_bytes)) for r in refs]
                     for refs in kv.group_data_refs  # type: ignore[attr-defined]
                 ],
+                ref_layers=_ref_layers(getattr(kv, "ref_layers", None)),
             )
         except InvalidSpec:
             raise
@@ -91,7 +96,8 @@ class CanonicalKVCaches:
     def from_tensors(
         cls, tensors: Sequence[torch.Tensor], block_dim: int | None = None
     ) -> CanonicalKVCaches:
-        """Describe per-layer KV tensors as one group.
+        """Describe per-layer KV tensors as one group; tensor ``i`` is model layer ``i``
+        (``ref_layers``), whose pages (K and V, when split) a layerwise job moves together.
 
         ``block_dim`` names the dimension that indexes blocks. Dimensions before it split
         into separate page tensors (the 2 of K and V in ``(2, num_blocks, ...)``, which
@@ -118,6 +124,7 @@ class CanonicalKVCaches:
         block_dim = _block_dim(block_dim, tensors)
         device = tensors[0].device
         pages: list[CanonicalKVCacheTensor] = []
+        page_layers: list[int] = []
         for layer, t in enumerate(tensors):
             if t.device != device:
                 raise InvalidSpec(
@@ -143,8 +150,17 @@ class CanonicalKVCaches:
                 parts = [q for p in parts for q in p.unbind(0)]
             for part in parts:
                 pages.append(_page_view(part, layer))
+                page_layers.append(layer)
         refs = [CanonicalKVCacheRef(i, p.page_size_bytes) for i, p in enumerate(pages)]
-        return cls(tensors=pages, group_data_refs=[refs])
+        return cls(tensors=pages, group_data_refs=[refs], ref_layers=[page_layers])
+
+
+def _ref_layers(value: object) -> list[list[int]] | None:
+    """An engine's ``ref_layers`` as lists of ints (checked against the refs later, by
+    ``aiokv.layer_plan.LayerMap``); None stays None."""
+    if value is None:
+        return None
+    return [[operator.index(x) for x in group] for group in value]  # type: ignore[attr-defined]
 
 
 def _block_dim(block_dim: object, tensors: Sequence[torch.Tensor]) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import InvalidSpec
 from .specs import as_count
 
-__all__ = ["MIN_STAGING_BYTES", "STRATEGIES", "WorkerOptions"]
+__all__ = ["MIN_STAGING_BYTES", "STRATEGIES", "WorkerOptions", "chunk_count"]
 
 # CUDA copy strategies (docs/concepts.md says what each does); the CPU backend ignores them.
 STRATEGIES = ("auto", "dma", "kernel", "staged")
@@ -66,6 +66,11 @@ class WorkerOptions:
     # ``AIOKV_NATIVE=0``; True: require it (InvalidSpec where it is missing); False: issue
     # the driver calls from Python (docs/native.md).
     native: bool | None = None
+    # CUDA: bracket each layer gate with two timing events on the consumer's stream, so the
+    # gate's stall (how long that stream waited for the layer after it was due) is read in
+    # device time into ``WorkerStatistics.layers.stalls``. Costs two event records per
+    # gate; the CPU backend always measures (host time blocked in the gate).
+    layer_stalls: bool = False
     # Jobs in flight (all directions) past which ``submit_*`` refuses with ``QueueFull``
     # before enqueueing; 0 = unbounded. Submits never wait for a copy, so without a bound a
     # tight loop can queue thousands of jobs in a blink and ``aclose()`` / ``shutdown()``
@@ -92,7 +97,7 @@ class WorkerOptions:
                 f"staging_bytes must be 0 (no staging) or at least {MIN_STAGING_BYTES}, "
                 f"got {self.staging_bytes}"
             )
-        for name in ("doorbell", "issue_thread"):
+        for name in ("doorbell", "issue_thread", "layer_stalls"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSpec(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.native is not None and not isinstance(self.native, bool):
@@ -134,3 +139,29 @@ class WorkerOptions:
 def _seconds(value: Any) -> bool:
     """A real number of seconds (not a bool, not NaN)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def chunk_count(num_cpu_chunks: Any, cpu_bytes: Any, chunk_bytes: int) -> int:
+    """Exactly one of the two sizes: a chunk count, or bytes rounded down to chunks."""
+    if (num_cpu_chunks is None) == (cpu_bytes is None):
+        raise InvalidSpec("pass exactly one of num_cpu_chunks= and cpu_bytes=")
+    if num_cpu_chunks is not None:
+        chunks = _positive(num_cpu_chunks)
+        if chunks is None:
+            raise InvalidSpec(f"num_cpu_chunks must be a positive int, got {num_cpu_chunks!r}")
+        return chunks
+    nbytes = _positive(cpu_bytes)
+    if nbytes is None or nbytes < chunk_bytes:
+        raise InvalidSpec(
+            f"cpu_bytes must be an int of at least one chunk ({chunk_bytes} bytes), got {cpu_bytes!r}"
+        )
+    return nbytes // chunk_bytes
+
+
+def _positive(value: Any) -> int | None:
+    """``value`` as a positive int (numpy integers too), or None."""
+    try:
+        count = as_count(value, "size")
+    except InvalidSpec:
+        return None
+    return count if count >= 1 else None

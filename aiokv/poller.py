@@ -90,7 +90,7 @@ class CompletionForecast:
         for job in done:
             self.detect_windows.append(job.noticed_at - job.running_seen_at)
             d = job.direction
-            if job.error is None and job.nbytes >= _MIN_RATE_BYTES:
+            if job.error is None and job.nbytes >= _MIN_RATE_BYTES and job.teaches_rate:
                 # Host-clock span from when it could start to when it was seen done: the
                 # rate's measure where the device time is unknown.
                 span = job.noticed_at - max(job.started_at, self._last_done.get(d, 0.0))

@@ -17,6 +17,7 @@ __all__ = [
     "CPULoadStoreSpec",
     "Direction",
     "GPULoadStoreSpec",
+    "LayerStatus",
     "LoadStoreSpec",
     "TransferResult",
 ]
@@ -47,6 +48,23 @@ class Direction(enum.Enum):
         if not isinstance(expedited, (bool, np.bool_)):
             raise InvalidSpec(f"expedited must be a bool, got {expedited!r}")
         return Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
+
+
+class LayerStatus(enum.Enum):
+    """What a layerwise job's per-layer wait or gate found. Only ``READY`` is true, so
+    ``if job.gate(i):`` reads as "the layer can be used"."""
+
+    # The layer's copies are over (a wait), or the consumer's stream now waits for them
+    # (a gate): its blocks may be read (load) or overwritten (store) in stream order.
+    READY = "ready"
+    # Its copies failed or will never run: recompute ``job.failed_blocks()`` (a load), or
+    # count those blocks not stored (a store). Never raised inside a forward pass.
+    FAILED = "failed"
+    # A timed wait ran out first, or (``layer_status``) the copies are still running.
+    PENDING = "pending"
+
+    def __bool__(self) -> bool:
+        return self is LayerStatus.READY
 
 
 def as_count(value: Any, what: str) -> int:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from .core import OffloadCore, WorkerStatistics
 from .errors import InvalidSpec
 from .handler import Job
+from .layers import LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import State
 from .options import WorkerOptions
@@ -102,6 +103,8 @@ class SyncOffloadingWorker(OffloadingWorker):
         self._lifecycle = self._core.lifecycle
         self._lifecycle.open()
         self._unreported: list[TransferResult] = []
+        # Layerwise jobs not reported by get_finished() yet, for ``layers(job_id)``.
+        self._layerwise: dict[int, LayerwiseJob] = {}
         self._lock = threading.Lock()
         self._shutdown_lock = threading.Lock()  # one drain at a time; not held by get_finished
 
@@ -173,30 +176,75 @@ class SyncOffloadingWorker(OffloadingWorker):
 
     # -- submitting ---------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> bool:
+    @overload
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: Literal[False] = False) -> bool: ...
+
+    @overload
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: Literal[True]) -> LayerwiseJob: ...
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: bool = False) -> bool | LayerwiseJob:
         """Enqueue a GPU -> host copy; True once enqueued. It waits on ``after``, else on the
-        calling thread's current CUDA stream."""
+        calling thread's current CUDA stream.
+
+        ``layerwise=True`` returns the job's ``LayerwiseJob`` instead (true as well): nothing
+        is copied until the forward pass pushes each layer (``job.push(i)``), each behind
+        the compute that wrote it (docs/layerwise.md)."""
+        if layerwise:
+            return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after, True)
         self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
         return True
 
-    def submit_load(
-        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *, after: Any = None
-    ) -> bool:
+    @overload
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *,
+                    after: Any = None, layerwise: Literal[False] = False) -> bool: ...
+
+    @overload
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *,
+                    after: Any = None, layerwise: Literal[True]) -> LayerwiseJob: ...
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, *,
+                    after: Any = None, layerwise: bool = False) -> bool | LayerwiseJob:
         """Enqueue a host -> GPU copy; True once enqueued. ``expedited`` loads have their own
-        queue, so they never wait behind ordinary ones."""
-        self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
+        queue, so they never wait behind ordinary ones.
+
+        ``layerwise=True`` enqueues every layer in this one call, each layer's end marked
+        behind its copies, and returns the job's ``LayerwiseJob`` (true as well): the
+        forward pass gates each layer on it (``job.gate(i)``) instead of waiting for the
+        whole job (docs/layerwise.md)."""
+        direction = Direction.of_load(expedited)
+        if layerwise:
+            return self._submit(direction, job_id, src_spec, dst_spec, after, True)
+        self._submit(direction, job_id, src_spec, dst_spec, after)
         return True
 
-    def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> None:
+    def layers(self, job_id: int) -> LayerwiseJob:
+        """The per-layer handle of a layerwise job not reported by ``get_finished()`` yet
+        (the one its submit returned). Raises ``InvalidSpec`` for any other id."""
+        with self._lock:
+            job = self._layerwise.get(job_id)
+        if job is None:
+            raise InvalidSpec(f"job {job_id!r} is no layerwise job in flight (or it was reported already)")
+        return job
+
+    def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any,
+                layerwise: bool = False) -> Any:
         core = self._core
         checked = False
         while True:
             with self._lock:
                 self._lifecycle.check_open()
                 if core.has_room():  # the common case, first: no bound, or below it
-                    core.submit(direction, job_id, src, dst, after)
-                    return
+                    if not layerwise:
+                        return core.submit(direction, job_id, src, dst, after)
+                    job = self._layerwise[job_id] = core.submit_layers(direction, job_id, src, dst, after)
+                    return job
                 if not checked:  # bad input raises now, not once (if ever) there is room
+                    if layerwise:
+                        core.layerwise.check(direction, after)
+                        after = None if direction.to_host else after
                     core.check(direction, job_id, src, dst, after)
                     checked = True
                 room = core.room()
@@ -223,6 +271,9 @@ class SyncOffloadingWorker(OffloadingWorker):
             done = self._unreported
             done.extend(job.result for job in self._core.poll() if job.result is not None)
             self._unreported = []
+            if self._layerwise:
+                for result in done:
+                    self._layerwise.pop(result.job_id, None)
         return done
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -246,10 +297,10 @@ class SyncOffloadingWorker(OffloadingWorker):
         """
         timeout = self._core.options.drain_timeout_or(drain_timeout)
         with self._shutdown_lock:
-            drain = self._core.drain(timeout, self._collect)
             with self._lock:
                 if self._lifecycle.begin_close() is not State.OPEN:
                     return  # closed already
+            drain = self._core.drain(timeout, self._collect)
             try:
                 while (wait := drain.next()) is not None:
                     wait.block()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import anyio
 import anyio.abc
@@ -15,6 +15,7 @@ from .doorbell import Doorbell
 from .errors import UsageError
 from .future import TransferFuture
 from .handler import Job
+from .layer_future import LayerWatch, LayerwiseFuture
 from .layout import CanonicalKVCaches
 from .lifecycle import State
 from .loops import LoopEvent, loop_event
@@ -83,6 +84,7 @@ class AsyncOffloadingWorker:
         self._bell: Doorbell | None = None
         # Per head job asked to ring the bell: True if it will, None if it cannot.
         self._armed: dict[Job, bool | None] = {}
+        self._watch = LayerWatch()  # awaited layers of layerwise jobs
         # Set when a poll finished jobs, for tasks in ``wait_for_room``.
         self._room: LoopEvent | None = None
         self._loop_thread: int | None = None
@@ -164,8 +166,21 @@ class AsyncOffloadingWorker:
 
     # -- submitting ---------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None) -> TransferFuture:
+    @overload
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: Literal[False] = False) -> TransferFuture: ...
+
+    @overload
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: Literal[True]) -> LayerwiseFuture: ...
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *, after: Any = None,
+                     layerwise: bool = False) -> TransferFuture:
         """Enqueue a GPU -> host copy and return its future at once.
+
+        ``layerwise=True`` returns a ``LayerwiseFuture``: nothing is copied until each
+        layer is pushed (``fut.push(i)``), behind the compute that wrote it
+        (docs/layerwise.md).
 
         Raises:
             InvalidSpec: bad input (nothing was enqueued); ``DuplicateJob`` for an id in flight.
@@ -174,14 +189,37 @@ class AsyncOffloadingWorker:
             UsageError: called off the loop thread that opened the worker.
             WorkerBroken: the device failed under the worker.
         """
+        if layerwise:
+            return self._submit_layers(Direction.STORE, job_id, src_spec, dst_spec, after)
         return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
 
-    def submit_load(
-        self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False, after: Any = None
-    ) -> TransferFuture:
+    @overload
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False,
+                    after: Any = None, layerwise: Literal[False] = False) -> TransferFuture: ...
+
+    @overload
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False,
+                    after: Any = None, layerwise: Literal[True]) -> LayerwiseFuture: ...
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, *, expedited: bool = False,
+                    after: Any = None, layerwise: bool = False) -> TransferFuture:
         """Enqueue a host -> GPU copy; ``expedited`` loads never wait behind ordinary ones.
-        Raises what ``submit_store`` raises."""
+        ``layerwise=True`` enqueues every layer now, each layer's end marked behind its
+        copies, and returns a ``LayerwiseFuture`` (``await fut.layer(i)``, ``fut.gate(i)``;
+        docs/layerwise.md). Raises what ``submit_store`` raises."""
+        if layerwise:
+            return self._submit_layers(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
         return self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
+
+    def _submit_layers(self, direction: Direction, job_id: int, src: Any, dst: Any,
+                       after: Any) -> LayerwiseFuture:
+        self._check_caller()
+        job = self._core.submit_layers(direction, job_id, src, dst, after, reserved=self._futures)
+        future = LayerwiseFuture(job, self._watch)
+        self._futures[job.job_id] = future
+        assert self._poller is not None
+        self._poller.wake()
+        return future
 
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
         self._check_caller()
@@ -240,12 +278,12 @@ class AsyncOffloadingWorker:
     def _complete_finished(self) -> int:
         done = self._core.poll()
         if not done:
-            return 0
+            return self._watch.poll() if self._watch.waiting else 0
         self._forecast.saw(done)
         escaped = self._resolve(done)
         if escaped is not None:
             raise escaped
-        return len(done)
+        return len(done) + (self._watch.poll() if self._watch.waiting else 0)
 
     def _settle(self) -> None:
         self._core.settle()
@@ -288,6 +326,8 @@ class AsyncOffloadingWorker:
             if state is False:  # asked once: None means it cannot ring
                 state = self._armed[job] = True if job.completion.ring_when_done(bell) else None
             armed = armed and state is True
+        if self._watch.waiting:
+            armed = self._watch.arm(bell) and armed
         return armed
 
     # -- lifetime -----------------------------------------------------------------------

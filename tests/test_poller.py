@@ -156,6 +156,26 @@ def test_forecast_falls_back_on_the_host_clock_span_and_records_detect_windows()
     assert window == job.noticed_at - job.running_seen_at and 0 <= window < 1.0
 
 
+def test_forecast_learns_no_rate_from_layerwise_jobs() -> None:
+    """A layerwise store's span holds the forward pass between its pushes, and a layerwise
+    load runs on one stream: neither says how fast the lane copies."""
+    from dataclasses import fields, replace
+
+    from aiokv.handler import Handler, LayerJob
+    from aiokv.poller import CompletionForecast
+    from aiokv.specs import Direction
+
+    (job,) = _finished(Handler(Direction.STORE, _Lane()), 1, 8 << 20, 1.0)
+    layered = LayerJob(**{f.name: getattr(job, f.name) for f in fields(job)})
+    forecast = CompletionForecast()
+    forecast.saw([layered])
+    forecast.learn()
+    assert not forecast.has_rate
+    forecast.saw([replace(job)])
+    forecast.learn()
+    assert forecast.has_rate
+
+
 def test_nap_lateness_is_learned_fast_upwards_and_slowly_downwards() -> None:
     import time
 

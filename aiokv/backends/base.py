@@ -1,20 +1,27 @@
 """What a backend provides: a host pool, dependency capture, and one ordered lane per
-direction whose launches hand back completions. Nothing here knows about event loops."""
+direction whose launches hand back completions (and, for layerwise jobs, a ``LayerRun``:
+one end per layer). Nothing here knows about event loops."""
 
 from __future__ import annotations
 
 import abc
+import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..doorbell import Doorbell
+from ..errors import InvalidSpec
+from ..layer_plan import LayerPlan
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
 
-__all__ = ["Backend", "Completion", "HostPool", "Lane", "LaneStatistics"]
+__all__ = ["Backend", "Completion", "FailedCompletion", "HostPool", "Lane", "LaneStatistics", "LayerRun",
+           "StallMeter"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,143 @@ class Completion(abc.ABC):
         and idempotent. Nothing to do where the time is known at the end."""
 
 
+class FailedCompletion(Completion):
+    """A job that failed before its copies reached the device (nothing to wait for)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error, self._elapsed = error, None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+# Stalls kept for statistics (the most recent), and measurements still being taken.
+_STALLS_KEPT = 4096
+_PENDING_KEPT = 1024
+
+
+class StallMeter:
+    """How long consumers waited on layers after they were due: one sample per gate or
+    wait. Samples known at once are ``add``-ed; a device-side one (two events on the
+    consumer's stream, readable once it ran) is handed over as ``later(read, drop)`` and
+    read when done, oldest first. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.samples: deque[float] = deque(maxlen=_STALLS_KEPT)
+        self.count = 0
+        self._pending: deque[tuple[Callable[[], tuple[bool, float | None]], Callable[[], None]]] = deque()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.samples.append(max(0.0, seconds))
+            self.count += 1
+
+    def later(self, read: Callable[[], tuple[bool, float | None]], drop: Callable[[], None]) -> None:
+        """A sample readable later: ``read()`` says (whether it is done, its seconds or None
+        if lost); ``drop()`` lets its resources go (after a read, or unread at close)."""
+        with self._lock:
+            self._pending.append((read, drop))
+            full = len(self._pending) > _PENDING_KEPT
+        self.collect()
+        if full:  # never read (a consumer stream that stopped): bound what is held
+            with self._lock:
+                _, drop_oldest = self._pending.popleft()
+            drop_oldest()
+
+    def collect(self) -> None:
+        """Read every pending sample that is done, oldest first (stops at the first not done)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                read, drop = self._pending[0]
+            try:
+                done, value = read()
+            except Exception:
+                done, value = True, None
+            if not done:
+                return
+            with self._lock:
+                if self._pending and self._pending[0][0] is read:
+                    self._pending.popleft()
+                    if value is not None:
+                        self.samples.append(max(0.0, value))
+                        self.count += 1
+            drop()
+
+    def close(self) -> None:
+        """Let go of what is still pending (the device's events go with the backend)."""
+        with self._lock:
+            pending, self._pending = self._pending, deque()
+        for _, drop in pending:
+            try:
+                drop()
+            except Exception:
+                pass
+
+
+class LayerRun(abc.ABC):
+    """One layerwise job on a lane: ``completion`` is its end (after every layer), and each
+    layer has an end of its own that consumers wait on. A load's layers are all enqueued
+    at launch; a store's come one by one through ``push`` and end with ``finish``.
+
+    Nothing here ever waits on a layer whose copies are not enqueued yet (on CUDA a wait on
+    an event never recorded would pass at once): ``enqueued`` says which are."""
+
+    completion: Completion
+    num_layers: int
+    # Set when the worker abandoned the job at close: layers not known done then failed.
+    abandoned: BaseException | None = None
+
+    @abc.abstractmethod
+    def query(self, layer: int) -> bool:
+        """True once the layer's copies are over, or will never run (``error`` says which);
+        never blocks. False while a store layer is not pushed yet."""
+
+    @abc.abstractmethod
+    def error(self, layer: int) -> BaseException | None:
+        """Why the layer failed, once ``query(layer)`` is True; None when it succeeded."""
+
+    @abc.abstractmethod
+    def enqueued(self, layer: int) -> bool:
+        """Whether the layer's copies have been handed to the device (a gate may wait on them)."""
+
+    @abc.abstractmethod
+    def wait(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until ``query(layer)`` (for a store layer, through its push); False if
+        ``timeout`` passed first."""
+
+    @abc.abstractmethod
+    def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
+        """Make the consumer wait for the layer: on CUDA its stream waits on the layer's
+        event (no host block), on the CPU the calling thread blocks until the layer is
+        done. Adds the stall to ``meter``. False when the layer failed (nothing waits);
+        never raises for a failure. Only called once ``enqueued(layer)`` (or, for a load,
+        while its enqueue is still to come)."""
+
+    def ring_when_done(self, layer: int, bell: Doorbell) -> bool:
+        """Have ``bell`` rung once the layer is over; False if this run cannot."""
+        return False
+
+    def push(self, layer: int, dependency: Any) -> bool:
+        """A store: enqueue the layer's copies behind ``dependency`` (captured by
+        ``Backend.capture``). False when that failed (the layer then reports the error);
+        never raises for a device failure."""
+        raise InvalidSpec("only a layerwise store takes pushed layers")
+
+    def finish(self, error: BaseException | None) -> None:
+        """A store: no more pushes. Layers never pushed fail with ``error``; the job ends
+        behind the layers pushed, and fails if any layer did. Idempotent."""
+
+    def abandon(self, error: BaseException) -> None:
+        """The worker closed without this job ending: waiters stop waiting."""
+        self.abandoned = error
+
+
 class HostPool(abc.ABC):
     """Host memory that holds the chunks, as one flat byte tensor."""
 
@@ -124,6 +268,25 @@ class Lane(abc.ABC):
         """A snapshot of what the lane did (a lane without strategies reports no counters)."""
         return LaneStatistics()
 
+    def launch_layers(self, plan: LayerPlan, dependency: Any) -> LayerRun:
+        """A layerwise load: enqueue every layer now, behind everything launched before and
+        ``dependency``, each layer's end marked behind its copies. Raises only before
+        anything was enqueued."""
+        raise InvalidSpec(f"the {type(self).__name__} lane has no layerwise jobs")
+
+    def open_layers(self, plan: LayerPlan) -> LayerRun:
+        """A layerwise store: enqueue nothing yet; layers come through ``LayerRun.push``."""
+        raise InvalidSpec(f"the {type(self).__name__} lane has no layerwise jobs")
+
+    def fix(self, dependency: Any) -> None:
+        """Pin a captured dependency now, on the calling thread, for a launch made later
+        from another thread (a job held behind a layerwise store)."""
+
+    def run_in_order(self, work: Callable[[], None]) -> None:
+        """Run ``work`` in this lane's enqueue order (behind jobs an issuer thread still
+        holds); at once where nothing is queued."""
+        work()
+
     def abandon(self) -> None:
         """The worker was dropped without a close: free what is safe to free without
         calling the device (nothing, unless a lane says otherwise; a CPU lane lets its
@@ -154,6 +317,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def check_after(self, after: Any) -> None:
         """Raise what ``capture`` would raise for ``after``, touching nothing."""
+
+    def consumer(self, stream: Any) -> Any:
+        """What a layer gate makes wait: on CUDA a stream (None: the calling thread's current
+        one). Raises ``InvalidSpec`` for anything unusable."""
+        if stream is not None:
+            raise InvalidSpec(f"the {self.name} backend's gates block the calling thread; pass stream=None")
+        return None
 
     @abc.abstractmethod
     def open_lane(

@@ -1,7 +1,9 @@
 """CPU backend: "device" tensors are CPU tensors and each direction is a worker thread.
 
 A real backend with the semantics of the CUDA one (copies run asynchronously, in order
-per direction), so the async machinery is proven on machines without a GPU.
+per direction), so the async machinery is proven on machines without a GPU. A layerwise
+job is one queue item per layer and one for its end; a gate blocks the calling thread
+until its layer is done (the CPU's stream wait).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 from ..doorbell import Doorbell
 from ..errors import HostMemoryError, InvalidSpec
+from ..layer_plan import CopySlice, LayerPlan
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
-from .base import Backend, Completion, HostPool, Lane
+from .base import Backend, Completion, HostPool, Lane, LayerRun, StallMeter
 
 __all__ = ["CpuBackend"]
 
@@ -83,9 +86,103 @@ def flat_bytes(view: torch.Tensor) -> np.ndarray:
     return torch.as_strided(view.view(torch.uint8), (span,), (1,)).numpy()
 
 
-_Item = tuple[CopyPlan, CpuCompletion, "threading.Event | None"]
+_Item = tuple["CopyPlan | CopySlice", CpuCompletion, "threading.Event | None"]
 
 _ABANDON_WAIT_SECONDS = 5.0
+# How often a thread blocked on a layer looks whether the worker abandoned its job.
+_LAYER_WAIT_SLICE = 0.05
+_NO_COPIES = CopySlice(*(np.zeros(0, dtype=np.int64),) * 4)
+
+
+class _JobEnd(CpuCompletion):
+    """A layerwise job's end: its last queue item, behind every layer it enqueued. Fails
+    with the first layer's error; its time runs from its first layer's start."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: CpuLayerRun) -> None:
+        super().__init__()
+        self._run = run
+
+    def _finish(self, error: BaseException | None, elapsed: float | None) -> None:
+        layers = self._run.layers
+        error = error or next((c.error for c in layers if c.error is not None), None)
+        starts = [c._started for c in layers if c._started is not None]
+        elapsed = time.perf_counter() - min(starts) if starts and error is None else None
+        super()._finish(error, elapsed)
+
+
+class CpuLayerRun(LayerRun):
+    """A layerwise job's items on a CPU lane: one completion per layer, set by the lane's
+    thread as that layer's copies end, and the job's end behind them."""
+
+    def __init__(self, lane: CpuLane, plan: LayerPlan) -> None:
+        self._lane = lane
+        self._plan = plan
+        self.num_layers = plan.num_layers
+        self.layers = [CpuCompletion() for _ in range(self.num_layers)]
+        self.completion: _JobEnd = _JobEnd(self)
+        self._queued = bytearray(self.num_layers)
+        self._finished = False
+
+    def load(self, dependency: Any) -> None:
+        for layer in range(self.num_layers):
+            self._put(layer, dependency if layer == 0 else None)
+        self._finished = True
+        self._lane.put((_NO_COPIES, self.completion, None))
+
+    def _put(self, layer: int, dependency: Any) -> None:
+        self._queued[layer] = 1
+        self._lane.put((self._plan.layer(layer), self.layers[layer], dependency))
+
+    def push(self, layer: int, dependency: Any) -> bool:
+        self._put(layer, dependency)
+        return True
+
+    def finish(self, error: BaseException | None) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        for layer, queued in enumerate(self._queued):
+            if not queued:
+                self.layers[layer]._finish(error, None)
+        self._lane.put((_NO_COPIES, self.completion, None))
+
+    def query(self, layer: int) -> bool:
+        return self.layers[layer].query()
+
+    def error(self, layer: int) -> BaseException | None:
+        return self.layers[layer].error
+
+    def enqueued(self, layer: int) -> bool:
+        return bool(self._queued[layer])
+
+    def wait(self, layer: int, timeout: float | None = None) -> bool:
+        done = self.layers[layer]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.query():
+            if self.abandoned is not None:
+                return False
+            left = _LAYER_WAIT_SLICE
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            done.wait(left)
+        return True
+
+    def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
+        done = self.layers[layer]
+        if done.query():
+            meter.add(0.0)
+            return done.error is None
+        began = time.perf_counter()
+        finished = self.wait(layer)
+        meter.add(time.perf_counter() - began)
+        return finished and done.error is None
+
+    def ring_when_done(self, layer: int, bell: Doorbell) -> bool:
+        return self.layers[layer].ring_when_done(bell)
 
 
 class CpuLane(Lane):
@@ -105,6 +202,18 @@ class CpuLane(Lane):
         completion = CpuCompletion()
         self._queue.put((plan, completion, dependency))
         return completion
+
+    def put(self, item: _Item) -> None:
+        """Queue one item behind everything launched (a layerwise run's layers and end)."""
+        self._queue.put(item)
+
+    def launch_layers(self, plan: LayerPlan, dependency: Any) -> LayerRun:
+        run = CpuLayerRun(self, plan)
+        run.load(dependency)
+        return run
+
+    def open_layers(self, plan: LayerPlan) -> LayerRun:
+        return CpuLayerRun(self, plan)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -144,7 +253,7 @@ class CpuLane(Lane):
             else:
                 completion._finish(None, time.perf_counter() - start)
 
-    def _copy(self, plan: CopyPlan) -> None:
+    def _copy(self, plan: CopyPlan | CopySlice) -> None:
         host, device, to_host = self._host, self._device, self.direction.to_host
         for t, d, h, n in zip(
             plan.tensor_idx.tolist(), plan.device_offset.tolist(),

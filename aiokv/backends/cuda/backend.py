@@ -116,6 +116,15 @@ class CudaBackend(Backend):
         if after is not None:
             self._waitable(after)
 
+    def consumer(self, stream: Any) -> int:
+        """The stream a layer gate makes wait: ``stream`` as ``after=`` takes one (a
+        ``torch.cuda.Stream``, ``__cuda_stream__``, a raw handle), None for the calling
+        thread's current stream. An event is refused: a gate makes a stream wait."""
+        if isinstance(stream, torch.cuda.Event):
+            raise InvalidSpec("a gate makes a stream wait: pass the consumer's stream (or None for the "
+                              "current one), not an event")
+        return (self._waitable(stream) or ("stream", 0))[1]
+
     def _waitable(self, after: Any) -> tuple[str, int] | None:
         """What ``after`` asks a copy to wait for, without touching the device: a stream to
         record on, an event to wait on (``("stream" | "event", handle)``), or None."""
@@ -167,7 +176,8 @@ class CudaBackend(Backend):
             staging_bytes=self.options.staging_bytes,
         )
         lane = CudaLane(self.driver, direction, make_strategy(self.options.strategy, ctx),
-                        issue_thread=self.options.issue_thread, recorder=recorder, table=table)
+                        issue_thread=self.options.issue_thread, recorder=recorder, table=table,
+                        measure_stalls=self.options.layer_stalls)
         self._lanes.append(lane)
         return lane
 

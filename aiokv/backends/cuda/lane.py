@@ -1,6 +1,7 @@
 """One direction's ordered lane on the device: a strategy's main stream, whose job end
 events mark completion in order, and optionally an issuer thread that enqueues long jobs
-after ``submit`` has returned (``WorkerOptions.issue_thread``)."""
+after ``submit`` has returned (``WorkerOptions.issue_thread``). Layerwise jobs run on the
+same main stream (``layers.CudaLayerRun``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import functools
 import time
 from typing import Any
 
+from ...layer_plan import CopySlice, LayerPlan
 from ...plan import CopyPlan
 from ...specs import Direction
-from ..base import Completion, Lane, LaneStatistics
+from ..base import Completion, Lane, LaneStatistics, LayerRun
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
 from .issuer import Issuer
+from .layers import CudaLayerRun
 from .native import NativeWaiter
 from .program import Recorder
 from .strategy import CopyStrategy
@@ -74,11 +77,13 @@ class CudaLane(Lane):
 
     def __init__(self, driver: Driver, direction: Direction, strategy: CopyStrategy, *,
                  issue_thread: bool = False, recorder: Recorder | None = None,
-                 table: Any = None) -> None:
+                 table: Any = None, measure_stalls: bool = False) -> None:
         """``recorder``: the strategy's stand-in driver, whose jobs run as one native call
         each; ``table``: the native helper's driver table, for the lane's waiter thread
-        (None: the Python path, and host-function doorbells)."""
+        (None: the Python path, and host-function doorbells); ``measure_stalls``: layer
+        gates time their consumer's wait on the device (``WorkerOptions.layer_stalls``)."""
         self.direction = direction
+        self.measure_stalls = measure_stalls
         self._driver = driver
         self._strategy = strategy
         self.strategy_name: str = strategy.name
@@ -210,6 +215,67 @@ class CudaLane(Lane):
             self.issued_later += 1
             self.issue_seconds += time.perf_counter() - began
             self.issue_cpu_seconds += time.thread_time() - cpu
+
+    # -- layerwise jobs (``layers.CudaLayerRun``) ------------------------------------------
+
+    @property
+    def driver(self) -> Driver:
+        return self._driver
+
+    @property
+    def recorder(self) -> Recorder | None:
+        return self._recorder
+
+    @property
+    def issuer(self) -> Issuer | None:
+        return self._issuer
+
+    def pointers(self, plan: CopyPlan | CopySlice) -> tuple[Any, Any, Any]:
+        """The plan's (dst, src, sizes) tables in this lane's direction."""
+        return self._strategy.ctx.pointers(plan)
+
+    def launch_layers(self, plan: LayerPlan, dependency: Any) -> LayerRun:
+        drv = self._driver
+        dep: Dependency | None = dependency
+        issuer = self._issuer
+        try:
+            drv.ensure_context()
+            drv.check_usable()
+            if dep is not None and dep.pending and (issuer is not None or self._recorder is None):
+                dep.resolve(drv)  # else the first rows of the job's one call
+            run = CudaLayerRun(self, plan, store=False)
+        except BaseException:
+            self._give_back(None, dep)
+            raise
+        if issuer is None:
+            run.issue_load(dep, on_issuer=False)
+            return run
+        ran = False
+
+        def work() -> None:
+            nonlocal ran
+            ran = True  # from here on ``issue_load`` owns the events, failures included
+            run.issue_load(dep, on_issuer=issuer.on_own_thread())
+
+        try:
+            issuer.run(work, defer=False)  # behind the jobs the issuer still holds
+        except BaseException:
+            if not ran:
+                run.give_back()
+                self._give_back(None, dep)
+            raise
+        return run
+
+    def open_layers(self, plan: LayerPlan) -> LayerRun:
+        self._driver.ensure_context()
+        self._driver.check_usable()
+        return CudaLayerRun(self, plan, store=True)
+
+    def fix(self, dependency: Any) -> None:
+        dep: Dependency | None = dependency
+        if dep is not None and dep.pending:
+            self._driver.ensure_context()
+            dep.resolve(self._driver)
 
     def statistics(self) -> LaneStatistics:
         strategy = self._strategy

@@ -120,12 +120,13 @@ class Program:
 
     def layers(self, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
                bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
-               flags: int = 1) -> None:
+               flags: int = 1) -> np.ndarray:
         """A layerwise job's copies on ``stream``: for each layer ``l`` the copies
         ``[bounds[l], bounds[l + 1])`` of the tables as one batched call, then ``events[l]``
         recorded behind them (a consumer's stream may wait on it, or the host query it,
         while later layers still copy). Empty layers only record their event. Rows are
-        built with numpy, whatever the number of layers."""
+        built with numpy, whatever the number of layers. Returns the row of each layer's
+        record: a call that fails at row ``r`` enqueued the layers whose record is below."""
         cuts = np.asarray(bounds, dtype=np.int64)
         nlayers = cuts.size - 1
         if nlayers != len(events) or nlayers < 0 or (np.diff(cuts) < 0).any() or (
@@ -142,8 +143,10 @@ class Program:
         rows[:, 1, 1] = [int(e) for e in events]
         keep = np.ones((nlayers, 2), dtype=bool)
         keep[:, 0] = counts > 0
+        first = len(self)
         self.words += rows[keep].ravel().tolist()
         self.cost += _US_PER_CALL * (nlayers + int(keep[:, 0].sum())) + _US_PER_DESCRIPTOR * int(counts.sum())
+        return first + np.cumsum(keep.sum(axis=1)) - 1
 
     def streams(self) -> list[int]:
         """Every stream a row names, in first-use order."""
@@ -172,6 +175,7 @@ class Recorder:
         self.program: Program | None = None
         self.calls = 0  # native calls made: one per job
         self.ran = False  # the last commit reached the driver (so may have enqueued part)
+        self.failed_row: int | None = None  # the row the last commit stopped at, if it failed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._driver, name)
@@ -254,6 +258,7 @@ class Recorder:
         that failed (``ran`` True: what came before it is enqueued, and joined into main)."""
         program, self.program = self.program, None
         self.ran = False
+        self.failed_row = None
         if program is None or not program.words:
             return
         if hold_gil is None:
@@ -263,6 +268,7 @@ class Recorder:
         self.ran = True
         self.calls += 1
         if code:
+            self.failed_row = int(done)
             raise self._fail(int(code), CALL_NAMES.get(program.words[done * WORDS], "a driver call"))
 
     def abort(self) -> None:
@@ -288,13 +294,14 @@ class Recorder:
 
 def issue_layers(drv: Any, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
                  bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
-                 to_host: bool | None = None) -> None:
+                 to_host: bool | None = None, recorded: list[int] | None = None) -> np.ndarray | None:
     """``Program.layers`` on either path: recorded into the open program of a
-    ``Recorder``, else one batched call and one record per layer on ``drv``."""
+    ``Recorder`` (returns each layer's record row, see ``Program.layers``), else one
+    batched call and one record per layer on ``drv``, appending each layer to
+    ``recorded`` as its event is recorded (returns None)."""
     program = getattr(drv, "program", None) if isinstance(drv, Recorder) else None
     if program is not None:
-        program.layers(stream, dst, src, sizes, bounds, events, flags=batch_flags(True, to_host))
-        return
+        return program.layers(stream, dst, src, sizes, bounds, events, flags=batch_flags(True, to_host))
     cuts = [int(b) for b in bounds]
     if len(cuts) - 1 != len(events):
         raise InvalidSpec(f"{len(cuts) - 1} layers but {len(events)} layer events")
@@ -303,3 +310,6 @@ def issue_layers(drv: Any, stream: Any, dst: np.ndarray, src: np.ndarray, sizes:
         if hi > lo:
             drv.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream, to_host=to_host)
         drv.record(event, stream)
+        if recorded is not None:
+            recorded.append(layer)
+    return None

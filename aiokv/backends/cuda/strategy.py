@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ...layer_plan import CopySlice
 from ...layout import CanonicalKVCaches
 from ...plan import CopyPlan, HostLayout
 from ...specs import Direction
@@ -82,7 +83,7 @@ class CopyContext:
     def to_host(self) -> bool:
         return self.direction.to_host
 
-    def pointers(self, plan: CopyPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def pointers(self, plan: CopyPlan | CopySlice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(dst, src, sizes) as contiguous uint64 arrays, built in numpy without Python loops."""
         dev = self.device_base[plan.tensor_idx] + plan.device_offset
         host = plan.host_offset + self.host_base

@@ -1,0 +1,457 @@
+"""Layerwise jobs on a CUDA lane against fake drivers (no GPU): a load is one native call
+with one event per layer; a gate makes exactly one stream wait, on the right event and
+stream, and never one on an event not recorded yet; a store is one call per push with its
+end behind the last; a failure part way fails only the layers not reached; and, on the
+simulated device, round trips are byte-exact and a gated consumer reads only after its
+layer landed, whatever order the streams run in."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv.backends.base import StallMeter
+from aiokv.backends.cuda import native
+from aiokv.backends.cuda.driver import JobEvents
+from aiokv.backends.cuda.lane import CudaLane, Dependency
+from aiokv.backends.cuda.strategy import CopyContext
+from aiokv.errors import CudaCallFailed, InvalidSpec
+from aiokv.layer_plan import LayerMap, LayerPlan, plan_layers
+from aiokv.layout import CanonicalKVCaches
+from aiokv.plan import HostLayout, map_blocks
+from aiokv.specs import Direction
+
+from .native_fakes import FakeTable
+from .sim_device import SimDriver
+from .test_cuda_lane import hold
+
+native_only = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+
+MAIN, CONSUMER = 0x40, 0x77
+LAYERS, BLOCKS, PAGE = 4, 16, 256
+
+
+class LogDriver:
+    """Every driver call a layerwise run makes, in order; events complete when a test says
+    so (``done``). (In CUDA an event never recorded reads as complete: the tests check that
+    no call touches a layer's event before its record.)"""
+
+    def __init__(self) -> None:
+        self.broken: Any = None
+        self.calls: list[tuple[Any, ...]] = []
+        self.recorded: set[int] = set()
+        self.done: set[int] = set()
+        self.given: list[Any] = []
+        self.fail_batch = 0  # the nth memcpy_batch raises
+        self.next = 0x1000
+
+    def _handle(self) -> int:
+        self.next += 1
+        return self.next
+
+    def ensure_context(self) -> None:
+        pass
+
+    def check_usable(self) -> None:
+        pass
+
+    def create_stream(self, high_priority: bool = False) -> int:
+        return self._handle()
+
+    def create_event(self, timing: bool = False, blocking: bool = False) -> int:
+        return self._handle()
+
+    def destroy_stream(self, stream: Any) -> None:
+        pass
+
+    def take_sync_event(self) -> int:
+        return self._handle()
+
+    def take_job_events(self) -> JobEvents:
+        return JobEvents(self._handle(), self._handle())
+
+    def give_sync_event(self, event: Any) -> None:
+        self.given.append(event)
+
+    def give_job_events(self, events: JobEvents) -> None:
+        self.given.extend((events.start, events.stop))
+
+    def record(self, event: Any, stream: Any) -> None:
+        self.calls.append(("record", event, stream))
+        self.recorded.add(event)
+
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        self.calls.append(("wait", stream, event))
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any,
+                     **kw: Any) -> None:
+        self.calls.append(("batch", dst.tolist(), stream))
+        if sum(c[0] == "batch" for c in self.calls) == self.fail_batch:
+            raise CudaCallFailed("injected", 2)
+
+    def query(self, event: Any) -> bool:
+        self.calls.append(("query", event))
+        return event in self.done
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def stream_synchronize(self, stream: Any) -> None:
+        pass
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        return 2.5e-3
+
+    def can_ring(self) -> bool:
+        return False
+
+    def of(self, kind: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == kind]
+
+
+# K and V pages per layer; one description for every job (the host layout follows it).
+KV = CanonicalKVCaches.from_tensors([torch.zeros(2, BLOCKS, PAGE // 2, dtype=torch.uint8)
+                                     for _ in range(LAYERS)], block_dim=1)
+
+
+def kv_plan(to_host: bool, blocks: list[int], chunks: list[int]) -> tuple[LayerPlan, HostLayout]:
+    kv = KV
+    layout = HostLayout.build(kv, 1)
+    mapping = map_blocks(blocks, chunks, layout=layout, num_chunks=16, unique_host=to_host,
+                         unique_gpu=not to_host)
+    return plan_layers(mapping, layout, LayerMap.build(kv, layout)), layout
+
+
+class Strategy:
+    """What a lane reads of its strategy; ``ctx.pointers`` is the real one over made-up
+    addresses (``bases``: each page tensor's base, and the host pool's)."""
+
+    name = "dma"
+    pitched_jobs = staged_jobs = 0
+
+    def __init__(self, to_host: bool, bases: tuple[list[int], int] | None = None) -> None:
+        device, host = bases or ([0x100000 * (i + 1) for i in range(2 * LAYERS)], 0x9000000)
+        self.main_stream = MAIN
+        self.ctx = SimpleNamespace(runs=(), to_host=to_host, device_base=np.array(device, dtype=np.int64),
+                                   host_base=host)
+        self.ctx.pointers = lambda plan: CopyContext.pointers(self.ctx, plan)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+
+def make_lane(direction: Direction, driver: Any, *, recorded: bool, issue_thread: bool = False,
+              measure: bool = False, bases: Any = None) -> tuple[CudaLane, Any]:
+    fake = FakeTable(target=driver if isinstance(driver, SimDriver) else None)
+    rec = fake.recorder(driver, MAIN, 0) if recorded else None
+    strategy = Strategy(direction.to_host, bases)
+    lane = CudaLane(driver, direction, strategy, issue_thread=issue_thread, recorder=rec,  # type: ignore[arg-type]
+                    measure_stalls=measure)
+    return lane, fake
+
+
+def layer_events(run: Any) -> list[Any]:
+    return list(run._events)
+
+
+# -- one call, one event per layer ------------------------------------------------------------
+
+
+@native_only
+def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=True)
+    plan, _ = kv_plan(False, [3, 4, 5], [0, 1, 2])
+    run = lane.launch_layers(plan, Dependency(0xD1, stream=0x5))
+    events = layer_events(run)
+    job = run.completion._events
+    assert lane.recorder is not None and lane.recorder.calls == 1, "more than one native call"
+    assert drv.calls == [] and len(set(events)) == LAYERS
+    names = [(c[0], c[1] if c[0] == "cuEventRecord" else c[-1]) for c in fake.calls]
+    assert names == [("cuEventRecord", 0xD1), ("cuStreamWaitEvent", 0), ("cuEventRecord", job.start)] + [
+        step for ev in events for step in (("cuMemcpyBatchAsync", MAIN), ("cuEventRecord", ev))
+    ] + [("cuEventRecord", job.stop)]
+    assert fake.calls[1][1:3] == (MAIN, 0xD1)
+    # Each layer's batch is exactly that layer's copies (device side: K and V pages).
+    dst, _, _ = lane.pointers(plan)
+    batches = [[d for d, _, _ in c[1]] for c in fake.calls if c[0] == "cuMemcpyBatchAsync"]
+    for layer, batch in enumerate(batches):
+        lo, hi = int(plan.bounds[layer]), int(plan.bounds[layer + 1])
+        assert batch == dst[lo:hi].tolist()
+    assert all(run.enqueued(i) for i in range(LAYERS))
+
+
+def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    plan, _ = kv_plan(False, [3, 4, 5], [0, 1, 2])
+    run = lane.launch_layers(plan, Dependency(0xD1, stream=0x5))
+    events, job = layer_events(run), run.completion._events
+    assert [c[:2] if c[0] != "wait" else c for c in drv.calls] == [
+        ("record", 0xD1), ("wait", MAIN, 0xD1), ("record", job.start)] + [
+        step for ev in events for step in (("batch", drv.of("batch")[events.index(ev)][1]), ("record", ev))
+    ] + [("record", job.stop)]
+    assert len(drv.of("batch")) == LAYERS
+
+
+# -- gates --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool) -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=recorded)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    events = layer_events(run)
+    drv.calls.clear()
+    meter = StallMeter()
+    assert run.gate(2, CONSUMER, meter) is True
+    assert drv.of("wait") == [("wait", CONSUMER, events[2])]
+    assert [c for c in drv.calls if c[0] not in ("query", "wait")] == []
+    assert meter.count == 0  # a device wait: measured only with layer_stalls
+    # A layer already done: no wait at all, a stall of 0.
+    drv.done.add(events[0])
+    drv.calls.clear()
+    assert run.gate(0, CONSUMER, meter) is True
+    assert drv.of("wait") == [] and meter.count == 1 and list(meter.samples) == [0.0]
+
+
+def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_stream() -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=True)
+    run = lane.launch_layers(kv_plan(False, [1], [3])[0], None)
+    event = layer_events(run)[1]
+    drv.calls.clear()
+    meter = StallMeter()
+    assert run.gate(1, CONSUMER, meter)
+    (r0, w, r1) = [c for c in drv.calls if c[0] != "query"]
+    assert r0[0] == "record" and r0[2] == CONSUMER and w == ("wait", CONSUMER, event)
+    assert r1[0] == "record" and r1[2] == CONSUMER
+    meter.collect()
+    assert meter.count == 0  # the consumer stream has not passed the second event yet
+    drv.done.add(r1[1])
+    meter.collect()
+    assert list(meter.samples) == [2.5e-3] and {r0[1], r1[1]} <= set(drv.given)  # read, then pooled
+
+
+def test_a_gate_on_a_load_still_with_the_issuer_waits_for_its_record() -> None:
+    """The issuer thread holds earlier work: the layer's event is not recorded yet, so the
+    gate blocks rather than wait on it (a wait on an unrecorded event passes at once)."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False, issue_thread=True)
+    gate = hold(lane)
+    try:
+        run = lane.launch_layers(kv_plan(False, [1], [3])[0], None)
+        assert not run.enqueued(1) and not run.query(1)
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(1, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(0.05)
+        assert consumer.is_alive() and drv.of("wait") == []
+        gate.set()
+        consumer.join(10)
+        assert result == [True]
+        event = layer_events(run)[1]
+        waits = [i for i, c in enumerate(drv.calls) if c == ("wait", CONSUMER, event)]
+        assert len(waits) == 1 and drv.calls.index(("record", event, MAIN)) < waits[0]
+    finally:
+        gate.set()
+        lane.close()
+
+
+# -- stores ---------------------------------------------------------------------------------------
+
+
+@native_only
+def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.STORE, drv, recorded=True)
+    run = lane.open_layers(kv_plan(True, [1, 2], [3, 4])[0])
+    events, job = layer_events(run), run.completion._events
+    assert fake.calls == [] and not run.completion.query()
+    # A gate on a layer not pushed never waits: nothing is recorded for it.
+    assert not run.enqueued(1) and run.gate(1, CONSUMER, StallMeter()) is False and drv.of("wait") == []
+    assert run.push(1, Dependency(0xD2, stream=0x6)) is True
+    assert [(c[0], c[1]) for c in fake.calls] == [
+        ("cuEventRecord", 0xD2), ("cuStreamWaitEvent", MAIN), ("cuEventRecord", job.start),
+        ("cuMemcpyBatchAsync", fake.calls[3][1]), ("cuEventRecord", events[1])]
+    fake.calls.clear()
+    assert run.push(0, None) is True
+    assert [c[0] for c in fake.calls] == ["cuMemcpyBatchAsync", "cuEventRecord"]  # no second start
+    assert lane.recorder is not None and lane.recorder.calls == 2
+    run.push(2, None)
+    run.push(3, None)
+    assert not run.completion.query(), "a store is not done before its end is recorded"
+    run.finish(None)
+    assert drv.calls[-1] == ("record", job.stop, MAIN)
+    drv.done.add(job.stop)
+    assert run.completion.query() and run.completion.error is None
+
+
+def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
+    gate = hold(lane)
+    try:
+        run = lane.open_layers(kv_plan(True, [1], [3])[0])
+        assert run.push(2, Dependency(0xD3, stream=0x6)) is True  # queued behind the held work
+        assert ("record", 0xD3, 0x6) in drv.calls  # its dependency taken now, on this thread
+        assert run.enqueued(2) and not run.query(2)
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(2, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(0.05)
+        assert consumer.is_alive() and drv.of("wait") == [], "the gate waited before the record"
+        gate.set()
+        consumer.join(10)
+        event = layer_events(run)[2]
+        assert result == [True]
+        assert drv.calls.index(("record", event, MAIN)) < drv.calls.index(("wait", CONSUMER, event))
+    finally:
+        gate.set()
+        lane.close()
+
+
+def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    run.push(0, None)
+    run.finish(RuntimeError("closing"))
+    assert run.query(3) and isinstance(run.error(3), RuntimeError)
+    drv.done.add(run.completion._events.stop)
+    assert run.completion.wait(10) and isinstance(run.completion.error, RuntimeError)
+    assert run.error(0) is None and run.gate(3, CONSUMER, StallMeter()) is False
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_a_load_that_fails_part_way_fails_only_the_layers_not_reached(recorded: bool) -> None:
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
+    if recorded:
+        fake.fail["cuMemcpyBatchAsync"] = (3, 2)  # layer 2's batch
+    else:
+        drv.fail_batch = 3
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    events, job = layer_events(run), run.completion._events
+    assert [run.enqueued(i) for i in range(LAYERS)] == [True, True, False, False]
+    assert ("record", job.stop, MAIN) in drv.calls, "the failed job's end was not recorded behind it"
+    drv.calls.clear()
+    meter = StallMeter()
+    assert run.gate(2, CONSUMER, meter) is False and run.gate(3, CONSUMER, meter) is False
+    assert drv.calls == [], "a gate touched a layer that was never enqueued"
+    assert run.gate(1, CONSUMER, meter) is True and drv.of("wait") == [("wait", CONSUMER, events[1])]
+    assert run.query(2) and isinstance(run.error(2), CudaCallFailed)
+    drv.done.update((*events[:2], job.stop))
+    assert run.query(0) and run.error(0) is None
+    assert run.completion.wait(10) and isinstance(run.completion.error, CudaCallFailed)
+
+
+@native_only
+def test_a_program_refused_as_bad_input_raises_at_submit_and_gives_everything_back() -> None:
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=True)
+    take = drv.take_sync_event
+    drv.take_sync_event = lambda: 0 if len(drv.given) == 0 and drv.next > 0x1004 else take()  # type: ignore[method-assign]
+    with pytest.raises(InvalidSpec, match="null event"):
+        lane.launch_layers(kv_plan(False, [1], [3])[0], Dependency(0xD1, stream=0x5))
+    assert fake.calls == [] and 0xD1 in drv.given and len(drv.given) == LAYERS + 3  # layers, job pair, dep
+
+
+# -- the simulated device: bytes and ordering -----------------------------------------------------------
+
+
+class SimLaneDriver(SimDriver):
+    """The simulated device with what a lane asks of a driver besides streams and events."""
+
+    broken = None
+
+    def check_usable(self) -> None:
+        pass
+
+    def take_sync_event(self) -> int:
+        return self.create_event()
+
+    def take_job_events(self) -> JobEvents:
+        return JobEvents(self.create_event(), self.create_event())
+
+    def give_sync_event(self, event: Any) -> None:
+        pass
+
+    def give_job_events(self, events: Any) -> None:
+        pass
+
+    def stream_synchronize(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def can_ring(self) -> bool:
+        return False
+
+
+@native_only
+@pytest.mark.parametrize("seed", range(4))
+def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    mem = np.zeros(8 << 20, dtype=np.uint8)
+    sim = SimLaneDriver(mem)
+    device = [(1 << 20) + i * BLOCKS * (PAGE // 2) for i in range(2 * LAYERS)]  # 2 pages a layer
+    pool = 4 << 20
+    mem[: 2 << 20] = rng.integers(0, 256, 2 << 20, dtype=np.uint8)
+    original = mem.copy()
+    # Streams are created in this order on both lanes, so MAIN is not the sim's: read it back.
+    store, _ = make_lane(Direction.STORE, sim, recorded=True, bases=(device, pool))
+    load, _ = make_lane(Direction.LOAD, sim, recorded=True, bases=(device, pool))
+    for lane in (store, load):
+        lane.stream = lane._strategy.main_stream = sim.create_stream()
+        assert lane.recorder is not None
+        lane.recorder.bind(lane.stream, sim.create_event())
+    src, dst, chunks = [2, 7, 3], [9, 12, 0], [5, 1, 8]
+    plan, layout = kv_plan(True, src, chunks)
+    run = store.open_layers(plan)
+    for layer in rng.permutation(LAYERS).tolist():  # pushed in any order
+        run.push(layer, None)
+    run.finish(None)
+    sim.run(rng)
+    page = PAGE // 2
+
+    def block_page(t: int, b: int) -> np.ndarray:
+        """Page tensor ``t``'s page of block ``b`` as it was before any copy."""
+        return original[device[t] + b * page : device[t] + (b + 1) * page]
+
+    for layer in range(LAYERS):
+        for part in range(2):
+            t = 2 * layer + part
+            offset = layout.page_offsets[0][t]
+            for b, c in zip(src, chunks):
+                host = pool + c * layout.chunk_bytes + offset
+                assert np.array_equal(mem[host : host + page], block_page(t, b))
+    # Load into other blocks; a consumer stream reads layer 1 of block 9 into scratch after a gate.
+    lplan, _ = kv_plan(False, dst, chunks)
+    lrun = load.launch_layers(lplan, None)
+    consumer = sim.create_stream()
+    assert lrun.gate(1, consumer, StallMeter()) is True  # not run yet: a real wait
+    scratch = 7 << 20
+    sim.memcpy(scratch, device[2] + 9 * page, page, consumer)  # layer 1's K page of block 9
+    sim.run(rng)
+    for layer in range(LAYERS):
+        for part in range(2):
+            t = 2 * layer + part
+            for b_src, b_dst in zip(src, dst):
+                got = mem[device[t] + b_dst * page : device[t] + (b_dst + 1) * page]
+                assert np.array_equal(got, block_page(t, b_src))
+    assert np.array_equal(mem[scratch : scratch + page], block_page(2, 2)), \
+        "the gated read ran before its layer landed"
