@@ -113,7 +113,7 @@ async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
         await cache.offload(["h", "b", "c"], [0, 1, 2])
         await cache.drain()
         assert cache._cascade is not None
-        rows = cache._cascade.pages.gather(cache._pool, [cache.chunks.start + c for c in range(3)])
+        rows = cache._cascade.pages.gather(cache._cascade.pool, [cache.chunks.start + c for c in range(3)])
         # "b" only in the remote tier, "c" only in the local one, after a host key.
         far.values[codec.key_bytes("b")] = rows[1].tobytes()
         near.values[codec.key_bytes("c")] = rows[2].tobytes()
@@ -132,10 +132,10 @@ async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
 
 
 async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -158,10 +158,10 @@ async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: p
 
 
 async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -189,10 +189,10 @@ async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: 
 
 
 async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -211,7 +211,6 @@ async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.M
             assert (await cache.offload(["s0", "s1"], [0, 1])).spilled == 2  # the host admits none
             await cache.drain()
             assert threads and threading.get_ident() not in threads
-            assert sorted(cache._staging.free) == list(cache._staging.chunks)
             result = await cache.restore(["s0", "s1"], [10, 11])
             assert result.restored == 2 and result.from_tiers == 2
             for i in range(2):
@@ -221,9 +220,9 @@ async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.M
 
 async def test_an_offload_cancelled_during_its_eviction_copy_still_stores(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     tier = MemTier()
     async with tiered([tier]) as (kv, _w, cache):
         randomize(kv, range(4), seed=1)
@@ -265,4 +264,3 @@ async def test_a_restore_that_raises_counts_in_no_restore_figure() -> None:
         assert (after.restores, after.restore_misses, after.restored_keys) == (
             before.restores, before.restore_misses, before.restored_keys)
         settled(cache)
-        assert sorted(cache._staging.free) == list(cache._staging.chunks)

@@ -184,6 +184,13 @@ class ChunkManager:
             n += 1
         return n
 
+    def keys_by_eviction(self) -> list[Hashable]:
+        """The loadable keys in the policy's eviction order, next victim first (to write the
+        host out coldest first, so its hottest keys are the newest below)."""
+        entries = self._entries
+        ready = [k for k, e in entries.items() if e.ready]
+        return self._policy.victims(len(ready), lambda k: entries[k].ready) or ready
+
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark held keys as just used (prefix order); unknown keys are ignored."""
         held = [k for k in keys if k in self._entries]

@@ -43,6 +43,11 @@ class CacheWorker(Protocol):
 
     def check_submittable(self, after: Any = None) -> None: ...
 
+    def check_store(self, src_spec: Any, dst_spec: Any, *, after: Any = None) -> None: ...
+
+    def check_load(self, src_spec: Any, dst_spec: Any, *, expedited: bool = False,
+                   after: Any = None) -> None: ...
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *,
                      after: Any = None) -> TransferFuture: ...
 
@@ -94,7 +99,15 @@ def split_chunks(worker: CacheWorker, chunks: range | None, staging_chunks: int 
                           f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
     if not tiers:
         return chunks, chunks, range(0)
-    n = min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4) if staging_chunks is None else staging_chunks
+    if staging_chunks is None:
+        if len(chunks) < 2:
+            raise InvalidSpec("a cache with tiers needs at least 2 chunks (one to hold blocks, one "
+                              f"to stage them to and from the tiers); it has {len(chunks)}")
+        n = max(1, min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4))
+    elif isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int):
+        raise InvalidSpec(f"staging_chunks must be an int, got {staging_chunks!r}")
+    else:
+        n = staging_chunks
     if not 1 <= n < len(chunks):
         raise InvalidSpec(f"staging_chunks must be in [1, {len(chunks)}) for a cache of "
                           f"{len(chunks)} chunks with tiers, got {n}")
