@@ -1,9 +1,9 @@
-"""aiokv/cache/tier_sim.py: the offline replay of a host cache with tiers below it."""
+"""aiokv/bench/tier_sim.py: the offline replay of a host cache with tiers below it."""
 
 from __future__ import annotations
 
-from aiokv.cache.tier_sim import SimTier, replay_tiers
-from aiokv.cache.trace import replay
+from aiokv.bench.tier_sim import SimTier, replay_tiers
+from aiokv.bench.trace import replay
 
 
 def test_evicted_blocks_hit_in_the_tier_below() -> None:

@@ -23,7 +23,7 @@ from aiokv import (
     WorkerClosed,
 )
 from aiokv.backends.cpu import CpuLane
-from aiokv.cache.trace import simulate
+from aiokv.bench.trace import simulate
 from aiokv.specs import Direction
 from tests.conftest import KV, make_layers, make_two_groups, same_bytes
 

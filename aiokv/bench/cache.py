@@ -22,10 +22,10 @@ import torch
 
 from ..cache.offload import DEFAULT_POLICY, OffloadCache
 from ..cache.policies import make_policy
-from ..cache.trace import Request, belady_hit_rate, load_trace, replay, simulate
 from ..layout import CanonicalKVCaches
 from ..worker import AsyncOffloadingWorker
 from .report import BenchRow
+from .trace import Request, belady_hit_rate, load_trace, replay, simulate
 
 __all__ = ["DEFAULT_CAPACITIES", "find_traces", "run_cache_bench"]
 

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from ..cache.offload import DEFAULT_POLICY, OffloadCache
-from ..cache.tier_sim import SimTier, replay_tiers
 from ..cache.tiers.base import Tier
-from ..cache.trace import Request, load_trace, replay
 from ..layout import CanonicalKVCaches
 from ..worker import AsyncOffloadingWorker
 from .report import BenchRow
+from .tier_sim import SimTier, replay_tiers
+from .trace import Request, load_trace, replay
 
 __all__ = ["parse_tiers", "run_tier_bench"]
 

@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .manager import ChunkManager
-from .policies import EvictionPolicy
+from ..cache.manager import ChunkManager
+from ..cache.policies import EvictionPolicy
 from .trace import Request
 
 __all__ = ["SimTier", "TierSimResult", "replay_tiers"]
