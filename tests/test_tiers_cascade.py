@@ -362,3 +362,66 @@ async def test_a_disk_far_slower_than_the_traffic_drops_and_the_loop_stays_live(
             await cache.drain()
             assert cache.stats().tiers[0].demoted + cache.stats().tiers[0].demotions_dropped == 36
         stop.set()
+
+
+async def test_a_block_queued_for_the_disk_is_restored_from_memory_without_the_writer(
+        tmp_path: Path) -> None:
+    """Evicted from the host and still queued for a disk whose writes take 2 s: lookup finds
+    it and restore brings it back byte-exact at once, read from memory."""
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 24, simulated_latency=2.0)
+    async with tiered([tier], drain_timeout=0.5) as (kv, _w, cache):
+        with anyio.fail_after(1):  # well before the first write can have finished
+            expected = await store_generations(kv, cache, 12)  # k0..k7 on their way down
+            keys = [f"k{i}" for i in range(8)]
+            assert cache.lookup(keys) == 8 and await cache.alookup(keys) == 8
+            randomize(kv, range(20, 28), seed=3)
+            result = await cache.restore(keys, list(range(20, 28)))
+        assert result and result.from_tiers == 8
+        for i, key in enumerate(keys):
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 20 + i), expected[key])), key
+        st = cache.stats().tiers[0]
+        assert st.tier.writes == 0 and st.restored_keys == 8 and st.hits == 16
+        assert st.queued_blocks == 8
+
+
+async def test_an_offload_cancelled_between_spill_rounds_leaks_nothing() -> None:
+    tier = MemTier()
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, seed=4)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4 + STAGING) as worker:
+        cache = OffloadCache(worker, policy="lru", admission="second-offer", tiers=[tier],
+                             staging_chunks=STAGING)
+        async with cache:
+            keys = [f"s{i}" for i in range(12)]
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # lands at the first checkpoint: the first round's store runs
+                await cache.offload(keys, range(12))
+            await cache.drain()
+            st = cache.stats().tiers[0]
+            assert st.demoted + st.demotions_dropped == 12 and st.demoted >= STAGING
+            assert cache.lookup(keys) == st.demoted
+            settled(cache)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 5, 8])
+async def test_small_pools_with_tiers_work_with_the_default_staging(chunks: int) -> None:
+    from aiokv import InvalidSpec
+
+    kv = make_layers(num_layers=2, num_blocks=16, seed=chunks)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=chunks) as worker:
+        with pytest.raises(InvalidSpec, match="at least 2 chunks"):
+            OffloadCache(worker, tiers=[MemTier()], chunks=range(1))
+        async with OffloadCache(worker, tiers=[MemTier()]) as cache:
+            st = cache.stats()
+            assert st.staging_chunks == max(1, chunks // 4)
+            assert st.manager.num_chunks == chunks - st.staging_chunks
+            randomize(kv, range(8), seed=1)
+            expected = {f"x{i}": gpu_block(kv, i) for i in range(8)}
+            for _ in range(2):  # the default admission stores on a second offer
+                await cache.offload(list(expected), range(8))
+            result = await cache.restore(list(expected), range(8, 16))
+            assert result.restored == 8
+            for i, key in enumerate(expected):
+                assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 8 + i), expected[key])), key
+            assert cache.stats().tiers[0].demotions_dropped == 0
+            await cache.drain()
+            settled(cache)

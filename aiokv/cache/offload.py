@@ -315,47 +315,63 @@ class OffloadCache:
             first = cascade.first_spill(spill, room)
         landed = anyio.Event()
         if stored or first:
-            ticket = cascade.ticket(stored, host_chunks, spill[: len(first)], first, room) \
-                if cascade is not None and room is not None else None
             try:
-                future = self._jobs.store([block_of[k] for k in [*stored, *spill[: len(first)]]],
-                                          host_chunks + first, after)
+                failed = await self._store(block_of, after, room, stored, host_chunks, spill[: len(first)],
+                                           first, skipped, landed)
             except BaseException:
-                mgr.complete_store(stored, success=False, counted=False)
-                if ticket is not None:
-                    ticket.failed()
-                raise  # refused (bad block ids among them): not counted as an offer
-            self._n.count_offer(len(block_of), skipped)
-
-            def finish(fut: TransferFuture) -> None:
-                ok = result_or_none(fut) is not None
-                mgr.complete_store(stored, success=ok)
-                self._drop_events()
-                if ok:
-                    self._n.stored += len(stored)
-                else:
-                    self._n.failed_stores += len(stored)
-                if ticket is not None:
-                    ticket.settle(fut, mgr, landed)
-                else:
-                    landed.set()
-
-            future.add_done_callback(finish)
-            try:
-                await future
-            except TransferFailed:
+                if cascade is not None and cascade.demote_to is not None:
+                    cascade.demote_to.drop(len(spill) - len(first))  # their rounds never ran
+                raise
+            if failed:
                 return OffloadResult(0, skipped, rest + len(stored), evicted, failed=True)
-            await landed.wait()  # write-through and spill copies off the pool
         else:
             self._n.count_offer(len(block_of), skipped)
         spilled = len(first)
         if cascade is not None and room is not None and len(spill) > len(first):
-            later = spill[len(first):]
+            later = spill[len(first):]  # the rounds count their own drops
             spilled += await cascade.spill(later, [block_of[k] for k in later], room,
                                            lambda b, c: self._jobs.store(b, c, after))
         elif not stored and not first:
             await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
         return OffloadResult(len(stored), skipped, rest, evicted, spilled=spilled)
+
+    async def _store(self, block_of: dict[Hashable, int], after: Any, room: Room | None,
+                     stored: list[Hashable], host_chunks: list[int], spill: list[Hashable],
+                     staging: list[int], skipped: int, landed: anyio.Event) -> bool:
+        """Submit the offer's store (its host keys and the first spills) and wait for it and
+        the copies down it decided; whether the copy failed."""
+        cascade, mgr = self._cascade, self._mgr
+        ticket = cascade.ticket(stored, host_chunks, spill, staging, room) \
+            if cascade is not None and room is not None else None
+        try:
+            future = self._jobs.store([block_of[k] for k in [*stored, *spill]], host_chunks + staging, after)
+        except BaseException:
+            mgr.complete_store(stored, success=False, counted=False)
+            if ticket is not None:
+                ticket.failed()
+            raise  # refused (bad block ids among them): not counted as an offer
+        self._n.count_offer(len(block_of), skipped)
+
+        def finish(fut: TransferFuture) -> None:
+            ok = result_or_none(fut) is not None
+            mgr.complete_store(stored, success=ok)
+            self._drop_events()
+            if ok:
+                self._n.stored += len(stored)
+            else:
+                self._n.failed_stores += len(stored)
+            if ticket is not None:
+                ticket.settle(fut, mgr, landed)
+            else:
+                landed.set()
+
+        future.add_done_callback(finish)
+        try:
+            await future
+        except TransferFailed:
+            return True
+        await landed.wait()  # write-through and spill copies off the pool
+        return False
 
     async def restore(
         self,
