@@ -28,17 +28,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write the rows as JSON; '-' writes them to stdout "
                         "(the table then goes to stderr)")
     b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling")
-    b.add_argument("--trace", metavar="PATH", action="append",
-                   help="cache: Mooncake-format trace (repeatable; default: $AIOKV_TRACE_DIR, "
-                        "else shared/data/mooncake beside or inside the checkout)")
-    b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
-                   help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
-    b.add_argument("--policy", default=None, help="cache: policy name (default: the recommended one)")
-    b.add_argument("--tiers", metavar="SPEC",
-                   help="cache: tiers under the host, e.g. host=2000,disk=32000[,redis=8000] (blocks): "
-                        "hit rate per tier and restore GB/s from each beside its ceiling")
-    b.add_argument("--redis-url", metavar="URL", help="cache --tiers: the Redis/Valkey server for redis=N")
-    b.add_argument("--tier-dir", metavar="DIR", help="cache --tiers: where the disk tier writes "
+    c = b.add_argument_group(
+        "bench cache", "Replays request traces through the offload cache. The traces are the Mooncake "
+        "traces (kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0): JSON lines with hash_ids, "
+        "found in $AIOKV_TRACE_DIR, else shared/data/mooncake beside or inside the checkout, or named "
+        "with --trace.")
+    c.add_argument("--trace", metavar="PATH", action="append",
+                   help="a Mooncake-format trace file or a folder of *.jsonl traces (repeatable)")
+    c.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
+                   help="host capacity in blocks (repeatable; default 2000, 8000, 32000)")
+    c.add_argument("--policy", default=None, help="policy name (default: the recommended one)")
+    c.add_argument("--tiers", metavar="SPEC",
+                   help="tiers under the host, e.g. host=2000,disk=32000[,redis=8000] (blocks): replays "
+                        "the trace through the real cache over a temporary disk tier (and Redis), "
+                        "with the hit rate per tier, and each tier's restore GB/s beside its ceiling")
+    c.add_argument("--redis-url", metavar="URL",
+                   help="--tiers with redis=N: the Redis/Valkey server (the bench deletes what it wrote)")
+    c.add_argument("--tier-dir", metavar="DIR", help="--tiers: the folder the disk tier writes under "
                                                      "(default: the system's temporary folder)")
     return p
 
@@ -55,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # Options only one kind of run reads: given to the other kind they would be ignored
 # silently, and a user would read figures that are not what they asked for.
-_CACHE_ONLY = (("--trace", "trace"), ("--capacity", "capacity"), ("--policy", "policy"))
+_CACHE_ONLY = (("--trace", "trace"), ("--capacity", "capacity"), ("--policy", "policy"),
+               ("--tiers", "tiers"), ("--redis-url", "redis_url"), ("--tier-dir", "tier_dir"))
 _TRANSFER_ONLY = (("--loop", "loop"), ("--plot", "plot"))
 
 
@@ -65,6 +72,12 @@ def _misplaced_option(args: argparse.Namespace) -> str | None:
     for flag, attr in _TRANSFER_ONLY if own == "cache" else _CACHE_ONLY:
         if getattr(args, attr) is not None:
             return f"aiokv bench {own}: {flag} is an option of `aiokv bench {other}`; drop it or run that"
+    if own == "cache" and not args.tiers:
+        for flag, attr in (("--redis-url", "redis_url"), ("--tier-dir", "tier_dir")):
+            if getattr(args, attr) is not None:
+                return f"aiokv bench cache: {flag} is an option of --tiers; add --tiers host=N,disk=M,..."
+    if own == "cache" and args.tiers and args.capacity is not None:
+        return "aiokv bench cache: --capacity is not read with --tiers (host=N sets the host's capacity)"
     return None
 
 

@@ -3,6 +3,7 @@ tiers, pipelined restores that stop at the first bad key, a slow tier, and cance
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -425,3 +426,80 @@ async def test_small_pools_with_tiers_work_with_the_default_staging(chunks: int)
             assert cache.stats().tiers[0].demotions_dropped == 0
             await cache.drain()
             settled(cache)
+
+
+class LruTier(MemTier):
+    """A bounded LRU tier that, as the disk tier does, makes room when a write starts (the
+    blocks being written take room, only landed ones are evicted, and what finds no room
+    is refused) and lands the bytes ``delay`` seconds later."""
+
+    def __init__(self, capacity: int, delay: float) -> None:
+        super().__init__()
+        self.capacity, self.delay = capacity, delay
+        self.order: dict[bytes, None] = {}  # oldest first, landed or being written
+
+    async def read(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        got = await super().read(keys, out)
+        for key, ok in zip(keys, got):
+            if ok and key in self.order:
+                self.order[key] = self.order.pop(key)
+        return got
+
+    async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        taken = []
+        for key in keys:
+            if key in self.order:  # held (or on its way): a touch
+                self.order[key] = self.order.pop(key)
+                taken.append(False)
+                continue
+            landed = (k for k in self.order if k in self.values)
+            if len(self.order) >= self.capacity and (oldest := next(landed, None)) is not None:
+                del self.order[oldest], self.values[oldest]
+            taken.append(len(self.order) < self.capacity)
+            if taken[-1]:
+                self.order[key] = None
+        data = [bytes(p) for p in payloads]
+        await anyio.sleep(self.delay)
+        for key, value, new in zip(keys, data, taken):
+            if new:
+                self.values[key] = value
+        return [new or key in self.order for key, new in zip(keys, taken)]
+
+
+def digest(kv: KV, block: int) -> str:
+    return hashlib.sha1(b"".join(t.view(torch.uint8).numpy().tobytes() for t in gpu_block(kv, block)))\
+        .hexdigest()
+
+
+async def test_how_fast_writes_land_never_decides_a_hit() -> None:
+    """The same requests over a tier whose writes land at once and one whose writes take
+    10 ms: every lookup and every restore answers the same, with the right bytes."""
+    import random
+
+    rng = random.Random(3)
+    requests = [[rng.randrange(90) for _ in range(rng.randint(1, 5))] for _ in range(200)]
+    answers = []
+    of_key: dict[int, str] = {}
+    for delay in (0.0, 0.01):
+        # Room for far more blocks than are ever on their way at once: the oldest blocks,
+        # which a write evicts, have landed long before, whatever the delay.
+        tier = LruTier(capacity=48, delay=delay)
+        seen = []
+        async with tiered([tier], host=4) as (kv, _w, cache):
+            for r, keys in enumerate(requests):
+                n = cache.lookup(keys)
+                got = await cache.restore(keys[:n], range(20, 20 + n)) if n else None
+                seen.append((n, got.restored if got else 0))
+                for i, key in enumerate(keys[: got.restored if got else 0]):
+                    assert digest(kv, 20 + i) == of_key[key], (r, key)
+                for i, key in enumerate(keys):  # a key's block always holds the same bytes
+                    randomize(kv, [i], seed=key)
+                    of_key[key] = digest(kv, i)
+                await cache.offload(keys, range(len(keys)))
+                await anyio.sleep(0.005)  # a server's pace: a few batches on their way at once
+            await cache.drain()
+            assert cache.stats().tiers[0].demotions_dropped == 0
+            settled(cache)
+        answers.append(seen)
+    assert answers[0] == answers[1]
+    assert sum(n for n, _ in answers[0]) > 0

@@ -77,8 +77,7 @@ class Cascade:
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._scopes: list[anyio.CancelScope] = []
-        self._copies: dict[int, anyio.Event] = {}  # copy tasks in flight, by start number
+        self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
         self._started = 0
 
     @property
@@ -107,34 +106,30 @@ class Cascade:
         tg = self._tg = anyio.create_task_group()
         await tg.__aenter__()
         for link in self.links:
-            scope = anyio.CancelScope(shield=True)  # cancelled by stop(), not by the owner
-            self._scopes.append(scope)
-            link.writing = True
-            tg.start_soon(link.run_writer, scope)
+            link.tg = tg  # its write calls run here, each shielded until stop() cancels it
 
     async def drain(self) -> None:
-        """Wait for the copies started so far, then for the writes queued by then; copies
-        and writes started meanwhile are not waited for, so a busy server does not hold it."""
-        for event in [e for seq, e in self._copies.items() if seq < self._started]:
+        """Wait for the copies started so far, then for the blocks on their way down by then
+        to be written (or dropped); those started meanwhile are not waited for, so a busy
+        server does not hold it."""
+        for event in list(self._copies.values()):
             await event.wait()
-        targets = [(link, link.queued_batches) for link in self.links]
-        for link, target in targets:
-            await link.written(target)
+        batches = {batch for link in self.links for batch, _ in link.inflight.values()}
+        for batch in batches:
+            await batch.written.wait()
         await anyio.lowlevel.checkpoint()
 
     async def stop(self) -> None:
-        """Stop the writers, drop what is still queued (counted), close every tier. Call it
-        at the task group's nesting level (the cache's exit does)."""
-        for scope in self._scopes:
-            scope.cancel()
+        """Stop the write calls (what they did not write is dropped and counted) and close
+        every tier. Call it at the task group's nesting level (the cache's exit does)."""
+        for link in self.links:
+            link.stop()
         tg, self._tg = self._tg, None
         try:
             if tg is not None:
                 await tg.__aexit__(None, None, None)
         finally:
             with anyio.CancelScope(shield=True):
-                for link in self.links:
-                    link.stop()
                 for link in self.links:
                     await link.tier.aclose()
 
@@ -249,7 +244,9 @@ class Cascade:
         link = self.demote_to
         if link is None or not keys:
             return
-        pairs = [(tk, c) for k, c in zip(keys, chunks) if self._wants(link, tk := self.tier_key(k))]
+        # A block the tier holds goes too: its write is a touch there (no I/O for a local
+        # tier), so the tier orders blocks by when the host let them go, as a victim cache.
+        pairs = [(tk, c) for k, c in zip(keys, chunks) if (tk := self.tier_key(k)) not in link.inflight]
         pairs = pairs[: room.take(link, len(pairs))]
         if pairs:
             batch = Batch([tk for tk, _ in pairs], "demote")

@@ -1,14 +1,18 @@
-"""One lower tier as the cache drives it: its write queue, its writer, the blocks on their
-way down, and its counters.
+"""One lower tier as the cache drives it: its write calls, the blocks on their way down,
+and its counters.
 
 A block goes down as a copy of its bytes (a row). From the moment its copy starts until the
 tier has answered its write, the row is listed in ``inflight``: lookups count it and
 restores read it from memory, so a block is never in neither place and a restore never
-waits for the writer. Room in the queue is reserved before a copy starts; an offer that
-finds the queue full waits its turn, up to ``queue_wait`` seconds. A tier still full after
-such a wait is falling behind: from then on what does not fit is dropped at once (counted,
-and logged at most once a minute) until its queue is half empty (docs/tiers.md,
-"Write-behind").
+waits for a write. Each batch's ``write`` call starts as soon as its rows are copied (the
+tier bounds its own I/O), so the tier makes room for it then, in the order the cache
+decided, and how fast the writes land never changes what the cache finds.
+
+Room for blocks on their way down is bounded (``queue_bytes``) and reserved before a copy
+starts; an offer that finds it taken waits its turn, up to ``queue_wait`` seconds. A tier
+still full after such a wait is falling behind: from then on what does not fit is dropped
+at once (counted, and logged at most once a minute) until half its room is free again
+(docs/tiers.md, "Write-behind").
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
+import anyio.abc
 import numpy as np
 
 from .records import TierCacheStats
@@ -42,7 +46,8 @@ class Batch:
     keys: list[bytes]
     kind: Literal["demote", "through", "persist"]
     rows: np.ndarray | None = None
-    landed: anyio.Event = field(default_factory=anyio.Event)
+    landed: anyio.Event = field(default_factory=anyio.Event)  # copied (or abandoned)
+    written: anyio.Event = field(default_factory=anyio.Event)  # the tier answered (or dropped)
 
     def row(self, i: int) -> np.ndarray | None:
         return None if self.rows is None else self.rows[i]
@@ -50,21 +55,18 @@ class Batch:
 
 @dataclass(eq=False)
 class TierLink:
-    """One tier, its queue (bounded in blocks) and what the cache counted for it."""
+    """One tier, its room for blocks on their way down, and what the cache counted for it."""
 
     tier: Tier
     limit_blocks: int
     queue_wait: float = 1.0
-    queue: deque[Batch] = field(default_factory=deque)
     inflight: dict[bytes, tuple[Batch, int]] = field(default_factory=dict)
-    pending: int = 0  # blocks reserved, being copied, queued or being written
+    writes: dict[Batch, anyio.CancelScope] = field(default_factory=dict)  # write calls running
+    pending: int = 0  # blocks reserved, being copied or being written
     behind: bool = False  # a wait for room timed out: drop at once until half empty
-    writing: bool = False
-    wake: anyio.Event = field(default_factory=anyio.Event)
+    tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
+    _retrying: set[Batch] = field(default_factory=set)
     room: anyio.Event = field(default_factory=anyio.Event)
-    queued_batches: int = 0
-    done_batches: int = 0
-    progress: anyio.Event = field(default_factory=anyio.Event)
     hits: int = 0
     restored_keys: int = 0
     restored_bytes: int = 0
@@ -85,10 +87,10 @@ class TierLink:
             tier=self.tier.statistics(),
         )
 
-    # -- room in the queue ---------------------------------------------------------------
+    # -- room ----------------------------------------------------------------------------
 
     def fits(self, n: int) -> bool:
-        """Whether ``n`` more blocks fit (an empty queue takes any one offer)."""
+        """Whether ``n`` more blocks fit (when nothing is on its way, any one offer does)."""
         return self.pending == 0 or self.pending + n <= self.limit_blocks
 
     async def reserve(self, n: int, *, patient: bool = False) -> int:
@@ -112,7 +114,7 @@ class TierLink:
         return got
 
     def unreserve(self, n: int) -> None:
-        """Give back room reserved and not used."""
+        """Give back room reserved and not used (or used by a batch now written)."""
         if n > 0:
             self.pending -= n
             self.room.set()
@@ -126,9 +128,10 @@ class TierLink:
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY:
             _log.warning(
-                "aiokv: %d blocks for the %s tier were dropped (%d so far): its write queue "
-                "stayed full (the tier cannot keep up) or it refused them; see docs/tiers.md, "
-                "Write-behind", self._unlogged, self.tier.name, self.dropped)
+                "aiokv: %d blocks for the %s tier were dropped (%d so far): it stayed full of "
+                "blocks on their way down (it cannot keep up), refused them, or the cache "
+                "closed first; see docs/tiers.md, Write-behind",
+                self._unlogged, self.tier.name, self.dropped)
             self._unlogged, self._logged_at = 0, now
 
     # -- blocks on their way down --------------------------------------------------------
@@ -140,20 +143,20 @@ class TierLink:
             self.inflight[key] = (batch, i)
 
     def push(self, batch: Batch, rows: np.ndarray) -> None:
-        """The batch's bytes landed: hand it to the writer (or drop it once closed)."""
+        """The batch's bytes landed: start its write (or drop it once closed)."""
         batch.rows = rows
         batch.landed.set()
-        if not self.writing:
+        if self.tg is None:
             self.abandon(batch)
             return
-        self.queue.append(batch)
-        self.queued_batches += 1
-        self.wake.set()
+        scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
+        self.tg.start_soon(self._write, batch, scope)
 
     def abandon(self, batch: Batch, *, dropped: bool = True) -> None:
         """The batch will not be written (its copy failed, or the cache closed; a store
         that never landed is no drop)."""
         batch.landed.set()
+        batch.written.set()
         self._forget(batch)
         if dropped:
             self.drop(len(batch.keys))
@@ -167,61 +170,53 @@ class TierLink:
             if (entry := self.inflight.get(key)) is not None and entry[0] is batch:
                 del self.inflight[key]
 
-    # -- the writer ----------------------------------------------------------------------
-
-    async def run_writer(self, scope: anyio.CancelScope) -> None:
-        """Write queued batches in order until ``scope`` is cancelled (by the cascade: it is
-        shielded, so a cancelled owner still drains within its bound)."""
-        with scope:
-            while True:
-                if not self.queue:
-                    await self.wake.wait()
-                    self.wake = anyio.Event()
-                    continue
-                batch = self.queue[0]
-                ok = 0
-                try:
-                    assert batch.rows is not None
-                    done = await self.tier.write(batch.keys, [memoryview(r) for r in batch.rows])
+    async def _write(self, batch: Batch, scope: anyio.CancelScope) -> None:
+        """One batch's write call. Keys the tier refuses while other calls run (it may be
+        removing the same key's old file for one of them) are tried once more when those
+        are over, so two calls touching one key never cost a block."""
+        ok = 0
+        try:
+            with scope:
+                rows = batch.rows
+                if rows is not None:  # always: a batch is written once its rows landed
+                    views = [memoryview(r) for r in rows]
+                    done = await self.tier.write(batch.keys, views)
+                    again = [i for i, d in enumerate(done) if not d]
+                    # Those not waiting to retry themselves, so no two calls wait on each other.
+                    others = [b for b in self.writes if b is not batch and b not in self._retrying]
+                    if again and others:
+                        self._retrying.add(batch)
+                        for other in others:
+                            await other.written.wait()
+                        retried = await self.tier.write([batch.keys[i] for i in again],
+                                                        [views[i] for i in again])
+                        for i, d in zip(again, retried):
+                            done[i] = d
                     ok = sum(1 for d in done if d)
-                except Exception:  # a tier that broke its contract: its blocks are dropped
-                    ok = 0
-                finally:
-                    self.queue.popleft()
-                    self._written(batch, ok)
+        except Exception:  # a tier that broke its contract: its blocks are dropped
+            ok = 0
+        finally:
+            self.writes.pop(batch, None)
+            self._retrying.discard(batch)
+            self._written(batch, ok)
 
     def _written(self, batch: Batch, ok: int) -> None:
-        n = len(batch.keys)
         if batch.kind == "through":
             self.write_throughs += ok
         elif batch.kind == "persist":
             self.persisted += ok
         else:
             self.demoted += ok
-        self.drop(n - ok)
+        self.drop(len(batch.keys) - ok)
         self._forget(batch)  # after the write: the tier holds them now, or they are gone
-        self.pending -= n
-        self.done_batches += 1
-        self.room.set()
-        progress, self.progress = self.progress, anyio.Event()
-        progress.set()
+        self.unreserve(len(batch.keys))
+        batch.written.set()
 
     def stop(self) -> None:
-        """Drop what is still queued (the writer was stopped)."""
-        self.writing = False
-        while self.queue:
-            batch = self.queue.popleft()
-            self._forget(batch)
-            self.drop(len(batch.keys))
-            self.pending -= len(batch.keys)
-            self.done_batches += 1
-        self.room.set()
-        self.progress.set()
-
-    async def written(self, target: int) -> None:
-        """Until ``target`` batches were written or dropped (or the writer stopped)."""
-        while self.writing and self.done_batches < target:
-            await self.progress.wait()
+        """Stop the write calls (each then counts what it did not write) and take no more."""
+        self.tg = None
+        for scope in self.writes.values():
+            scope.cancel()
 
 
 class Room:
