@@ -36,6 +36,8 @@ _log = logging.getLogger("aiokv")
 
 LOG_EVERY = 60.0
 """Seconds between two log lines about one tier's drops."""
+RETRIES = 2
+"""Times a key refused while other write calls ran is tried again after them."""
 
 
 @dataclass(eq=False)
@@ -65,7 +67,8 @@ class TierLink:
     pending: int = 0  # blocks reserved, being copied or being written
     behind: bool = False  # a wait for room timed out: drop at once until half empty
     tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
-    _retrying: set[Batch] = field(default_factory=set)
+    _calling: set[Batch] = field(default_factory=set)  # batches whose write call runs now
+    _calls: int = 0  # write calls started
     room: anyio.Event = field(default_factory=anyio.Event)
     hits: int = 0
     restored_keys: int = 0
@@ -172,24 +175,25 @@ class TierLink:
 
     async def _write(self, batch: Batch, scope: anyio.CancelScope) -> None:
         """One batch's write call. Keys the tier refuses while other calls run (it may be
-        removing the same key's old file for one of them) are tried once more when those
-        are over, so two calls touching one key never cost a block."""
+        removing the same key's old file for one of them) are tried again when those are
+        over, so calls touching one key do not cost a block."""
         ok = 0
         try:
             with scope:
                 rows = batch.rows
                 if rows is not None:  # always: a batch is written once its rows landed
                     views = [memoryview(r) for r in rows]
-                    done = await self.tier.write(batch.keys, views)
-                    again = [i for i, d in enumerate(done) if not d]
-                    # Those not waiting to retry themselves, so no two calls wait on each other.
-                    others = [b for b in self.writes if b is not batch and b not in self._retrying]
-                    if again and others:
-                        self._retrying.add(batch)
-                        for other in others:
+                    done, overlapped = await self._call(batch, batch.keys, views)
+                    for _ in range(RETRIES):
+                        again = [i for i, d in enumerate(done) if not d]
+                        if not (again and overlapped):
+                            break
+                        # Only calls running now: a batch waiting to retry runs none, so no
+                        # two batches ever wait on each other.
+                        for other in [b for b in self._calling if b is not batch]:
                             await other.written.wait()
-                        retried = await self.tier.write([batch.keys[i] for i in again],
-                                                        [views[i] for i in again])
+                        retried, overlapped = await self._call(
+                            batch, [batch.keys[i] for i in again], [views[i] for i in again])
                         for i, d in zip(again, retried):
                             done[i] = d
                     ok = sum(1 for d in done if d)
@@ -197,8 +201,20 @@ class TierLink:
             ok = 0
         finally:
             self.writes.pop(batch, None)
-            self._retrying.discard(batch)
             self._written(batch, ok)
+
+    async def _call(self, batch: Batch, keys: list[bytes],
+                    views: list[memoryview]) -> tuple[list[bool], bool]:
+        """One ``write`` call; its answers, and whether another call ran beside it."""
+        overlapped = bool(self._calling)
+        started = self._calls
+        self._calls += 1
+        self._calling.add(batch)
+        try:
+            done = list(await self.tier.write(keys, views))
+        finally:
+            self._calling.discard(batch)
+        return done, overlapped or self._calls != started + 1
 
     def _written(self, batch: Batch, ok: int) -> None:
         if batch.kind == "through":
