@@ -100,8 +100,8 @@ def test_edge_traces_give_honest_rows(tmp_path: Path) -> None:
     rows = run_cache_bench(traces=[tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"],
                            capacities=[8], quick=True)
     sections = {r.section for r in rows if r.section.startswith("cache hit rate")}
-    assert sections == {"cache hit rate: a/x (reference: offline optimum, Belady's rule)",
-                        "cache hit rate: b/x (reference: offline optimum, Belady's rule)"}
+    assert sections == {"cache hit rate: a/x, real cache (reference: offline optimum, Belady's rule)",
+                        "cache hit rate: b/x, real cache (reference: offline optimum, Belady's rule)"}
 
 
 def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Path, capsys,
@@ -155,6 +155,8 @@ def test_tier_bench_replays_through_the_real_cache(tmp_path: Path) -> None:
     assert restore.value > 0 and restore.ceiling and restore.ceiling > 0 and not restore.failed
     assert "bytes verified" in restore.note
     assert by_name["p50 with a disk tier configured"].ceiling
+    persist = by_name["host written out as the cache closes"]
+    assert persist.extra["persisted"] == persist.extra["found"] == 8 and "bytes verified" in persist.note
     assert not any(r.failed for r in rows) and said
     assert not list(tmp_path.glob("aiokv-*"))  # the tiers' folders are removed
 

@@ -47,6 +47,8 @@ class ReplayResult:
     written: dict[str, int] = field(default_factory=dict)
     wrong_blocks: int = 0
     seconds: float = 0.0
+    evictions: int = 0
+    rejected_by_admission: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -130,6 +132,8 @@ async def replay_cache(
                     await on_tiers(tiers)
             st = cache.stats()
     result.host_hits = st.host_hits
+    result.evictions = st.manager.evictions
+    result.rejected_by_admission = st.manager.rejected_by_admission
     for t in st.tiers:
         result.tier_hits[t.name] = t.hits
         result.dropped[t.name] = t.demotions_dropped
