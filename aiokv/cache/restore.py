@@ -100,8 +100,6 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
                     staged = staged[: len(taken)]
                 staging.give(taken[len(staged):])
                 taken = taken[: len(staged)]
-                if not batch:
-                    continue  # a key left the host meanwhile: take a chunk for it
                 slot = _Slot(batch, in_host, blocks[pos : pos + len(batch)], host_start, mgr, taken)
                 try:
                     found, rows = await _read(cascade, [batch[i] for i in staged], taken)
