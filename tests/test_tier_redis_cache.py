@@ -159,3 +159,21 @@ async def test_a_hung_server_bounds_the_exit_as_a_whole(server: RedisServer) -> 
         assert st.demoted + st.demotions_dropped == 28 and st.queued_blocks == 0
     finally:
         server.process.send_signal(signal.SIGCONT)
+
+
+async def test_a_tier_that_cannot_open_raises_its_own_error(anyio_backend: tuple[str, dict]) -> None:
+    """The asyncio Redis client under trio: entering the cache raises the tier's
+    ``UsageError`` itself (not an ExceptionGroup), and nothing is left open."""
+    pytest.importorskip("redis")
+    if anyio_backend[0] != "trio":
+        pytest.skip("the asyncio client opens on asyncio loops")
+    from aiokv import RedisTier, UsageError
+
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        cache = OffloadCache(worker, tiers=[RedisTier("redis://127.0.0.1:1", client="asyncio")])
+        try:
+            async with cache:
+                pytest.fail("the asyncio client opened under trio")
+        except UsageError as exc:
+            assert "asyncio" in str(exc)
