@@ -394,3 +394,15 @@ async def test_write_through_copies_of_large_blocks_never_block_the_next_evictio
             for i, k in enumerate(keys):
                 assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 4 + i), expected[k])), k
             settled(cache)
+
+
+@pytest.mark.parametrize("option", [{"drain_timeout": 0}, {"drain_timeout": True}, {"drain_timeout": "1"},
+                                    {"queue_wait": -1}, {"queue_wait": True}, {"queue_bytes": -1},
+                                    {"staging_chunks": 1.5}])
+async def test_bad_lifecycle_options_are_refused(option: dict[str, object]) -> None:
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        with pytest.raises(InvalidSpec):
+            OffloadCache(worker, tiers=[MemTier()], **option)  # type: ignore[arg-type]
+        async with OffloadCache(worker, tiers=[MemTier()]) as cache:  # nothing was taken
+            assert cache.stats().staging_chunks == 2

@@ -63,7 +63,7 @@ class Cascade:
             raise InvalidSpec("a tier appears twice in tiers=")
         if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise InvalidSpec(f"queue_bytes must be an int >= 0, got {queue_bytes!r}")
-        if not queue_wait >= 0:
+        if isinstance(queue_wait, bool) or not (isinstance(queue_wait, (int, float)) and queue_wait >= 0):
             raise InvalidSpec(f"queue_wait must be seconds >= 0, got {queue_wait!r}")
         self.pages = pages
         self.block_bytes = block_bytes = pages.payload_bytes

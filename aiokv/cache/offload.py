@@ -119,7 +119,8 @@ class OffloadCache:
     ) -> None:
         check_worker(worker)
         tiers = _tier_list(tiers)
-        if not (isinstance(drain_timeout, (int, float)) and drain_timeout > 0):
+        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
+                or not drain_timeout > 0:
             raise InvalidSpec(f"drain_timeout must be seconds > 0 (math.inf: no bound), "
                               f"got {drain_timeout!r}")
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
