@@ -406,3 +406,22 @@ async def test_bad_lifecycle_options_are_refused(option: dict[str, object]) -> N
             OffloadCache(worker, tiers=[MemTier()], **option)  # type: ignore[arg-type]
         async with OffloadCache(worker, tiers=[MemTier()]) as cache:  # nothing was taken
             assert cache.stats().staging_chunks == 2
+
+
+async def test_calls_on_a_tiered_cache_that_do_no_io_still_checkpoint() -> None:
+    """An alookup that misses with only local tiers, an offload of held keys and a restore
+    of no keys yield to the loop once, as an awaited round trip would."""
+    async with tiered([MemTier()]) as (kv, _w, cache):
+        randomize(kv, range(2), seed=1)
+        await cache.offload(["a", "b"], [0, 1])
+        calls = {
+            "alookup past the host": lambda: cache.alookup(["a", "nowhere"]),
+            "offload of held keys": lambda: cache.offload(["a"], [0]),
+            "restore of no keys": lambda: cache.restore([], []),
+        }
+        for what, call in calls.items():
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await call()
+            assert scope.cancelled_caught, what
+        settled(cache)

@@ -30,7 +30,7 @@ from .staging import Staging, off_loop
 from .tiers.base import Tier
 from .tiers.codec import key_bytes
 
-__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "Room", "Ticket", "TierLink"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "Room", "Ticket", "TierLink", "tier_list"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
 """Bytes of blocks one tier's write queue holds (reserved, being copied or written)."""
@@ -70,6 +70,7 @@ class Cascade:
         limit = max(1, queue_bytes // block_bytes)
         self.links = [TierLink(t, limit, float(queue_wait)) for t in tiers]
         self.local = [link for link in self.links if not link.tier.remote]
+        self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
         self.demote_to = next((link for link in self.links if not link.tier.write_through), None)
         self._through = [link for link in self.links if link.tier.write_through]
@@ -186,7 +187,7 @@ class Cascade:
                     break
                 link.hits += 1
             n += 1
-        if remote is None:
+        if remote is None or not self.remote:
             await anyio.lowlevel.checkpoint()  # no round trip: still a checkpoint, as awaited
         return n, host
 
@@ -194,9 +195,7 @@ class Cascade:
         """Which remote tier holds or receives each key, asking each remote tier once."""
         found: list[TierLink | None] = [None] * len(keys)
         tks = [self.tier_key(k) for k in keys]
-        for link in self.links:
-            if not link.tier.remote:
-                continue
+        for link in self.remote:
             want = [i for i in range(len(keys)) if found[i] is None]
             for i in want:
                 if tks[i] in link.inflight:
@@ -462,3 +461,11 @@ class Ticket:
 
     def _batches(self) -> list[tuple[TierLink, Batch]]:
         return [*self._through, *([self._down] if self._down is not None else [])]
+
+
+def tier_list(tiers: Sequence[Tier]) -> list[Tier]:
+    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
+    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
+        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
+                          f"got {type(tiers).__name__}")
+    return list(tiers)

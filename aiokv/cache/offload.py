@@ -36,7 +36,7 @@ from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
 from .admission import AdmissionPolicy
-from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, Room
+from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, Room, tier_list
 from .counters import Counters
 from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
@@ -44,7 +44,7 @@ from .manager import ChunkManager
 from .pages import page_map_of
 from .persist import persist_host
 from .policies import EvictionPolicy
-from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
+from .protocol import CacheWorker, check_store_ids, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
 from .restore import Outcome, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
@@ -118,7 +118,7 @@ class OffloadCache:
         persist_on_close: bool = False,
     ) -> None:
         check_worker(worker)
-        tiers = _tier_list(tiers)
+        tiers = tier_list(tiers)
         if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
                 or not drain_timeout > 0:
             raise InvalidSpec(f"drain_timeout must be seconds > 0 (math.inf: no bound), "
@@ -277,7 +277,7 @@ class OffloadCache:
             self._worker.check_submittable(after)
         else:
             # Several jobs may follow: refuse bad ids and keys without stable bytes first.
-            self._check_gpu_side(list(block_of.values()), after)
+            check_store_ids(self._worker, list(block_of.values()), after)
             for key in block_of:
                 cascade.tier_key(key)
         self._n.fold()
@@ -465,24 +465,7 @@ class OffloadCache:
         except TypeError as exc:
             raise unhashable(exc) from exc
 
-    def _check_gpu_side(self, blocks: list[int], after: Any) -> None:
-        """The worker's checks of a store from ``blocks`` (any host chunks will do)."""
-        if not blocks:
-            self._worker.check_submittable(after)
-        step = self._worker.num_cpu_chunks
-        for i in range(0, len(blocks), step):
-            part = blocks[i : i + step]
-            self._worker.check_store(GPULoadStoreSpec(part), CPULoadStoreSpec(list(range(len(part)))),
-                                     after=after)
-
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
 
-
-def _tier_list(tiers: Sequence[Tier]) -> list[Tier]:
-    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
-    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
-        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
-                          f"got {type(tiers).__name__}")
-    return list(tiers)

@@ -7,9 +7,10 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..plan import HostLayout
-from ..specs import TransferResult
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 
-__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_worker", "result_or_none", "split_chunks"]
+__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_store_ids", "check_worker", "result_or_none",
+           "split_chunks"]
 
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks a cache with tiers keeps aside to bring lower-tier blocks up to the GPU."""
@@ -76,6 +77,17 @@ def check_worker(worker: Any) -> None:
             f"layout has {worker.num_groups} groups. Use the worker's submit_store/submit_load "
             f"with group_sizes for hybrid layouts"
         )
+
+
+def check_store_ids(worker: CacheWorker, blocks: list[int], after: Any) -> None:
+    """The worker's checks of a store from GPU ``blocks`` (any host chunks will do), for a
+    call that may submit several jobs: bad ids raise before the first is enqueued."""
+    if not blocks:
+        worker.check_submittable(after)
+    step = worker.num_cpu_chunks
+    for i in range(0, len(blocks), step):
+        part = blocks[i : i + step]
+        worker.check_store(GPULoadStoreSpec(part), CPULoadStoreSpec(list(range(len(part)))), after=after)
 
 
 def result_or_none(fut: TransferFuture) -> TransferResult | None:
