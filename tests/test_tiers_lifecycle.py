@@ -425,3 +425,27 @@ async def test_calls_on_a_tiered_cache_that_do_no_io_still_checkpoint() -> None:
                 await call()
             assert scope.cancelled_caught, what
         settled(cache)
+
+
+async def test_a_disk_tier_on_a_read_only_filesystem_raises_tier_error(tmp_path: Path) -> None:
+    import subprocess
+
+    from aiokv import DiskTier, TierError
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                          capture_output=True, timeout=10)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {done.stderr.decode().strip()}")
+    try:
+        kv = make_layers(num_layers=2, num_blocks=8)
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+            cache = OffloadCache(worker, tiers=[DiskTier(mount / "tier", capacity_bytes=1 << 20)])
+            try:
+                async with cache:
+                    pytest.fail("a tier opened on a read-only filesystem")
+            except TierError as exc:
+                assert "read-only" in str(exc).lower() or "errno 30" in str(exc).lower()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
