@@ -202,6 +202,18 @@ def test_tiers_example_restores_from_disk_and_after_a_restart(tmp_path: Path,
     assert "16 of 16 blocks found on disk, verified" in capsys.readouterr().out
 
 
+def test_the_tiers_page_quickstart_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/tiers.md's first program runs as printed (no undefined names) and restores from
+    the disk what the host let go."""
+    import re
+
+    page = (EXAMPLES.parent / "docs" / "tiers.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S)
+    assert code is not None
+    exec(compile(code.group(1), "docs/tiers.md", "exec"), {"__name__": "docs_tiers"})
+    assert "restored 8 of 8, 8 from the disk" in capsys.readouterr().out
+
+
 def test_tiers_example_with_a_shared_redis(tmp_path: Path) -> None:
     from tests.redis_server import RedisServer, need_redis, running
 
