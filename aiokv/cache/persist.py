@@ -34,7 +34,8 @@ async def persist_host(cascade: Cascade, mgr: ChunkManager, host_start: int) -> 
     per = max(1, BATCH_BYTES // cascade.block_bytes)
     began = shown = time.monotonic()
     for start in range(0, total, per):
-        part = [k for k in keys[start : start + per] if mgr.count_leading_hits((k,))]
+        part = [k for k in keys[start : start + per]  # as they are now: copies may have landed
+                if mgr.count_leading_hits((k,)) and cascade.wants(link, k)]
         got = await link.reserve(len(part), patient=True)
         part = part[:got]
         if not part:
