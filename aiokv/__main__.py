@@ -31,18 +31,29 @@ def _parser() -> argparse.ArgumentParser:
                         "(the table then goes to stderr)")
     b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling "
                                                       "(serve: TTFT CDFs per arm)")
-    b.add_argument("--trace", metavar="PATH", action="append",
-                   help="cache: Mooncake-format trace (repeatable; default: $AIOKV_TRACE_DIR, "
-                        "else shared/data/mooncake beside or inside the checkout)")
-    b.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
-                   help="cache: capacity in blocks (repeatable; default 2000, 8000, 32000)")
-    b.add_argument("--policy", default=None, help="cache, serve: policy name (default: the recommended one)")
-    b.add_argument("--tiers", metavar="SPEC",
+    c = b.add_argument_group(
+        "bench cache (and serve)", "Replays request traces through the offload cache. The traces are the "
+        "Mooncake traces (kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0): JSON lines with "
+        "hash_ids, found in $AIOKV_TRACE_DIR, else shared/data/mooncake beside or inside the checkout, "
+        "or named with --trace.")
+    c.add_argument("--trace", metavar="PATH", action="append",
+                   help="cache, serve: a Mooncake-format trace file or a folder of *.jsonl traces "
+                        "(repeatable)")
+    c.add_argument("--capacity", metavar="BLOCKS", type=int, action="append",
+                   help="cache: host capacity in blocks (repeatable; default 2000, 8000, 32000)")
+    c.add_argument("--policy", default=None,
+                   help="cache, serve: policy name (default: the recommended one)")
+    c.add_argument("--tiers", metavar="SPEC",
                    help="cache: tiers under the host, e.g. host=2000,disk=32000[,redis=8000] (blocks): "
-                        "hit rate per tier and restore GB/s from each beside its ceiling")
-    b.add_argument("--redis-url", metavar="URL", help="cache --tiers: the Redis/Valkey server for redis=N")
-    b.add_argument("--tier-dir", metavar="DIR", help="cache --tiers, serve: where the disk tier writes "
-                                                     "(default: the system's temporary folder)")
+                        "replays the trace through the real cache over a temporary disk tier (and "
+                        "Redis), with the hit rate per tier, and each tier's restore GB/s beside its "
+                        "ceiling")
+    c.add_argument("--redis-url", metavar="URL",
+                   help="cache --tiers with redis=N: the Redis/Valkey server (the bench deletes what it "
+                        "wrote)")
+    c.add_argument("--tier-dir", metavar="DIR",
+                   help="cache --tiers, serve: the folder the disk tier writes under (default: the "
+                        "system's temporary folder)")
     add_serve_arguments(b)
     return p
 
@@ -74,6 +85,12 @@ def _misplaced_option(args: argparse.Namespace) -> str | None:
         if args.what not in kinds and getattr(args, attr) is not None:
             which = " and ".join(f"`aiokv bench {k}`" for k in kinds)
             return f"aiokv bench {args.what}: {flag} is an option of {which}; drop it or run that"
+    if args.what == "cache" and not args.tiers:
+        for flag, attr in (("--redis-url", "redis_url"), ("--tier-dir", "tier_dir")):
+            if getattr(args, attr) is not None:
+                return f"aiokv bench cache: {flag} is an option of --tiers; add --tiers host=N,disk=M,..."
+    if args.what == "cache" and args.tiers and args.capacity is not None:
+        return "aiokv bench cache: --capacity is not read with --tiers (host=N sets the host's capacity)"
     return None
 
 

@@ -100,8 +100,8 @@ def test_edge_traces_give_honest_rows(tmp_path: Path) -> None:
     rows = run_cache_bench(traces=[tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"],
                            capacities=[8], quick=True)
     sections = {r.section for r in rows if r.section.startswith("cache hit rate")}
-    assert sections == {"cache hit rate: a/x (reference: offline optimum, Belady's rule)",
-                        "cache hit rate: b/x (reference: offline optimum, Belady's rule)"}
+    assert sections == {"cache hit rate: a/x, real cache (reference: offline optimum, Belady's rule)",
+                        "cache hit rate: b/x, real cache (reference: offline optimum, Belady's rule)"}
 
 
 def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Path, capsys,
@@ -127,30 +127,61 @@ def test_wrong_bytes_through_the_face_fail_the_row_and_the_command(tmp_path: Pat
     assert "failed" in capsys.readouterr().err
 
 
-def test_tier_bench_rows_on_a_tiny_trace(tmp_path: Path) -> None:
-    from aiokv.bench.tiers import run_tier_bench
-
-    trace = tmp_path / "tiny_trace.jsonl"
+def tiny_tier_trace(path: Path, requests: int = 300) -> Path:
     rng = random.Random(5)
     rows_in = [{"timestamp": i, "input_length": 512, "output_length": 1,
-                "hash_ids": [rng.randrange(30) for _ in range(4)]} for i in range(300)]
-    trace.write_text("\n".join(json.dumps(r) for r in rows_in))
+                "hash_ids": [rng.randrange(30) for _ in range(4)]} for i in range(requests)]
+    path.write_text("\n".join(json.dumps(r) for r in rows_in))
+    return path
+
+
+def test_tier_bench_replays_through_the_real_cache(tmp_path: Path) -> None:
+    from aiokv.bench.tiers import run_tier_bench
+
+    trace = tiny_tier_trace(tmp_path / "tiny_trace.jsonl")
     said: list[str] = []
     rows = run_tier_bench([trace], [("host", 4), ("disk", 40)], policy="lru", quick=True,
                           tier_dir=str(tmp_path), restore_blocks=8, progress=said.append)
     by_name = {r.name: r for r in rows}
     total, host = by_name["all tiers"], by_name["host tier, with tiers below"]
-    # The cascade holds at least what the host alone holds, and never more than LRU over 40.
-    assert by_name["lru @ 4"].value <= total.value <= by_name["lru @ 40"].value + 1e-9
+    assert "bytes verified" in total.note and not total.failed
+    assert total.ceiling == pytest.approx(by_name["lru @ 44"].value)  # LRU over host + disk
     # Tier hits let a run reach host blocks behind them: the host never serves less.
     assert host.ratio is not None and host.ratio >= 1.0
+    assert host.ceiling == pytest.approx(by_name["host only (lru) @ 4"].value)
     assert total.value == pytest.approx(host.value + by_name["disk tier"].value)
+    assert by_name["blocks dropped on their way down"].value == 0
     restore = by_name["restore from disk"]
     assert restore.value > 0 and restore.ceiling and restore.ceiling > 0 and not restore.failed
     assert "bytes verified" in restore.note
     assert by_name["p50 with a disk tier configured"].ceiling
+    persist = by_name["host written out as the cache closes"]
+    assert persist.extra["persisted"] == persist.extra["found"] == 8 and "bytes verified" in persist.note
     assert not any(r.failed for r in rows) and said
-    assert not list(tmp_path.glob("aiokv-tier-bench-*"))  # the tier's folders are removed
+    assert not list(tmp_path.glob("aiokv-*"))  # the tiers' folders are removed
+
+
+def test_a_replay_through_the_real_cache_repeats(tmp_path: Path) -> None:
+    """The writes' progress never decides a hit: replays of one trace over a real disk tier
+    agree (the tier's own LRU order of blocks written at the same moment is all that may
+    differ), nothing is dropped, and every restored block holds its key's bytes."""
+    import anyio
+
+    from aiokv.bench.replay import replay_cache
+    from aiokv.bench.trace import load_trace
+
+    rng = random.Random(5)
+    rows = [{"timestamp": i, "hash_ids": [root * 8 + j for j in range(rng.randint(1, 8))]}
+            for i in range(300) if (root := rng.randrange(60)) >= 0]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    trace = load_trace(tmp_path / "t.jsonl")
+    runs = [anyio.run(lambda: replay_cache(trace, 8, [("disk", 160)], tier_dir=str(tmp_path)))
+            for _ in range(2)]
+    for run in runs:
+        assert run.host_hits > 0 and run.tier_hits["disk"] > run.host_hits
+        assert run.wrong_blocks == 0 and run.dropped == {"disk": 0}
+        assert run.hits == run.host_hits + run.tier_hits["disk"]
+    assert abs(runs[0].hit_rate - runs[1].hit_rate) <= 0.01
 
 
 @pytest.mark.parametrize("spec", ["disk=100", "host=10", "host=10,tape=5", "host=10,disk=0",
@@ -167,3 +198,52 @@ def test_a_redis_tier_needs_a_url(tmp_path: Path, capsys) -> None:
     trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
     assert main(["bench", "cache", "--trace", str(trace), "--tiers", "host=4,redis=8"]) == 2
     assert "--redis-url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tiers", "host=4,disk=8", "--redis-url", "redis://127.0.0.1:1"], "add redis=BLOCKS"),
+    (["--redis-url", "redis://127.0.0.1:1"], "--redis-url is an option of --tiers"),
+    (["--tier-dir", "/"], "--tier-dir is an option of --tiers"),
+    (["--tiers", "host=4,disk=8", "--tier-dir", "/nonexistent/aiokv"], "not a folder this user can write"),
+    (["--tiers", "host=4,disk=8", "--capacity", "8"], "--capacity is not read with --tiers"),
+    (["--tiers", "host=4,disk=8,redis=8", "--redis-url", "redis://127.0.0.1:1"], "does not answer"),
+])
+def test_tier_bench_options_that_cannot_work_are_refused_before_any_replay(
+        tmp_path: Path, capsys, monkeypatch, argv: list[str], says: str) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"hash_ids": [1, 2]}) + "\n")
+    monkeypatch.setattr("aiokv.bench.tiers.replay_cache", None)  # a replay would raise TypeError
+    assert main(["bench", "cache", "--trace", str(trace), *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_cache_bench_help_names_its_options_and_the_traces(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "cache", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--trace", "--capacity", "--policy", "--tiers", "--redis-url", "--tier-dir"):
+        assert flag in out
+    assert "Mooncake" in out and "AIOKV_TRACE_DIR" in out
+
+
+def test_the_tier_bench_leaves_nothing_in_redis(tmp_path: Path) -> None:
+    from aiokv.bench.tiers import run_tier_bench
+    from tests.redis_server import RedisServer, need_redis, running
+
+    need_redis()
+    trace = tiny_tier_trace(tmp_path / "tiny_trace.jsonl", requests=120)
+    with running(RedisServer(tmp_path / "redis")) as server:
+        assert isinstance(server, RedisServer)
+        import redis
+
+        client = redis.Redis.from_url(server.url)
+        client.set(b"user-key", b"kept")
+        rows = run_tier_bench([trace], [("host", 4), ("disk", 16), ("redis", 16)], policy="lru",
+                              quick=True, tier_dir=str(tmp_path), redis_url=server.url,
+                              restore_blocks=4)
+        by_name = {r.name: r for r in rows}
+        assert by_name["redis tier"].note.startswith(tuple("123456789"))  # it wrote blocks
+        assert not any(r.failed for r in rows)
+        assert client.keys(b"*") == [b"user-key"]
+        client.close()

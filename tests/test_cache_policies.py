@@ -134,7 +134,7 @@ def _hot_set_under_scans(rounds: int) -> list[list[int]]:
 
 
 def test_adaptive_filters_when_one_offs_flush_a_small_cache() -> None:
-    from aiokv.cache.trace import simulate
+    from aiokv.bench.trace import simulate
 
     trace = _hot_set_under_scans(8)
     assert simulate(trace, 100, "lru") == 0.0
@@ -209,7 +209,7 @@ def test_adaptive_keeps_last_keys_that_are_sent_again() -> None:
 
 
 def test_tail_skip_raises_hit_rate_on_a_small_cache() -> None:
-    from aiokv.cache.trace import simulate
+    from aiokv.bench.trace import simulate
 
     trace = _chat(turns=10, convs=60, partial_tail=True)
     never_skip = AdaptiveAdmission(600)

@@ -191,6 +191,41 @@ def test_async_server_http_endpoints(server_mod: ModuleType) -> None:
     anyio.run(scenario)
 
 
+# -- tiers ---------------------------------------------------------------------------------
+
+
+def test_tiers_example_restores_from_disk_and_after_a_restart(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    tiers = load_example("tiers")
+    report = tiers.main(directory=str(tmp_path), num_layers=2, device="cpu")
+    assert report.verified and report.from_tiers == 4 and report.after_restart == 16
+    assert "16 of 16 blocks found on disk, verified" in capsys.readouterr().out
+
+
+def test_the_tiers_page_quickstart_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/tiers.md's first program runs as printed (no undefined names) and restores from
+    the disk what the host let go."""
+    import re
+
+    page = (EXAMPLES.parent / "docs" / "tiers.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S)
+    assert code is not None
+    exec(compile(code.group(1), "docs/tiers.md", "exec"), {"__name__": "docs_tiers"})
+    assert "restored 8 of 8, 8 from the disk" in capsys.readouterr().out
+
+
+def test_tiers_example_with_a_shared_redis(tmp_path: Path) -> None:
+    from tests.redis_server import RedisServer, need_redis, running
+
+    need_redis()
+    tiers = load_example("tiers")
+    with running(RedisServer(tmp_path / "redis")) as server:
+        assert isinstance(server, RedisServer)
+        report = tiers.main(directory=str(tmp_path / "disk"), redis_url=server.url, num_layers=2,
+                            device="cpu")
+    assert report.verified and report.after_restart == 16
+
+
 # -- on the GPU (pytest -m gpu) ------------------------------------------------------------
 
 

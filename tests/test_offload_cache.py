@@ -23,7 +23,7 @@ from aiokv import (
     WorkerClosed,
 )
 from aiokv.backends.cpu import CpuLane
-from aiokv.cache.trace import simulate
+from aiokv.bench.trace import simulate
 from aiokv.specs import Direction
 from tests.conftest import KV, make_layers, make_two_groups, same_bytes
 
@@ -186,9 +186,10 @@ async def test_lookup_counts_leading_hits_and_offload_skips_held_keys() -> None:
         assert (res.stored, res.skipped) == (1, 3)
         st = cache.stats()
         assert (st.hits, st.misses) == (5, 6)
-        assert await cache.restore([], [])
+        empty = await cache.restore([], [])  # the README's `n = lookup(); restore(keys[:n])`
+        assert not empty and empty.restored == empty.requested == 0  # at n == 0: a miss
         assert not await cache.restore(["a", "x"], [5, 6])  # all or nothing
-        assert cache.stats().restore_misses == 1
+        assert cache.stats().restore_misses == 2  # both restored nothing
         assert_settled(cache)
 
 

@@ -120,3 +120,37 @@ async def test_a_full_disk_drops_demotions_and_loses_nothing_from_the_host(
         got = await cache.restore(on_disk, list(range(14, 14 + len(on_disk))))
         assert got.restored == len(on_disk)
         assert restored_exactly(kv, on_disk, 14, expected)
+
+
+@pytest.mark.parametrize("persist", [True, False])
+async def test_persist_on_close_lets_the_next_process_find_the_host_blocks(tmp_path: Path,
+                                                                         persist: bool) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=7)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
+        cache = OffloadCache(worker, policy="lru", tiers=[DiskTier(tmp_path, capacity_bytes=1 << 26)],
+                             staging_chunks=STAGING, persist_on_close=persist)
+        async with cache:
+            expected = await offload_generations(kv, cache, 8)  # k4..k7 only in the host
+        assert cache.stats().tiers[0].persisted == (4 if persist else 0)
+        assert cache.stats().tiers[0].demoted == 4
+
+    other = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=8)
+    async with cache_on(other, DiskTier(tmp_path, capacity_bytes=1 << 26)) as second:
+        keys = [f"k{i}" for i in range(8)]
+        found = second.lookup(keys)
+        assert found == (8 if persist else 4)
+        result = await second.restore(keys[:found], list(range(20, 20 + found)))
+        assert result.restored == found
+        assert restored_exactly(other, keys[:found], 20, expected)
+
+
+async def test_a_cache_left_through_an_error_does_not_persist(tmp_path: Path) -> None:
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=9)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
+        cache = OffloadCache(worker, policy="lru", tiers=[DiskTier(tmp_path, capacity_bytes=1 << 26)],
+                             staging_chunks=STAGING, persist_on_close=True)
+        with pytest.raises(KeyError):
+            async with cache:
+                await offload_generations(kv, cache, 4)
+                raise KeyError("the server failed")
+        assert cache.stats().tiers[0].persisted == 0

@@ -138,3 +138,42 @@ async def test_a_server_killed_during_a_restore_costs_misses_then_recovers(serve
         result = await cache.restore(list(again), list(range(16, 24)))
         assert result.restored == 8 and result.from_tiers == 4
         assert restored_exactly(kv, list(again), 16, again)
+
+
+async def test_a_hung_server_bounds_the_exit_as_a_whole(server: RedisServer) -> None:
+    """A server that stops answering (SIGSTOP) with seven batches queued: leaving the cache
+    takes the drain bound and one socket timeout, not two timeouts per batch."""
+    tier = redis_tier(server.url)  # a 1 s timeout on every call
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, seed=6)
+    assert server.process is not None
+    try:
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
+            cache = OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=STAGING,
+                                 drain_timeout=1.0)
+            async with cache:
+                server.process.send_signal(signal.SIGSTOP)
+                await offload_generations(kv, cache, 32, "k")  # seven batches go down
+                begin = time.monotonic()
+        assert time.monotonic() - begin < 6
+        st = cache.stats().tiers[0]
+        assert st.demoted + st.demotions_dropped == 28 and st.queued_blocks == 0
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+
+
+async def test_a_tier_that_cannot_open_raises_its_own_error(anyio_backend: tuple[str, dict]) -> None:
+    """The asyncio Redis client under trio: entering the cache raises the tier's
+    ``UsageError`` itself (not an ExceptionGroup), and nothing is left open."""
+    pytest.importorskip("redis")
+    if anyio_backend[0] != "trio":
+        pytest.skip("the asyncio client opens on asyncio loops")
+    from aiokv import RedisTier, UsageError
+
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        cache = OffloadCache(worker, tiers=[RedisTier("redis://127.0.0.1:1", client="asyncio")])
+        try:
+            async with cache:
+                pytest.fail("the asyncio client opened under trio")
+        except UsageError as exc:
+            assert "asyncio" in str(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import pytest
@@ -113,7 +114,7 @@ async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
         await cache.offload(["h", "b", "c"], [0, 1, 2])
         await cache.drain()
         assert cache._cascade is not None
-        rows = cache._cascade.pages.gather(cache._pool, [cache.chunks.start + c for c in range(3)])
+        rows = cache._cascade.pages.gather(cache._cascade.pool, [cache.chunks.start + c for c in range(3)])
         # "b" only in the remote tier, "c" only in the local one, after a host key.
         far.values[codec.key_bytes("b")] = rows[1].tobytes()
         near.values[codec.key_bytes("c")] = rows[2].tobytes()
@@ -132,10 +133,10 @@ async def test_alookup_counts_on_past_a_remote_hit_as_restore_does() -> None:
 
 
 async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -158,10 +159,10 @@ async def test_large_evictions_are_copied_out_off_the_loop_thread(monkeypatch: p
 
 
 async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -189,10 +190,10 @@ async def test_large_write_throughs_are_copied_off_the_loop_thread(monkeypatch: 
 
 
 async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
     from aiokv.cache.pages import PageMap
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0, raising=False)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     threads: list[int] = []
     gather = PageMap.gather
 
@@ -211,7 +212,6 @@ async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.M
             assert (await cache.offload(["s0", "s1"], [0, 1])).spilled == 2  # the host admits none
             await cache.drain()
             assert threads and threading.get_ident() not in threads
-            assert sorted(cache._staging.free) == list(cache._staging.chunks)
             result = await cache.restore(["s0", "s1"], [10, 11])
             assert result.restored == 2 and result.from_tiers == 2
             for i in range(2):
@@ -221,9 +221,9 @@ async def test_large_spills_are_copied_off_the_loop_thread(monkeypatch: pytest.M
 
 async def test_an_offload_cancelled_during_its_eviction_copy_still_stores(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv.cache import cascade as cascade_mod
+    from aiokv.cache import staging as staging_mod
 
-    monkeypatch.setattr(cascade_mod, "INLINE_COPY_BYTES", 0)
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)
     tier = MemTier()
     async with tiered([tier]) as (kv, _w, cache):
         randomize(kv, range(4), seed=1)
@@ -265,4 +265,187 @@ async def test_a_restore_that_raises_counts_in_no_restore_figure() -> None:
         assert (after.restores, after.restore_misses, after.restored_keys) == (
             before.restores, before.restore_misses, before.restored_keys)
         settled(cache)
-        assert sorted(cache._staging.free) == list(cache._staging.chunks)
+
+
+# -- leaving the cache by any path ends within a bound and closes every tier ---------------
+
+
+class StuckTier(MemTier):
+    """A tier whose writes never return until released (a hung server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.write_gate = anyio.Event()
+
+
+async def test_a_cancelled_exit_with_writes_queued_ends_within_the_drain_bound() -> None:
+    tier = StuckTier()
+    begin = anyio.current_time()
+    with anyio.move_on_after(0.3) as scope:  # a timeout, or a task group cancelled on SIGTERM
+        async with tiered([tier], drain_timeout=1.0) as (kv, _w, cache):
+            await store_generations(kv, cache, 16)  # 12 demotions, their writer stuck
+            await anyio.sleep(10)
+    assert scope.cancelled_caught
+    assert anyio.current_time() - begin < 5  # the drain bound (1 s), not forever
+    st = cache.stats().tiers[0]
+    assert st.demoted == 0 and st.demotions_dropped == 12 and st.queued_blocks == 0
+    assert tier.closed
+
+
+async def test_an_exit_with_a_stuck_tier_is_bounded_as_a_whole() -> None:
+    tier = StuckTier()
+    begin = anyio.current_time()
+    async with tiered([tier], drain_timeout=0.5) as (kv, _w, cache):
+        for gen in range(7):  # seven queued batches: the bound is for the exit, not per batch
+            randomize(kv, range(4), seed=gen)
+            await cache.offload([f"g{gen}-{i}" for i in range(4)], range(4))
+    assert anyio.current_time() - begin < 4
+    assert cache.stats().tiers[0].demotions_dropped == 24 and tier.closed
+
+
+def test_a_task_cancel_of_the_owner_closes_every_tier(tmp_path: Path) -> None:
+    """asyncio's ``task.cancel()`` lands in the cache's exit: the disk tier's directory lock
+    is released and a new cache opens the same directory at once, in the same process."""
+    import asyncio
+
+    from aiokv import DiskTier
+
+    entered = asyncio.Event()
+
+    async def owner() -> None:
+        kv = make_layers(num_layers=2, num_blocks=16)
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=6) as worker:
+            tier = DiskTier(tmp_path, capacity_bytes=1 << 24)
+            async with OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=2) as cache:
+                for gen in range(3):
+                    randomize(kv, range(4), seed=gen)
+                    await cache.offload([f"g{gen}-{i}" for i in range(4)], range(4))
+                entered.set()
+                await asyncio.sleep(30)
+
+    async def main() -> list[str]:
+        task = asyncio.create_task(owner())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kv = make_layers(num_layers=2, num_blocks=16)
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=6) as worker:
+            async with OffloadCache(worker, policy="lru", tiers=[DiskTier(tmp_path, capacity_bytes=1 << 24)],
+                                    staging_chunks=2) as again:
+                return [k for k in (f"g0-{i}" for i in range(4)) if again.lookup([k])]
+
+    assert asyncio.run(asyncio.wait_for(main(), 20)) == [f"g0-{i}" for i in range(4)]
+
+
+async def test_errors_opening_a_tier_are_raised_as_themselves(tmp_path: Path) -> None:
+    from aiokv import DiskTier, TierError
+
+    kv = make_layers(num_layers=2, num_blocks=8)
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        near = MemTier()
+        cache = OffloadCache(worker, tiers=[near, DiskTier(blocker / "tier", capacity_bytes=1 << 20)])
+        try:
+            async with cache:
+                pytest.fail("a tier under a file opened")
+        except TierError:  # not an ExceptionGroup
+            pass
+        assert near.closed  # the tier opened before it is closed again
+        with pytest.raises(UsageError, match="async with cache"):
+            cache.lookup(["a"])
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        first = OffloadCache(worker, chunks=range(0, 4), tiers=[DiskTier(tmp_path, capacity_bytes=1 << 20)])
+        second = OffloadCache(worker, chunks=range(4, 8), tiers=[DiskTier(tmp_path, capacity_bytes=1 << 20)])
+        async with first:
+            try:
+                async with second:
+                    pytest.fail("two tiers locked one directory")
+            except UsageError as exc:  # the directory's lock: one directory per process
+                assert "directory" in str(exc)
+        async with second:  # free again once the first cache left
+            assert second.lookup(["x"]) == 0
+
+
+async def test_write_through_copies_of_large_blocks_never_block_the_next_eviction(tmp_path: Path) -> None:
+    """Blocks over the inline copy size, a host the size of one request and a disk tier plus
+    a write-through one: every request stores, and every block reaches both tiers."""
+    from aiokv import DiskTier
+
+    kv = make_layers(num_layers=3, num_blocks=8, page_shape=(128, 8, 128), seed=5)  # 1.5 MiB blocks
+    shared = MemTier(remote=True, write_through=True)
+    disk = DiskTier(tmp_path, capacity_bytes=64 << 20)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4 + 2) as worker:
+        assert worker.chunk_bytes > 1 << 20
+        async with OffloadCache(worker, policy="lru", tiers=[disk, shared], staging_chunks=2) as cache:
+            expected = {}
+            for r in range(6):
+                randomize(kv, range(4), seed=r)
+                keys = [f"r{r}-{i}" for i in range(4)]
+                expected.update({k: gpu_block(kv, i) for i, k in enumerate(keys)})
+                assert (await cache.offload(keys, range(4))).stored == 4
+            await cache.drain()
+            st = cache.stats().tiers
+            assert st[0].demoted == 20 and st[1].write_throughs == 24
+            assert st[0].demotions_dropped == st[1].demotions_dropped == 0
+            keys = list(expected)[:4]
+            assert (await cache.restore(keys, range(4, 8))).restored == 4
+            for i, k in enumerate(keys):
+                assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 4 + i), expected[k])), k
+            settled(cache)
+
+
+@pytest.mark.parametrize("option", [{"drain_timeout": 0}, {"drain_timeout": True}, {"drain_timeout": "1"},
+                                    {"queue_wait": -1}, {"queue_wait": True}, {"queue_bytes": -1},
+                                    {"staging_chunks": 1.5}])
+async def test_bad_lifecycle_options_are_refused(option: dict[str, object]) -> None:
+    kv = make_layers(num_layers=2, num_blocks=8)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        with pytest.raises(InvalidSpec):
+            OffloadCache(worker, tiers=[MemTier()], **option)  # type: ignore[arg-type]
+        async with OffloadCache(worker, tiers=[MemTier()]) as cache:  # nothing was taken
+            assert cache.stats().staging_chunks == 2
+
+
+async def test_calls_on_a_tiered_cache_that_do_no_io_still_checkpoint() -> None:
+    """An alookup that misses with only local tiers, an offload of held keys and a restore
+    of no keys yield to the loop once, as an awaited round trip would."""
+    async with tiered([MemTier()]) as (kv, _w, cache):
+        randomize(kv, range(2), seed=1)
+        await cache.offload(["a", "b"], [0, 1])
+        calls = {
+            "alookup past the host": lambda: cache.alookup(["a", "nowhere"]),
+            "offload of held keys": lambda: cache.offload(["a"], [0]),
+            "restore of no keys": lambda: cache.restore([], []),
+        }
+        for what, call in calls.items():
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await call()
+            assert scope.cancelled_caught, what
+        settled(cache)
+
+
+async def test_a_disk_tier_on_a_read_only_filesystem_raises_tier_error(tmp_path: Path) -> None:
+    import subprocess
+
+    from aiokv import DiskTier, TierError
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                          capture_output=True, timeout=10)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {done.stderr.decode().strip()}")
+    try:
+        kv = make_layers(num_layers=2, num_blocks=8)
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+            cache = OffloadCache(worker, tiers=[DiskTier(mount / "tier", capacity_bytes=1 << 20)])
+            try:
+                async with cache:
+                    pytest.fail("a tier opened on a read-only filesystem")
+            except TierError as exc:
+                assert "read-only" in str(exc).lower() or "errno 30" in str(exc).lower()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)

@@ -1,4 +1,4 @@
-"""Scheduler-side KV-cache metadata: chunk allocation, eviction, admission, trace replay."""
+"""Scheduler-side KV-cache metadata: chunk allocation, eviction, admission."""
 
 from ..errors import KeyNotLoadable
 from .admission import (

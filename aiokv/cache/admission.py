@@ -162,17 +162,18 @@ class _TailReuse:
     """Learns whether the last key of an offer is ever offered again, against the key before it.
 
     Why: a serving engine that hashes a request's partial last block offers a key that the
-    next turn never sends again (the block grows and hashes anew). On the Mooncake chat trace
-    those last keys come back far more rarely than the others (docs/cache.md), so storing
-    them only displaces blocks that will be used. Engines that offer only full blocks re-send their
-    last key like any other, and then nothing is skipped.
+    next turn never sends again (the block grows and hashes anew). On a chat trace such last
+    keys come back far less often than the others (docs/cache.md, "The default policy"), so
+    storing them only displaces blocks that will be used. Engines that offer only full blocks
+    re-send their last key like any other, and then nothing is skipped.
 
     Each offer of two or more keys remembers its last and its second-to-last key in two
     windows of equal length; a later offer of a remembered key counts a return for its side.
     Both sides enter one key per offer, so their return counts compare directly; counts
     halve every few windows so the verdict follows the traffic. ``skip`` holds while last
-    keys return less than ``ratio`` times as often (chat trace 0.02: skipped; the synthetic
-    trace 0.14: kept, since skipping there cost hits at large sizes).
+    keys return less than ``ratio`` times as often as the others (the default ratio skips
+    them on the chat trace and keeps them on the synthetic one, where skipping cost hits at
+    large sizes).
     """
 
     __slots__ = (

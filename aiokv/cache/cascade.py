@@ -1,119 +1,100 @@
-"""The tiers under the host pool: write-behind demotion, write-through, and where keys are.
+"""The tiers under the host pool: every copy between the host pool and the tiers, and
+where each key is.
 
-``OffloadCache`` owns one ``Cascade`` when it has lower tiers. Blocks go down as copies
-of host chunks taken on the loop thread at the moment they are decided (a chunk the host
-evicts is reused by the very store that evicted it, so its bytes are copied out before
-that store is submitted). Each tier has one writer task and a queue bounded in bytes: a
-batch that does not fit is dropped and counted, so a slow tier never stalls the caller,
-the loop or the GPU (docs/tiers.md, "Write-behind").
+``OffloadCache`` owns one ``Cascade`` when it has lower tiers. The cascade owns the copies
+end to end: blocks the host evicts, blocks it stores (for write-through tiers) and blocks
+it turns away (spills) are copied off their chunks into rows and queued for the tiers'
+writers (``links.py``); restores read tier blocks, or rows still on their way down, into
+its staging chunks. Its task group runs the writers and the copies that finish after an
+``offload`` returns control (a cancelled caller does not stop them). Room in the write
+queues is reserved before an offer is planned, so the copies an offer decides never find
+the queue full (docs/tiers.md, "How blocks move").
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from functools import partial
 
 import anyio
 import anyio.abc
-import anyio.to_thread
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
+from ..future import TransferFuture
+from .links import Batch, Room, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
-from .records import TierCacheStats
+from .protocol import result_or_none
+from .staging import Staging, off_loop
 from .tiers.base import Tier
 from .tiers.codec import key_bytes
 
-__all__ = ["Cascade", "TierLink"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "Room", "Ticket", "TierLink", "tier_list"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
-"""Bytes of blocks waiting for one tier's writer before further demotions are dropped."""
-INLINE_COPY_BYTES = 1 << 20
-"""Evicted bytes copied off the host pool on the loop thread; more go to a worker thread
-(a thread hop costs tens of microseconds, a large memcpy milliseconds)."""
+"""Bytes of blocks one tier's write queue holds (reserved, being copied or written)."""
+DEFAULT_QUEUE_WAIT = 1.0
+"""Seconds an offer waits for room in a full write queue before that tier counts as
+falling behind (docs/tiers.md, "Write-behind")."""
 
-
-@dataclass
-class _Batch:
-    keys: list[bytes]
-    rows: np.ndarray  # (n, block_bytes) uint8: the blocks' bytes, copied off the host pool
-    through: bool  # a write-through (True) or a demotion (False)
-
-
-@dataclass
-class TierLink:
-    """One tier and the cache's counters and write queue for it."""
-
-    tier: Tier
-    limit_blocks: int
-    queue: deque[_Batch] = field(default_factory=deque)
-    pending: int = 0  # blocks queued or being written
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    # Batches queued and finished so far: drain() waits for the ones queued before it was
-    # called, so a steady stream of new demotions cannot hold it.
-    queued_batches: int = 0
-    done_batches: int = 0
-    progress: anyio.Event = field(default_factory=anyio.Event)
-    hits: int = 0
-    restored_keys: int = 0
-    restored_bytes: int = 0
-    demoted: int = 0
-    write_throughs: int = 0
-    dropped: int = 0
-    read_misses: int = 0
-
-    def stats(self) -> TierCacheStats:
-        return TierCacheStats(
-            name=self.tier.name, hits=self.hits, restored_keys=self.restored_keys,
-            restored_bytes=self.restored_bytes, demoted=self.demoted,
-            write_throughs=self.write_throughs, demotions_dropped=self.dropped,
-            read_misses=self.read_misses, queued_blocks=self.pending,
-            tier=self.tier.statistics(),
-        )
-
-
-_Reserved = tuple[TierLink, list[tuple[bytes, int]]]
-"""A tier link and the (tier key, chunk) pairs its queue has room for."""
+StoreFn = Callable[[list[int], list[int]], TransferFuture]
+"""Submits a store of GPU blocks into host chunks (absolute ids)."""
 
 
 class Cascade:
-    """The lower tiers of one cache, in order, with their write queues.
+    """The lower tiers of one cache, in order, with their queues and the staging chunks.
 
     Args:
         tiers: the tiers, nearest first.
         pages: where a block's pages sit in a host chunk and in the portable payload.
-        queue_bytes: per tier, bytes of blocks allowed to wait for its writer.
+        staging: the chunks kept aside for restores and spills (absolute ids).
+        queue_bytes: per tier, bytes of blocks its write queue holds.
+        queue_wait: seconds an offer waits for room in a full queue.
     """
 
-    def __init__(self, tiers: Sequence[Tier], *, pages: PageMap,
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+    def __init__(self, tiers: Sequence[Tier], *, pages: PageMap, staging: range,
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 queue_wait: float = DEFAULT_QUEUE_WAIT) -> None:
         bad = [type(t).__name__ for t in tiers if not isinstance(t, Tier)]
         if bad:
             raise InvalidSpec(f"tiers must be aiokv Tier objects (DiskTier, RedisTier, ...); got {bad}")
         if len({id(t) for t in tiers}) != len(tiers):
             raise InvalidSpec("a tier appears twice in tiers=")
-        if queue_bytes < 0:
-            raise InvalidSpec(f"queue_bytes must be >= 0, got {queue_bytes}")
+        if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 0:
+            raise InvalidSpec(f"queue_bytes must be an int >= 0, got {queue_bytes!r}")
+        if isinstance(queue_wait, bool) or not (isinstance(queue_wait, (int, float)) and queue_wait >= 0):
+            raise InvalidSpec(f"queue_wait must be seconds >= 0, got {queue_wait!r}")
         self.pages = pages
         self.block_bytes = block_bytes = pages.payload_bytes
         for tier in tiers:
             tier.check_block_bytes(block_bytes)  # a tier that holds no block fails here
         limit = max(1, queue_bytes // block_bytes)
-        self.links = [TierLink(t, limit) for t in tiers]
-        self._writing = False
+        self.links = [TierLink(t, limit, float(queue_wait)) for t in tiers]
         self.local = [link for link in self.links if not link.tier.remote]
         self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
-        self._demote_to = next((link for link in self.links if not link.tier.write_through), None)
+        self.demote_to = next((link for link in self.links if not link.tier.write_through), None)
         self._through = [link for link in self.links if link.tier.write_through]
+        self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
+        self._pool: np.ndarray | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
+        self._started = 0
+
+    @property
+    def pool(self) -> np.ndarray:
+        """The worker's host pool as bytes (once opened)."""
+        if self._pool is None:
+            raise UsageError("the cascade is not open")
+        return self._pool
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def open(self, fingerprint: bytes, tg: anyio.abc.TaskGroup) -> None:
-        """Open every tier for this layout and start their writers in ``tg``."""
+    async def open(self, fingerprint: bytes, pool: np.ndarray) -> None:
+        """Open every tier for this layout (an error is raised as itself, and the tiers
+        opened before it are closed), then start the writers."""
         opened: list[Tier] = []
         try:
             for link in self.links:
@@ -124,30 +105,36 @@ class Cascade:
                 for tier in opened:
                     await tier.aclose()
             raise
+        self._pool = pool
+        tg = self._tg = anyio.create_task_group()
+        await tg.__aenter__()
         for link in self.links:
-            tg.start_soon(self._writer, link)
-        self._writing = True
-
-    async def aclose(self) -> None:
-        """Close every tier (the writers were stopped by the caller's task group); blocks
-        still queued are dropped and counted."""
-        self._writing = False
-        for link in self.links:
-            link.dropped += sum(len(b.keys) for b in link.queue)
-            link.queue.clear()
-            link.pending = 0
-        with anyio.CancelScope(shield=True):
-            for link in self.links:
-                await link.tier.aclose()
+            link.tg = tg  # its write calls run here, each shielded until stop() cancels it
 
     async def drain(self) -> None:
-        """Wait until every block queued so far is written (or dropped); blocks queued
-        meanwhile are not waited for, so a busy server does not hold it."""
-        targets = [(link, link.queued_batches) for link in self.links]
-        for link, target in targets:
-            while self._writing and link.done_batches < target:
-                await link.progress.wait()
+        """Wait for the copies started so far, then for the blocks on their way down by then
+        to be written (or dropped); those started meanwhile are not waited for, so a busy
+        server does not hold it."""
+        for event in list(self._copies.values()):
+            await event.wait()
+        batches = {batch for link in self.links for batch, _ in link.inflight.values()}
+        for batch in batches:
+            await batch.written.wait()
         await anyio.lowlevel.checkpoint()
+
+    async def stop(self) -> None:
+        """Stop the write calls (what they did not write is dropped and counted) and close
+        every tier. Call it at the task group's nesting level (the cache's exit does)."""
+        for link in self.links:
+            link.stop()
+        tg, self._tg = self._tg, None
+        try:
+            if tg is not None:
+                await tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for link in self.links:
+                    await link.tier.aclose()
 
     # -- keys -----------------------------------------------------------------------------
 
@@ -161,12 +148,10 @@ class Cascade:
         return found
 
     def local_holder(self, key: Hashable) -> TierLink | None:
-        """The nearest local tier holding ``key`` (no I/O)."""
-        if not self.local:
-            return None
+        """The nearest local tier holding ``key`` or receiving it (no I/O)."""
         tk = self.tier_key(key)
         for link in self.local:
-            if link.tier.holds(tk):
+            if tk in link.inflight or link.tier.holds(tk):
                 return link
         return None
 
@@ -185,9 +170,9 @@ class Cascade:
         return n, host
 
     async def leading_run(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> tuple[int, int]:
-        """``local_run`` that also counts keys held only in a remote tier, and goes on past
-        them through keys the host or a local tier holds, as a restore would; remote tiers
-        are asked once each (batched) about the keys from the first local miss on."""
+        """``local_run`` that also counts keys only a remote tier holds (or receives), and
+        goes on past them through keys the host or a local tier holds, as a restore would;
+        remote tiers are asked once each (batched) about the keys from the first local miss."""
         n = host = 0
         remote: list[TierLink | None] | None = None
         first = 0
@@ -199,7 +184,7 @@ class Cascade:
             else:
                 if remote is None:
                     first = i
-                    remote = await self.remote_leading(keys[i:])
+                    remote = await self._remote_holders(keys[i:])
                 if (link := remote[i - first]) is None:
                     break
                 link.hits += 1
@@ -208,164 +193,176 @@ class Cascade:
             await anyio.lowlevel.checkpoint()  # no round trip: still a checkpoint, as awaited
         return n, host
 
+    async def _remote_holders(self, keys: Sequence[Hashable]) -> list[TierLink | None]:
+        """Which remote tier holds or receives each key, asking each remote tier once."""
+        found: list[TierLink | None] = [None] * len(keys)
+        tks = [self.tier_key(k) for k in keys]
+        for link in self.remote:
+            want = [i for i in range(len(keys)) if found[i] is None]
+            for i in want:
+                if tks[i] in link.inflight:
+                    found[i] = link
+            want = [i for i in want if found[i] is None]
+            if not want:
+                break
+            try:
+                held = await link.tier.exists([tks[i] for i in want])
+            except (UsageError, InvalidSpec):
+                raise
+            except Exception:
+                held = [False] * len(want)
+            for i, h in zip(want, held):
+                if h:
+                    found[i] = link
+        return found
+
     # -- writing down ---------------------------------------------------------------------
 
-    def demote(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue ``keys`` (their bytes in absolute ``chunks``) for the nearest tier that does
-        not already hold them, copying the bytes now on the calling thread."""
-        link = self._demote_to
-        if link is not None and keys:
-            self._enqueue(link, pool, self._demotable(link, keys, chunks), through=False)
-
-    async def demote_evicted(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """``demote`` for blocks the host evicts: the caller reuses their chunks once this
-        returns. Copies over ``INLINE_COPY_BYTES`` run on a worker thread, so evicting many
-        large blocks never stalls the event loop; the caller shields this from cancellation."""
-        reserved = self.reserve_demotion(keys, chunks)
-        if reserved is not None:
-            await self.copy_demotion(pool, reserved)
-
-    def reserve_demotion(self, keys: Sequence[Hashable], chunks: Sequence[int]) -> _Reserved | None:
-        """Room in the demotion tier's queue for ``keys`` not held there (None: no room or
-        nothing to demote); ``copy_demotion`` follows. Counted at once, so a ``drain``
-        called before the copy is over waits for it."""
-        link = self._demote_to
-        if link is None or not keys:
-            return None
-        pairs = self._reserve(link, self._demotable(link, keys, chunks))
-        return (link, pairs) if pairs else None
-
-    async def copy_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
-        """Copy the reserved blocks off the host pool (a worker thread for large copies)
-        and hand them to the writer."""
-        link, pairs = reserved
-        at = [c for _, c in pairs]
+    async def reserve(self, n: int) -> Room:
+        """Room for the copies an offer of ``n`` keys new to the host may decide: at most
+        ``n`` demotions and spills, and ``n`` write-throughs per write-through tier. Waits
+        its turn (``queue_wait`` at most per tier); cancellable, holding nothing then."""
+        room = Room()
         try:
-            if self.copies_inline(len(pairs)):
-                rows = self.pages.gather(pool, at)
-            else:
-                rows = await anyio.to_thread.run_sync(self.pages.gather, pool, at)
+            for link in ([self.demote_to] if self.demote_to else []) + self._through:
+                room.held[link] = await link.reserve(n)
         except BaseException:
-            link.dropped += len(pairs)
-            self._batch_over(link, len(pairs))
+            room.release()
             raise
-        self._push(link, pairs, rows, through=False)
+        return room
 
-    def push_demotion(self, pool: np.ndarray, reserved: _Reserved) -> None:
-        """``copy_demotion`` on the calling thread."""
-        link, pairs = reserved
-        self._push(link, pairs, self.pages.gather(pool, [c for _, c in pairs]), through=False)
+    def wants(self, link: TierLink, key: Hashable) -> bool:
+        """Whether ``link`` should get ``key``: not on its way there, nor held there."""
+        return self._wants(link, self.tier_key(key))
 
-    def copies_inline(self, blocks: int) -> bool:
-        """Whether copying ``blocks`` off the host pool is small enough for the loop thread."""
-        return blocks * self.block_bytes <= INLINE_COPY_BYTES
+    def _wants(self, link: TierLink, tk: bytes) -> bool:
+        """Whether ``link`` should get ``tk``: not on its way there, nor held there."""
+        return tk not in link.inflight and (link.tier.remote or not link.tier.holds(tk))
 
-    def _demotable(self, link: TierLink, keys: Sequence[Hashable],
-                   chunks: Sequence[int]) -> list[tuple[bytes, int]]:
-        pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
-        if not link.tier.remote:
-            pairs = [(tk, c) for tk, c in pairs if not link.tier.holds(tk)]
-        return pairs
-
-    def wants_spill(self, key: Hashable) -> bool:
-        """Whether a key the host turned away should go to the demotion tier (not held there)."""
-        link = self._demote_to
-        return link is not None and (link.tier.remote or not link.tier.holds(self.tier_key(key)))
-
-    def count_spill_dropped(self, n: int) -> None:
-        if n and self._demote_to is not None:
-            self._demote_to.dropped += n
-
-    def write_through(self, pool: np.ndarray, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """Queue stored ``keys`` (in absolute ``chunks``) for every write-through tier,
-        copying the bytes now on the calling thread."""
-        reserved = self.reserve_through(keys, chunks)
-        if reserved:
-            self.push_through(reserved, self.pages.gather(pool, list(chunks)[: _widest(reserved)]))
-
-    def reserve_through(self, keys: Sequence[Hashable],
-                        chunks: Sequence[int]) -> list[tuple[TierLink, list[tuple[bytes, int]]]]:
-        """Room in each write-through tier's queue for stored ``keys`` (a prefix of them
-        where a queue is nearly full); ``push_through`` or ``cancel_through`` follows."""
-        if not self._through or not keys:
-            return []
-        pairs = [(self.tier_key(k), c) for k, c in zip(keys, chunks)]
-        return [(link, got) for link in self._through if (got := self._reserve(link, list(pairs)))]
-
-    def push_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]],
-                     rows: np.ndarray) -> None:
-        """Hand the copied ``rows`` (one per reserved key, in order) to the writers."""
-        for link, pairs in reserved:
-            self._push(link, pairs, rows[: len(pairs)], through=True)
-
-    def cancel_through(self, reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> None:
-        for link, pairs in reserved:
-            link.dropped += len(pairs)
-            self._batch_over(link, len(pairs))
-
-    def _enqueue(self, link: TierLink, pool: np.ndarray, pairs: list[tuple[bytes, int]],
-                 *, through: bool) -> None:
-        pairs = self._reserve(link, pairs)
-        if pairs:
-            rows = self.pages.gather(pool, [c for _, c in pairs])  # a copy, in portable order
-            self._push(link, pairs, rows, through=through)
-
-    def _reserve(self, link: TierLink, pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
-        """The pairs that fit the tier's queue, counted in it as one batch (the rest are
-        dropped and counted), before their bytes are copied."""
-        room = link.limit_blocks - link.pending
-        if len(pairs) > room:
-            link.dropped += len(pairs) - max(room, 0)
-            pairs = pairs[: max(room, 0)]
-        if pairs:
-            link.pending += len(pairs)
-            link.queued_batches += 1
-        return pairs
-
-    def _push(self, link: TierLink, pairs: list[tuple[bytes, int]], rows: np.ndarray, *,
-              through: bool) -> None:
-        if not self._writing:  # closed while the bytes were copied: no writer would take it
-            link.dropped += len(pairs)
-            self._batch_over(link, len(pairs))
+    async def demote(self, keys: Sequence[Hashable], chunks: Sequence[int], room: Room) -> None:
+        """Copy blocks the host evicted (absolute ``chunks``) off the pool and queue them for
+        the demotion tier; the caller reuses the chunks once this returns, so it shields it."""
+        link = self.demote_to
+        if link is None or not keys:
             return
-        link.queue.append(_Batch([tk for tk, _ in pairs], rows, through))
-        link.wake.set()
+        # A block the tier holds goes too: its write is a touch there (no I/O for a local
+        # tier), so the tier orders blocks by when the host let them go, as a victim cache.
+        pairs = [(tk, c) for k, c in zip(keys, chunks) if (tk := self.tier_key(k)) not in link.inflight]
+        pairs = pairs[: room.take(link, len(pairs))]
+        if pairs:
+            batch = Batch([tk for tk, _ in pairs], "demote")
+            link.expect(batch)
+            await self.land(link, batch, [c for _, c in pairs])
 
-    @staticmethod
-    def _batch_over(link: TierLink, n: int) -> None:
-        link.pending -= n
-        link.done_batches += 1
-        progress, link.progress = link.progress, anyio.Event()
-        progress.set()
+    def spill_wanted(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Offered keys the host turned away that the demotion tier should get."""
+        link = self.demote_to
+        if link is None:
+            return []
+        return [k for k in keys if k not in mgr and self._wants(link, self.tier_key(k))]
 
-    async def _writer(self, link: TierLink) -> None:
-        while True:
-            if not link.queue:
-                await link.wake.wait()
-                link.wake = anyio.Event()
-                continue
-            batch = link.queue.popleft()
+    def first_spill(self, spill: list[Hashable], room: Room) -> list[int]:
+        """Staging chunks free now for the first of ``spill``, which ride along with the
+        offer's own store (the rest go in rounds, ``spill``)."""
+        link = self.demote_to
+        if link is None or not spill:
+            return []
+        chunks = self.staging.take(min(len(spill), room.left(link)))
+        room.take(link, len(chunks))
+        return chunks
+
+    def ticket(self, keys: list[Hashable], chunks: list[int], spill: list[Hashable],
+               spill_chunks: list[int], room: Room) -> Ticket:
+        """What one store job hands down once it lands: its stored ``keys`` (in absolute
+        host ``chunks``) for each write-through tier, and its ``spill`` keys (in staging
+        ``spill_chunks``, room for them taken already) for the demotion tier."""
+        through: list[tuple[TierLink, Batch]] = []
+        for link in self._through:
+            wanted = [tk for k in keys if self._wants(link, tk := self.tier_key(k))]
+            wanted = wanted[: room.take(link, len(wanted))]
+            if wanted:
+                through.append((link, Batch(wanted, "through")))
+        down = None
+        if spill and self.demote_to is not None:
+            down = (self.demote_to, Batch([self.tier_key(k) for k in spill], "demote"))
+        return Ticket(self, keys, chunks, through, down, spill_chunks)
+
+    async def spill(self, keys: list[Hashable], blocks: list[int], room: Room, store: StoreFn) -> int:
+        """Spill ``keys`` (in GPU ``blocks``) to the demotion tier in rounds through the
+        staging chunks, each round waiting for free chunks; how many were copied. Blocks
+        not reached (cancelled, no room) are dropped and counted."""
+        link = self.demote_to
+        done = 0
+        todo = list(zip(keys, blocks))
+        try:
+            while todo and link is not None and (k := min(len(todo), room.left(link))):
+                chunks = await self.staging.take_some(k)
+                part, todo = todo[: len(chunks)], todo[len(chunks):]
+                room.take(link, len(part))
+                ticket = Ticket(self, [], [], [], (link, Batch([self.tier_key(key) for key, _ in part],
+                                                               "demote")), chunks)
+                try:
+                    future = store([b for _, b in part], chunks)
+                except BaseException:
+                    ticket.failed()
+                    raise
+                event = anyio.Event()
+                future.add_done_callback(partial(ticket.settle, mgr=None, done=event))
+                await event.wait()
+                done += len(part)
+        finally:
+            if link is not None:
+                link.drop(len(todo))
+        return done
+
+    def count_restored(self, sources: Sequence[TierLink | None]) -> None:
+        """Count restored keys against the tier (or memory on its way to it) they came from."""
+        for link in sources:
+            if link is not None:
+                link.restored_keys += 1
+                link.restored_bytes += self.block_bytes
+
+    # -- copies ---------------------------------------------------------------------------
+
+    async def land(self, link: TierLink, batch: Batch, chunks: list[int]) -> None:
+        """Copy ``chunks`` off the pool into the batch's rows and hand it to the writer
+        (the batch is listed in flight already)."""
+        try:
+            rows = await off_loop(len(chunks) * self.block_bytes, self.pages.gather, self.pool, chunks)
+        except BaseException:
+            link.abandon(batch)
+            raise
+        link.push(batch, rows)
+
+    def start(self, work: Callable[[], Awaitable[None]], done: anyio.Event) -> bool:
+        """Run ``work`` in the task group, shielded (a copy is not abandoned half way), and
+        set ``done`` after; False (nothing started) once the cascade is stopped."""
+        if self._tg is None:
+            return False
+        seq = self._started
+        self._started += 1
+        self._copies[seq] = done
+
+        async def run() -> None:
             try:
-                done = await link.tier.write(batch.keys, [memoryview(r) for r in batch.rows])
-            except Exception:  # a tier that broke its contract: its blocks are dropped
-                done = [False] * len(batch.keys)
+                with anyio.CancelScope(shield=True):
+                    await work()
             finally:
-                self._batch_over(link, len(batch.keys))
-            ok = sum(1 for d in done if d)
-            if batch.through:
-                link.write_throughs += ok
-            else:
-                link.demoted += ok
-            link.dropped += len(batch.keys) - ok
+                del self._copies[seq]
+                done.set()
+
+        self._tg.start_soon(run)
+        return True
 
     # -- reading up -----------------------------------------------------------------------
 
     async def read(self, keys: Sequence[Hashable], views: Sequence[memoryview]) -> list[TierLink | None]:
-        """Fill ``views[i]`` from the nearest tier holding ``keys[i]``; which tier did, or
-        None for a miss. Local tiers are asked only for keys they hold; remote tiers for
-        whatever is still missing."""
+        """Fill ``views[i]`` with ``keys[i]``'s block: from memory if it is on its way down
+        (never waiting for a writer), else from the nearest tier holding it; which tier, or
+        None for a miss. Local tiers are asked only for keys they hold."""
         found: list[TierLink | None] = [None] * len(keys)
         tks = [self.tier_key(k) for k in keys]
+        await self._read_inflight(tks, views, found)
         for link in self.links:
             want = [i for i in range(len(keys)) if found[i] is None
                     and (link.tier.remote or link.tier.holds(tks[i]))]
@@ -386,24 +383,91 @@ class Cascade:
                 break
         return found
 
-    async def remote_leading(self, keys: Sequence[Hashable]) -> list[TierLink | None]:
-        """Which remote tier holds each key, asking each remote tier once, batched."""
-        found: list[TierLink | None] = [None] * len(keys)
-        for link in self.remote:
-            want = [i for i in range(len(keys)) if found[i] is None]
-            if not want:
-                break
+    async def _read_inflight(self, tks: list[bytes], views: Sequence[memoryview],
+                             found: list[TierLink | None]) -> None:
+        hits: list[tuple[int, TierLink, Batch, int]] = []
+        for i, tk in enumerate(tks):
+            for link in self.links:
+                if (entry := link.find(tk)) is not None:
+                    hits.append((i, link, *entry))
+                    break
+        if not hits:
+            return
+        for _, _, batch, _ in hits:
+            await batch.landed.wait()  # a copy off the pool, never a write
+        pairs = [(i, link, row) for i, link, batch, j in hits if (row := batch.row(j)) is not None]
+
+        def copy() -> None:
+            for i, _, row in pairs:
+                np.frombuffer(views[i], dtype=np.uint8)[:] = row
+
+        await off_loop(len(pairs) * self.block_bytes, copy)
+        for i, link, _ in pairs:
+            found[i] = link
+
+
+class Ticket:
+    """The copies down that one store job decided, from its submit to their queueing."""
+
+    def __init__(self, cascade: Cascade, keys: list[Hashable], chunks: list[int],
+                 through: list[tuple[TierLink, Batch]], down: tuple[TierLink, Batch] | None,
+                 staging: list[int]) -> None:
+        self._cascade = cascade
+        self._at = dict(zip(keys, chunks))
+        self._keys = keys
+        self._through = through
+        self._down = down
+        self._staging = staging
+
+    def failed(self) -> None:
+        """The store did not land (refused or failed): nothing goes down."""
+        for link, batch in self._batches():
+            link.abandon(batch, dropped=False)
+        self._cascade.staging.give(self._staging)
+
+    def settle(self, future: TransferFuture, mgr: ChunkManager | None, done: anyio.Event) -> None:
+        """The store's done callback: copy what landed off the pool in the cascade's task
+        group (write-through keys pinned meanwhile); ``done`` is set once it is queued."""
+        if result_or_none(future) is None:
+            self.failed()
+            done.set()
+            return
+        cascade = self._cascade
+        for link, batch in self._batches():
+            link.expect(batch)
+        pinned = self._keys if self._through and mgr is not None else []
+        if mgr is not None:
+            mgr.prepare_load(pinned, touch=False)  # a copy to a tier is no reuse
+        tks = {cascade.tier_key(k): self._at[k] for k in self._keys}
+
+        async def copy() -> None:
+            todo = list(self._batches())
             try:
-                held = await link.tier.exists([self.tier_key(keys[i]) for i in want])
-            except (UsageError, InvalidSpec):
-                raise
-            except Exception:
-                held = [False] * len(want)
-            for i, h in zip(want, held):
-                if h:
-                    found[i] = link
-        return found
+                while todo:
+                    link, batch = todo.pop(0)
+                    down = self._down is not None and batch is self._down[1]
+                    chunks = self._staging if down else [tks[tk] for tk in batch.keys]
+                    await cascade.land(link, batch, chunks)
+            finally:
+                for link, batch in todo:  # not reached: an earlier copy raised
+                    link.abandon(batch)
+                if mgr is not None:
+                    mgr.complete_load(pinned)
+                cascade.staging.give(self._staging)
+
+        if not cascade.start(copy, done):  # stopped meanwhile
+            if mgr is not None:
+                mgr.complete_load(pinned)
+            self.failed()
+            done.set()
+
+    def _batches(self) -> list[tuple[TierLink, Batch]]:
+        return [*self._through, *([self._down] if self._down is not None else [])]
 
 
-def _widest(reserved: list[tuple[TierLink, list[tuple[bytes, int]]]]) -> int:
-    return max(len(pairs) for _, pairs in reserved)
+def tier_list(tiers: Sequence[Tier]) -> list[Tier]:
+    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
+    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
+        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
+                          f"got {type(tiers).__name__}")
+    return list(tiers)

@@ -45,7 +45,8 @@ class Counters:
         self.offered += offered
         self.skipped += skipped
 
-    def snapshot(self, mgr: CacheStats, in_flight: int, tiers: Sequence[TierCacheStats]) -> OffloadCacheStats:
+    def snapshot(self, mgr: CacheStats, in_flight: int, tiers: Sequence[TierCacheStats],
+                 staging: tuple[int, int] = (0, 0)) -> OffloadCacheStats:
         self.fold(0)
         return OffloadCacheStats(
             hits=self.hits, misses=self.misses, offered_keys=self.offered,
@@ -55,7 +56,8 @@ class Counters:
             evictions=mgr.evictions, store_bytes=self.store_bytes,
             store_seconds=self.store_seconds, load_bytes=self.load_bytes,
             load_seconds=self.load_seconds, in_flight=in_flight, manager=mgr,
-            host_hits=self.host_hits, tiers=tuple(tiers),
+            host_hits=self.host_hits, tiers=tuple(tiers), staging_chunks=staging[0],
+            staging_free=staging[1],
         )
 
 

@@ -1,5 +1,5 @@
 """The copies one ``OffloadCache`` submits: job ids shared with the other caches of its
-worker, the futures still in flight, and the device time of finished loads."""
+worker, the futures still in flight, and the bytes and device time of finished copies."""
 
 from __future__ import annotations
 
@@ -43,24 +43,34 @@ class Jobs:
         raise DuplicateJob("OffloadCache found no free job id in 1024 tries")
 
     def loader(self, expedited: bool, after: Any) -> Submit:
-        """A function submitting one load (host chunks -> GPU blocks) and counting its bytes."""
+        """A function submitting one load (host chunks -> GPU blocks)."""
 
         def load(src: CPULoadStoreSpec, blocks: list[int]) -> TransferFuture:
             dst = GPULoadStoreSpec(blocks)
             future = self.submit(
                 lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
             )
-
-            def timed(fut: TransferFuture) -> None:
-                res = result_or_none(fut)
-                if res is not None:
-                    self._n.load_bytes += res.transfer_size or 0
-                    self._n.untimed_loads.append(res)
-
-            future.add_done_callback(timed)
+            future.add_done_callback(self._count_load)
             return future
 
         return load
+
+    def store(self, blocks: list[int], chunks: list[int], after: Any) -> TransferFuture:
+        """Submit one store (GPU blocks -> absolute host chunks)."""
+        src, dst = GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks)
+        future = self.submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
+        future.add_done_callback(self._count_store)
+        return future
+
+    def _count_load(self, fut: TransferFuture) -> None:
+        if (res := result_or_none(fut)) is not None:
+            self._n.load_bytes += res.transfer_size or 0
+            self._n.untimed_loads.append(res)
+
+    def _count_store(self, fut: TransferFuture) -> None:
+        if (res := result_or_none(fut)) is not None:
+            self._n.store_bytes += res.transfer_size or 0
+            self._n.untimed_stores.append(res)
 
     async def wait(self) -> None:
         """Until every copy in flight now is over (failed ones included)."""

@@ -12,12 +12,7 @@ unless its bytes landed and every chunk returns to the free pool.
 
 Free chunks are handed out lowest id first (a heap), so a store's keys get ascending
 chunks: the key ranges a policy later evicts together free neighbouring chunks, which the
-next store takes as few DMA runs. Replaying the Mooncake traces under LRU at 2000-8000
-chunks, stores averaged 3.8-10.6 blocks per run and loads 1.2-9.2, against 1.3-6.5 and
-1.05-4.8 with a LIFO free list. Under the cache's default adaptive policy LIFO did better
-(stores 3.9-11.9 against 3.8-10.2, loads 1.7-11.2 against 1.7-8.9). At 32000 chunks the
-orders were alike but for one trace under LRU (6.6 against 5.6), and hit rates never
-changed (docs/cache.md, "Which chunk a block gets").
+next store takes as few DMA runs (docs/cache.md, "Which chunk a block gets").
 """
 
 from __future__ import annotations
@@ -183,6 +178,13 @@ class ChunkManager:
                 break
             n += 1
         return n
+
+    def keys_by_eviction(self) -> list[Hashable]:
+        """The loadable keys in the policy's eviction order, next victim first (to write the
+        host out coldest first, so its hottest keys are the newest below)."""
+        entries = self._entries
+        ready = [k for k, e in entries.items() if e.ready]
+        return self._policy.victims(len(ready), lambda k: entries[k].ready) or ready
 
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Mark held keys as just used (prefix order); unknown keys are ignored."""

@@ -14,12 +14,12 @@ keep KV correct:
   chunk.
 - A cache owns its chunks of the pool (all of them unless ``chunks=`` says which); caches
   sharing a worker must own disjoint ranges, and nothing else may write them.
-- With lower tiers (``tiers=``), blocks the host evicts are copied off their chunk before
-  the chunk is reused and written below in the background; restores read them back through
-  staging chunks that the host bookkeeping never hands out (``cascade.py``, ``restore.py``).
+- With lower tiers (``tiers=``) the cascade owns every copy between the host pool and the
+  tiers (``cascade.py``): blocks the host evicts or turns away go down, restores read them
+  back through staging chunks the host bookkeeping never hands out (``restore.py``).
 
-Everything runs on the event-loop thread of the worker; no locks are needed because the
-only checkpoints in ``offload`` are the awaits of its copy.
+Everything runs on the event-loop thread of the worker; no locks are needed: bookkeeping
+changes between checkpoints, and each call re-reads what it needs after an await.
 """
 
 from __future__ import annotations
@@ -30,23 +30,23 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import anyio
-import anyio.abc
 import numpy as np
 
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
 from .admission import AdmissionPolicy
-from .cascade import DEFAULT_QUEUE_BYTES, Cascade
+from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, Room, tier_list
 from .counters import Counters
 from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
 from .manager import ChunkManager
 from .pages import page_map_of
+from .persist import persist_host
 from .policies import EvictionPolicy
-from .protocol import CacheWorker, check_worker, result_or_none, split_chunks
+from .protocol import CacheWorker, check_store_ids, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
-from .restore import Staging, restore_from_host, restore_through_tiers
+from .restore import Outcome, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
 from .tiers.codec import default_fingerprint
 
@@ -84,13 +84,22 @@ class OffloadCache:
             Caches sharing one worker must own disjoint ranges; nothing else may write them.
         tiers: lower tiers, nearest first (``DiskTier``, ``RedisTier``). A cache with tiers
             must be entered (``async with cache:``, inside the worker's block) and keeps the
-            last ``staging_chunks`` of its chunks for restores from the tiers.
-        staging_chunks: chunks kept aside for tier restores (default 64, at most a quarter).
+            last ``staging_chunks`` of its chunks to move blocks to and from the tiers.
+        staging_chunks: chunks kept aside for the tiers (default: 64, at most a quarter of
+            the cache's chunks, at least one).
         fingerprint: names the KV layout for the tiers (``codec.layout_fingerprint``); the
             default (``codec.default_fingerprint``) folds in each page's size, dtype and
             shape, so pass one naming the model when servers of different models with the
             same layout share a tier (or give each model its own tier ``namespace=``).
-        queue_bytes: per tier, bytes of blocks allowed to wait for writing; more are dropped.
+        queue_bytes: per tier, bytes of blocks on their way down (queued or being written).
+        queue_wait: seconds an offer waits for room in a full queue before that tier counts
+            as falling behind and what does not fit is dropped (counted and logged).
+        drain_timeout: seconds leaving the cache waits for copies and tier writes (and for
+            ``persist_on_close``) before it drops what is left (counted) and closes the tiers,
+            whatever way it is left (``math.inf``: no bound).
+        persist_on_close: when the cache is left without an error, first write the blocks
+            the host holds to the nearest tier, so a process opening the same directory and
+            layout next finds them (docs/tiers.md, "Warm restarts").
     """
 
     def __init__(
@@ -105,11 +114,19 @@ class OffloadCache:
         staging_chunks: int | None = None,
         fingerprint: bytes | None = None,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        queue_wait: float = DEFAULT_QUEUE_WAIT,
+        drain_timeout: float = 30.0,
+        persist_on_close: bool = False,
     ) -> None:
         check_worker(worker)
-        tiers = _tier_list(tiers)
-        cascade = Cascade(tiers, pages=page_map_of(worker), queue_bytes=queue_bytes) if tiers else None
+        tiers = tier_list(tiers)
+        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
+                or not drain_timeout > 0:
+            raise InvalidSpec(f"drain_timeout must be seconds > 0 (math.inf: no bound), "
+                              f"got {drain_timeout!r}")
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
+        cascade = Cascade(tiers, pages=page_map_of(worker), staging=staging, queue_bytes=queue_bytes,
+                          queue_wait=queue_wait) if tiers else None
         shared = _SHARED.setdefault(worker, _Shared())
         for other in shared.caches:
             both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
@@ -128,12 +145,12 @@ class OffloadCache:
         shared.caches.add(self)
         self._keep_events = keep_events
         self._cascade = cascade
-        self._staging = Staging(staging)
         self._fingerprint = fingerprint or (
             default_fingerprint(worker.host_layout) if cascade is not None else b""
         )
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._pool: np.ndarray | None = None
+        self._drain_timeout = float(drain_timeout)
+        self._persist = bool(persist_on_close)
+        self._entered = False
         self._n = Counters()
         self._jobs = Jobs(worker, shared.job_ids, self._n)
 
@@ -164,40 +181,42 @@ class OffloadCache:
     # -- lifecycle (needed only with tiers) ---------------------------------------------
 
     async def __aenter__(self) -> OffloadCache:
-        if self._tg is not None:
+        if self._entered:
             raise UsageError("this OffloadCache is entered already")
         if self._cascade is None:
             return self
-        self._pool = np.asarray(self._worker.host_pool.numpy()).reshape(-1)
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        try:
-            await self._cascade.open(self._fingerprint, tg)
-        except BaseException as exc:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._tg = tg
+        pool = np.asarray(self._worker.host_pool.numpy()).reshape(-1)
+        await self._cascade.open(self._fingerprint, pool)
+        self._entered = True
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
+    async def __aexit__(self, exc_type: Any, *exc_info: Any) -> None:
+        await self._close(graceful=exc_type is None)
 
     async def aclose(self) -> None:
-        """Wait for copies and tier writes in flight, stop the writers, close the tiers."""
-        if self._tg is None or self._cascade is None:
+        """Leave the cache as ``async with`` does without an error (call it in the task
+        that entered it): wait for copies and tier writes in flight, within
+        ``drain_timeout``, then stop the writers and close the tiers."""
+        await self._close(graceful=True)
+
+    async def _close(self, *, graceful: bool) -> None:
+        cascade = self._cascade
+        if not self._entered or cascade is None:
             return
-        tg, self._tg = self._tg, None
+        self._entered = False  # calls from here on raise; copies already started finish
         try:
-            with anyio.CancelScope(shield=True):
-                await self.drain()
+            # Shielded, so any cancellation (the owner's, a timeout's) still drains, and
+            # bounded, so a tier that hangs cannot hold the exit.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
+                await self._jobs.wait()
+                if graceful and self._persist:
+                    await persist_host(cascade, self._mgr, self._host.start)
+                await cascade.drain()
         finally:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-            await self._cascade.aclose()
+            await cascade.stop()
 
     def _check_entered(self) -> None:
-        if self._cascade is not None and self._tg is None:
+        if self._cascade is not None and not self._entered:
             raise UsageError("an OffloadCache with tiers must be entered: `async with cache:` "
                              "inside the worker's `async with`")
 
@@ -205,8 +224,8 @@ class OffloadCache:
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys``, from the first, are loadable now from the host or a local
-        tier (no I/O). Pure query: it does not count as a use for eviction (``restore``
-        does), so schedulers may poll it."""
+        tier, or on their way down to one (no I/O). Pure query: it does not count as a use
+        for eviction (``restore`` does), so schedulers may poll it."""
         keys = as_keys(keys)
         self._check_entered()  # a closed or unopened tier cannot answer holds()
         n = self._host_run(keys)
@@ -237,91 +256,123 @@ class OffloadCache:
     ) -> OffloadResult:
         """Store the blocks of the keys not held yet (``gpu_block_ids[i]`` holds ``keys[i]``).
 
-        Returns when the copy is over. The GPU blocks must not be overwritten before then;
-        if the awaiting task is cancelled, the copy still runs to completion (see
-        ``drain``) and the keys become loadable (or are freed) when it does. Blocks the
-        host evicts for room go to the first lower tier in the background.
+        Returns when every copy from the GPU blocks is over: they must not be overwritten
+        before then. If the awaiting task is cancelled, copies already started still run
+        to completion (see ``drain``) and their keys become loadable (or are freed) when
+        they do. With tiers, blocks the host evicts or turns away go down to the nearest
+        tier; an offer may wait its turn for room in a tier's write queue (``queue_wait``).
         """
         keys = as_keys(keys)
         check_hashable_values(keys)
         self._check_entered()
         blocks = as_block_ids(keys, gpu_block_ids)
-        self._worker.check_submittable(after)
-        self._n.fold()
         block_of: dict[Hashable, int] = {}
         try:
             for key, block in zip(keys, blocks):
                 block_of.setdefault(key, block)
         except TypeError as exc:
             raise unhashable(exc) from exc
-        if self._cascade is not None:  # refuse keys without stable bytes before any bookkeeping
+        cascade = self._cascade
+        if cascade is None:
+            self._worker.check_submittable(after)
+        else:
+            # Several jobs may follow: refuse bad ids and keys without stable bytes first.
+            check_store_ids(self._worker, list(block_of.values()), after)
             for key in block_of:
-                self._cascade.tier_key(key)
-        plan = self._mgr.prepare_store(block_of)
+                cascade.tier_key(key)
+        self._n.fold()
+        room = None if cascade is None else await cascade.reserve(
+            sum(1 for k in block_of if k not in self._mgr))
+        try:
+            return await self._offload(block_of, after, room)
+        finally:
+            if room is not None:
+                room.release()
+
+    async def _offload(self, block_of: dict[Hashable, int], after: Any, room: Room | None) -> OffloadResult:
+        cascade, mgr = self._cascade, self._mgr
+        plan = mgr.prepare_store(block_of)
         self._drop_events()
         evicted = len(plan.evicted) if plan is not None else 0
         stored = plan.keys_to_store if plan is not None else []
-        skipped = sum(1 for k in block_of if k in self._mgr) - len(stored)
+        skipped = sum(1 for k in block_of if k in mgr) - len(stored)
         rest = len(block_of) - skipped - len(stored)
-        if plan is not None and plan.evicted and self._cascade is not None and self._pool is not None:
-            # Copied out before the store below reuses the evicted chunks (the stored keys
-            # are pending meanwhile, so nothing else touches those chunks). Shielded: the
-            # store must follow its bookkeeping, and a cancel lands at its await.
-            evicted_at = [self._host.start + c for c in plan.evicted_chunks]
-            try:
-                with anyio.CancelScope(shield=True):
-                    await self._cascade.demote_evicted(self._pool, plan.evicted, evicted_at)
-            except BaseException:
-                self._mgr.complete_store(stored, success=False, counted=False)
-                raise
-        spill, spill_chunks = self._spill_plan(block_of)
-        if not stored and not spill:
-            self._n.count_offer(len(block_of), skipped)
-            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
-            return OffloadResult(0, skipped, rest, evicted)
         host_chunks = [self._host.start + c for c in plan.chunk_ids] if plan is not None else []
-        src = GPULoadStoreSpec([block_of[k] for k in [*stored, *spill]])
-        dst = CPULoadStoreSpec(host_chunks + spill_chunks)
+        spill: list[Hashable] = []
+        first: list[int] = []
+        if cascade is not None and room is not None:
+            if plan is not None and plan.evicted:
+                # Copied out before the store below reuses the evicted chunks (the stored
+                # keys are pending meanwhile, so nothing else touches those chunks).
+                # Shielded: the store must follow its bookkeeping.
+                at = [self._host.start + c for c in plan.evicted_chunks]
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await cascade.demote(plan.evicted, at, room)
+                except BaseException:
+                    mgr.complete_store(stored, success=False, counted=False)
+                    raise
+            spill = cascade.spill_wanted(mgr, list(block_of))
+            first = cascade.first_spill(spill, room)
+        landed = anyio.Event()
+        if stored or first:
+            try:
+                failed = await self._store(block_of, after, room, stored, host_chunks, spill[: len(first)],
+                                           first, skipped, landed)
+            except BaseException:
+                if cascade is not None and cascade.demote_to is not None:
+                    cascade.demote_to.drop(len(spill) - len(first))  # their rounds never ran
+                raise
+            if failed:
+                return OffloadResult(0, skipped, rest + len(stored), evicted, failed=True)
+        else:
+            self._n.count_offer(len(block_of), skipped)
+        spilled = len(first)
+        if cascade is not None and room is not None and len(spill) > len(first):
+            later = spill[len(first):]  # the rounds count their own drops
+            spilled += await cascade.spill(later, [block_of[k] for k in later], room,
+                                           lambda b, c: self._jobs.store(b, c, after))
+        elif not stored and not first:
+            await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
+        return OffloadResult(len(stored), skipped, rest, evicted, spilled=spilled)
+
+    async def _store(self, block_of: dict[Hashable, int], after: Any, room: Room | None,
+                     stored: list[Hashable], host_chunks: list[int], spill: list[Hashable],
+                     staging: list[int], skipped: int, landed: anyio.Event) -> bool:
+        """Submit the offer's store (its host keys and the first spills) and wait for it and
+        the copies down it decided; whether the copy failed."""
+        cascade, mgr = self._cascade, self._mgr
+        ticket = cascade.ticket(stored, host_chunks, spill, staging, room) \
+            if cascade is not None and room is not None else None
         try:
-            future = self._jobs.submit(lambda jid: self._worker.submit_store(jid, src, dst, after=after))
+            future = self._jobs.store([block_of[k] for k in [*stored, *spill]], host_chunks + staging, after)
         except BaseException:
-            self._mgr.complete_store(stored, success=False, counted=False)
-            self._staging.give(spill_chunks)
+            mgr.complete_store(stored, success=False, counted=False)
+            if ticket is not None:
+                ticket.failed()
             raise  # refused (bad block ids among them): not counted as an offer
         self._n.count_offer(len(block_of), skipped)
 
         def finish(fut: TransferFuture) -> None:
-            res = result_or_none(fut)
-            self._mgr.complete_store(stored, success=res is not None)
+            ok = result_or_none(fut) is not None
+            mgr.complete_store(stored, success=ok)
             self._drop_events()
-            if res is not None:
+            if ok:
                 self._n.stored += len(stored)
-                self._n.store_bytes += res.transfer_size or 0
-                self._n.untimed_stores.append(res)
-                if self._cascade is not None and self._pool is not None:
-                    self._write_through(stored, host_chunks)
-                    self._demote_spill(spill, spill_chunks)
-                    return
             else:
                 self._n.failed_stores += len(stored)
-            self._staging.give(spill_chunks)
+            if ticket is not None:
+                ticket.settle(fut, mgr, landed)
+            else:
+                landed.set()
 
         future.add_done_callback(finish)
         try:
             await future
         except TransferFailed:
-            return OffloadResult(0, skipped, rest + len(stored), evicted, failed=True)
-        return OffloadResult(len(stored), skipped, rest, evicted, spilled=len(spill))
-
-    def _spill_plan(self, block_of: dict[Hashable, int]) -> tuple[list[Hashable], list[int]]:
-        """Offered keys the host turned away that the nearest tier should get straight from
-        the GPU, and the staging chunks their copy passes through (none free: none spill)."""
-        if self._cascade is None or self._pool is None:
-            return [], []
-        wanted = [k for k in block_of if k not in self._mgr and self._cascade.wants_spill(k)]
-        chunks = self._staging.take(len(wanted))
-        self._cascade.count_spill_dropped(len(wanted) - len(chunks))
-        return wanted[: len(chunks)], chunks
+            return True
+        await landed.wait()  # write-through and spill copies off the pool
+        return False
 
     async def restore(
         self,
@@ -336,53 +387,54 @@ class OffloadCache:
         Without tiers it is all or nothing: nothing loads if any key is missing or still
         being stored (no waiting on another task's store), or if the copy failed (then the
         blocks' contents are undefined and must be recomputed). With tiers, keys the host
-        lacks are read from the nearest tier holding them into staging chunks, in batches
-        whose reads overlap the previous batch's copy to the GPU; the first key found in
-        no tier (or failing to verify) ends the restore there, and ``restored`` says how
-        many leading keys arrived. Chunks stay pinned until their copy is over, even if
-        the awaiting task is cancelled; the GPU blocks belong to the copies until then.
-        Raises ``WorkerClosed`` once the worker is closed.
+        lacks are read into staging chunks from memory (blocks on their way down) or from
+        the nearest tier holding them, in batches whose reads overlap the previous batch's
+        copy to the GPU; the first key found nowhere (or failing to verify) ends the
+        restore there, and ``restored`` says how many leading keys arrived. Chunks stay
+        pinned until their copy is over, even if the awaiting task is cancelled; the GPU
+        blocks belong to the copies until then. Raises ``WorkerClosed`` once the worker is
+        closed.
         """
         keys = as_keys(keys)
         self._check_entered()
         blocks = as_block_ids(keys, gpu_block_ids)
         self._worker.check_submittable(after)
-        if len(set(blocks)) != len(blocks):  # before prepare_load counts a use of the keys
-            raise InvalidSpec("a GPU block appears twice, so one load would write it twice")
         self._n.fold()
         if not keys:
             self._n.restores += 1
+            self._n.restore_misses += 1
             await anyio.lowlevel.checkpoint()
             return RestoreResult(0, 0)
+        ready = self._host_run(keys)
+        submit = self._jobs.loader(expedited, after)
         try:
-            ready = self._mgr.count_leading_hits(keys)
-        except TypeError as exc:
-            raise unhashable(exc) from exc
-        if ready == len(keys) or self._cascade is None:
-            return await restore_from_host(keys, blocks, mgr=self._mgr, counters=self._n,
-                                           host_start=self._host.start,
-                                           submit=self._jobs.loader(expedited, after))
-        limit = self._worker.num_gpu_blocks  # several submits: refuse bad ids before the first
-        if any(not 0 <= b < limit for b in blocks):
-            raise InvalidSpec(f"GPU block ids must lie in [0, {limit}); got "
-                              f"{[b for b in blocks if not 0 <= b < limit][:5]}")
-        assert self._pool is not None
-        try:
-            result, failed = await restore_through_tiers(
-                keys, blocks, mgr=self._mgr, cascade=self._cascade, staging=self._staging,
-                pool=self._pool, host_start=self._host.start, submit=self._jobs.loader(expedited, after),
-            )
+            if ready == len(keys) or self._cascade is None:
+                outcome = await restore_from_host(keys, blocks, mgr=self._mgr, host_start=self._host.start,
+                                                  submit=submit)
+            else:
+                # Several loads may follow: the worker refuses bad ids before the first.
+                self._worker.check_load(CPULoadStoreSpec([self._host.start] * len(blocks)),
+                                        GPULoadStoreSpec(blocks), expedited=expedited, after=after)
+                outcome = await restore_through_tiers(keys, blocks, mgr=self._mgr, cascade=self._cascade,
+                                                      host_start=self._host.start, submit=submit)
         except Exception:
             raise  # misuse (a closed tier) or a refused submit: counted in no restore figure
         except BaseException:
             self._n.restores += 1  # cancelled: the loads it submitted still run
             raise
+        self._count(outcome)
+        return outcome.result
+
+    def _count(self, outcome: Outcome) -> None:
+        """Count one restore, the one place restores are counted."""
+        result = outcome.result
         self._n.restores += 1
         self._n.restored += result.restored
-        self._n.failed_loads += failed
+        self._n.failed_loads += outcome.failed_loads
         if result.restored == 0:
             self._n.restore_misses += 1
-        return result
+        if self._cascade is not None:
+            self._cascade.count_restored(outcome.sources)
 
     async def drain(self) -> None:
         """Wait until every copy this cache had started when called is over (also those whose
@@ -400,8 +452,10 @@ class OffloadCache:
         return self._mgr.take_events()
 
     def stats(self) -> OffloadCacheStats:
-        tiers = [link.stats() for link in self._cascade.links] if self._cascade else []
-        return self._n.snapshot(self._mgr.stats(), len(self._jobs.in_flight), tiers)
+        cascade = self._cascade
+        tiers = [link.stats() for link in cascade.links] if cascade else []
+        staging = (cascade.staging.total, cascade.staging.available) if cascade else (0, 0)
+        return self._n.snapshot(self._mgr.stats(), len(self._jobs.in_flight), tiers, staging)
 
     # -- internals ----------------------------------------------------------------------
 
@@ -411,64 +465,7 @@ class OffloadCache:
         except TypeError as exc:
             raise unhashable(exc) from exc
 
-    def _write_through(self, keys: list[Hashable], chunks: list[int]) -> None:
-        """Queue just-stored keys for the write-through tiers. Large copies run on a worker
-        thread (this runs in a done callback on the loop), the keys pinned meanwhile so
-        their chunks are not reused before the copy is over."""
-        assert self._cascade is not None and self._pool is not None
-        cascade, pool = self._cascade, self._pool
-        reserved = cascade.reserve_through(keys, chunks)
-        if not reserved:
-            return
-        n = max(len(pairs) for _, pairs in reserved)
-        if cascade.copies_inline(n) or self._tg is None:
-            cascade.push_through(reserved, cascade.pages.gather(pool, chunks[:n]))
-            return
-        pinned = keys[:n]
-        self._mgr.prepare_load(pinned, touch=False)
-
-        async def copy() -> None:
-            try:
-                rows = await anyio.to_thread.run_sync(cascade.pages.gather, pool, chunks[:n])
-            except BaseException:
-                cascade.cancel_through(reserved)
-                raise
-            finally:
-                self._mgr.complete_load(pinned)
-            cascade.push_through(reserved, rows)
-
-        self._tg.start_soon(copy)
-
-    def _demote_spill(self, keys: list[Hashable], chunks: list[int]) -> None:
-        """Queue spilled keys for the demotion tier, then give their staging chunks back;
-        a large copy runs on a worker thread (this runs in a done callback on the loop)."""
-        assert self._cascade is not None and self._pool is not None
-        cascade, pool, staging = self._cascade, self._pool, self._staging
-        reserved = cascade.reserve_demotion(keys, chunks)
-        if reserved is None:
-            staging.give(chunks)
-            return
-        if cascade.copies_inline(len(reserved[1])) or self._tg is None:
-            cascade.push_demotion(pool, reserved)
-            staging.give(chunks)
-            return
-
-        async def copy() -> None:
-            try:
-                await cascade.copy_demotion(pool, reserved)
-            finally:
-                staging.give(chunks)
-
-        self._tg.start_soon(copy)
-
     def _drop_events(self) -> None:
         if not self._keep_events:
             self._mgr.take_events()
 
-
-def _tier_list(tiers: Sequence[Tier]) -> list[Tier]:
-    """``tiers=`` as a list; one tier or a non-sequence is refused rather than iterated."""
-    if isinstance(tiers, (Tier, str, bytes)) or not isinstance(tiers, (Sequence, tuple, list)):
-        raise InvalidSpec(f"tiers must be a sequence of tiers, nearest first (tiers=[DiskTier(...)]); "
-                          f"got {type(tiers).__name__}")
-    return list(tiers)

@@ -117,9 +117,9 @@ class AdaptivePolicy(PrefixLRUPolicy):
     """Prefix-ordered LRU paired with adaptive admission (the recommended default).
 
     Why: on the Mooncake traces, what is admitted matters more than what is evicted; an
-    adaptive filter over a tail-first LRU is never worse than LRU at any size we measured.
-    Eviction order matters little behind the filter: frequency-weighted orders measured within
-    0.003 of this one, and orders by a predicted next use (conversation pace) did worse.
+    adaptive filter over a tail-first LRU is never worse than LRU at the sizes in
+    docs/cache.md. Eviction order matters little behind the filter: frequency-weighted
+    orders and orders by a predicted next use did no better.
     """
 
     preferred_admission = "adaptive"

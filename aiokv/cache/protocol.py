@@ -7,9 +7,10 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..plan import HostLayout
-from ..specs import TransferResult
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 
-__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_worker", "result_or_none", "split_chunks"]
+__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_store_ids", "check_worker", "result_or_none",
+           "split_chunks"]
 
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks a cache with tiers keeps aside to bring lower-tier blocks up to the GPU."""
@@ -43,6 +44,11 @@ class CacheWorker(Protocol):
 
     def check_submittable(self, after: Any = None) -> None: ...
 
+    def check_store(self, src_spec: Any, dst_spec: Any, *, after: Any = None) -> None: ...
+
+    def check_load(self, src_spec: Any, dst_spec: Any, *, expedited: bool = False,
+                   after: Any = None) -> None: ...
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, *,
                      after: Any = None) -> TransferFuture: ...
 
@@ -73,6 +79,17 @@ def check_worker(worker: Any) -> None:
         )
 
 
+def check_store_ids(worker: CacheWorker, blocks: list[int], after: Any) -> None:
+    """The worker's checks of a store from GPU ``blocks`` (any host chunks will do), for a
+    call that may submit several jobs: bad ids raise before the first is enqueued."""
+    if not blocks:
+        worker.check_submittable(after)
+    step = worker.num_cpu_chunks
+    for i in range(0, len(blocks), step):
+        part = blocks[i : i + step]
+        worker.check_store(GPULoadStoreSpec(part), CPULoadStoreSpec(list(range(len(part)))), after=after)
+
+
 def result_or_none(fut: TransferFuture) -> TransferResult | None:
     """The result of a done future if its copy succeeded, else None."""
     try:
@@ -94,7 +111,15 @@ def split_chunks(worker: CacheWorker, chunks: range | None, staging_chunks: int 
                           f"[0, {worker.num_cpu_chunks}), got {chunks!r}")
     if not tiers:
         return chunks, chunks, range(0)
-    n = min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4) if staging_chunks is None else staging_chunks
+    if staging_chunks is None:
+        if len(chunks) < 2:
+            raise InvalidSpec("a cache with tiers needs at least 2 chunks (one to hold blocks, one "
+                              f"to stage them to and from the tiers); it has {len(chunks)}")
+        n = max(1, min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4))
+    elif isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int):
+        raise InvalidSpec(f"staging_chunks must be an int, got {staging_chunks!r}")
+    else:
+        n = staging_chunks
     if not 1 <= n < len(chunks):
         raise InvalidSpec(f"staging_chunks must be in [1, {len(chunks)}) for a cache of "
                           f"{len(chunks)} chunks with tiers, got {n}")

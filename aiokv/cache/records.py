@@ -37,9 +37,10 @@ class RestoreResult:
 
     ``restored`` leading keys have their bytes in their GPU blocks; the keys after them
     are misses (absent, failed or corrupt in every tier) whose blocks must be recomputed.
-    ``bool(result)`` is True only when every key was restored, so ``if await
-    cache.restore(...)`` keeps its all-or-nothing meaning; ``int(result)`` is
-    ``restored``. Without lower tiers a restore is all or nothing, as it always was.
+    ``bool(result)`` is True only when keys were asked for and every one was restored, so
+    ``if await cache.restore(...)`` keeps its all-or-nothing meaning and a restore of no
+    keys (a lookup that found nothing) reads as a miss; ``int(result)`` is ``restored``.
+    Without lower tiers a restore is all or nothing.
     """
 
     restored: int
@@ -48,7 +49,7 @@ class RestoreResult:
     from_tiers: int = 0
 
     def __bool__(self) -> bool:
-        return self.restored == self.requested
+        return 0 < self.restored == self.requested
 
     def __int__(self) -> int:
         return self.restored
@@ -58,12 +59,14 @@ class RestoreResult:
 class TierCacheStats:
     """What the cache did with one lower tier, beside the tier's own counters.
 
-    ``hits`` are keys that ``lookup``/``alookup`` counted from this tier; ``restored_keys``
-    and ``restored_bytes`` came back through it; ``demoted`` blocks were written after the
-    host evicted them or turned them away (``write_throughs`` as they were stored);
-    ``demotions_dropped`` were
-    not written because the tier's queue was full (it fell behind) or it refused them;
-    ``read_misses`` are reads of keys it was asked for that failed (absent, I/O, corrupt).
+    ``hits`` are keys that ``lookup``/``alookup`` counted from this tier (held there, or on
+    their way down to it); ``restored_keys`` and ``restored_bytes`` came back through it;
+    ``demoted`` blocks were written after the host evicted them or turned them away
+    (``write_throughs`` as they were stored, ``persisted`` as the cache closed);
+    ``demotions_dropped`` were not written: the tier fell behind (its queue stayed full
+    past ``queue_wait``), refused them, or the cache closed before they were written;
+    ``read_misses`` are reads of keys it was asked for that failed (absent, I/O, corrupt);
+    ``queued_blocks`` are on their way down now.
     """
 
     name: str
@@ -76,6 +79,7 @@ class TierCacheStats:
     read_misses: int
     queued_blocks: int
     tier: TierStatistics
+    persisted: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,9 @@ class OffloadCacheStats:
     call that raised (bad input, or a submit the worker refused) counts in no offer,
     restore or hit figure; evictions it made before the worker refused stay counted.
     Units: ``failed_stores`` counts keys (of failed store copies), ``restores``,
-    ``restore_misses`` and ``failed_loads`` count ``restore`` calls."""
+    ``restore_misses`` and ``failed_loads`` count ``restore`` calls; a cancelled ``restore``
+    counts as a call and restores no key. ``staging_chunks`` (``staging_free`` of them
+    free now) move blocks to and from the tiers."""
 
     hits: int
     misses: int
@@ -107,6 +113,8 @@ class OffloadCacheStats:
     manager: CacheStats
     host_hits: int = 0
     tiers: tuple[TierCacheStats, ...] = field(default=())
+    staging_chunks: int = 0
+    staging_free: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -1,35 +1,35 @@
-"""Restoring through the tiers: lower-tier reads into staging chunks, pipelined with the
-copies of earlier batches to the GPU.
+"""Restores: from the host alone (one load), or through the tiers in pipelined batches.
 
-A restore walks its keys in batches. Keys the host holds are pinned in place; the others
-are read from the nearest tier holding them into staging chunks (a range of the cache's
-chunks the host bookkeeping never hands out, so nothing else writes them). Each batch's
-load is submitted as soon as its reads are verified and the next batch's reads start while
-it copies. The first key that no tier returns ends the restore: the keys before it arrive,
-the rest are misses, never wrong bytes. Pins and staging chunks go back in the load's done
-callback, or at once if the batch never reached a submit (cancelled, refused, or a miss).
+A restore through the tiers walks its keys in batches. Keys the host holds are pinned in
+place; the others are read into staging chunks from memory (blocks still on their way
+down) or from the nearest tier holding them. Each batch's load is submitted as soon as its
+reads are in and the next batch's reads start while it copies. The first key found nowhere
+ends the restore: the keys before it arrive, the rest are misses, never wrong bytes. Pins
+and staging chunks go back in the load's done callback, or at once if the batch never
+reached a submit (cancelled, refused, or a miss). Nothing here counts: a restore returns
+its ``Outcome`` and ``OffloadCache`` counts it once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from ..errors import KeyNotLoadable, TransferFailed
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec
-from .cascade import Cascade, TierLink
-from .counters import Counters
+from .cascade import Cascade
 from .jobs import Submit
 from .keys import unhashable
+from .links import TierLink
 from .manager import ChunkManager
-from .protocol import result_or_none
 from .records import RestoreResult
+from .staging import Staging, off_loop
 
-__all__ = ["BATCH_BYTES", "Staging", "restore_from_host", "restore_through_tiers"]
+__all__ = ["BATCH_BYTES", "BATCH_KEYS", "Outcome", "restore_from_host", "restore_through_tiers"]
 
 BATCH_BYTES = 16 << 20
 """Bytes one pipelined batch reads from the tiers: large enough to keep a disk or a Redis
@@ -37,92 +37,52 @@ connection busy, small enough that the first copy to the GPU starts early."""
 BATCH_KEYS = 64
 
 
-class Staging:
-    """The staging chunks of one cache: taken by a batch, given back when its load is over."""
+@dataclass(frozen=True)
+class Outcome:
+    """What one restore did: its result, how many of its loads failed on the device, and
+    where each restored key came from (a tier's link, or None for the host)."""
 
-    def __init__(self, chunks: range) -> None:
-        self.chunks = chunks
-        self.free: list[int] = list(chunks)
-        self._freed = anyio.Event()
-
-    def take(self, n: int) -> list[int]:
-        taken, self.free = self.free[:n], self.free[n:]
-        return taken
-
-    def give(self, chunks: Sequence[int]) -> None:
-        if chunks:
-            self.free.extend(chunks)
-            self._freed.set()
-
-    async def wait(self) -> None:
-        """Until some chunk is given back."""
-        if self._freed.is_set():
-            self._freed = anyio.Event()
-        await self._freed.wait()
-
-
-class _Load:
-    def __init__(self, future: TransferFuture, count: int, from_host: int,
-                 sources: list[TierLink | None]) -> None:
-        self.future = future
-        self.count = count
-        self.from_host = from_host
-        self.sources = sources
+    result: RestoreResult
+    failed_loads: int = 0
+    sources: tuple[TierLink | None, ...] = ()
 
 
 async def restore_from_host(keys: Sequence[Hashable], blocks: list[int], *, mgr: ChunkManager,
-                            counters: Counters, host_start: int, submit: Submit) -> RestoreResult:
+                            host_start: int, submit: Submit) -> Outcome:
     """All or nothing from the host: one load if every key is loadable, else a miss."""
     try:
-        chunks = mgr.prepare_load(keys)  # pins nothing unless every key is loadable
+        # Pins nothing unless every key is loadable; a use is counted once the load is taken.
+        chunks = mgr.prepare_load(keys, touch=False)
     except KeyNotLoadable:
         try:  # an unhashable key raises even behind a miss
             for key in keys:
                 hash(key)
         except TypeError as exc:
             raise unhashable(exc) from exc
-        counters.restores += 1
-        counters.restore_misses += 1
         await anyio.lowlevel.checkpoint()
-        return RestoreResult(0, len(keys))
+        return Outcome(RestoreResult(0, len(keys)))
     pinned = list(keys)
     try:
         future = submit(CPULoadStoreSpec([host_start + c for c in chunks]), blocks)
     except BaseException:
         mgr.complete_load(pinned)
-        raise  # refused (bad block ids among them): not counted as a restore
-    counters.restores += 1
-
-    def finish(fut: TransferFuture) -> None:
-        mgr.complete_load(pinned)
-        if result_or_none(fut) is None:
-            counters.failed_loads += 1
-        else:
-            counters.restored += len(pinned)
-
-    future.add_done_callback(finish)
+        raise
+    mgr.touch(pinned)
+    future.add_done_callback(lambda _fut: mgr.complete_load(pinned))
     try:
-        await future
+        res = await future
     except TransferFailed:
-        return RestoreResult(0, len(keys))
-    return RestoreResult(len(keys), len(keys), from_host=len(keys))
+        return Outcome(RestoreResult(0, len(keys)), failed_loads=1)
+    if not res.success:
+        return Outcome(RestoreResult(0, len(keys)), failed_loads=1)
+    return Outcome(RestoreResult(len(keys), len(keys), from_host=len(keys)), sources=(None,) * len(keys))
 
 
-async def restore_through_tiers(
-    keys: Sequence[Hashable],
-    blocks: list[int],
-    *,
-    mgr: ChunkManager,
-    cascade: Cascade,
-    staging: Staging,
-    pool: np.ndarray,
-    host_start: int,
-    submit: Submit,
-) -> tuple[RestoreResult, int]:
-    """Bring ``keys`` into ``blocks`` from the host and the tiers; the result and the number
-    of loads that failed on the device."""
-    bb = cascade.block_bytes
-    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // bb))
+async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, mgr: ChunkManager,
+                                cascade: Cascade, host_start: int, submit: Submit) -> Outcome:
+    """Bring ``keys`` into ``blocks`` from the host, memory on its way down, and the tiers."""
+    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes))
+    staging = cascade.staging
     slots: list[_Slot] = []
     pos = 0
     error: Exception | None = None
@@ -130,55 +90,31 @@ async def restore_through_tiers(
         try:
             while pos < len(keys):
                 batch = list(keys[pos : pos + per_batch])
+                need = sum(1 for k in batch if not mgr.count_leading_hits((k,)))
+                taken = await staging.take_some(need) if need else []
+                # Others may have run while this waited: where each key is, now.
                 in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
-                need = in_host.count(False)
-                while need and not staging.free:
-                    await staging.wait()
-                    in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]  # others ran meanwhile
-                    need = in_host.count(False)
-                taken = staging.take(need)
-                if len(taken) < need:  # cut the batch before the first key without a staging chunk
-                    cut = [i for i, h in enumerate(in_host) if not h][len(taken)]
-                    batch, in_host = batch[:cut], in_host[:cut]
-                host_keys = [k for k, h in zip(batch, in_host) if h]
-                host_chunks = iter(mgr.prepare_load(host_keys)) if host_keys else iter(())
                 staged = [i for i, h in enumerate(in_host) if not h]
-                src = [0] * len(batch)
-                for i, chunk in zip(staged, taken):
-                    src[i] = chunk
-                for i, h in enumerate(in_host):
-                    if h:
-                        src[i] = host_start + next(host_chunks)
+                if len(staged) > len(taken):  # cut before the first key without a chunk
+                    batch, in_host = batch[: staged[len(taken)]], in_host[: staged[len(taken)]]
+                    staged = staged[: len(taken)]
+                staging.give(taken[len(staged):])
+                taken = taken[: len(staged)]
+                slot = _Slot(batch, in_host, blocks[pos : pos + len(batch)], host_start, mgr, taken)
                 try:
-                    found, rows = await _read(cascade, pool, [batch[i] for i in staged], taken)
+                    found, rows = await _read(cascade, [batch[i] for i in staged], taken)
                 except BaseException:
-                    mgr.complete_load(host_keys)
-                    staging.give(taken)
+                    slot.release(mgr, staging)
                     raise
-                sources: list[TierLink | None] = [None] * len(batch)
-                end = len(batch)
-                for i, link in zip(staged, found):
-                    if link is None:
-                        end = i
-                        break
-                    sources[i] = link
-                mgr.complete_load([k for k, h in zip(batch[end:], in_host[end:]) if h])
-                staging.give([src[i] for i in staged if i >= end])
+                end = slot.cut_at_miss(found, mgr, staging)
                 if end:
-                    slot = _Slot(
-                        src[:end], blocks[pos : pos + end],
-                        [k for k, h in zip(batch[:end], in_host[:end]) if h],
-                        [src[i] for i in staged if i < end], sources[:end],
-                    )
                     slots.append(slot)
                     if rows is None:
                         slot.submit(mgr, staging, submit)
-                    else:  # put the pages in host order off the loop while the next batch reads
-                        hit = len(slot.staged)
-                        tg.start_soon(_place_and_submit, slot, cascade, pool, rows[:hit], mgr, staging,
-                                      submit)
+                    else:  # pages into host order off the loop while the next batch reads
+                        tg.start_soon(_place_and_submit, slot, cascade, rows, mgr, staging, submit)
                 pos += end
-                if end < len(batch) or not batch:
+                if end < len(batch):
                     break
         except Exception as exc:  # raised below as itself, not inside an exception group
             error = exc
@@ -188,17 +124,43 @@ async def restore_through_tiers(
     for slot in slots:
         if slot.error is not None:
             raise slot.error
-    return await _settle([s.load for s in slots if s.load is not None], len(keys), bb)
+    return await _settle(slots, len(keys))
 
 
 class _Slot:
     """One batch on its way to the GPU: its chunks, pins and, once submitted, its load."""
 
-    def __init__(self, src: list[int], blocks: list[int], pinned: list[Hashable], staged: list[int],
-                 sources: list[TierLink | None]) -> None:
-        self.src, self.blocks, self.pinned, self.staged, self.sources = src, blocks, pinned, staged, sources
-        self.load: _Load | None = None
+    def __init__(self, batch: list[Hashable], in_host: list[bool], blocks: list[int], host_start: int,
+                 mgr: ChunkManager, staged: list[int]) -> None:
+        self.pinned = [k for k, h in zip(batch, in_host) if h]
+        host_chunks = iter(mgr.prepare_load(self.pinned))
+        staged_chunks = iter(staged)
+        self.src = [host_start + next(host_chunks) if h else next(staged_chunks) for h in in_host]
+        self.in_host = in_host
+        self.blocks = blocks
+        self.staged = staged
+        self.sources: list[TierLink | None] = [None] * len(batch)
+        self.future: TransferFuture | None = None
         self.error: BaseException | None = None
+
+    def cut_at_miss(self, found: list[TierLink | None], mgr: ChunkManager, staging: Staging) -> int:
+        """Keep the batch up to its first miss; give back the pins and chunks after it."""
+        staged = [i for i, h in enumerate(self.in_host) if not h]
+        end = len(self.in_host)
+        for i, link in zip(staged, found):
+            if link is None:
+                end = i
+                break
+            self.sources[i] = link
+        kept_staged = sum(1 for i in staged if i < end)
+        at = [i for i, h in enumerate(self.in_host) if h]
+        mgr.complete_load([k for k, i in zip(self.pinned, at) if i >= end])
+        staging.give(self.staged[kept_staged:])
+        self.pinned = [k for k, i in zip(self.pinned, at) if i < end]
+        self.staged = self.staged[:kept_staged]
+        self.src, self.blocks, self.in_host = self.src[:end], self.blocks[:end], self.in_host[:end]
+        self.sources = self.sources[:end]
+        return end
 
     def submit(self, mgr: ChunkManager, staging: Staging, submit: Submit) -> None:
         """Submit the load; its pins and staging chunks go back when it is over (or now, if
@@ -209,18 +171,19 @@ class _Slot:
             self.release(mgr, staging)
             raise
         future.add_done_callback(lambda _fut: self.release(mgr, staging))
-        self.load = _Load(future, len(self.src), len(self.pinned), self.sources)
+        self.future = future
 
     def release(self, mgr: ChunkManager, staging: Staging) -> None:
         mgr.complete_load(self.pinned)
         staging.give(self.staged)
 
 
-async def _place_and_submit(slot: _Slot, cascade: Cascade, pool: np.ndarray, rows: np.ndarray,
-                            mgr: ChunkManager, staging: Staging, submit: Submit) -> None:
+async def _place_and_submit(slot: _Slot, cascade: Cascade, rows: np.ndarray, mgr: ChunkManager,
+                            staging: Staging, submit: Submit) -> None:
+    pool = cascade.pool
     try:
-        # Not abandoned on cancel: the thread writes staging chunks, which return only after.
-        await anyio.to_thread.run_sync(cascade.pages.scatter, pool, slot.staged, rows)
+        # Not abandoned on cancel: the copy writes staging chunks, which return only after.
+        await off_loop(rows.nbytes, cascade.pages.scatter, pool, slot.staged, rows[: len(slot.staged)])
     except BaseException:
         slot.release(mgr, staging)
         raise
@@ -230,13 +193,13 @@ async def _place_and_submit(slot: _Slot, cascade: Cascade, pool: np.ndarray, row
         slot.error = exc
 
 
-async def _read(cascade: Cascade, pool: np.ndarray, keys: list[Hashable],
+async def _read(cascade: Cascade, keys: list[Hashable],
                 chunks: list[int]) -> tuple[list[TierLink | None], np.ndarray | None]:
     """Read ``keys``: straight into the staging ``chunks`` when the host keeps pages in
-    portable order, else into rows (returned, hits first) to be put in host order."""
+    portable order, else into rows (returned) to be put in host order."""
     if not keys:
         return [], None
-    pages = cascade.pages
+    pages, pool = cascade.pages, cascade.pool
     if pages.identity:
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
@@ -246,26 +209,26 @@ async def _read(cascade: Cascade, pool: np.ndarray, keys: list[Hashable],
     return found, rows
 
 
-async def _settle(loads: list[_Load], requested: int, block_bytes: int) -> tuple[RestoreResult, int]:
+async def _settle(slots: list[_Slot], requested: int) -> Outcome:
     """Await the loads in order; the leading run of successful ones is what was restored."""
-    restored = from_host = from_tiers = failed = 0
+    restored = failed = 0
+    sources: list[TierLink | None] = []
     leading = True
-    for load in loads:
+    for slot in slots:
+        if slot.future is None:  # its placing copy failed: nothing after it counts
+            leading = False
+            continue
         try:
-            res = await load.future
-            ok = res.success
+            ok = (await slot.future).success
         except TransferFailed:
             ok = False
         if not ok:
             failed += 1
             leading = False
-        if not leading:
-            continue
-        restored += load.count
-        from_host += load.from_host
-        for link in load.sources:
-            if link is not None:
-                link.restored_keys += 1
-                link.restored_bytes += block_bytes
-                from_tiers += 1
-    return RestoreResult(restored, requested, from_host=from_host, from_tiers=from_tiers), failed
+        if leading:
+            restored += len(slot.src)
+            sources += slot.sources
+    from_tiers = sum(1 for s in sources if s is not None)
+    result = RestoreResult(restored, requested, from_host=restored - from_tiers, from_tiers=from_tiers)
+    return Outcome(result, failed, tuple(sources))
+

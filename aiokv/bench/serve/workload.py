@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cache import load_trace  # Mooncake traces load as the cache bench loads them
+from ..trace import load_trace  # Mooncake traces load as the cache bench loads them
 from .model import BLOCK_TOKENS
 
 __all__ = ["ServeRequest", "Workload", "block_keys", "describe", "prefix_workload", "reuse_distances",

@@ -80,7 +80,9 @@ class Tier(abc.ABC):
 
     Lifecycle: the cache calls ``await open(fingerprint)`` once before any other call and
     ``await aclose()`` when it closes. Every call runs on the cache's event loop; I/O must
-    not block that loop (thread pool or an async client) and must carry a timeout.
+    not block that loop (thread pool or an async client) and must carry a timeout. Calls
+    overlap: the cache starts each batch's ``write`` as soon as its bytes are copied (never
+    two writes of one key at once), so a tier bounds its own concurrency.
     """
 
     name: str = "tier"

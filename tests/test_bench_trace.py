@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokv.cache.trace import Request, belady_hit_rate, load_trace, replay, simulate
+from aiokv.bench.trace import Request, belady_hit_rate, load_trace, replay, simulate
 
 
 def conversation_trace() -> Path | None:

@@ -1,4 +1,5 @@
-"""Mooncake request traces and an offline replay of them through ChunkManager.
+"""Mooncake request traces, and offline replays of them through ``ChunkManager`` (the host
+policy alone, and Belady's offline reference) for ``aiokv bench cache``.
 
 A trace is JSON lines with ``timestamp``, ``input_length``, ``output_length`` and
 ``hash_ids`` (one id per 512-token prefix block). The replay scores a cache the way a prefix
@@ -14,9 +15,9 @@ import os
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .admission import AdmissionPolicy
-from .manager import ChunkManager
-from .policies import EvictionPolicy
+from ..cache.admission import AdmissionPolicy
+from ..cache.manager import ChunkManager
+from ..cache.policies import EvictionPolicy
 
 __all__ = ["Request", "SimResult", "belady_hit_rate", "load_trace", "replay", "simulate"]
 

@@ -1,0 +1,64 @@
+"""Staging chunks, and the one rule for where a copy off the host pool runs.
+
+Blocks move between the host pool and the tiers as copies: evicted, stored or spilled
+blocks are copied off their chunks into rows, and blocks read back (or still on their way
+down) are put into staging chunks for their load to the GPU. Small copies run on the event
+loop, where a thread hop would cost more than the copy; larger ones on a worker thread, so
+moving many large blocks never stalls the loop (docs/tiers.md, "Copies off the host pool").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+__all__ = ["INLINE_COPY_BYTES", "Staging", "off_loop"]
+
+T = TypeVar("T")
+
+INLINE_COPY_BYTES = 1 << 20
+"""Bytes a copy may move on the loop thread; larger copies go to a worker thread."""
+
+
+async def off_loop(nbytes: int, fn: Callable[..., T], *args: object) -> T:
+    """Run the copy ``fn(*args)`` of ``nbytes`` on the loop thread if it is small, else on a
+    worker thread (which runs to its end even if the caller is cancelled meanwhile: the
+    memory it touches must not be handed on while it runs)."""
+    if nbytes <= INLINE_COPY_BYTES:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+class Staging:
+    """The staging chunks of one cache (the host bookkeeping never hands them out): taken by
+    a restore batch or a spill, given back when its copy is over."""
+
+    def __init__(self, chunks: range) -> None:
+        self.total = len(chunks)
+        self._free: list[int] = list(chunks)
+        self._freed = anyio.Event()
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """Up to ``n`` free chunks, at once (maybe none)."""
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    async def take_some(self, n: int) -> list[int]:
+        """Between one and ``n`` chunks, waiting until one is free (cancellable)."""
+        while not self._free:
+            if self._freed.is_set():
+                self._freed = anyio.Event()
+            await self._freed.wait()
+        return self.take(n)
+
+    def give(self, chunks: Sequence[int]) -> None:
+        if chunks:
+            self._free.extend(chunks)
+            self._freed.set()
