@@ -14,14 +14,14 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, overload
 
-from .core import OffloadCore, WorkerStatistics
+from .core import OffloadCore
 from .errors import InvalidSpec
+from .facts import WorkerFacts
 from .handler import Job
 from .layers import LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import State
 from .options import WorkerOptions
-from .plan import HostLayout
 from .specs import Direction, TransferResult
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
@@ -52,7 +52,7 @@ class OffloadingWorker(abc.ABC):
         """Drain everything in flight, then release memory."""
 
 
-class SyncOffloadingWorker(OffloadingWorker):
+class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
     """Moves KV blocks between device memory and a host pool, driven from an engine thread.
 
     Takes the same arguments as ``AsyncOffloadingWorker`` and is open once built:
@@ -111,64 +111,10 @@ class SyncOffloadingWorker(OffloadingWorker):
     # -- facts --------------------------------------------------------------------------
 
     @property
-    def num_cpu_chunks(self) -> int:
-        """Chunks in the host pool (chunk ids must be below this)."""
-        return self._core.num_cpu_chunks
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        """GPU blocks each host chunk holds."""
-        return self._core.layout.blocks_per_chunk
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        """GPU blocks addressable in every group (block ids must be below this)."""
-        return self._core.num_gpu_blocks
-
-    @property
-    def num_groups(self) -> int:
-        """KV-cache groups in the layout (specs then need ``group_sizes``)."""
-        return self._core.layout.num_groups
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one host chunk: ``blocks_per_chunk`` blocks of every KV tensor."""
-        return self._core.layout.chunk_bytes
-
-    @property
-    def host_layout(self) -> HostLayout:
-        """Where each page of a chunk lies in the host pool (read-only)."""
-        return self._core.layout
-
-    @property
-    def kv_caches(self) -> CanonicalKVCaches:
-        """The KV caches this worker moves blocks of, as it reads them."""
-        return self._core.kv_caches
-
-    @property
-    def backend(self) -> str:
-        """The backend copies run on: "cpu" or "cuda"."""
-        return self._core.backend.name
-
-    @property
-    def host_pool(self) -> Any:
-        """The host pool as one flat uint8 tensor (for inspection and tests)."""
-        return self._core.pool.tensor
-
-    @property
     def in_flight(self) -> int:
         """Jobs submitted whose results ``get_finished()`` has not returned yet."""
         with self._lock:
             return self._core.in_flight + len(self._unreported)
-
-    @property
-    def closed(self) -> bool:
-        """True once ``shutdown()`` has let go of the lanes (and freed or kept the pool)."""
-        return self._core.closed
-
-    def statistics(self) -> WorkerStatistics:
-        """A snapshot: jobs in flight, completed and failed, and bytes moved, per direction."""
-        return self._core.statistics()
 
     def __repr__(self) -> str:
         return (f"<SyncOffloadingWorker {self._lifecycle.state.value} {self._core.describe()} "

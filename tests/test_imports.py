@@ -38,6 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Layerwise jobs' bookkeeping, the same for both faces (the core holds it).
     ("layerwise jobs", ("aiokv.layers",)),
     ("core", ("aiokv.core",)),
+    # What both faces tell of the worker they drive (one definition over the core).
+    ("facts", ("aiokv.facts",)),
     ("faces", ("aiokv.loops", "aiokv.future", "aiokv.layer_future", "aiokv.poller", "aiokv.worker",
                "aiokv.sync")),
     ("users of the faces", ("aiokv.cache", "aiokv.cache.*", "aiokv.metrics")),
