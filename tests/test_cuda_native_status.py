@@ -1,5 +1,6 @@
 """Which submit path a CUDA worker takes, and why, without a GPU: the native helper where
-it is built unless ``AIOKV_NATIVE=0`` or ``WorkerOptions(native=False)`` turn it off, the
+it is built and asked for (``AIOKV_NATIVE=1`` or ``WorkerOptions(native=True)``; opt-in
+until proven on a GPU), the
 Python path where it is missing or refuses the driver (``native=True`` then raises), and
 ``aiokv info`` says which. A fresh interpreter that cannot import the helper falls back."""
 
@@ -35,8 +36,8 @@ def _fake_procs() -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
 
 
 @pytest.mark.parametrize(("env", "option", "used"), [
-    (None, None, True), ("1", None, True), ("0", None, False), ("off", None, False),
-    (None, False, False), ("0", True, True),
+    (None, None, False), ("1", None, True), ("on", None, True), ("0", None, False),
+    ("off", None, False), (None, False, False), ("0", True, True), (None, True, True),
 ])
 def test_the_option_and_the_environment_pick_the_path(monkeypatch: pytest.MonkeyPatch, env: str | None,
                                                       option: bool | None, used: bool) -> None:
@@ -52,7 +53,8 @@ def test_the_option_and_the_environment_pick_the_path(monkeypatch: pytest.Monkey
     assert (backend.native_table is not None) is used
     assert why in backend.native_why
     if not used:
-        assert "disabled" in why and (native.ENV in why or "native=False" in why)
+        assert native.ENV in why or "native=False" in why
+        assert "disabled" in why or "opt in" in why
 
 
 def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
@@ -71,7 +73,7 @@ def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required(
         monkeypatch: pytest.MonkeyPatch) -> None:
     if native.helper() is None:
         pytest.skip("the native helper is not built here")
-    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setenv(native.ENV, "1")
 
     def bad() -> Any:
         return (0,) * 3, 13000, (0,) * 4, 0  # the wrong number of entry points
@@ -86,6 +88,9 @@ def test_info_says_which_path_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.ENV, "0")
     assert collect_info()["CUDA submit path"] == "python (disabled by AIOKV_NATIVE=0)"
     monkeypatch.delenv(native.ENV)
+    want = "python (native helper built; opt in" if native.helper() else "python (native helper"
+    assert collect_info()["CUDA submit path"].startswith(want)
+    monkeypatch.setenv(native.ENV, "1")
     want = "native, one call per job (native helper built)" if native.helper() else "python (native helper"
     assert collect_info()["CUDA submit path"].startswith(want)
 

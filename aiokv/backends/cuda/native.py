@@ -1,9 +1,10 @@
 """Whether the native helper (``_native``, built from ``_native.c`` at install time) is in
 use, and why; and the thin Python side of its waiter.
 
-The helper is optional: installed without a C compiler, or disabled with
-``AIOKV_NATIVE=0`` (or ``WorkerOptions(native=False)``), the CUDA backend issues each job's
-driver calls from Python instead, with the same results (docs/native.md). It needs no
+The helper is optional and, for now, opt-in (``AIOKV_NATIVE=1`` or
+``WorkerOptions(native=True)``): otherwise, and where it was installed without a C compiler,
+the CUDA backend issues each job's driver calls from Python, with the same results
+(docs/native.md). It needs no
 cuda-python: the driver facade hands it the driver's entry points as addresses.
 """
 
@@ -46,7 +47,9 @@ def helper() -> Any:
 
 def status(requested: bool | None = None) -> tuple[bool, str]:
     """(whether a worker uses the native submit path, why), for ``requested`` as in
-    ``WorkerOptions.native``: None follows ``AIOKV_NATIVE`` (unset: on where built)."""
+    ``WorkerOptions.native``: None follows ``AIOKV_NATIVE``. Unset, the path is off: it
+    stays opt-in until its GPU suite and bench figures are recorded (docs/native.md,
+    "Status")."""
     if requested is False:
         return False, "disabled by WorkerOptions(native=False)"
     env = os.environ.get(ENV, "").strip().lower()
@@ -54,6 +57,8 @@ def status(requested: bool | None = None) -> tuple[bool, str]:
         return False, f"disabled by {ENV}={os.environ[ENV]}"
     if _ext is None:
         return False, f"native helper {_WHY}"
+    if requested is None and env not in ("1", "true", "yes", "on"):
+        return False, f"native helper built; opt in with {ENV}=1 or WorkerOptions(native=True)"
     return True, "native helper built"
 
 
