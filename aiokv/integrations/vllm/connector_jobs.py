@@ -59,7 +59,7 @@ class JobSpec:
         cls, job_id: int, gpu_spec: Any, cpu_spec: Any, num_groups: int, blocks_per_chunk: int
     ) -> JobSpec:
         gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64).reshape(-1)
-        chunks = np.asarray(cpu_spec.chunk_ids, dtype=np.int64).reshape(-1)
+        chunks = np.asarray(cpu_spec.block_ids, dtype=np.int64).reshape(-1)  # chunk ids (vLLM's name)
         sizes = _ints(getattr(gpu_spec, "group_sizes", None), [int(gpu.size)] if num_groups == 1 else None)
         starts = _ints(getattr(gpu_spec, "block_indices", None), [0] * num_groups)
         parts: list[_Part | None] | None = None

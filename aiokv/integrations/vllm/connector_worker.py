@@ -172,7 +172,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
             ids = self._submit_batches("store", stores, layerwise=True)
             step.stores = [self._jobs[i].layers for i in ids]
         else:
-            step.whole_stores = self._batches(stores)
+            step.whole_stores = self._batches(stores, store=True)
 
     def start_load_kv(self, metadata: Any) -> None:
         """Submit the step's loads: asynchronous ones whole, synchronous ones as one
@@ -320,12 +320,11 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
 
     # -- submitting ---------------------------------------------------------------------
 
-    def _batches(self, jobs: Iterable[tuple[int, Any]]) -> list[Batch]:
+    def _batches(self, jobs: Iterable[tuple[int, Any]], store: bool) -> list[Batch]:
         """vLLM's jobs ``(job id, TransferJob)`` merged into as few aiokv jobs as fit."""
         bpc = self.spec.blocks_per_chunk
         specs = []
         for job_id, entry in jobs:
-            store = _is_gpu(entry.src_spec)
             gpu, cpu = (entry.src_spec, entry.dst_spec) if store else (entry.dst_spec, entry.src_spec)
             specs.append(JobSpec.read(job_id, gpu, cpu, self._num_groups, bpc))
             self._req_of[job_id] = entry.req_id
@@ -333,7 +332,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
 
     def _submit_batches(self, kind: str, jobs: list[tuple[int, Any]], *, layerwise: bool) -> list[int]:
         ids: list[int] = []
-        for batch in self._batches(jobs):
+        for batch in self._batches(jobs, kind == "store"):
             ids += self._submit_batch(kind, batch, layerwise=layerwise)
         return ids
 
@@ -369,11 +368,6 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
         for vllm_id in batch.job_ids:
             self._aiokv_of[vllm_id] = job_id
         return job_id
-
-
-def _is_gpu(spec: Any) -> bool:
-    """vLLM's GPU side of a job (block ids with group sizes), not its host chunk ids."""
-    return hasattr(spec, "block_ids")
 
 
 def _has_hooks(group_spec: Any, layer_name: str) -> bool:
