@@ -82,7 +82,8 @@ class ConnectorEngine:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
         self.page = {n: kc.kv_cache_groups[0].kv_cache_spec.unpadded_page_size_bytes for n in LAYERS}
-        self.docs = [self.rng.integers(10, 900, int(self.rng.integers(6, 10)) * BS).tolist() for _ in range(12)]
+        rng = self.rng
+        self.docs = [rng.integers(10, 900, int(rng.integers(6, 10)) * BS).tolist() for _ in range(12)]
         self.blocks_of = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
         self.added = 0
         self.tally = Tally()
@@ -93,11 +94,13 @@ class ConnectorEngine:
         return self.worker.connector_worker.worker.aiokv_worker
 
     def add_request(self) -> None:
-        doc = self.docs[int(self.rng.integers(len(self.docs)))]
-        prompt = doc[: int(self.rng.integers(2, len(doc) // BS + 1)) * BS] + self.rng.integers(10, 900, 5).tolist()
+        rng = self.rng
+        doc = self.docs[int(rng.integers(len(self.docs)))]
+        prompt = doc[: int(rng.integers(2, len(doc) // BS + 1)) * BS] + rng.integers(10, 900, 5).tolist()
         self.scheduler.add_request(Request(
-            request_id=f"q{self.added}", prompt_token_ids=prompt, pooling_params=None, block_hasher=self.hasher,
-            sampling_params=SamplingParams(max_tokens=int(self.rng.integers(1, 6)), ignore_eos=True),
+            request_id=f"q{self.added}", prompt_token_ids=prompt, pooling_params=None,
+            block_hasher=self.hasher,
+            sampling_params=SamplingParams(max_tokens=int(rng.integers(1, 6)), ignore_eos=True),
         ))
         self.added += 1
 
@@ -146,7 +149,8 @@ class ConnectorEngine:
                     for i in range(new[rid].start):  # the context this layer's attention reads
                         tally.checked_in_layer += self._expect(req, i, layer)
                     for i in new[rid]:  # this layer's new KV
-                        self.rows[layer][self.blocks_of[rid][i].block_id, :n] = content(req.block_hashes[i], layer, n)
+                        block = self.blocks_of[rid][i].block_id
+                        self.rows[layer][block, :n] = content(req.block_hashes[i], layer, n)
                 worker.save_kv_layer(layer, None, None)
         if not out.has_sync_kv_loads:
             worker.start_load_kv(None)

@@ -29,7 +29,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize(("policy", "budget"), [("adaptive", None), ("lru", 0)])
-def test_vllm_scheduler_serves_prefixes_through_the_connector(model_dir, policy: str, budget: int | None) -> None:
+def test_vllm_scheduler_serves_prefixes_through_the_connector(
+    model_dir, policy: str, budget: int | None
+) -> None:
     """By default every hit loads synchronously, in the step that computes the rest of
     its prompt; ``sync_load_budget_bytes: 0`` makes every load asynchronous."""
     extra = {"aiokv_policy": policy}
@@ -85,7 +87,9 @@ def test_failed_transfers_are_recomputed_never_served(model_dir, monkeypatch, fa
         return real(self, plan)
 
     monkeypatch.setattr(CpuLane, "_copy", flaky)
-    extra = {"aiokv_policy": "lru"} if budget is None else {"aiokv_policy": "lru", "sync_load_budget_bytes": 0}
+    extra: dict[str, object] = {"aiokv_policy": "lru"}
+    if budget is not None:
+        extra["sync_load_budget_bytes"] = budget
     engine = ConnectorEngine(model_dir, extra=extra, seed=5)
     engine.strict = False
     reported: set[str] = set()

@@ -125,7 +125,7 @@ class _Open:
         self.middles = [[] for _ in range(g)]
 
     def admits(self, job: JobSpec) -> bool:
-        if job.parts is None:
+        if job.parts is None or any(j.parts is None for j in self.jobs):
             return False
         for g, part in enumerate(job.parts):
             if part is None:
