@@ -48,6 +48,7 @@ class Tally:
     steps: int = 0
     loads: int = 0
     sync_loads: int = 0
+    flushes: int = 0  # store jobs a step had to finish before reusing their blocks
     checked_in_layer: int = 0
     checked: int = 0
     invalid_blocks: int = 0
@@ -128,6 +129,7 @@ class ConnectorEngine:
         tally.steps += 1
         tally.loads += len(meta.load_jobs)
         tally.sync_loads += sum(job.sync for job in meta.load_jobs.values())
+        tally.flushes += len(meta.jobs_to_flush or ())
         worker.handle_preemptions(meta)
         new: dict[str, range] = {}
         for rid, n in out.num_scheduled_tokens.items():

@@ -50,20 +50,21 @@ def test_vllm_scheduler_serves_prefixes_through_the_connector(
     engine.close()
 
 
-def test_each_layer_waits_for_its_own_load_only(model_dir, monkeypatch) -> None:
+def test_slow_copies_never_let_a_layer_or_a_reused_block_go_early(model_dir, monkeypatch) -> None:
     """Copies slowed to a crawl: a layer's attention must still read its loaded bytes (its
-    gate waited for them), so no layer can run on a load that has not landed."""
+    gate waited for them, while later layers still copy), and blocks whose stores are still
+    running when vLLM reuses them are flushed first (else the stores would copy the new
+    request's bytes under the old keys, which later loads would show)."""
     real = CpuLane._copy
 
     def slow(self, plan):
-        if not self.direction.to_host:
-            time.sleep(0.002)
+        time.sleep(0.02 if self.direction.to_host else 0.002)
         return real(self, plan)
 
     monkeypatch.setattr(CpuLane, "_copy", slow)
     engine = ConnectorEngine(model_dir, extra={"aiokv_policy": "lru"}, seed=11, gpu_blocks=28)
     tally = engine.run(requests=50)
-    assert tally.sync_loads > 3 and tally.checked_in_layer > 100, tally
+    assert tally.sync_loads > 3 and tally.checked_in_layer > 100 and tally.flushes > 0, tally
     engine.close()
 
 
