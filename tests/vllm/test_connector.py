@@ -257,3 +257,21 @@ def test_a_packed_layout_moves_whole_jobs(model_dir) -> None:
     connector.start_load_kv(None)
     assert np.array_equal(packed.tensor[[7, 8]].numpy(), data)  # before any layer hook
     connector.shutdown()
+
+
+def test_worker_metadata_of_two_ranks_adds_up_and_keeps_failures() -> None:
+    """vLLM sums each job's completions over the ranks; a job failed on any rank failed."""
+    from aiokv.integrations.vllm.connector_worker import AiokvWorkerMetadata
+
+    rank0, rank1 = AiokvWorkerMetadata(), AiokvWorkerMetadata()
+    rank0.mark_completed(1)
+    rank0.mark_completed(2, success=False)
+    rank0.transfer_stats.store.record(100, 0.5)
+    rank1.mark_completed(1)
+    rank1.mark_completed(2)
+    rank1.mark_completed(3, success=False)
+    rank1.transfer_stats.store.record(50, 0.25)
+    total = rank0.aggregate(rank1)
+    assert isinstance(total, AiokvWorkerMetadata)
+    assert total.completed_jobs == {1: 2, 2: 2, 3: 1} and total.failed_jobs == {2, 3}
+    assert total.transfer_stats.store.bytes == 150 and total.transfer_stats.store.sizes == [100, 50]
