@@ -140,7 +140,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
         if per_layer:
             kv_caches = _KVWithLayers(kv_caches.tensors, refs, self.order.ref_layers)
         else:
-            _log.warning("aiokv: these KV caches keep every layer in one tensor (a packed layout), so "
+            _log.warning("aiokv: vLLM's KV caches here have no tensor per layer (a packed layout), so "
                          "the connector moves whole jobs, not layer by layer")
         self.worker = self.spec.get_worker(kv_caches)
         self._sync = self.worker.aiokv_worker
