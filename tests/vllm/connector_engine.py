@@ -48,6 +48,7 @@ class Tally:
     steps: int = 0
     loads: int = 0
     sync_loads: int = 0
+    steps_with_sync_loads: int = 0
     flushes: int = 0  # store jobs a step had to finish before reusing their blocks
     checked_in_layer: int = 0
     checked: int = 0
@@ -141,6 +142,7 @@ class ConnectorEngine:
             self.garbage(job.dst_spec.block_ids)
         worker.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
+            tally.steps_with_sync_loads += 1
             worker.start_load_kv(None)
         if out.total_num_scheduled_tokens:
             for layer in FORWARD:

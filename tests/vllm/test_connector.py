@@ -185,6 +185,7 @@ def test_a_steps_loads_merge_and_each_layer_reads_its_own_bytes(model_dir) -> No
             for layer in names:
                 rig.rows[layer][blocks[g]] = torch.randint_like(rig.rows[layer][blocks[g]], -128, 127)
     before = rig.statistics.completed.get("expedited_load", 0)
+    layerwise_before = rig.statistics.layers.jobs
     seen = []
 
     def check(layer: str) -> None:  # the layer's attention: its loaded bytes are all there
@@ -200,6 +201,7 @@ def test_a_steps_loads_merge_and_each_layer_reads_its_own_bytes(model_dir) -> No
     assert all(rig.completed[j] for j in jobs)
     # One job may start mid-chunk per group (it goes first): a, b and a2 merge, b2 is alone.
     assert rig.statistics.completed["expedited_load"] - before == 2
+    assert rig.statistics.layers.jobs - layerwise_before == 2  # both layer by layer
     assert not rig.invalid and not rig.recving  # synchronous loads finish no receive
     rig.connector.shutdown()
 

@@ -42,10 +42,13 @@ def test_vllm_scheduler_serves_prefixes_through_the_connector(
     stats = engine.manager.chunks.stats()
     assert tally.loads > 5 and stats.stores > 20 and stats.evictions > 0, (tally, stats)
     assert tally.checked > 500 and tally.checked_in_layer > 500, tally
-    if budget is None:
+    layers = engine.aiokv_worker.statistics().layers
+    assert layers.pushed > 3 * 20 and layers.failed_layers == 0, layers  # stores went layer by layer
+    if budget is None:  # each synchronous load: one layerwise job, gated at each attention layer
         assert tally.sync_loads == tally.loads
+        assert layers.gates >= 3 * tally.steps_with_sync_loads > 0, (layers, tally)
     else:
-        assert tally.sync_loads == 0
+        assert tally.sync_loads == layers.gates == 0
     assert tally.invalid_blocks == tally.failed_recving == 0
     engine.close()
 

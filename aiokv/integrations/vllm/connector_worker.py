@@ -18,7 +18,6 @@ vLLM's canonical description.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -32,16 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_o
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
+from ... import LayerwiseJob
 from ...errors import InvalidSpec
-from ...sync import SyncOffloadingWorker
 from .connector_jobs import Batch, JobSpec, layer_order, merge_jobs
 
 __all__ = ["NATIVE_FAILED_JOBS", "AiokvConnectorWorker", "AiokvWorkerMetadata"]
 
 _log = logging.getLogger("aiokv")
-
-# PRE-LANDING: aiokv's layerwise jobs are not on main yet.
-_LAYERWISE_API = "layerwise" in inspect.signature(SyncOffloadingWorker.submit_load).parameters
 
 # vLLM 0.34's scheduler reads failed jobs from the worker metadata; 0.33's has no such field.
 NATIVE_FAILED_JOBS = "failed_jobs" in {f.name for f in fields(OffloadingWorkerMetadata)}
@@ -86,16 +82,16 @@ class _Record:
     kind: str  # "store", "load" (asynchronous) or "sync"
     batch: Batch
     req_ids: dict[int, str]
-    layers: Any = None  # the layerwise handle, if layerwise
+    layers: LayerwiseJob | None = None  # the layerwise handle, if layerwise
 
 
 @dataclass
 class _Step:
     """The bound step's layerwise jobs."""
 
-    loads: list[Any] = field(default_factory=list)
+    loads: list[LayerwiseJob] = field(default_factory=list)
     sync_ids: list[int] = field(default_factory=list)
-    stores: list[Any] = field(default_factory=list)
+    stores: list[LayerwiseJob] = field(default_factory=list)
     whole_stores: list[Batch] = field(default_factory=list)
     pushed: set[int] = field(default_factory=set)
     saved: bool = False
@@ -144,7 +140,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
                          "the connector moves whole jobs, not layer by layer")
         self.worker = self.spec.get_worker(kv_caches)
         self._sync = self.worker.aiokv_worker
-        self._layerwise = per_layer and _LAYERWISE_API
+        self._layerwise = per_layer
 
     # -- the step -----------------------------------------------------------------------
 
@@ -170,7 +166,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
             return
         if self._layerwise:
             ids = self._submit_batches("store", stores, layerwise=True)
-            step.stores = [self._jobs[i].layers for i in ids]
+            step.stores = self._handles(ids)
         else:
             step.whole_stores = self._batches(stores, store=True)
 
@@ -191,7 +187,7 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
         if not self._layerwise:  # whole jobs: done before the forward, as in vLLM's worker
             self._sync.wait(ids)
             return
-        handles = [self._jobs[i].layers for i in ids]
+        handles = self._handles(ids)
         step.loads += handles
         for layer in self.order.early:
             for handle in handles:
@@ -319,6 +315,10 @@ class AiokvConnectorWorker(OffloadingConnectorWorker):
             self._load_errors |= bad_blocks
 
     # -- submitting ---------------------------------------------------------------------
+
+    def _handles(self, ids: list[int]) -> list[LayerwiseJob]:
+        """The layerwise handles of the aiokv jobs ``ids``."""
+        return [h for i in ids if (h := self._jobs[i].layers) is not None]
 
     def _batches(self, jobs: Iterable[tuple[int, Any]], store: bool) -> list[Batch]:
         """vLLM's jobs ``(job id, TransferJob)`` merged into as few aiokv jobs as fit."""
