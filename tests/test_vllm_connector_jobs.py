@@ -148,6 +148,7 @@ def test_the_connector_names_its_spec_and_loads_synchronously_by_default() -> No
     ({"sync_load_budget_bytes": "lots"}, "sync_load_budget_bytes"),
     ({"sync_load_budget_bytes": 1.5}, "sync_load_budget_bytes"),
     ({"sync_load_budget_bytes": True}, "sync_load_budget_bytes"),
+    ({"aiokv_worker_options": {"max_in_flight": 8}}, "max_in_flight"),
 ])
 def test_the_connector_refuses_another_spec_and_bad_budgets(extra, match) -> None:
     with pytest.raises(InvalidSpec, match=match):

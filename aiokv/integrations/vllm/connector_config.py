@@ -27,8 +27,9 @@ def connector_extra_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     dict; the caller's is left alone).
 
     Raises:
-        InvalidSpec: ``spec_name`` or ``spec_module_path`` names another spec, or
-            ``sync_load_budget_bytes`` is not a whole number of bytes >= 0.
+        InvalidSpec: ``spec_name`` or ``spec_module_path`` names another spec,
+            ``sync_load_budget_bytes`` is not a whole number of bytes >= 0, or
+            ``aiokv_worker_options`` bounds the jobs in flight (``max_in_flight``).
     """
     for key, ours in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
         value = extra.get(key, ours)
@@ -38,6 +39,15 @@ def connector_extra_config(extra: Mapping[str, Any]) -> dict[str, Any]:
                 f"sets {key}={value!r}; remove {key} (or load another spec with vLLM's "
                 "OffloadingConnector)"
             )
+    options = extra.get("aiokv_worker_options")
+    if isinstance(options, Mapping) and options.get("max_in_flight"):
+        # A step's store is open until its forward pushed every layer; a submit that waits
+        # for room on the same thread meanwhile would wait for itself.
+        raise InvalidSpec(
+            "AiokvConnector keeps a step's store open while it submits the step's loads, so a "
+            "bound on jobs in flight could make the model runner wait for itself; remove "
+            "max_in_flight from aiokv_worker_options"
+        )
     out = {**extra, "spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
     budget = out.setdefault("sync_load_budget_bytes", SYNC_LOADS_UNBOUNDED)
     out["sync_load_budget_bytes"] = _bytes(budget)
