@@ -189,6 +189,7 @@ def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
     assert all(run.enqueued(i) for i in range(LAYERS))
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
@@ -205,6 +206,7 @@ def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
 # -- gates --------------------------------------------------------------------------------------
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 @pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
 def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool) -> None:
     drv = LogDriver()
@@ -224,6 +226,7 @@ def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool
     assert drv.of("wait") == [] and meter.count == 1 and list(meter.samples) == [0.0]
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_stream() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=True)
@@ -242,6 +245,7 @@ def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_strea
     assert list(meter.samples) == [2.5e-3] and {r0[1], r1[1]} <= set(drv.given)  # read, then pooled
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 def test_a_gate_on_a_load_still_with_the_issuer_waits_for_its_record() -> None:
     """The issuer thread holds earlier work: the layer's event is not recorded yet, so the
     gate blocks rather than wait on it (a wait on an unrecorded event passes at once)."""
@@ -296,6 +300,7 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
     assert run.completion.query() and run.completion.error is None
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
@@ -320,6 +325,7 @@ def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
         lane.close()
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False)
@@ -335,6 +341,7 @@ def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
 # -- failures ------------------------------------------------------------------------------------------
 
 
+@native_only  # the fake driver is served through the helper's table, on both paths
 @pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
 def test_a_load_that_fails_part_way_fails_only_the_layers_not_reached(recorded: bool) -> None:
     drv = LogDriver()

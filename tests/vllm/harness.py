@@ -52,13 +52,14 @@ TINY_MODEL = {
 }
 
 
-def documented_kv_transfer_config() -> dict[str, Any]:
-    """The JSON that docs/vllm.md gives to ``vllm serve --kv-transfer-config``."""
-    text = DOC.read_text()
-    match = re.search(r"--kv-transfer-config '(\{.*?\})'", text, re.S)
-    if match is None:
-        raise AssertionError("docs/vllm.md has no --kv-transfer-config '{...}' line")
-    return json.loads(match.group(1))
+def documented_kv_transfer_config(connector: str = "OffloadingConnector") -> dict[str, Any]:
+    """The JSON that docs/vllm.md gives to ``vllm serve --kv-transfer-config`` for
+    ``connector`` (vLLM's ``OffloadingConnector`` with the spec, or ``AiokvConnector``)."""
+    for match in re.finditer(r"--kv-transfer-config '(\{.*?\})'", DOC.read_text(), re.S):
+        config = json.loads(match.group(1))
+        if config.get("kv_connector") == connector:
+            return config
+    raise AssertionError(f"docs/vllm.md has no --kv-transfer-config '{{...}}' line for {connector}")
 
 
 def write_tiny_model(path: Path) -> Path:
@@ -101,10 +102,11 @@ def build_configs(
     num_gpu_blocks: int = 64,
     world_size: int = 1,
     events: bool = True,
+    connector: str = "OffloadingConnector",
 ) -> tuple[VllmConfig, KVCacheConfig]:
-    """A VllmConfig whose kv_transfer_config is the documented one with ``extra`` merged
-    into its extra config, and a KVCacheConfig with the given groups."""
-    doc = documented_kv_transfer_config()
+    """A VllmConfig whose kv_transfer_config is the one documented for ``connector`` with
+    ``extra`` merged into its extra config, and a KVCacheConfig with the given groups."""
+    doc = documented_kv_transfer_config(connector)
     doc["kv_connector_extra_config"] = {**doc["kv_connector_extra_config"], **extra}
     model = ModelConfig(
         model=str(model_dir), dtype="float16", seed=0, max_model_len=4096, skip_tokenizer_init=True

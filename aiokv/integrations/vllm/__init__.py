@@ -1,9 +1,12 @@
-"""aiokv inside vLLM: an offloading spec that vLLM's ``OffloadingConnector`` loads by name.
+"""aiokv inside vLLM: an offloading spec that vLLM's ``OffloadingConnector`` loads by name,
+and a connector of its own that moves KV layer by layer.
 
-Select it with ``kv_connector_extra_config={"spec_name": "AiokvOffloadingSpec",
-"spec_module_path": "aiokv.integrations.vllm", "cpu_bytes_to_use": ...}`` (docs/vllm.md).
-The vLLM-facing classes are imported on first access (vLLM's factory reads them with
-``getattr``), so the option checks here stay importable without vLLM.
+Select the spec with ``kv_connector_extra_config={"spec_name": "AiokvOffloadingSpec",
+"spec_module_path": "aiokv.integrations.vllm", "cpu_bytes_to_use": ...}``, the connector
+with ``"kv_connector": "AiokvConnector", "kv_connector_module_path":
+"aiokv.integrations.vllm"`` (docs/vllm.md). The vLLM-facing classes are imported on first
+access (vLLM's factories read them with ``getattr``), so the option checks here stay
+importable without vLLM.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from ._compat import SUPPORTED_RANGE, check_vllm_version
 from .options import KEYS, PluginOptions
 
 if TYPE_CHECKING:
+    from .connector import AiokvConnector
     from .manager import AiokvOffloadingManager
     from .spec import AiokvOffloadingSpec
     from .worker import AiokvOffloadingWorker
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KEYS",
     "SUPPORTED_RANGE",
+    "AiokvConnector",
     "AiokvOffloadingManager",
     "AiokvOffloadingSpec",
     "AiokvOffloadingWorker",
@@ -30,6 +35,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AiokvConnector": ".connector",
     "AiokvOffloadingManager": ".manager",
     "AiokvOffloadingSpec": ".spec",
     "AiokvOffloadingWorker": ".worker",

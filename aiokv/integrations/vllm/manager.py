@@ -86,6 +86,9 @@ class AiokvOffloadingManager(OffloadingManager):
         self._admission_name = admission
         self._chunks = ChunkManager(num_chunks, policy=policy, admission=admission)
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # Keys whose store job failed, told by a caller before vLLM completes the job
+        # (vLLM 0.33 completes every store as a success; see fail_store).
+        self._failed_stores: set[Any] = set()
         # The scheduler enters this around every call; reentrant, so a caller that nests
         # two regions of one step cannot deadlock itself.
         self._lock = threading.RLock()
@@ -163,9 +166,18 @@ class AiokvOffloadingManager(OffloadingManager):
             evicted_keys=list(plan.evicted),
         )
 
+    def fail_store(self, keys: Collection[Any]) -> None:
+        """The store job of ``keys`` failed: their next ``complete_store`` is a failure
+        whatever it says (vLLM 0.33's scheduler completes failed jobs as successes; the
+        aiokv connector, which sees the failure, calls this first)."""
+        self._failed_stores.update(keys)
+
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         """Make stored keys loadable; on failure free the chunks of those still pending."""
         keys = list(keys)
+        if self._failed_stores and not self._failed_stores.isdisjoint(keys):
+            success = False
+            self._failed_stores.difference_update(keys)
         failed = [] if success else [k for k in keys if self._chunks.lookup(k) is ChunkLookup.HIT_PENDING]
         self._chunks.complete_store(keys, success=success)
         if failed and self._events is not None:
@@ -205,3 +217,4 @@ class AiokvOffloadingManager(OffloadingManager):
         """Forget every block. vLLM never completes jobs from before a reset, and keeps new
         stores away from chunks that in-flight jobs may still touch until they report."""
         self._chunks = ChunkManager(self.num_chunks, policy=self._policy_name, admission=self._admission_name)
+        self._failed_stores.clear()
