@@ -187,6 +187,34 @@ async def test_a_layer_resolves_while_later_layers_still_copy(
             assert (await load).success
 
 
+@pytest.mark.anyio
+async def test_a_layer_awaited_while_the_poller_naps_resolves_when_it_lands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poller naps armed on its heads' ends only; an await that begins then must wake
+    it, or its layer is seen only when the nap ends (here: never, before the job does)."""
+    from aiokv.poller import Poller
+
+    monkeypatch.setitem(Poller.__init__.__kwdefaults__, "max_nap", 60.0)
+    kv = make_layers(num_layers=4, num_blocks=16, seed=21)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8, backend="cpu") as w:
+        store = w.submit_store(1, GPULoadStoreSpec([1, 2]), CPULoadStoreSpec([0, 1]), layerwise=True)
+        go = threading.Event()
+        store.push(0, after=go)
+        await anyio.sleep(0.05)  # the poller naps now, on the store's end (layers 1-3 to come)
+        landing = threading.Timer(0.02, go.set)
+        landing.start()
+        try:
+            with anyio.fail_after(10):
+                assert await store.layer(0) is READY
+            assert not store.done()
+        finally:
+            landing.cancel()
+            go.set()
+            for layer in range(1, 4):
+                store.push(layer)
+        assert (await store).success
+
+
 # -- gates ------------------------------------------------------------------------------------
 
 
