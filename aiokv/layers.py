@@ -48,9 +48,9 @@ class LayerStatistics:
         failed_layers: layers that ended failed (copies failed, or never pushed).
         stalls: seconds each consumer waited on a layer after it was due, most recent last
             (the last 4096): on CUDA a gate's stall on its stream in device time (measured
-            with ``WorkerOptions(layer_stalls=True)``), on the CPU a gate's host time
-            blocked; a wait's host time blocked (or awaited) on either. A layer already
-            done when asked for counts 0.
+            with ``WorkerOptions(layer_stalls=True)``; without it gates add none), on the
+            CPU a gate's host time blocked; a wait's host time blocked (or awaited) on
+            either. A layer already done when asked for counts 0.
         stalls_measured: how many stall samples were taken in all.
     """
 
@@ -130,11 +130,11 @@ class LayerwiseJob:
         consumer = owner.backend.consumer(stream)
         owner.count("gates")
         final = self._final[index]
+        run = self._run
         if final is not None:
-            if final is READY:
+            if final is READY and run.measures_gates:
                 owner.meter.add(0.0)
             return final
-        run = self._run
         if run.abandoned is not None:
             return self._settle(index, FAILED)
         if self._store and not run.enqueued(index):

@@ -21,8 +21,11 @@ from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.lane import CudaLane, Dependency
 from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.errors import CudaCallFailed, InvalidSpec
+from aiokv.handler import Handler
 from aiokv.layer_plan import LayerMap, LayerPlan, plan_layers
+from aiokv.layers import Layerwise
 from aiokv.layout import CanonicalKVCaches
+from aiokv.lifecycle import Lifecycle
 from aiokv.plan import HostLayout, map_blocks
 from aiokv.specs import Direction
 
@@ -217,11 +220,33 @@ def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool
     assert drv.of("wait") == [("wait", CONSUMER, events[2])]
     assert [c for c in drv.calls if c[0] not in ("query", "wait")] == []
     assert meter.count == 0  # a device wait: measured only with layer_stalls
-    # A layer already done: no wait at all, a stall of 0.
+    # A layer already done: no wait at all, and no sample either (unmeasured gates that
+    # found their layer done would be the only samples: a stall figure of zeros).
     drv.done.add(events[0])
     drv.calls.clear()
     assert run.gate(0, CONSUMER, meter) is True
-    assert drv.of("wait") == [] and meter.count == 1 and list(meter.samples) == [0.0]
+    assert drv.of("wait") == [] and meter.count == 0
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_gates_add_stall_samples_only_where_stalls_are_measured(measure: bool) -> None:
+    """Through the core's handle: a gate that waits on the device, then two on a layer found
+    done (by the run, then by its final status). Unmeasured, none adds a sample; measured,
+    each does (the wait once the consumer stream passed it, the done ones as 0)."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=measure)
+    layers = Layerwise(KV, HostLayout.build(KV, 1), SimpleNamespace(consumer=lambda stream: CONSUMER),  # type: ignore[arg-type]
+                       threading.Lock(), Lifecycle())
+    job = layers.submit(Handler(Direction.LOAD, lane), 7, kv_plan(False, [1, 2], [3, 4])[0], None)
+    events = layer_events(job._run)
+    assert job.gate(1) and drv.of("wait") == [("wait", CONSUMER, events[1])]
+    drv.done.update(c[1] for c in drv.calls if c[0] == "record" and c[2] == CONSUMER)  # passed
+    drv.done.add(events[0])
+    assert job.gate(0) and job.layer_status(0) and job.gate(0)
+    stats = layers.statistics()
+    assert stats.gates == 3
+    assert sorted(stats.stalls) == ([0.0, 0.0, 2.5e-3] if measure else [])
+    assert stats.stalls_measured == (3 if measure else 0)
 
 
 def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_stream() -> None:

@@ -85,6 +85,7 @@ class CudaLayerRun(LayerRun):
         self._lane = lane
         self._drv: Driver = drv
         self._store = store
+        self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
         self._bounds = plan.bounds
         self._pointers = lane.pointers(plan)  # host work, before anything is taken
@@ -373,13 +374,15 @@ class CudaLayerRun(LayerRun):
         drv = self._drv
         with self._lock:
             if self._seen[layer] or self._over:
-                meter.add(0.0)
+                if self.measures_gates:
+                    meter.add(0.0)
                 return self.error(layer) is None
             try:
                 drv.ensure_context()
                 if drv.query(self._events[layer]):
                     self._seen[layer] = 1
-                    meter.add(0.0)
+                    if self.measures_gates:
+                        meter.add(0.0)
                     return True
                 pair = drv.take_job_events() if self._lane.measure_stalls else None
                 if pair is not None:
