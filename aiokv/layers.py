@@ -46,12 +46,14 @@ class LayerStatistics:
         gates: gates made (``gate``).
         waits: per-layer waits made, blocking (``wait_layer``) or awaited (``layer``).
         failed_layers: layers that ended failed (copies failed, or never pushed).
-        stalls: seconds each consumer waited on a layer after it was due, most recent last
-            (the last 4096): on CUDA a gate's stall on its stream in device time (measured
+        stalls: seconds each gate's consumer waited on its layer after it was due, most
+            recent last (the last 4096): on CUDA in device time on its stream (measured
             with ``WorkerOptions(layer_stalls=True)``; without it gates add none), on the
-            CPU a gate's host time blocked; a wait's host time blocked (or awaited) on
-            either. A layer already done when asked for counts 0.
-        stalls_measured: how many stall samples were taken in all.
+            CPU the host time the gate blocked. A layer already done counts 0.
+        stalls_measured: how many gate stalls were measured in all.
+        waited: host seconds each wait (``wait_layer``, or an awaited ``layer``) took,
+            most recent last (the last 4096); 0 for a layer already done. Kept apart from
+            ``stalls``: another clock, and a wait may begin long before its layer is due.
     """
 
     jobs: int = 0
@@ -61,6 +63,7 @@ class LayerStatistics:
     failed_layers: int = 0
     stalls: tuple[float, ...] = ()
     stalls_measured: int = 0
+    waited: tuple[float, ...] = ()
 
 
 class LayerwiseJob:
@@ -159,11 +162,11 @@ class LayerwiseJob:
         status = self.layer_status(index)
         if status is not PENDING:
             if status is READY:
-                owner.meter.add(0.0)
+                owner.waited.add(0.0)
             return status
         began = time.perf_counter()
         if self._run.wait(index, timeout):
-            owner.meter.add(time.perf_counter() - began)
+            owner.waited.add(time.perf_counter() - began)
         return self.layer_status(index)
 
     def layer_status(self, layer: int) -> LayerStatus:
@@ -210,11 +213,11 @@ class LayerwiseJob:
         return self._next
 
     def note_wait(self, seconds: float | None) -> None:
-        """Count a wait made elsewhere (an awaited layer) and its stall (None: none, the
-        layer had failed)."""
+        """Count a wait made elsewhere (an awaited layer) and how long it took (None: not
+        kept, the layer had failed)."""
         self._owner.count("waits")
         if seconds is not None:
-            self._owner.meter.add(seconds)
+            self._owner.waited.add(seconds)
 
     def ring_when_done(self, layer: int, bell: Any) -> bool:
         """Have ``bell`` rung when layer ``layer`` ends (False where it cannot be armed)."""
@@ -249,7 +252,8 @@ class Layerwise:
                  lifecycle: Lifecycle) -> None:
         self.map = LayerMap.build(kv, layout)
         self.backend = backend
-        self.meter = StallMeter()
+        self.meter = StallMeter()  # gates' stalls
+        self.waited = StallMeter()  # waits' and awaits' host times
         self._lock = lock
         self._lifecycle = lifecycle
         self._stats_lock = threading.Lock()
@@ -352,4 +356,5 @@ class Layerwise:
         meter.collect()
         with self._stats_lock:
             counts = dict(self._counts)
-        return LayerStatistics(stalls=tuple(meter.samples), stalls_measured=meter.count, **counts)
+        return LayerStatistics(stalls=tuple(meter.samples), stalls_measured=meter.count,
+                               waited=tuple(self.waited.samples), **counts)
