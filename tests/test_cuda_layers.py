@@ -345,6 +345,30 @@ def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
         lane.close()
 
 
+def test_a_store_finished_while_its_last_pushes_wait_for_the_issuer_succeeds() -> None:
+    """Every layer pushed, the last ones still queued on the issuer thread when the store
+    ends: those layers were pushed, so they are not failed, and neither is the job."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    run.push(0, None)
+    run.push(1, None)
+    gate = hold(lane)  # the issuer is busy (a long job before them)
+    try:
+        run.push(2, None)
+        run.push(3, None)
+        run.finish(None)  # what the core does once every layer is pushed
+        assert not run.query(3), "a pushed layer still with the issuer reads as over"
+    finally:
+        gate.set()
+    assert lane.issuer is not None and lane.issuer.drain(10)
+    events = layer_events(run)
+    drv.done.update((*events, run.completion._events.stop))
+    assert all(run.query(i) and run.error(i) is None for i in range(LAYERS))
+    assert run.completion.wait(10) and run.completion.error is None
+    lane.close()
+
+
 def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False)

@@ -278,7 +278,9 @@ class CudaLayerRun(LayerRun):
         self._finished = True
         with self._changed:
             for i in range(self.num_layers):
-                if not self._recorded[i] and self._errors[i] is None:
+                # Not "not recorded": a push still queued on the issuer thread is recorded
+                # after this, and before the end ``_end_store`` records behind it.
+                if not self._pushed[i] and self._errors[i] is None:
                     self._errors[i] = error or WorkerClosed("the store ended before this layer was pushed")
             self._changed.notify_all()
         issuer = self._lane.issuer
