@@ -128,6 +128,7 @@ def test_two_groups_move_each_groups_layers_exactly() -> None:
     store = w.submit_store(1, spec, CPULoadStoreSpec([0, 1, 2, 3]), layerwise=True)
     for layer in (0, 1, 2, 3, 4):
         store.push(layer)
+    w.wait([1])  # loads do not wait behind stores: the chunks must hold the bytes first
     dst = GPULoadStoreSpec([7, 8, 9, 10], group_sizes=[2, 2])
     load = w.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), dst, layerwise=True)
     for layer in range(5):
