@@ -337,6 +337,12 @@ class Layerwise:
             if isinstance(job, LayerJob) and job.run is not None:
                 job.run.abandon(error)
 
+    def close(self) -> None:
+        """The worker is closing: read the stall samples that are ready, let go of the rest
+        (their events belong to the backend, which goes next)."""
+        self.meter.collect()
+        self.meter.close()
+
     def settle(self, job: LayerwiseJob, index: int, status: LayerStatus) -> LayerStatus:
         """Make a layer's status final (the first one found wins)."""
         with self._stats_lock:

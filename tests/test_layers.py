@@ -440,6 +440,24 @@ async def test_awaited_layers_count_as_waits_not_as_gate_stalls() -> None:
         assert stats.stalls == () and stats.stalls_measured == 0
 
 
+def test_closing_lets_go_of_stall_samples_not_read_yet() -> None:
+    """A measured CUDA gate's sample is read once its consumer stream passed it; one still
+    pending at close is read or let go then, never through a driver already closed."""
+    w = sync_worker(make_layers(num_layers=2), chunks=8)
+    closed, reads, dropped = [False], [], []
+
+    def read() -> tuple[bool, float | None]:
+        reads.append(closed[0])
+        return False, None  # the consumer stream has not passed it yet
+
+    w._core.layerwise.meter.later(read, lambda: dropped.append(closed[0]))
+    w.shutdown()
+    closed[0] = True
+    assert w.statistics().layers.stalls == ()
+    assert True not in reads, "a pending sample was read after the worker closed"
+    assert dropped == [False]
+
+
 def test_the_sync_face_blocks_a_layerwise_submit_at_the_bound() -> None:
     w = sync_worker(make_layers(num_layers=2), chunks=8, options={"max_in_flight": 1})
     go = threading.Event()
