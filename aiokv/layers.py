@@ -302,7 +302,11 @@ class Layerwise:
             job._pushed[index] = 1
             self.count("pushed")
             if job._deferred is not None:
-                job._handler.lane.fix(dependency)
+                try:  # pinned now, on this thread: its launch comes from another
+                    job._handler.lane.fix(dependency)
+                except Exception as exc:  # a device failure never raises inside a forward
+                    job._run.fail(index, exc)
+                    return False
                 job._deferred.append((index, dependency))
                 return True
             ok = job._run.push(index, dependency)

@@ -369,6 +369,23 @@ def test_a_store_finished_while_its_last_pushes_wait_for_the_issuer_succeeds() -
     lane.close()
 
 
+def test_a_layer_failed_before_its_push_reached_the_lane_fails_alone() -> None:
+    """A store held behind another could not pin a push's dependency: that layer fails, no
+    call touches its event, and the job ends failed behind the layers it has."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    run.fail(2, CudaCallFailed("injected", 700))
+    assert run.enqueued(2) and run.query(2) and isinstance(run.error(2), CudaCallFailed)
+    assert run.gate(2, CONSUMER, StallMeter()) is False and drv.calls == []
+    for layer in (0, 1, 3):
+        run.push(layer, None)
+    run.finish(None)
+    drv.done.update((*layer_events(run), run.completion._events.stop))
+    assert [run.error(i) is None for i in range(LAYERS)] == [True, True, False, True]
+    assert run.completion.wait(10) and isinstance(run.completion.error, CudaCallFailed)
+
+
 def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False)

@@ -20,6 +20,8 @@ from aiokv import (
     TransferFailed,
     UsageError,
 )
+from aiokv.backends.cpu import CpuLane
+from aiokv.errors import CudaCallFailed
 
 from .conftest import make_layers
 from .test_layers import same_layer, snapshot, sync_worker
@@ -92,6 +94,37 @@ def test_a_layerwise_load_runs_and_reports_in_order_with_plain_loads() -> None:
     w.wait([2, 3, 4])
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True), (3, True), (4, True)]
     assert job.layer_status(LAYERS - 1) is READY
+    w.shutdown()
+
+
+def test_a_push_behind_an_open_store_whose_dependency_fails_returns_false(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push to a store held behind another pins its dependency at once (on CUDA, a
+    record on the caller's stream, which can fail). A failure there must not raise inside
+    the forward: the push returns False, and that layer alone reports failed."""
+    kv = make_layers(num_layers=LAYERS, num_blocks=16, seed=17)
+    before = snapshot(kv)
+    w = sync_worker(kv, chunks=8)
+    a = w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([5]), layerwise=True)
+    b = w.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([6]), layerwise=True)  # held behind A
+
+    def failing_fix(self: CpuLane, dependency: object) -> None:
+        raise CudaCallFailed("cuEventRecord failed (injected)", 700)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CpuLane, "fix", failing_fix)
+        assert b.push(1) is False
+    for layer in (0, 2, 3):
+        assert b.push(layer) is True
+    for layer in range(LAYERS):
+        a.push(layer)
+    w.wait([1, 2])
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, False)]
+    assert [b.layer_status(i) for i in range(LAYERS)] == [READY, FAILED, READY, READY]
+    assert b.failed_blocks() == {2}
+    w.submit_load(3, CPULoadStoreSpec([6]), GPULoadStoreSpec([12]))
+    w.wait([3])
+    assert all(same_layer(kv, layer, [12], [2], before) for layer in (0, 2, 3))
     w.shutdown()
 
 

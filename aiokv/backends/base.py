@@ -230,6 +230,11 @@ class LayerRun(abc.ABC):
         never raises for a device failure."""
         raise InvalidSpec("only a layerwise store takes pushed layers")
 
+    def fail(self, layer: int, error: BaseException) -> None:
+        """A store: the layer was pushed but cannot be enqueued (its dependency could not be
+        taken); it ends failed with ``error``, and so does the job."""
+        raise InvalidSpec("only a layerwise store takes pushed layers")
+
     def finish(self, error: BaseException | None) -> None:
         """A store: no more pushes. Layers never pushed fail with ``error``; the job ends
         behind the layers pushed, and fails if any layer did. Idempotent."""

@@ -264,6 +264,10 @@ class CudaLayerRun(LayerRun):
         lane.last_started_at = time.perf_counter()
         return True
 
+    def fail(self, layer: int, error: BaseException) -> None:
+        self._pushed[layer] = 1
+        self._push_failed(layer, error, None)
+
     def _push_failed(self, layer: int, exc: BaseException, dep: Dependency | None) -> bool:
         if dep is not None and self._drv.broken is None:
             self._drv.give_sync_event(dep.event)
