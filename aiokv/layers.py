@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends.base import Backend, LayerRun, StallMeter
-from .errors import InvalidSpec, UsageError, WorkerBroken, WorkerClosed
+from .errors import InvalidSpec, UsageError, WorkerClosed
 from .handler import Handler, LayerJob
 from .layer_plan import LayerMap, LayerPlan, plan_layers
 from .layout import CanonicalKVCaches
@@ -297,16 +297,17 @@ class Layerwise:
                 return False  # closing: the layer is failed, the job reports it
             try:
                 dependency = self.backend.capture(after)
-            except WorkerBroken:
-                return False
+            except InvalidSpec:
+                raise  # a bad after=: misuse, nothing taken
+            except Exception as exc:  # the device failed: the layer does, never the forward
+                return self._failed_push(job, index, exc)
             job._pushed[index] = 1
             self.count("pushed")
             if job._deferred is not None:
                 try:  # pinned now, on this thread: its launch comes from another
                     job._handler.lane.fix(dependency)
                 except Exception as exc:  # a device failure never raises inside a forward
-                    job._run.fail(index, exc)
-                    return False
+                    return self._failed_push(job, index, exc)
                 job._deferred.append((index, dependency))
                 return True
             ok = job._run.push(index, dependency)
@@ -314,6 +315,16 @@ class Layerwise:
                 job._finish()
                 job._handler.pushed_all(job._job)
             return ok
+
+    def _failed_push(self, job: LayerwiseJob, index: int, error: BaseException) -> bool:
+        """A push whose dependency could not be taken: the layer counts as pushed, failed,
+        so the store still ends once the others are pushed (under the core's lock)."""
+        job._pushed[index] = 1
+        job._run.fail(index, error)
+        if job._deferred is None and all(job._pushed):
+            job._finish()
+            job._handler.pushed_all(job._job)
+        return False
 
     def closed_store(self, job: LayerwiseJob) -> None:
         if job in self._open:
