@@ -346,6 +346,7 @@ class OffloadCore:
                 for job in abandoned:
                     del self._jobs[job.job_id]
             self.settle()  # read what results still lack before the events are destroyed
+            self.layerwise.close()  # and the gates' stall samples
             error = WorkerClosed("the worker closed before this job's copy ended; it was abandoned "
                                  "(its bytes may or may not have moved)")
             for job in abandoned:

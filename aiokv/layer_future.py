@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio.lowlevel
@@ -30,9 +30,12 @@ __all__ = ["LayerWatch", "LayerwiseFuture"]
 
 
 class LayerWatch:
-    """The awaited layers of one async face's jobs (used on its loop thread only)."""
+    """The awaited layers of one async face's jobs (used on its loop thread only).
+    ``wake`` wakes the poller: a nap in progress is armed on its heads' ends only, so a
+    layer awaited from then on would be seen only when the nap ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self._wake = wake
         # Per job with awaited layers, its waiters; empty while none is awaited (the
         # poller tests it on every poll, so a plain dict: no call).
         self.waiting: dict[LayerwiseJob, list[tuple[int, LoopEvent]]] = {}
@@ -43,6 +46,7 @@ class LayerWatch:
     def add(self, job: LayerwiseJob, layer: int) -> LoopEvent:
         event = loop_event()
         self._waiters.setdefault(job, []).append((layer, event))
+        self._wake()
         return event
 
     def remove(self, job: LayerwiseJob, event: LoopEvent) -> None:

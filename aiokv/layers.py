@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends.base import Backend, LayerRun, StallMeter
-from .errors import InvalidSpec, UsageError, WorkerBroken, WorkerClosed
+from .errors import InvalidSpec, UsageError, WorkerClosed
 from .handler import Handler, LayerJob
 from .layer_plan import LayerMap, LayerPlan, plan_layers
 from .layout import CanonicalKVCaches
@@ -46,12 +46,14 @@ class LayerStatistics:
         gates: gates made (``gate``).
         waits: per-layer waits made, blocking (``wait_layer``) or awaited (``layer``).
         failed_layers: layers that ended failed (copies failed, or never pushed).
-        stalls: seconds each consumer waited on a layer after it was due, most recent last
-            (the last 4096): on CUDA a gate's stall on its stream in device time (measured
-            with ``WorkerOptions(layer_stalls=True)``), on the CPU a gate's host time
-            blocked; a wait's host time blocked (or awaited) on either. A layer already
-            done when asked for counts 0.
-        stalls_measured: how many stall samples were taken in all.
+        stalls: seconds each gate's consumer waited on its layer after it was due, most
+            recent last (the last 4096): on CUDA in device time on its stream (measured
+            with ``WorkerOptions(layer_stalls=True)``; without it gates add none), on the
+            CPU the host time the gate blocked. A layer already done counts 0.
+        stalls_measured: how many gate stalls were measured in all.
+        waited: host seconds each wait (``wait_layer``, or an awaited ``layer``) took,
+            most recent last (the last 4096); 0 for a layer already done. Kept apart from
+            ``stalls``: another clock, and a wait may begin long before its layer is due.
     """
 
     jobs: int = 0
@@ -61,6 +63,7 @@ class LayerStatistics:
     failed_layers: int = 0
     stalls: tuple[float, ...] = ()
     stalls_measured: int = 0
+    waited: tuple[float, ...] = ()
 
 
 class LayerwiseJob:
@@ -130,11 +133,11 @@ class LayerwiseJob:
         consumer = owner.backend.consumer(stream)
         owner.count("gates")
         final = self._final[index]
+        run = self._run
         if final is not None:
-            if final is READY:
+            if final is READY and run.measures_gates:
                 owner.meter.add(0.0)
             return final
-        run = self._run
         if run.abandoned is not None:
             return self._settle(index, FAILED)
         if self._store and not run.enqueued(index):
@@ -159,11 +162,11 @@ class LayerwiseJob:
         status = self.layer_status(index)
         if status is not PENDING:
             if status is READY:
-                owner.meter.add(0.0)
+                owner.waited.add(0.0)
             return status
         began = time.perf_counter()
         if self._run.wait(index, timeout):
-            owner.meter.add(time.perf_counter() - began)
+            owner.waited.add(time.perf_counter() - began)
         return self.layer_status(index)
 
     def layer_status(self, layer: int) -> LayerStatus:
@@ -210,11 +213,11 @@ class LayerwiseJob:
         return self._next
 
     def note_wait(self, seconds: float | None) -> None:
-        """Count a wait made elsewhere (an awaited layer) and its stall (None: none, the
-        layer had failed)."""
+        """Count a wait made elsewhere (an awaited layer) and how long it took (None: not
+        kept, the layer had failed)."""
         self._owner.count("waits")
         if seconds is not None:
-            self._owner.meter.add(seconds)
+            self._owner.waited.add(seconds)
 
     def ring_when_done(self, layer: int, bell: Any) -> bool:
         """Have ``bell`` rung when layer ``layer`` ends (False where it cannot be armed)."""
@@ -249,7 +252,8 @@ class Layerwise:
                  lifecycle: Lifecycle) -> None:
         self.map = LayerMap.build(kv, layout)
         self.backend = backend
-        self.meter = StallMeter()
+        self.meter = StallMeter()  # gates' stalls
+        self.waited = StallMeter()  # waits' and awaits' host times
         self._lock = lock
         self._lifecycle = lifecycle
         self._stats_lock = threading.Lock()
@@ -293,12 +297,17 @@ class Layerwise:
                 return False  # closing: the layer is failed, the job reports it
             try:
                 dependency = self.backend.capture(after)
-            except WorkerBroken:
-                return False
+            except InvalidSpec:
+                raise  # a bad after=: misuse, nothing taken
+            except Exception as exc:  # the device failed: the layer does, never the forward
+                return self._failed_push(job, index, exc)
             job._pushed[index] = 1
             self.count("pushed")
             if job._deferred is not None:
-                job._handler.lane.fix(dependency)
+                try:  # pinned now, on this thread: its launch comes from another
+                    job._handler.lane.fix(dependency)
+                except Exception as exc:  # a device failure never raises inside a forward
+                    return self._failed_push(job, index, exc)
                 job._deferred.append((index, dependency))
                 return True
             ok = job._run.push(index, dependency)
@@ -306,6 +315,16 @@ class Layerwise:
                 job._finish()
                 job._handler.pushed_all(job._job)
             return ok
+
+    def _failed_push(self, job: LayerwiseJob, index: int, error: BaseException) -> bool:
+        """A push whose dependency could not be taken: the layer counts as pushed, failed,
+        so the store still ends once the others are pushed (under the core's lock)."""
+        job._pushed[index] = 1
+        job._run.fail(index, error)
+        if job._deferred is None and all(job._pushed):
+            job._finish()
+            job._handler.pushed_all(job._job)
+        return False
 
     def closed_store(self, job: LayerwiseJob) -> None:
         if job in self._open:
@@ -333,6 +352,12 @@ class Layerwise:
             if isinstance(job, LayerJob) and job.run is not None:
                 job.run.abandon(error)
 
+    def close(self) -> None:
+        """The worker is closing: read the stall samples that are ready, let go of the rest
+        (their events belong to the backend, which goes next)."""
+        self.meter.collect()
+        self.meter.close()
+
     def settle(self, job: LayerwiseJob, index: int, status: LayerStatus) -> LayerStatus:
         """Make a layer's status final (the first one found wins)."""
         with self._stats_lock:
@@ -352,4 +377,5 @@ class Layerwise:
         meter.collect()
         with self._stats_lock:
             counts = dict(self._counts)
-        return LayerStatistics(stalls=tuple(meter.samples), stalls_measured=meter.count, **counts)
+        return LayerStatistics(stalls=tuple(meter.samples), stalls_measured=meter.count,
+                               waited=tuple(self.waited.samples), **counts)

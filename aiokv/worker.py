@@ -84,7 +84,7 @@ class AsyncOffloadingWorker(WorkerFacts):
         self._bell: Doorbell | None = None
         # Per head job asked to ring the bell: True if it will, None if it cannot.
         self._armed: dict[Job, bool | None] = {}
-        self._watch = LayerWatch()  # awaited layers of layerwise jobs
+        self._watch = LayerWatch(self._wake_poller)  # awaited layers of layerwise jobs
         # Set when a poll finished jobs, for tasks in ``wait_for_room``.
         self._room: LoopEvent | None = None
         self._loop_thread: int | None = None
@@ -217,6 +217,10 @@ class AsyncOffloadingWorker(WorkerFacts):
                 self._room = loop_event()
             await self._room.wait()
             self._lifecycle.check_open()
+
+    def _wake_poller(self) -> None:
+        if self._poller is not None:
+            self._poller.wake()
 
     def _complete_finished(self) -> int:
         done = self._core.poll()

@@ -21,8 +21,11 @@ from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.lane import CudaLane, Dependency
 from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.errors import CudaCallFailed, InvalidSpec
+from aiokv.handler import Handler
 from aiokv.layer_plan import LayerMap, LayerPlan, plan_layers
+from aiokv.layers import Layerwise
 from aiokv.layout import CanonicalKVCaches
+from aiokv.lifecycle import Lifecycle
 from aiokv.plan import HostLayout, map_blocks
 from aiokv.specs import Direction
 
@@ -31,6 +34,9 @@ from .sim_device import SimDriver
 from .test_cuda_lane import hold
 
 native_only = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+# The fake driver is served through the helper's table on both paths, so every test here
+# needs the helper built.
+pytestmark = native_only
 
 MAIN, CONSUMER = 0x40, 0x77
 LAYERS, BLOCKS, PAGE = 4, 16, 256
@@ -189,7 +195,6 @@ def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
     assert all(run.enqueued(i) for i in range(LAYERS))
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
 def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
@@ -206,7 +211,6 @@ def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
 # -- gates --------------------------------------------------------------------------------------
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
 @pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
 def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool) -> None:
     drv = LogDriver()
@@ -219,14 +223,35 @@ def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool
     assert drv.of("wait") == [("wait", CONSUMER, events[2])]
     assert [c for c in drv.calls if c[0] not in ("query", "wait")] == []
     assert meter.count == 0  # a device wait: measured only with layer_stalls
-    # A layer already done: no wait at all, a stall of 0.
+    # A layer already done: no wait at all, and no sample either (unmeasured gates that
+    # found their layer done would be the only samples: a stall figure of zeros).
     drv.done.add(events[0])
     drv.calls.clear()
     assert run.gate(0, CONSUMER, meter) is True
-    assert drv.of("wait") == [] and meter.count == 1 and list(meter.samples) == [0.0]
+    assert drv.of("wait") == [] and meter.count == 0
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
+@pytest.mark.parametrize("measure", [False, True])
+def test_gates_add_stall_samples_only_where_stalls_are_measured(measure: bool) -> None:
+    """Through the core's handle: a gate that waits on the device, then two on a layer found
+    done (by the run, then by its final status). Unmeasured, none adds a sample; measured,
+    each does (the wait once the consumer stream passed it, the done ones as 0)."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=measure)
+    layers = Layerwise(KV, HostLayout.build(KV, 1), SimpleNamespace(consumer=lambda stream: CONSUMER),  # type: ignore[arg-type]
+                       threading.Lock(), Lifecycle())
+    job = layers.submit(Handler(Direction.LOAD, lane), 7, kv_plan(False, [1, 2], [3, 4])[0], None)
+    events = layer_events(job._run)
+    assert job.gate(1) and drv.of("wait") == [("wait", CONSUMER, events[1])]
+    drv.done.update(c[1] for c in drv.calls if c[0] == "record" and c[2] == CONSUMER)  # passed
+    drv.done.add(events[0])
+    assert job.gate(0) and job.layer_status(0) and job.gate(0)
+    stats = layers.statistics()
+    assert stats.gates == 3
+    assert sorted(stats.stalls) == ([0.0, 0.0, 2.5e-3] if measure else [])
+    assert stats.stalls_measured == (3 if measure else 0)
+
+
 def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_stream() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=True)
@@ -245,7 +270,6 @@ def test_a_measured_gate_brackets_its_wait_with_two_events_on_the_consumer_strea
     assert list(meter.samples) == [2.5e-3] and {r0[1], r1[1]} <= set(drv.given)  # read, then pooled
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
 def test_a_gate_on_a_load_still_with_the_issuer_waits_for_its_record() -> None:
     """The issuer thread holds earlier work: the layer's event is not recorded yet, so the
     gate blocks rather than wait on it (a wait on an unrecorded event passes at once)."""
@@ -300,7 +324,6 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
     assert run.completion.query() and run.completion.error is None
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
 def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
@@ -325,7 +348,47 @@ def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
         lane.close()
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
+def test_a_store_finished_while_its_last_pushes_wait_for_the_issuer_succeeds() -> None:
+    """Every layer pushed, the last ones still queued on the issuer thread when the store
+    ends: those layers were pushed, so they are not failed, and neither is the job."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False, issue_thread=True)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    run.push(0, None)
+    run.push(1, None)
+    gate = hold(lane)  # the issuer is busy (a long job before them)
+    try:
+        run.push(2, None)
+        run.push(3, None)
+        run.finish(None)  # what the core does once every layer is pushed
+        assert not run.query(3), "a pushed layer still with the issuer reads as over"
+    finally:
+        gate.set()
+    assert lane.issuer is not None and lane.issuer.drain(10)
+    events = layer_events(run)
+    drv.done.update((*events, run.completion._events.stop))
+    assert all(run.query(i) and run.error(i) is None for i in range(LAYERS))
+    assert run.completion.wait(10) and run.completion.error is None
+    lane.close()
+
+
+def test_a_layer_failed_before_its_push_reached_the_lane_fails_alone() -> None:
+    """A store held behind another could not pin a push's dependency: that layer fails, no
+    call touches its event, and the job ends failed behind the layers it has."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    run.fail(2, CudaCallFailed("injected", 700))
+    assert run.enqueued(2) and run.query(2) and isinstance(run.error(2), CudaCallFailed)
+    assert run.gate(2, CONSUMER, StallMeter()) is False and drv.calls == []
+    for layer in (0, 1, 3):
+        run.push(layer, None)
+    run.finish(None)
+    drv.done.update((*layer_events(run), run.completion._events.stop))
+    assert [run.error(i) is None for i in range(LAYERS)] == [True, True, False, True]
+    assert run.completion.wait(10) and isinstance(run.completion.error, CudaCallFailed)
+
+
 def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     drv = LogDriver()
     lane, _ = make_lane(Direction.STORE, drv, recorded=False)
@@ -341,7 +404,6 @@ def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
 # -- failures ------------------------------------------------------------------------------------------
 
 
-@native_only  # the fake driver is served through the helper's table, on both paths
 @pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
 def test_a_load_that_fails_part_way_fails_only_the_layers_not_reached(recorded: bool) -> None:
     drv = LogDriver()

@@ -20,6 +20,8 @@ from aiokv import (
     TransferFailed,
     UsageError,
 )
+from aiokv.backends.cpu import CpuBackend, CpuLane
+from aiokv.errors import CudaCallFailed, WorkerBroken
 
 from .conftest import make_layers
 from .test_layers import same_layer, snapshot, sync_worker
@@ -92,6 +94,69 @@ def test_a_layerwise_load_runs_and_reports_in_order_with_plain_loads() -> None:
     w.wait([2, 3, 4])
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, True), (3, True), (4, True)]
     assert job.layer_status(LAYERS - 1) is READY
+    w.shutdown()
+
+
+def test_a_push_behind_an_open_store_whose_dependency_fails_returns_false(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push to a store held behind another pins its dependency at once (on CUDA, a
+    record on the caller's stream, which can fail). A failure there must not raise inside
+    the forward: the push returns False, and that layer alone reports failed."""
+    kv = make_layers(num_layers=LAYERS, num_blocks=16, seed=17)
+    before = snapshot(kv)
+    w = sync_worker(kv, chunks=8)
+    a = w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([5]), layerwise=True)
+    b = w.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([6]), layerwise=True)  # held behind A
+
+    def failing_fix(self: CpuLane, dependency: object) -> None:
+        raise CudaCallFailed("cuEventRecord failed (injected)", 700)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CpuLane, "fix", failing_fix)
+        assert b.push(1) is False
+    for layer in (0, 2, 3):
+        assert b.push(layer) is True
+    for layer in range(LAYERS):
+        a.push(layer)
+    w.wait([1, 2])
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True), (2, False)]
+    assert [b.layer_status(i) for i in range(LAYERS)] == [READY, FAILED, READY, READY]
+    assert b.failed_blocks() == {2}
+    w.submit_load(3, CPULoadStoreSpec([6]), GPULoadStoreSpec([12]))
+    w.wait([3])
+    assert all(same_layer(kv, layer, [12], [2], before) for layer in (0, 2, 3))
+    w.shutdown()
+
+
+@pytest.mark.parametrize("error", [WorkerBroken("the device failed (injected)"),
+                                   CudaCallFailed("cuEventCreate failed (injected)", 2)])
+def test_a_push_whose_dependency_cannot_be_taken_fails_its_layer(
+        monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """Taking a push's dependency can fail on the device (CUDA: no event, or a dead
+    context). The push returns False, never raises, and the layer counts as pushed and
+    failed: the store ends once the rest are pushed, and the store held behind it goes."""
+    kv = make_layers(num_layers=LAYERS, num_blocks=16, seed=18)
+    w = sync_worker(kv, chunks=8)
+    a = w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([5]), layerwise=True)
+    w.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([6]))  # held behind A
+    capture = CpuBackend.capture
+
+    def failing(self: CpuBackend, after: object) -> object:
+        raise error
+
+    monkeypatch.setattr(CpuBackend, "capture", failing)
+    assert a.push(0) is False
+    monkeypatch.setattr(CpuBackend, "capture", capture)
+    for layer in range(1, LAYERS):
+        assert a.push(layer) is True
+    results: list[tuple[int, bool]] = []
+    deadline = time.monotonic() + 10
+    while len(results) < 2 and time.monotonic() < deadline:
+        results += [(r.job_id, r.success) for r in w.get_finished()]
+        time.sleep(0.005)
+    assert results == [(1, False), (2, True)], "the store short of a failed push held the next one"
+    assert [a.layer_status(i) for i in range(LAYERS)] == [FAILED, READY, READY, READY]
+    assert a.failed_blocks() == {1}
     w.shutdown()
 
 

@@ -188,6 +188,10 @@ class LayerRun(abc.ABC):
     num_layers: int
     # Set when the worker abandoned the job at close: layers not known done then failed.
     abandoned: BaseException | None = None
+    # Whether a gate's stall is measured (CUDA: only with ``layer_stalls``). Where it is
+    # not, a gate adds no sample at all: zeros from layers found done, and nothing from
+    # the gates that did wait, would read as no stall.
+    measures_gates: bool = True
 
     @abc.abstractmethod
     def query(self, layer: int) -> bool:
@@ -211,7 +215,8 @@ class LayerRun(abc.ABC):
     def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
         """Make the consumer wait for the layer: on CUDA its stream waits on the layer's
         event (no host block), on the CPU the calling thread blocks until the layer is
-        done. Adds the stall to ``meter``. False when the layer failed (nothing waits);
+        done. Adds the stall to ``meter`` (where ``measures_gates``). False when the layer
+        failed (nothing waits);
         never raises for a failure. Only called once ``enqueued(layer)`` (or, for a load,
         while its enqueue is still to come)."""
 
@@ -223,6 +228,11 @@ class LayerRun(abc.ABC):
         """A store: enqueue the layer's copies behind ``dependency`` (captured by
         ``Backend.capture``). False when that failed (the layer then reports the error);
         never raises for a device failure."""
+        raise InvalidSpec("only a layerwise store takes pushed layers")
+
+    def fail(self, layer: int, error: BaseException) -> None:
+        """A store: the layer was pushed but cannot be enqueued (its dependency could not be
+        taken); it ends failed with ``error``, and so does the job."""
         raise InvalidSpec("only a layerwise store takes pushed layers")
 
     def finish(self, error: BaseException | None) -> None:

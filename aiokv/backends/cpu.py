@@ -139,6 +139,10 @@ class CpuLayerRun(LayerRun):
         self._put(layer, dependency)
         return True
 
+    def fail(self, layer: int, error: BaseException) -> None:
+        self._queued[layer] = 1  # nothing to queue: it ends here, before the job's end
+        self.layers[layer]._finish(error, None)
+
     def finish(self, error: BaseException | None) -> None:
         if self._finished:
             return

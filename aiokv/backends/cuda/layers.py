@@ -85,6 +85,7 @@ class CudaLayerRun(LayerRun):
         self._lane = lane
         self._drv: Driver = drv
         self._store = store
+        self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
         self._bounds = plan.bounds
         self._pointers = lane.pointers(plan)  # host work, before anything is taken
@@ -263,6 +264,10 @@ class CudaLayerRun(LayerRun):
         lane.last_started_at = time.perf_counter()
         return True
 
+    def fail(self, layer: int, error: BaseException) -> None:
+        self._pushed[layer] = 1
+        self._push_failed(layer, error, None)
+
     def _push_failed(self, layer: int, exc: BaseException, dep: Dependency | None) -> bool:
         if dep is not None and self._drv.broken is None:
             self._drv.give_sync_event(dep.event)
@@ -277,7 +282,9 @@ class CudaLayerRun(LayerRun):
         self._finished = True
         with self._changed:
             for i in range(self.num_layers):
-                if not self._recorded[i] and self._errors[i] is None:
+                # Not "not recorded": a push still queued on the issuer thread is recorded
+                # after this, and before the end ``_end_store`` records behind it.
+                if not self._pushed[i] and self._errors[i] is None:
                     self._errors[i] = error or WorkerClosed("the store ended before this layer was pushed")
             self._changed.notify_all()
         issuer = self._lane.issuer
@@ -373,13 +380,15 @@ class CudaLayerRun(LayerRun):
         drv = self._drv
         with self._lock:
             if self._seen[layer] or self._over:
-                meter.add(0.0)
+                if self.measures_gates:
+                    meter.add(0.0)
                 return self.error(layer) is None
             try:
                 drv.ensure_context()
                 if drv.query(self._events[layer]):
                     self._seen[layer] = 1
-                    meter.add(0.0)
+                    if self.measures_gates:
+                        meter.add(0.0)
                     return True
                 pair = drv.take_job_events() if self._lane.measure_stalls else None
                 if pair is not None:
