@@ -18,16 +18,17 @@ from .workload import Workload, reuse_distances
 
 __all__ = ["ARMS", "MODES", "ServeConfig"]
 
-ARMS = ("recompute", "gpu", "host", "disk", "oracle")
-"""Every arm, in the order they run (the oracle mirrors the deepest tiered arm before it)."""
+ARMS = ("recompute", "gpu", "host", "layerwise", "disk", "oracle")
+"""Every arm (the oracle mirrors the deepest caching arm of the run)."""
 MODES = ("trace", "prefix", "correctness")
 
 ARM_TEXT = {
     "recompute": "no reuse: every prompt is prefilled whole",
     "gpu": "GPU prefix cache only",
     "host": "GPU prefix cache + host tier (OffloadCache)",
+    "layerwise": "GPU prefix cache + host pool restored with layerwise loads (the forward gates each layer)",
     "disk": "GPU prefix cache + host tier + disk tier (OffloadCache, DiskTier)",
-    "oracle": "the same hits as the tiered arm, moved in zero time",
+    "oracle": "the same hits as the mirrored arm, moved in zero time",
 }
 
 
@@ -57,6 +58,7 @@ class ServeConfig:
     tier_dir: str | None = None
     policy: str | None = None
     arms: tuple[str, ...] = ARMS
+    segments: int = 4
     decode_tokens: int = 16
     seed: int = 0
     loop: str = "asyncio"
@@ -91,11 +93,16 @@ class ServeConfig:
         """Pool sizes not given, from the workload's reuse distances (``reuse_distances``):
         the GPU pool holds what is reused soonest (15% of the reuse), the host what is
         reused within the median distance, the disk 95% of it; each within its memory
-        budget (``_budgets``) and the GPU pool never below the largest request."""
+        budget (``_budgets``, shared by the arms open at once: each caching arm has a GPU
+        pool of its own, recompute and the oracle share one, and each tiered arm pins a
+        host pool) and the GPU pool never below the largest request."""
         need = workload.max_blocks() + 16
         dist = reuse_distances(workload)
         q = np.percentile(dist, [15, 50, 95]) if dist.size else np.array([0.0, 0.0, 0.0])
-        gpu_cap, host_cap, disk_cap = (b // block_bytes for b in self._budgets(block_bytes))
+        gpu_pools = len(self.kv_owners())
+        host_pools = max(1, sum(a in ("host", "layerwise", "disk") for a in self.arms))
+        gpu_cap, host_cap, disk_cap = (b // block_bytes // n for b, n in
+                                       zip(self._budgets(block_bytes), (gpu_pools, host_pools, 1)))
         if self.gpu_blocks is None:
             self.gpu_blocks = max(need, min(gpu_cap, int(q[0]) + need))
         if self.host_blocks is None:
@@ -135,8 +142,10 @@ class ServeConfig:
         if self.model == "llama3-8b" and self.backend != "cuda":
             raise ValueError("the llama3-8b shape runs on CUDA (its float32 weights alone would "
                              "take 30 GB here); the CPU backend runs --model tiny")
-        if "oracle" in self.arms and not {"gpu", "host", "disk"} & set(self.arms):
-            raise ValueError("the oracle mirrors a caching arm: add gpu, host or disk to --arms")
+        if "oracle" in self.arms and not {"gpu", "host", "layerwise", "disk"} & set(self.arms):
+            raise ValueError("the oracle mirrors a caching arm: add gpu, host, layerwise or disk to --arms")
+        if self.segments < 1:
+            raise ValueError(f"--segments must be >= 1, got {self.segments}")
         if self.compress is not None and not self.compress > 0:
             raise ValueError(f"--compress must be > 0, got {self.compress}")
         if not 0 < self.load <= 4:
@@ -156,9 +165,35 @@ class ServeConfig:
     def ordered_arms(self) -> list[str]:
         return [a for a in ARMS if a in self.arms]
 
+    def kv_owners(self) -> list[str]:
+        """The arms that get a GPU KV pool of their own: every caching arm, and recompute
+        (or the oracle) for both of them, as neither keeps anything between requests."""
+        owners = [a for a in self.ordered_arms() if a in ("gpu", "host", "layerwise", "disk")]
+        shared = [a for a in ("recompute", "oracle") if a in self.arms]
+        return shared[:1] + owners
+
+    def turns(self, segment: int) -> list[str]:
+        """The order the arms serve segment ``segment`` in: rotated from one segment to the
+        next, so no arm always runs first or after the same one, and each arm that is
+        compared with another request by request runs right after it (the oracle after
+        the arm it mirrors, layerwise after host), under the same machine load."""
+        mirrored = self.mirrored_arm()
+        units: list[list[str]] = []
+        for arm in self.ordered_arms():
+            if arm == "oracle" or (arm == "layerwise" and "host" in self.arms):
+                continue
+            unit = [arm]
+            if arm == "host" and "layerwise" in self.arms:
+                unit.append("layerwise")
+            if arm == mirrored and "oracle" in self.arms:
+                unit.append("oracle")
+            units.append(unit)
+        k = segment % len(units)
+        return [a for unit in units[k:] + units[:k] for a in unit]
+
     def mirrored_arm(self) -> str | None:
         """The arm whose hits the oracle takes: the deepest caching arm of the run."""
-        for name in ("disk", "host", "gpu"):
+        for name in ("disk", "host", "layerwise", "gpu"):
             if name in self.arms:
                 return name
         return None
