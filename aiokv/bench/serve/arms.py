@@ -13,6 +13,7 @@ disk arm's worker has ``staging_blocks`` more, which its cache keeps aside for t
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -97,10 +98,11 @@ async def open_arms(cfg: ServeConfig, model: LlamaModel, kv: dict[str, list[torc
     assert cfg.gpu_blocks is not None and cfg.host_blocks is not None
     assert cfg.disk_blocks is not None and cfg.staging_blocks is not None
     arms: dict[str, Arm] = {}
+    epoch = time.perf_counter()
     for name in cfg.ordered_arms():
         pool = BlockPool(cfg.gpu_blocks, caching=name in CACHING)
         server = Server(model, kv[name], device, pool, progress=progress,
-                        oracle={} if name == "oracle" else None)
+                        oracle={} if name == "oracle" else None, epoch=epoch)
         arm = arms[name] = Arm(name, server)
         if name not in ("host", "layerwise", "disk"):
             continue

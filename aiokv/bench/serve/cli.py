@@ -49,7 +49,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="serve: arms to run, of recompute,gpu,host,layerwise,disk,oracle (default all)")
     g.add_argument("--segments", type=int,
                    help="serve: the measured requests are served in this many segments, every arm "
-                        "taking its turn on each (default 4)")
+                        "taking its turn on each (default: one per 25 requests)")
     g.add_argument("--decode-tokens", type=int, help="serve: tokens the correctness check decodes")
     g.add_argument("--seed", type=int, help="serve: seed of the weights and the tokens")
 

@@ -21,6 +21,9 @@ __all__ = ["ARMS", "MODES", "ServeConfig"]
 ARMS = ("recompute", "gpu", "host", "layerwise", "disk", "oracle")
 """Every arm (the oracle mirrors the deepest caching arm of the run)."""
 MODES = ("trace", "prefix", "correctness")
+SEGMENT_REQUESTS = 25
+"""Measured requests per segment by default: short turns pair the arms closely in time,
+long ones lose less to each segment starting with an empty queue."""
 
 ARM_TEXT = {
     "recompute": "no reuse: every prompt is prefilled whole",
@@ -58,7 +61,7 @@ class ServeConfig:
     tier_dir: str | None = None
     policy: str | None = None
     arms: tuple[str, ...] = ARMS
-    segments: int = 4
+    segments: int | None = None  # None: one per SEGMENT_REQUESTS measured requests
     decode_tokens: int = 16
     seed: int = 0
     loop: str = "asyncio"
@@ -144,7 +147,7 @@ class ServeConfig:
                              "take 30 GB here); the CPU backend runs --model tiny")
         if "oracle" in self.arms and not {"gpu", "host", "layerwise", "disk"} & set(self.arms):
             raise ValueError("the oracle mirrors a caching arm: add gpu, host, layerwise or disk to --arms")
-        if self.segments < 1:
+        if self.segments is not None and self.segments < 1:
             raise ValueError(f"--segments must be >= 1, got {self.segments}")
         if self.compress is not None and not self.compress > 0:
             raise ValueError(f"--compress must be > 0, got {self.compress}")
@@ -161,6 +164,9 @@ class ServeConfig:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if self.tier_dir is not None and not os.path.isdir(self.tier_dir):
             raise ValueError(f"--tier-dir {self.tier_dir} is not a folder")
+
+    def segment_count(self, measured: int) -> int:
+        return self.segments or max(1, round(measured / SEGMENT_REQUESTS))
 
     def ordered_arms(self) -> list[str]:
         return [a for a in ARMS if a in self.arms]

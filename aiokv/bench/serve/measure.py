@@ -120,7 +120,7 @@ class PrefillFit:
                 max_tokens: int, num_blocks: int, reps: int = 3) -> PrefillFit:
         """Time prefills of a few lengths up to ``max_tokens`` (the median of ``reps``
         after a warm-up run, which also loads kernels before anything is timed: a best
-        case would understate the load the compression offers)."""
+        case would understate the load the compression offers on a busy host)."""
         top = max(16, min(max_tokens, num_blocks * 16))
         lengths = sorted({int(x) for x in np.geomspace(16, top, 6)})
         table = list(range(-(-top // 16)))

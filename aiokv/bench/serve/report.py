@@ -117,6 +117,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
         "prefill_ms": _ms([s.prefill_s for s in served]), "busy_ms": _ms([s.busy for s in served]),
         "load_ms": _ms([s.load_s for s in served]), "stall_ms": _ms([s.stall_s for s in served]),
         "segment": [s.segment for s in served], "arrival_ms": _ms([s.arrival for s in served]),
+        "wall_s": [s.wall for s in served],
         "tokens": [[s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed] for s in served]})
     rows[0].note = f"n={len(served)}; ceiling column: this arm's lower bound"
     for cls in HIT_CLASSES:

@@ -114,7 +114,7 @@ async def _serve_arms(cfg: ServeConfig, workload: Workload, arms: dict[str, Arm]
         if arm.warms and workload.warm:
             say(f"arm {arm.name}: warming its caches with {len(workload.warm)} requests")
             await arm.server.warm(workload.warm)
-    segments = workload.segments(cfg.segments)
+    segments = workload.segments(cfg.segment_count(len(workload.measured)))
     for k, requests in enumerate(segments):
         t0 = time.perf_counter()
         p50 = []
@@ -128,7 +128,7 @@ async def _serve_arms(cfg: ServeConfig, workload: Workload, arms: dict[str, Arm]
             arm.served += served
             p50.append(f"{name} {np.median([s.ttft for s in served]) * 1e3:.1f}")
         say(f"segment {k + 1}/{len(segments)} ({len(requests)} requests, {time.perf_counter() - t0:.1f} s): "
-            f"TTFT p50 ms " + ", ".join(p50))
+            "TTFT p50 ms " + ", ".join(p50))
 
 
 async def _check(cfg: ServeConfig, model: LlamaModel, kv: list[torch.Tensor], device: Device,

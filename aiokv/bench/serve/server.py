@@ -56,6 +56,7 @@ class Served:
     segment: int = 0
     stall_s: float = 0.0  # of prefill_s, waiting on layerwise loads' layers
     recomputed: int = 0  # tokens restored by a load that failed, then computed
+    wall: float = 0.0  # when its service began, in seconds since the arms opened
 
     @property
     def compute_s(self) -> float:
@@ -101,6 +102,7 @@ class Server:
     oracle: dict[int, tuple[int, int, int]] | None = None
     progress: Callable[[str], None] = lambda _msg: None
     stalls: list[float] = field(default_factory=list)
+    epoch: float = field(default_factory=time.perf_counter)
     _offloads: int = field(default=0, init=False)
     _clock0: float = field(default=0.0, init=False)
 
@@ -113,6 +115,7 @@ class Server:
                 if i % 100 == 99:
                     self.progress(f"  warm-up {i + 1}/{len(requests)}")
             await self._settle()
+        self.stalls.clear()  # the measured requests' only
 
     async def serve(self, requests: Sequence[ServeRequest], segment: int = 0) -> list[Served]:
         """Replay ``requests`` on the clock from the first one's arrival, then settle."""
@@ -150,7 +153,7 @@ class Server:
 
     async def _serve(self, req: ServeRequest, tg: anyio.abc.TaskGroup, *, arrival: float,
                      segment: int = 0) -> Served:
-        start = self._now()
+        start, wall = self._now(), time.perf_counter() - self.epoch
         pool, n = self.pool, req.cacheable_blocks
         gpu = pool.match(req.keys[:n])
         reused: list[int] = []
@@ -190,7 +193,8 @@ class Server:
         return Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
                       gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
                       disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
-                      segment=segment, stall_s=min(sum(got.stalls), prefill_s), recomputed=recomputed)
+                      segment=segment, stall_s=min(sum(got.stalls), prefill_s), recomputed=recomputed,
+                      wall=wall)
 
     async def _offload(self, keys: list[int], blocks: list[int]) -> None:
         try:
