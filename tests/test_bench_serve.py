@@ -353,10 +353,18 @@ class _FailingLoad(Source):
         return len(keys)
 
     async def restore(self, keys, blocks):  # type: ignore[no-untyped-def]
+        restored = Restored(len(keys), take_stalls=lambda: [0.0, 0.0])
+
+        def gate(i: int) -> bool:
+            self.gated.append(i)
+            restored.failed = True
+            return False
+
         async def end() -> bool:
             return False
 
-        return Restored(len(keys), gate=self.gated.append, end=end, stalls=[0.0])
+        restored.gate, restored.end = gate, end
+        return restored
 
     async def offload(self, keys, blocks) -> None:  # type: ignore[no-untyped-def]
         await anyio.lowlevel.checkpoint()
@@ -402,11 +410,12 @@ async def test_layerwise_source_restores_the_exact_bytes_layer_by_layer() -> Non
             layer[:, dst] = -1.0
         got = await source.restore(keys, dst)
         assert got.host == 4 and got.gate is not None and got.end is not None
-        assert source.manager.stats().pinned_keys == 4
+        assert got.take_stalls is not None and source.manager.stats().pinned_keys == 4
         gated = await anyio.to_thread.run_sync(lambda: [bool(got.gate(i)) for i in range(3)])  # type: ignore[misc]
-        assert gated == [True] * 3
-        assert await got.end()
-        assert len(got.stalls) == 3 and all(s >= 0 for s in got.stalls) and got.load_s > 0
+        assert gated == [True] * 3 and not got.failed
+        stalls = got.take_stalls()
+        assert len(stalls) == 3 and all(s >= 0 for s in stalls)
+        assert await got.end() and got.load_s > 0
         for layer in kv:
             assert torch.equal(layer[:, dst], layer[:, src])
         assert source.manager.stats().pinned_keys == 0

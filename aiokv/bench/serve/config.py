@@ -119,9 +119,9 @@ class ServeConfig:
                              f"({need - 16} blocks of 16 tokens); give more or lower --max-tokens")
 
     def _budgets(self, block_bytes: int) -> tuple[int, int, int]:
-        """Bytes the GPU pool, the host pool and the disk tier may take by default: half the
-        device memory left after the weights, a third of the host's memory (pinned), half
-        the free space where the disk tier writes."""
+        """Bytes the GPU pools, the host pools and the disk tier may take by default, all
+        arms together: half the device memory left after the weights, half the host's
+        memory (pinned), half the free space where the disk tier writes."""
         if self.backend == "cuda":
             gpu = torch.cuda.mem_get_info()[0] // 2
         else:
@@ -131,7 +131,7 @@ class ServeConfig:
         except (ValueError, OSError, AttributeError):
             ram = 8 << 30
         disk = shutil.disk_usage(self.tier_dir or tempfile.gettempdir()).free // 2
-        return gpu, ram // 3, disk
+        return gpu, ram // 2, disk
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is allocated."""

@@ -157,14 +157,22 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
 
 def _stall_rows(section: str, arm: ArmResult) -> list[BenchRow]:
     """How long the forward waited on a layer after it was due (per gate) and per request."""
+    rows = []
+    late = sum(s.late_failure for s in arm.served)
+    recomputed = [s for s in arm.served if s.recomputed]
+    if late or recomputed:
+        rows.append(BenchRow(section, "layerwise loads that failed", float(late + len(recomputed)), "loads",
+                             note=f"{len(recomputed)} failed at a gate (their tokens recomputed); "
+                                  f"{late} after their gates passed: THOSE OUTPUTS READ WRONG BYTES",
+                             failed=late > 0))
     if not arm.stalls:
-        return []
+        return rows
     us = [v * 1e6 for v in arm.stalls]
     p50, p99 = (float(np.percentile(us, q)) for q in (50, 99))
     loaded = [s for s in arm.served if s.host_tokens]
     per_req = percentiles(_ms([s.stall_s for s in loaded]), (50, 99))
     share = sum(s.stall_s for s in loaded) / max(1e-12, sum(s.prefill_s for s in loaded))
-    return [BenchRow(section, "layer stall p50", p50, "us",
+    return rows + [BenchRow(section, "layer stall p50", p50, "us",
                      note=f"{len(us)} gates; waited on a layer after it was due "
                           f"(statistics().layers: device time on CUDA, host time blocked on the CPU)",
                      extra={"stalls_us": us}),

@@ -57,6 +57,7 @@ class Served:
     stall_s: float = 0.0  # of prefill_s, waiting on layerwise loads' layers
     recomputed: int = 0  # tokens restored by a load that failed, then computed
     wall: float = 0.0  # when its service began, in seconds since the arms opened
+    late_failure: bool = False  # a layerwise load failed after the forward had read it
 
     @property
     def compute_s(self) -> float:
@@ -174,15 +175,17 @@ class Server:
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
         token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv,
                                                      gate=got.gate)
+        stalls = got.take_stalls() if got.take_stalls is not None else []
         recomputed = 0
-        if got.end is not None and not await got.end():
-            # A layer failed: what the prefill read from it is wrong. Compute those tokens.
+        if got.failed:  # a layer failed under the forward: what it read there is wrong
+            if got.end is not None:
+                await got.end()
             recomputed, begin = got.host * BLOCK_TOKENS, len(gpu) * BLOCK_TOKENS
             got.host = 0
             token, again = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
             prefill_s += again
-        self.stalls += got.stalls
-        first = self._now()
+        first = self._now()  # the gates passed: the first token needs nothing more of the load
+        self.stalls += stalls
         full = len(req.keys)
         pool.register(req.keys, table[:full])
         if self.source is not None and full:
@@ -190,11 +193,22 @@ class Server:
             self._offloads += 1
             tg.start_soon(self._offload, req.keys, table[:full])
         pool.release(table)
-        return Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
-                      gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
-                      disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
-                      segment=segment, stall_s=min(sum(got.stalls), prefill_s), recomputed=recomputed,
-                      wall=wall)
+        served = Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
+                        gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
+                        disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
+                        segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
+                        wall=wall)
+        if got.end is not None and not got.failed:
+            tg.start_soon(self._end_load, got, served)
+        return served
+
+    async def _end_load(self, got: Restored, served: Served) -> None:
+        """A layerwise load's end, off the first token's path: its copy time, and whether a
+        layer failed after its gate passed (on CUDA a copy can fail after the wait was
+        enqueued: that request's output was computed from wrong bytes)."""
+        ok = await got.end()  # type: ignore[misc]
+        served.load_s = got.load_s
+        served.late_failure = not ok
 
     async def _offload(self, keys: list[int], blocks: list[int]) -> None:
         try:

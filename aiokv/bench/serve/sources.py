@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...cache import ChunkManager
 from ...cache.offload import DEFAULT_POLICY, OffloadCache
@@ -31,16 +31,20 @@ __all__ = ["CacheSource", "LayerwiseSource", "Restored", "Source"]
 class Restored:
     """One restore: blocks that came from the host and from a tier, and its seconds: the
     wall time of ``OffloadCache.restore``, or a layerwise load's copy time (its wall time
-    runs on beside the prefill). A layerwise restore also has the prefill's ``gate`` and
-    ``end``, awaited after the prefill: True if every layer landed; it fills in ``load_s``
-    and ``stalls`` (seconds the forward waited on each layer after it was due)."""
+    runs on beside the prefill).
+
+    A layerwise restore also has the prefill's ``gate``, which sets ``failed`` when a layer
+    failed (the prefill then read wrong bytes); ``take_stalls``, called right after the
+    prefill, gives the seconds the forward waited on each layer after it was due; ``end``
+    awaits the job and fills in ``load_s``: True if every layer landed."""
 
     host: int
     disk: int = 0
     load_s: float = 0.0
     gate: Callable[[int], object] | None = None
+    failed: bool = False
+    take_stalls: Callable[[], list[float]] | None = None
     end: Callable[[], Awaitable[bool]] | None = None
-    stalls: list[float] = field(default_factory=list)
 
 
 class Source:
@@ -110,20 +114,24 @@ class LayerwiseSource(Source):
         mgr.touch(pinned)
         fut.add_done_callback(lambda _f: mgr.complete_load(pinned))
         self._track(fut)
-        restored = Restored(len(pinned), gate=lambda i: fut.gate(i) is LayerStatus.READY)
+        restored = Restored(len(pinned), take_stalls=self.new_stalls)
+
+        def gate(layer: int) -> bool:  # on the model's thread
+            ready = fut.gate(layer) is LayerStatus.READY
+            if not ready:
+                restored.failed = True
+            return ready
 
         async def end() -> bool:
-            wall = time.perf_counter() - t0
             try:
                 result = await fut
             except TransferFailed:
-                result = None
-            restored.stalls = self.new_stalls()
+                return False
             # Its wall time runs on beside the prefill: the load's own is its copy time.
-            restored.load_s = (result.transfer_time if result is not None else None) or wall
-            return result is not None and result.success
+            restored.load_s = result.transfer_time or time.perf_counter() - t0
+            return result.success
 
-        restored.end = end
+        restored.gate, restored.end = gate, end
         return restored
 
     def new_stalls(self) -> list[float]:
