@@ -41,7 +41,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compress", type=float, metavar="F",
                    help="serve: divide trace timestamps by F (default: chosen for --load)")
     g.add_argument("--load", type=float,
-                   help="serve: offered load of the recompute arm that picks the compression (default 0.5)")
+                   help="serve: offered load of the recompute arm that picks the compression "
+                        "(default 0.5 on CUDA, 0.3 on the CPU)")
     g.add_argument("--gpu-blocks", type=int, help="serve: GPU KV pool in 16-token blocks")
     g.add_argument("--host-blocks", type=int, help="serve: host tier (OffloadCache) in blocks")
     g.add_argument("--disk-blocks", type=int, help="serve: disk tier in blocks")
