@@ -420,6 +420,10 @@ async def test_layerwise_source_restores_the_exact_bytes_layer_by_layer() -> Non
             assert torch.equal(layer[:, dst], layer[:, src])
         assert source.manager.stats().pinned_keys == 0
         assert source.new_stalls() == []  # nothing since
+        await source.offload([201, 202, 203, 204], dst)  # evicts the least recently used
+        assert source.lookup(keys) < 4
+        missed = await source.restore(keys, [4, 5, 6, 7])  # looked up before: now a miss
+        assert missed.host == 0 and missed.gate is None and source.manager.stats().pinned_keys == 0
 
 
 # -- greedy decode from restored KV ------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ...cache import ChunkManager
 from ...cache.offload import DEFAULT_POLICY, OffloadCache
-from ...errors import TransferFailed
+from ...errors import KeyNotLoadable, TransferFailed
 from ...future import TransferFuture
 from ...specs import CPULoadStoreSpec, GPULoadStoreSpec, LayerStatus
 from ...worker import AsyncOffloadingWorker
@@ -103,7 +103,10 @@ class LayerwiseSource(Source):
         """Submit one layerwise load of every layer and return at once."""
         mgr = self.manager
         pinned = list(keys)
-        chunks = mgr.prepare_load(pinned, touch=False)
+        try:
+            chunks = mgr.prepare_load(pinned, touch=False)
+        except KeyNotLoadable:  # evicted by a store since the lookup: a miss, as the cache's
+            return Restored(0)
         t0 = time.perf_counter()
         try:
             fut = self.worker.submit_load(next(self._ids), CPULoadStoreSpec(chunks),
