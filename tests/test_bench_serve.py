@@ -1,6 +1,8 @@
-"""``aiokv bench serve``: the model's paged prefill, the workload's tokens and keys, the GPU
-pool, the lower bounds, greedy decode from restored KV, and the ``--quick`` command end to
-end on a small conversation trace (every arm and every hit class must appear)."""
+"""``aiokv bench serve``: the model's paged prefill and FLOP count, the workload's tokens,
+keys and segments, the arms' turns, the GPU pool, the lower bounds, the layerwise source,
+greedy decode from restored KV, and the ``--quick`` command end to end on a small
+conversation trace (every arm and hit class appears, and the invariants that make the
+arms comparable hold whatever the machine's speed)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
 from aiokv.bench.serve.pool import BlockPool
 from aiokv.bench.serve.report import Ceilings, lower_bounds
-from aiokv.bench.serve.server import Served
+from aiokv.bench.serve.server import Served, Server
+from aiokv.bench.serve.sources import LayerwiseSource, Restored, Source
 from aiokv.bench.serve.workload import (
     block_keys,
     prefix_workload,
@@ -96,6 +99,50 @@ def test_decoding_token_by_token_equals_prefill() -> None:
     for pos in range(33, 40):
         last = model.prefill(prompt[pos:pos + 1], pos, [5, 6, 7], kv_b)
     torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cached, new", [(0, 100), (32, 64), (160, 40)])
+def test_prefill_flops_count_gemms_of_new_tokens_and_attention_over_every_key(cached: int, new: int) -> None:
+    """The MFU's numerator: torch's FLOP counter sees the GEMMs (projections, FFN and the
+    LM head of the last token) of the new tokens only; attention adds 4 * heads * head_dim
+    FLOPs per (query, visible key) pair, each new query seeing every key up to itself."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = LlamaModel(ModelConfig.tiny(), seed=0)
+    c = model.config
+    tokens = np.random.default_rng(0).integers(0, c.vocab, new)
+    with FlopCounterMode(display=False) as counter:
+        model.prefill(tokens, cached, list(range(20)), model.new_kv_cache(20))
+    gemms = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert gemms == counter.get_total_flops()  # SDPA on the CPU is not counted by torch
+    pairs = sum(p + 1 for p in range(cached, cached + new))  # (query, key) pairs, causal
+    attention = c.layers * 4 * c.heads * c.head_dim * pairs
+    assert c.prefill_flops(new, cached) == pytest.approx(gemms + attention, rel=1e-12)
+
+
+def test_gate_runs_once_per_layer_before_its_prefix_is_read() -> None:
+    """A layerwise load's gate: layer i's is called after layer i-1 ran and before layer i
+    reads the prefix, so a load may still be writing layer i's pages until then."""
+    model = LlamaModel(ModelConfig.tiny(4), seed=6)
+    prompt = np.random.default_rng(4).integers(0, model.config.vocab, 100)
+    kv = model.new_kv_cache(8)
+    whole = model.prefill(prompt, 0, list(range(7)), model.new_kv_cache(8))
+    model.prefill(prompt[:64], 0, list(range(7)), kv)
+    saved = [layer[:, :4].clone() for layer in kv]
+    for layer in kv:
+        layer[:, :4] = 7.0  # the prefix is not there yet: each gate puts its layer back
+    calls: list[int] = []
+
+    def gate(i: int) -> None:
+        calls.append(i)
+        assert all(kv[j][:, :4].eq(7.0).all() for j in range(i, len(kv)))  # later layers: not yet
+        kv[i][:, :4] = saved[i]
+
+    out = model.prefill(prompt[64:], 64, list(range(7)), kv, gate=gate)
+    assert calls == [0, 1, 2, 3]
+    torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4)
+    model.prefill(prompt, 0, list(range(7)), kv, gate=gate)  # nothing cached: no gate
+    assert calls == [0, 1, 2, 3]
 
 
 def test_prefill_refuses_a_short_block_table() -> None:
@@ -178,6 +225,34 @@ def test_pools_are_sized_from_reuse_and_hold_the_largest_request(tmp_path: Path)
         small.resolve_pools(w, 8192)
 
 
+def test_segments_cut_the_measured_requests_in_order(tmp_path: Path) -> None:
+    w = trace_workload(conversation_trace(tmp_path / "c.jsonl"), requests=50, warmup=46,
+                       block_tokens=16, max_tokens=4096, vocab=512)
+    parts = w.segments(4)
+    assert sorted(len(p) for p in parts) == [12, 12, 13, 13]
+    assert [r for p in parts for r in p] == w.measured
+    assert len(w.segments(100)) == 50 and w.segments(1) == [w.measured]
+    cfg = ServeConfig.defaults(backend="cpu", quick=True)
+    assert cfg.segment_count(200) == 8 and cfg.segment_count(10) == 1
+    assert ServeConfig.defaults(backend="cpu", quick=True, segments=3).segment_count(200) == 3
+
+
+def test_arms_take_turns_rotated_with_compared_arms_back_to_back() -> None:
+    cfg = ServeConfig.defaults(backend="cpu", quick=True)
+    orders = [cfg.turns(k) for k in range(4)]
+    assert orders[0] == ["recompute", "gpu", "host", "layerwise", "disk", "oracle"]
+    for order in orders:
+        assert sorted(order) == sorted(ARMS)  # every arm once a segment
+        assert order[order.index("disk") + 1] == "oracle"  # right after the arm it mirrors
+        assert order[order.index("host") + 1] == "layerwise"
+    assert len({order[0] for order in orders}) == 4  # no arm always goes first
+    lone = ServeConfig.defaults(backend="cpu", quick=True, arms=("gpu", "layerwise", "oracle"))
+    assert lone.mirrored_arm() == "layerwise"
+    assert lone.turns(1) == ["layerwise", "oracle", "gpu"]
+    assert lone.kv_owners() == ["oracle", "gpu", "layerwise"]
+    assert cfg.kv_owners() == ["recompute", "gpu", "host", "layerwise", "disk"]  # the oracle shares
+
+
 # -- the GPU pool ------------------------------------------------------------------------
 
 
@@ -248,6 +323,107 @@ def test_lower_bound_queues_first_come_first_served() -> None:
     assert bounds[1] == pytest.approx(0.516 + 0.2 - 0.1)  # queued behind the first
     assert bounds[2] == pytest.approx(0.3)
     assert lower_bounds(served, ceil, moves=False)[0] == pytest.approx(0.5)
+
+
+def test_lower_bound_starts_each_segment_from_an_empty_queue_and_overlaps_layerwise_loads() -> None:
+    ceil = Ceilings(1.0, "copy", 1e12, "gemm", block_bytes=16 * 10**6)
+    served = [
+        Served(0, 100, 0, arrival=0.0, start=0.0, first_token=1.0, token=1, prefill_s=1.0, segment=0),
+        # arrives while the first one runs, but in the next segment: served from an empty queue
+        Served(1, 100, 0, arrival=0.5, start=0.5, first_token=0.8, token=1, host_tokens=16,
+               prefill_s=0.3, stall_s=0.1, segment=1),
+        Served(2, 100, 0, arrival=0.6, start=0.8, first_token=1.2, token=1, prefill_s=0.4, segment=1),
+    ]
+    plain = lower_bounds(served, ceil)
+    assert plain[1] == pytest.approx(0.016 + 0.2)  # its transfer, then its forward less its waits
+    assert plain[2] == pytest.approx(0.5 + 0.216 + 0.4 - 0.6)
+    overlap = lower_bounds(served, ceil, overlap=True)
+    assert overlap[1] == pytest.approx(0.2)  # the load ran beside the forward
+    served[1].host_tokens = 16 * 20  # 320 MB: the load is the longer one
+    assert lower_bounds(served, ceil, overlap=True)[1] == pytest.approx(0.32)
+
+
+class _FailingLoad(Source):
+    """A layerwise load whose layers all fail: the server must compute those tokens."""
+
+    def __init__(self) -> None:
+        self.gated: list[int] = []
+
+    def lookup(self, keys):  # type: ignore[no-untyped-def]
+        return len(keys)
+
+    async def restore(self, keys, blocks):  # type: ignore[no-untyped-def]
+        restored = Restored(len(keys), take_stalls=lambda: [0.0, 0.0])
+
+        def gate(i: int) -> bool:
+            self.gated.append(i)
+            restored.failed = True
+            return False
+
+        async def end() -> bool:
+            return False
+
+        restored.gate, restored.end = gate, end
+        return restored
+
+    async def offload(self, keys, blocks) -> None:  # type: ignore[no-untyped-def]
+        await anyio.lowlevel.checkpoint()
+
+    async def drain(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.anyio
+async def test_a_failed_layerwise_load_is_recomputed(tmp_path: Path) -> None:
+    model = LlamaModel(ModelConfig.tiny(), seed=2)
+    w = prefix_workload(prefixes=1, prefix_tokens=64, suffix_tokens=8, requests=1, warmup=0, vocab=512)
+    req = w.measured[0]
+    kv = model.new_kv_cache(16)
+    expected = int(model.prefill(req.tokens, 0, list(range(5)), model.new_kv_cache(16)).argmax())
+    source = _FailingLoad()
+    server = Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source)
+    [served] = await server.serve([req])
+    assert source.gated == [0, 1]  # the forward gated each layer, then the load failed
+    assert served.host_tokens == 0 and served.recomputed == 64 and served.computed == len(req.tokens)
+    assert served.token == expected
+
+
+# -- the layerwise arm's source ----------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_layerwise_source_restores_the_exact_bytes_layer_by_layer() -> None:
+    """Random KV stored through the source's own host index comes back byte for byte with
+    one layerwise load, each layer gated from the model's thread; pins go once it ends."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    gen = torch.Generator().manual_seed(11)
+    kv = [torch.randn(2, 12, BLOCK_TOKENS, 2, 16, generator=gen) for _ in range(3)]
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    keys, src, dst = [101, 102, 103, 104], [0, 1, 2, 3], [8, 9, 10, 11]
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=6, backend="cpu") as worker:
+        source = LayerwiseSource(worker, 6, "lru")
+        assert source.lookup(keys) == 0
+        await source.offload(keys, src)
+        assert source.lookup(keys) == 4 and source.lookup([101, 999, 103]) == 1
+        for layer in kv:
+            layer[:, dst] = -1.0
+        got = await source.restore(keys, dst)
+        assert got.host == 4 and got.gate is not None and got.end is not None
+        assert got.take_stalls is not None and source.manager.stats().pinned_keys == 4
+        gated = await anyio.to_thread.run_sync(lambda: [bool(got.gate(i)) for i in range(3)])  # type: ignore[misc]
+        assert gated == [True] * 3 and not got.failed
+        stalls = got.take_stalls()
+        assert len(stalls) == 3 and all(s >= 0 for s in stalls)
+        assert await got.end() and got.load_s > 0
+        for layer in kv:
+            assert torch.equal(layer[:, dst], layer[:, src])
+        assert source.manager.stats().pinned_keys == 0
+        assert source.new_stalls() == []  # nothing since
+        await source.offload([201, 202, 203, 204], dst)  # evicts the least recently used
+        assert source.lookup(keys) < 4
+        missed = await source.restore(keys, [4, 5, 6, 7])  # looked up before: now a miss
+        assert missed.host == 0 and missed.gate is None and source.manager.stats().pinned_keys == 0
 
 
 # -- greedy decode from restored KV ------------------------------------------------------
@@ -327,12 +503,65 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
     assert ("serve arm: recompute", "TTFT p50 misses") in names
     assert ("serve arm: recompute", "model FLOP utilisation") in names
     assert ("serve arm: host", "GPU-seconds saved vs recompute") in names
-    assert any(r["name"] == "host arm / recompute" for r in rows)
-    assert any(r["name"] == "disk arm / oracle" for r in rows)
+    for name in ("host arm / recompute", "disk arm / oracle", "layerwise arm / oracle",
+                 "layerwise arm / host arm", "layerwise service / max(load, prefill)",
+                 "same prefill, oracle / disk", "oracle / disk TTFT p50",
+                 "host / recompute TTFT p50, per segment"):
+        assert any(r["name"] == name for r in rows), name
+    assert ("serve arm: layerwise", "layer stall p99") in names
+    assert ("serve arm: oracle", "model utilisation") in names
     checks = [r for r in rows if r["section"].startswith("serve correctness")]
     assert len(checks) == 2 and not any(r["failed"] for r in rows)
     assert payload["meta"]["backend"] == "cpu" and payload["meta"]["model"]["name"] == "tiny"
     assert not [p for p in tmp.iterdir() if p.name.startswith("aiokv-serve")]  # tier folders removed
+
+
+def _per_request(payload: dict) -> dict[str, dict]:
+    return {r["extra"]["arm"]: r["extra"] for r in payload["rows"] if "ttft_ms" in r["extra"]}
+
+
+def test_quick_serve_arms_take_turns_on_the_same_requests(quick_run) -> None:
+    """Comparable by construction: every arm serves the same requests at the same arrival
+    times in the same segments, and every arm serves a segment before any starts the next,
+    in the rotated order of ``ServeConfig.turns``, so no arm has a stretch of the machine
+    to itself. TTFT counts the wait in the queue: it is never less than the service."""
+    _, payload, _, _ = quick_run
+    arms = _per_request(payload)
+    first = arms["recompute"]
+    for arm, e in arms.items():
+        assert e["index"] == first["index"] and e["arrival_ms"] == first["arrival_ms"]
+        assert e["segment"] == first["segment"]
+        assert all(t >= b - 1e-6 for t, b in zip(e["ttft_ms"], e["busy_ms"])), arm
+    assert any(t > b + 0.05 for t, b in zip(first["ttft_ms"], first["busy_ms"]))  # some queued
+    segments = sorted(set(first["segment"]))
+    assert len(segments) == 2  # 48 requests, one segment per 25
+    cfg = ServeConfig.defaults(backend="cpu", quick=True)
+    for k in segments:
+        walls = {arm: [w for w, s in zip(e["wall_s"], e["segment"]) if s == k] for arm, e in arms.items()}
+        assert sorted(walls, key=lambda a: min(walls[a])) == cfg.turns(k)
+        for arm in walls:  # an arm's turn ends before the next arm's begins
+            later = [a for a in walls if min(walls[a]) > min(walls[arm])]
+            assert all(max(walls[arm]) < min(walls[a]) for a in later)
+        if k + 1 in segments:
+            assert max(max(w) for w in walls.values()) < min(
+                w for e in arms.values() for w, s in zip(e["wall_s"], e["segment"]) if s == k + 1)
+
+
+def test_quick_serve_hits_per_arm(quick_run) -> None:
+    """Each arm's hit classes are those its stack can have; the oracle has the disk arm's
+    hits, token for token; the layerwise arm gated every layer of each load once."""
+    _, payload, _, _ = quick_run
+    arms = _per_request(payload)
+    tokens = {arm: [tuple(t) for t in e["tokens"]] for arm, e in arms.items()}
+    assert set(arms["recompute"]["hit"]) == {"miss"} and {t[:3] for t in tokens["recompute"]} == {(0, 0, 0)}
+    assert set(arms["gpu"]["hit"]) <= {"miss", "gpu"} and all(t[1] == t[2] == 0 for t in tokens["gpu"])
+    for arm in ("host", "layerwise"):
+        assert "host" in arms[arm]["hit"] and all(t[2] == 0 for t in tokens[arm])
+    assert tokens["oracle"] == tokens["disk"] and arms["oracle"]["hit"] == arms["disk"]["hit"]
+    rows = {(r["section"].split(",")[0], r["name"]): r for r in payload["rows"]}
+    stalls = rows[("serve arm: layerwise", "layer stall p50")]["extra"]["stalls_us"]
+    loads = sum(1 for t in tokens["layerwise"] if t[1])
+    assert loads and len(stalls) == 2 * loads and min(stalls) >= 0  # two layers, a gate each
 
 
 def test_quick_serve_table_has_prefix_buckets_and_lower_bounds(quick_run) -> None:

@@ -1,6 +1,7 @@
 """``aiokv bench serve`` on CUDA: the Llama-3-8B layer shapes in bf16 through the flash
-kernels (cached prefixes included), greedy decode from restored KV, and the quick command
-on the CUDA backend. Runs on the GPU machine (``pytest -m gpu``); skips cleanly elsewhere."""
+kernels (cached prefixes included), greedy decode from restored KV, the layerwise arm's
+loads gated on the compute stream, and the quick command on the CUDA backend. Runs on the
+GPU machine (``pytest -m gpu``); skips cleanly elsewhere."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from aiokv.bench.serve.config import ARMS
 from aiokv.bench.serve.correctness import blocks_needed, decode_check
 from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
+from aiokv.bench.serve.sources import LayerwiseSource
 
 from .test_bench_serve import conversation_trace
 
@@ -54,6 +56,39 @@ async def test_8b_layers_decode_from_restored_kv_token_for_token(tmp_path: Path)
     assert [r.failed for r in rows] == [False, False], [r.note for r in rows]
 
 
+@pytest.mark.anyio
+async def test_layerwise_loads_gate_the_prefill_on_the_device(tmp_path: Path) -> None:
+    """A prefix stored through the layerwise source comes back with one layerwise load
+    whose layers the forward gates on its stream (no host wait): the same bytes, the same
+    logits as over the KV as computed, and a stall sample per gate (``layer_stalls``)."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, WorkerOptions
+
+    model = LlamaModel(ModelConfig.llama3_8b(4), device="cuda", dtype=torch.bfloat16, seed=3)
+    kv = model.new_kv_cache(200)
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab, 64 * BLOCK_TOKENS + 100)
+    cached = 64 * BLOCK_TOKENS
+    src, dst = list(range(70)), list(range(100, 170))
+    model.prefill(prompt[:cached], 0, src, kv)
+    reference = model.prefill(prompt[cached:], cached, src, kv)
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=80, backend="cuda",
+                                     options=WorkerOptions(layer_stalls=True)) as worker:
+        source = LayerwiseSource(worker, 80, "lru")
+        keys = list(range(1, 65))
+        await source.offload(keys, src[:64])
+        for layer in kv:
+            layer[:, dst] = 0
+        torch.cuda.synchronize()
+        got = await source.restore(keys, dst[:64])
+        token, _ = await Device("cuda").prefill(model, prompt[cached:], cached, dst, kv, gate=got.gate)
+        assert got.take_stalls is not None and len(got.take_stalls()) == 4 and not got.failed
+        assert got.end is not None and await got.end()
+    for layer in kv:
+        assert torch.equal(layer[:, dst[:64]], layer[:, src[:64]])
+    assert torch.equal(model.prefill(prompt[cached:], cached, dst, kv), reference)
+    assert token == int(reference.argmax())
+
+
 def test_quick_serve_on_the_cuda_backend(tmp_path: Path) -> None:
     trace = conversation_trace(tmp_path / "conversation_trace.jsonl")
     out = tmp_path / "serve.json"
@@ -64,3 +99,5 @@ def test_quick_serve_on_the_cuda_backend(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert {r["extra"]["arm"] for r in rows if "ttft_ms" in r["extra"]} == set(ARMS)
     assert not any(r["failed"] for r in rows)
+    stalls = [r for r in rows if r["name"] == "layer stall p50"]
+    assert stalls and stalls[0]["extra"]["stalls_us"]  # measured on the device

@@ -17,7 +17,7 @@ SERVE_OPTIONS = (
     ("--max-tokens", "max_tokens"), ("--prefixes", "prefixes"), ("--prefix-tokens", "prefix_tokens"),
     ("--suffix-tokens", "suffix_tokens"), ("--compress", "compress"), ("--load", "load"),
     ("--gpu-blocks", "gpu_blocks"), ("--host-blocks", "host_blocks"), ("--disk-blocks", "disk_blocks"),
-    ("--arms", "arms"), ("--decode-tokens", "decode_tokens"), ("--seed", "seed"),
+    ("--arms", "arms"), ("--segments", "segments"), ("--decode-tokens", "decode_tokens"), ("--seed", "seed"),
 )
 """(flag, attribute) of every option only ``aiokv bench serve`` reads."""
 
@@ -41,12 +41,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compress", type=float, metavar="F",
                    help="serve: divide trace timestamps by F (default: chosen for --load)")
     g.add_argument("--load", type=float,
-                   help="serve: offered load of the recompute arm that picks the compression (default 0.5)")
+                   help="serve: offered load of the recompute arm that picks the compression "
+                        "(default 0.5 on CUDA, 0.3 on the CPU)")
     g.add_argument("--gpu-blocks", type=int, help="serve: GPU KV pool in 16-token blocks")
     g.add_argument("--host-blocks", type=int, help="serve: host tier (OffloadCache) in blocks")
     g.add_argument("--disk-blocks", type=int, help="serve: disk tier in blocks")
     g.add_argument("--arms", metavar="A,B",
-                   help="serve: arms to run, of recompute,gpu,host,disk,oracle (default all)")
+                   help="serve: arms to run, of recompute,gpu,host,layerwise,disk,oracle (default all)")
+    g.add_argument("--segments", type=int,
+                   help="serve: the measured requests are served in this many segments, every arm "
+                        "taking its turn on each (default: one per 25 requests)")
     g.add_argument("--decode-tokens", type=int, help="serve: tokens the correctness check decodes")
     g.add_argument("--seed", type=int, help="serve: seed of the weights and the tokens")
 
@@ -71,7 +75,8 @@ def serve_rows(args: argparse.Namespace, backend: str,
         max_tokens=args.max_tokens, prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         suffix_tokens=args.suffix_tokens, compress=args.compress, load=args.load,
         gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
-        tier_dir=args.tier_dir, policy=args.policy, arms=arms, decode_tokens=args.decode_tokens,
+        tier_dir=args.tier_dir, policy=args.policy, arms=arms, segments=args.segments,
+        decode_tokens=args.decode_tokens,
         seed=args.seed, loop=args.loop,
     )
     say(f"serve benchmark ({cfg.mode}) on the {backend} backend{' (quick)' if args.quick else ''}")

@@ -18,16 +18,20 @@ from .workload import Workload, reuse_distances
 
 __all__ = ["ARMS", "MODES", "ServeConfig"]
 
-ARMS = ("recompute", "gpu", "host", "disk", "oracle")
-"""Every arm, in the order they run (the oracle mirrors the deepest tiered arm before it)."""
+ARMS = ("recompute", "gpu", "host", "layerwise", "disk", "oracle")
+"""Every arm (the oracle mirrors the deepest caching arm of the run)."""
 MODES = ("trace", "prefix", "correctness")
+SEGMENT_REQUESTS = 25
+"""Measured requests per segment by default: short turns pair the arms closely in time,
+long ones lose less to each segment starting with an empty queue."""
 
 ARM_TEXT = {
     "recompute": "no reuse: every prompt is prefilled whole",
     "gpu": "GPU prefix cache only",
     "host": "GPU prefix cache + host tier (OffloadCache)",
+    "layerwise": "GPU prefix cache + host pool restored with layerwise loads (the forward gates each layer)",
     "disk": "GPU prefix cache + host tier + disk tier (OffloadCache, DiskTier)",
-    "oracle": "the same hits as the tiered arm, moved in zero time",
+    "oracle": "the same hits as the mirrored arm, moved in zero time",
 }
 
 
@@ -57,6 +61,7 @@ class ServeConfig:
     tier_dir: str | None = None
     policy: str | None = None
     arms: tuple[str, ...] = ARMS
+    segments: int | None = None  # None: one per SEGMENT_REQUESTS measured requests
     decode_tokens: int = 16
     seed: int = 0
     loop: str = "asyncio"
@@ -75,6 +80,8 @@ class ServeConfig:
             prefix_tokens=4096 if big else 512,
             suffix_tokens=128 if big else 32,
             decode_tokens=32 if big else 16,
+            # A shared CPU host can run the model at half speed for a while: room for that.
+            load=0.5 if backend == "cuda" else 0.3,
         )
         return replace(base, **{k: v for k, v in given.items() if v is not None})
 
@@ -91,11 +98,16 @@ class ServeConfig:
         """Pool sizes not given, from the workload's reuse distances (``reuse_distances``):
         the GPU pool holds what is reused soonest (15% of the reuse), the host what is
         reused within the median distance, the disk 95% of it; each within its memory
-        budget (``_budgets``) and the GPU pool never below the largest request."""
+        budget (``_budgets``, shared by the arms open at once: each caching arm has a GPU
+        pool of its own, recompute and the oracle share one, and each tiered arm pins a
+        host pool) and the GPU pool never below the largest request."""
         need = workload.max_blocks() + 16
         dist = reuse_distances(workload)
         q = np.percentile(dist, [15, 50, 95]) if dist.size else np.array([0.0, 0.0, 0.0])
-        gpu_cap, host_cap, disk_cap = (b // block_bytes for b in self._budgets(block_bytes))
+        gpu_pools = len(self.kv_owners())
+        host_pools = max(1, sum(a in ("host", "layerwise", "disk") for a in self.arms))
+        gpu_cap, host_cap, disk_cap = (b // block_bytes // n for b, n in
+                                       zip(self._budgets(block_bytes), (gpu_pools, host_pools, 1)))
         if self.gpu_blocks is None:
             self.gpu_blocks = max(need, min(gpu_cap, int(q[0]) + need))
         if self.host_blocks is None:
@@ -109,9 +121,9 @@ class ServeConfig:
                              f"({need - 16} blocks of 16 tokens); give more or lower --max-tokens")
 
     def _budgets(self, block_bytes: int) -> tuple[int, int, int]:
-        """Bytes the GPU pool, the host pool and the disk tier may take by default: half the
-        device memory left after the weights, a third of the host's memory (pinned), half
-        the free space where the disk tier writes."""
+        """Bytes the GPU pools, the host pools and the disk tier may take by default, all
+        arms together: half the device memory left after the weights, half the host's
+        memory (pinned), half the free space where the disk tier writes."""
         if self.backend == "cuda":
             gpu = torch.cuda.mem_get_info()[0] // 2
         else:
@@ -121,7 +133,7 @@ class ServeConfig:
         except (ValueError, OSError, AttributeError):
             ram = 8 << 30
         disk = shutil.disk_usage(self.tier_dir or tempfile.gettempdir()).free // 2
-        return gpu, ram // 3, disk
+        return gpu, ram // 2, disk
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is allocated."""
@@ -135,8 +147,10 @@ class ServeConfig:
         if self.model == "llama3-8b" and self.backend != "cuda":
             raise ValueError("the llama3-8b shape runs on CUDA (its float32 weights alone would "
                              "take 30 GB here); the CPU backend runs --model tiny")
-        if "oracle" in self.arms and not {"gpu", "host", "disk"} & set(self.arms):
-            raise ValueError("the oracle mirrors a caching arm: add gpu, host or disk to --arms")
+        if "oracle" in self.arms and not {"gpu", "host", "layerwise", "disk"} & set(self.arms):
+            raise ValueError("the oracle mirrors a caching arm: add gpu, host, layerwise or disk to --arms")
+        if self.segments is not None and self.segments < 1:
+            raise ValueError(f"--segments must be >= 1, got {self.segments}")
         if self.compress is not None and not self.compress > 0:
             raise ValueError(f"--compress must be > 0, got {self.compress}")
         if not 0 < self.load <= 4:
@@ -153,12 +167,41 @@ class ServeConfig:
         if self.tier_dir is not None and not os.path.isdir(self.tier_dir):
             raise ValueError(f"--tier-dir {self.tier_dir} is not a folder")
 
+    def segment_count(self, measured: int) -> int:
+        return self.segments or max(1, round(measured / SEGMENT_REQUESTS))
+
     def ordered_arms(self) -> list[str]:
         return [a for a in ARMS if a in self.arms]
 
+    def kv_owners(self) -> list[str]:
+        """The arms that get a GPU KV pool of their own: every caching arm, and recompute
+        (or the oracle) for both of them, as neither keeps anything between requests."""
+        owners = [a for a in self.ordered_arms() if a in ("gpu", "host", "layerwise", "disk")]
+        shared = [a for a in ("recompute", "oracle") if a in self.arms]
+        return shared[:1] + owners
+
+    def turns(self, segment: int) -> list[str]:
+        """The order the arms serve segment ``segment`` in: rotated from one segment to the
+        next, so no arm always runs first or after the same one, and each arm that is
+        compared with another request by request runs right after it (the oracle after
+        the arm it mirrors, layerwise after host), under the same machine load."""
+        mirrored = self.mirrored_arm()
+        units: list[list[str]] = []
+        for arm in self.ordered_arms():
+            if arm == "oracle" or (arm == "layerwise" and "host" in self.arms):
+                continue
+            unit = [arm]
+            if arm == "host" and "layerwise" in self.arms:
+                unit.append("layerwise")
+            if arm == mirrored and "oracle" in self.arms:
+                unit.append("oracle")
+            units.append(unit)
+        k = segment % len(units)
+        return [a for unit in units[k:] + units[:k] for a in unit]
+
     def mirrored_arm(self) -> str | None:
         """The arm whose hits the oracle takes: the deepest caching arm of the run."""
-        for name in ("disk", "host", "gpu"):
+        for name in ("disk", "host", "layerwise", "gpu"):
             if name in self.arms:
                 return name
         return None

@@ -9,7 +9,7 @@ completions meanwhile; on the CPU the prefill itself runs in that thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -19,6 +19,9 @@ import torch
 from .model import LlamaModel
 
 __all__ = ["Device", "PrefillFit", "load_ceiling", "peak_flops"]
+
+Gate = Callable[[int], object]
+"""Called before layer ``i`` reads the cached prefix (``LlamaModel.prefill``)."""
 
 
 @dataclass(frozen=True)
@@ -31,24 +34,30 @@ class Device:
         if self.kind == "cuda":
             torch.cuda.synchronize()
 
+    def empty_cache(self) -> None:
+        """Give freed device memory back (between the arms' pools and what follows)."""
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+
     def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                     kv: Sequence[torch.Tensor]) -> tuple[int, float]:
-        """Run one prefill to its first token: (greedy token, seconds the device spent)."""
+                     kv: Sequence[torch.Tensor], gate: Gate | None = None) -> tuple[int, float]:
+        """Run one prefill to its first token: (greedy token, seconds the device spent,
+        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's)."""
         if self.kind == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            token = model.prefill(tokens, start, table, kv).argmax()
+            token = model.prefill(tokens, start, table, kv, gate=gate).argmax()
             end.record()
             end.synchronize()
             return int(token.item()), begin.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
-        token = model.prefill(tokens, start, table, kv).argmax()
+        token = model.prefill(tokens, start, table, kv, gate=gate).argmax()
         return int(token.item()), time.perf_counter() - t0
 
     async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                      kv: Sequence[torch.Tensor]) -> tuple[int, float]:
+                      kv: Sequence[torch.Tensor], *, gate: Gate | None = None) -> tuple[int, float]:
         """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
-        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv)
+        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate)
 
 
 def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:
@@ -108,9 +117,10 @@ class PrefillFit:
 
     @classmethod
     def measure(cls, model: LlamaModel, kv: Sequence[torch.Tensor], device: Device,
-                max_tokens: int, num_blocks: int, reps: int = 2) -> PrefillFit:
-        """Time prefills of a few lengths up to ``max_tokens`` (best of ``reps`` after a
-        warm-up run, which also loads kernels before anything is timed)."""
+                max_tokens: int, num_blocks: int, reps: int = 3) -> PrefillFit:
+        """Time prefills of a few lengths up to ``max_tokens`` (the median of ``reps``
+        after a warm-up run, which also loads kernels before anything is timed: a best
+        case would understate the load the compression offers on a busy host)."""
         top = max(16, min(max_tokens, num_blocks * 16))
         lengths = sorted({int(x) for x in np.geomspace(16, top, 6)})
         table = list(range(-(-top // 16)))
@@ -119,7 +129,8 @@ class PrefillFit:
         for n in lengths:
             tokens = gen.integers(0, model.config.vocab, n)
             device.prefill_sync(model, tokens, 0, table, kv)
-            seconds.append(min(device.prefill_sync(model, tokens, 0, table, kv)[1] for _ in range(reps)))
+            seconds.append(float(np.median([device.prefill_sync(model, tokens, 0, table, kv)[1]
+                                            for _ in range(reps)])))
         return cls(tuple(lengths), tuple(seconds))
 
 

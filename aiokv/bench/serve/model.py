@@ -125,13 +125,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor | np.ndarray | Sequence[int], start: int,
-                block_table: Sequence[int], kv_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+                block_table: Sequence[int], kv_cache: Sequence[torch.Tensor], *,
+                gate: Callable[[int], object] | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..`` and return the last position's logits
         (float32, on the device).
 
         Positions ``0..start-1`` are read from the pages of ``block_table`` (block ``i``
         holds positions ``16*i .. 16*i+15``); the new tokens' K and V are written there too,
-        so ``block_table`` must cover ``start + len(tokens)`` positions.
+        so ``block_table`` must cover ``start + len(tokens)`` positions. ``gate(i)`` runs
+        just before layer ``i`` first reads the cached prefix (a layerwise load's gate: the
+        new tokens' projections go ahead of it, the prefix read waits for the layer).
         """
         c = self.config
         ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
@@ -151,7 +154,7 @@ class LlamaModel:
         attend = _attention(new, start, self.device)
         x = self.embed[ids]
         q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
-        for layer, pages in zip(self.layers, kv_cache):
+        for i, (layer, pages) in enumerate(zip(self.layers, kv_cache)):
             h = _rms_norm(x, layer.attn_norm, c.eps)
             q, k, v = F.linear(h, layer.qkv).split([q_width, kv_width, kv_width], dim=-1)
             q = _rotate(q.view(new, c.heads, c.head_dim), cos, sin)
@@ -161,13 +164,15 @@ class LlamaModel:
             flat[0].index_copy_(0, slots, k)
             flat[1].index_copy_(0, slots, v)
             if start:  # the cached prefix, read back from its pages
+                if gate is not None:
+                    gate(i)
                 k = torch.cat([flat[0].index_select(0, past_slots), k])
                 v = torch.cat([flat[1].index_select(0, past_slots), v])
             attn = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             x = x + F.linear(attn.transpose(0, 1).reshape(new, q_width), layer.out)
             h = _rms_norm(x, layer.ffn_norm, c.eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            g, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * up, layer.down)
         last = _rms_norm(x[-1:], self.norm, c.eps)
         return F.linear(last, self.lm_head).float().squeeze(0)
 

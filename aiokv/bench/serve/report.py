@@ -1,11 +1,14 @@
 """The serve bench's rows: TTFT per arm, hit class and prefix length beside each arm's
-computed lower bound, prefill rate, model FLOP utilisation and GPU-seconds saved.
+computed lower bound, prefill rate, model utilisation, model FLOP utilisation, GPU-seconds
+saved and, for the layerwise arm, how long the forward waited on its layers.
 
 The lower bound of a request is the same queue with each service time cut to what the
 hardware allows: its host-restored bytes at the load ceiling, its disk-restored bytes at
 the slower of the disk read and load ceilings, plus the prefill seconds the arm measured
-for it (the oracle moves nothing, so its bound is its prefill alone). First come, first
-served from the same arrivals, so queueing is in the bound as in the figure.
+for it (the oracle moves nothing, so its bound is its prefill alone; a layerwise load runs
+beside the forward, so there the longer of the two counts, with the forward's own time,
+less its waits on layers). First come, first served from the same arrivals, each segment
+from an empty queue as the arms serve it, so queueing is in the bound as in the figure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from .config import ARM_TEXT
 from .model import BLOCK_TOKENS, ModelConfig
 from .server import HIT_CLASSES, Served
 
-__all__ = ["BUCKETS", "Ceilings", "arm_rows", "bucket_of", "lower_bounds", "target_rows"]
+__all__ = ["BUCKETS", "Ceilings", "arm_bounds", "arm_rows", "bucket_of", "lower_bounds", "percentiles",
+           "utilisation"]
 
 BUCKETS = ((0, 0, "0"), (1, 1023, "1-1023"), (1024, 4095, "1k-4k"), (4096, 16383, "4k-16k"),
            (16384, 1 << 62, ">=16k"))
@@ -45,18 +49,38 @@ def bucket_of(tokens: int) -> str:
     return next(name for lo, hi, name in BUCKETS if lo <= tokens <= hi)
 
 
-def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True) -> dict[int, float]:
+def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True,
+                 overlap: bool = False) -> dict[int, float]:
     """Per request index, the TTFT of the same FCFS queue at the ceilings (module docs)."""
     load = ceil.load_gbps * 1e9
     disk = min(ceil.disk_gbps, ceil.load_gbps) * 1e9 if ceil.disk_gbps else load
     per_token = ceil.block_bytes / BLOCK_TOKENS
-    finish = float("-inf")
+    finish, segment = float("-inf"), None
     out: dict[int, float] = {}
-    for s in sorted(served, key=lambda s: (s.arrival, s.start)):
+    for s in sorted(served, key=lambda s: (s.segment, s.arrival, s.start)):
+        if s.segment != segment:
+            finish, segment = float("-inf"), s.segment
         transfer = (s.host_tokens * per_token / load + s.disk_tokens * per_token / disk) if moves else 0.0
-        finish = max(s.arrival, finish) + transfer + s.prefill_s
+        service = max(transfer, s.compute_s) if overlap else transfer + s.compute_s
+        finish = max(s.arrival, finish) + service
         out[s.index] = finish - s.arrival
     return out
+
+
+def arm_bounds(arm: ArmResult, ceil: Ceilings) -> dict[int, float]:
+    """``lower_bounds`` as the arm moves its blocks."""
+    return lower_bounds(arm.served, ceil, moves=arm.name != "oracle", overlap=arm.name == "layerwise")
+
+
+def utilisation(served: Sequence[Served]) -> float:
+    """The model's busy seconds over the seconds the segments lasted (first arrival to
+    last first token of each): the load the arm actually carried."""
+    busy = sum(s.busy for s in served)
+    span = 0.0
+    for k in {s.segment for s in served}:
+        part = [s for s in served if s.segment == k]
+        span += max(s.first_token for s in part) - min(s.arrival for s in part)
+    return busy / span if span > 0 else float("nan")
 
 
 def percentiles(values: Sequence[float], qs: tuple[int, ...] = (50, 90, 99)) -> list[float]:
@@ -85,13 +109,16 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     served = arm.served
     text = ARM_TEXT[arm.name] + (f" ({mirrors})" if mirrors else "")
     section = f"serve arm: {arm.name}, {text}"
-    bounds = lower_bounds(served, ceil, moves=arm.name != "oracle")
+    bounds = arm_bounds(arm, ceil)
     rows = _ttft_rows(section, "", served, bounds, extra={
         "arm": arm.name, "ttft_ms": _ms([s.ttft for s in served]),
         "bound_ms": _ms([bounds[s.index] for s in served]),
         "hit": [s.hit for s in served], "index": [s.index for s in served],
         "prefill_ms": _ms([s.prefill_s for s in served]), "busy_ms": _ms([s.busy for s in served]),
-        "load_ms": _ms([s.load_s for s in served])})
+        "load_ms": _ms([s.load_s for s in served]), "stall_ms": _ms([s.stall_s for s in served]),
+        "segment": [s.segment for s in served], "arrival_ms": _ms([s.arrival for s in served]),
+        "wall_s": [s.wall for s in served],
+        "tokens": [[s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed] for s in served]})
     rows[0].note = f"n={len(served)}; ceiling column: this arm's lower bound"
     for cls in HIT_CLASSES:
         group = [s for s in served if s.hit == cls]
@@ -110,6 +137,8 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
                               + ", ".join(f"{k} {v / max(1, prompt):.1%}" for k, v in reused.items()),
                          extra={"computed_tokens": computed, "prompt_tokens": prompt, **reused}))
     busy = sum(s.busy for s in served)
+    rows.append(BenchRow(section, "model utilisation", 100 * utilisation(served), "%",
+                         note="model busy (service start to first token) over the segments' spans"))
     if recompute is not None and arm.name != "recompute":
         base = sum(s.busy for s in recompute.served)
         rows.append(BenchRow(section, "GPU-seconds saved vs recompute", base - busy, "s",
@@ -121,7 +150,36 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
                              note=f"{achieved / 1e12:.3g} TFLOP/s of {ceil.peak_flops / 1e12:.3g} "
                                   f"(peak: {ceil.peak_name})"))
     rows += _restore_rows(section, arm, ceil)
+    if arm.name == "layerwise":
+        rows += _stall_rows(section, arm)
     return rows
+
+
+def _stall_rows(section: str, arm: ArmResult) -> list[BenchRow]:
+    """How long the forward waited on a layer after it was due (per gate) and per request."""
+    rows = []
+    late = sum(s.late_failure for s in arm.served)
+    recomputed = [s for s in arm.served if s.recomputed]
+    if late or recomputed:
+        rows.append(BenchRow(section, "layerwise loads that failed", float(late + len(recomputed)), "loads",
+                             note=f"{len(recomputed)} failed at a gate (their tokens recomputed); "
+                                  f"{late} after their gates passed: THOSE OUTPUTS READ WRONG BYTES",
+                             failed=late > 0))
+    if not arm.stalls:
+        return rows
+    us = [v * 1e6 for v in arm.stalls]
+    p50, p99 = (float(np.percentile(us, q)) for q in (50, 99))
+    loaded = [s for s in arm.served if s.host_tokens]
+    per_req = percentiles(_ms([s.stall_s for s in loaded]), (50, 99))
+    share = sum(s.stall_s for s in loaded) / max(1e-12, sum(s.prefill_s for s in loaded))
+    return rows + [BenchRow(section, "layer stall p50", p50, "us",
+                     note=f"{len(us)} gates; waited on a layer after it was due "
+                          f"(statistics().layers: device time on CUDA, host time blocked on the CPU)",
+                     extra={"stalls_us": us}),
+            BenchRow(section, "layer stall p99", p99, "us"),
+            BenchRow(section, "stall per request p50", per_req[0], "ms",
+                     note=f"n={len(loaded)} layerwise loads; p99 {per_req[1]:.2f} ms; "
+                          f"{share:.1%} of their prefill time")]
 
 
 def _class_row(section: str, label: str, group: Sequence[Served], bounds: dict[int, float]) -> BenchRow:
@@ -147,8 +205,10 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
         nbytes = sum((s.host_tokens + s.disk_tokens) * per_token for s in group)
         seconds = sum(s.load_s for s in group)
         ceiling = ceil.load_gbps if where == "host" else min(ceil.disk_gbps or ceil.load_gbps, ceil.load_gbps)
+        how = ("the loads' copy time (TransferResult.transfer_time): their wall time overlaps the forward"
+               if arm.name == "layerwise" else "await to return")
         rows.append(BenchRow(section, f"restore GB/s, {where} hits, {label}", nbytes / seconds / 1e9, "GB/s",
-                             ceiling, note=f"{len(group)} restores, await to return"
+                             ceiling, note=f"{len(group)} restores, {how}"
                              + ("" if big else "; none of >= 1k tokens")))
     if arm.cache is not None:
         st = arm.cache
@@ -157,30 +217,6 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
         rows.append(BenchRow(section, "cache hit rate (keys, lookup)", 100 * st.hit_rate, "%",
                              note=f"stored {st.stored_keys:,}, evicted {st.evictions:,}, "
                                   f"GPU evictions {arm.gpu_evictions:,}" + (f"; {tiers}" if tiers else "")))
-    return rows
-
-
-def target_rows(arms: dict[str, ArmResult], mirrored: str | None) -> list[BenchRow]:
-    """The issue's targets on the same requests: host-hit TTFT p50 against recompute's and,
-    for the arm the oracle mirrors, the oracle's."""
-    section = "serve targets: host-hit requests, TTFT p50 on the same requests"
-    rows = []
-    by_index = {name: {s.index: s for s in arm.served} for name, arm in arms.items()}
-    for name in ("host", "disk"):
-        if name not in arms:
-            continue
-        hits = [s for s in arms[name].served if s.hit == "host"]
-        if not hits:
-            continue
-        mine = float(np.median([s.ttft for s in hits]))
-        for other, target in (("recompute", 0.5), ("oracle", 1.3)):
-            if other not in arms or (other == "oracle" and mirrored != name):
-                continue
-            theirs = float(np.median([by_index[other][s.index].ttft for s in hits]))
-            ratio = mine / theirs if theirs > 0 else float("nan")
-            rows.append(BenchRow(section, f"{name} arm / {other}", ratio, "x",
-                                 note=f"n={len(hits)}; {mine * 1e3:.1f} vs {theirs * 1e3:.1f} ms; "
-                                      f"target <= {target}"))
     return rows
 
 

@@ -4,8 +4,10 @@ arm on the same requests, check decoding from restored KV, and return the rows."
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +16,13 @@ import numpy as np
 import torch
 
 from ..report import BenchRow
-from .arms import ArmResult, oracle_hits, run_arm
-from .config import ARM_TEXT, ServeConfig
+from .arms import Arm, ArmResult, new_kv_pools, open_arms, oracle_hits
+from .compare import noise_rows, target_rows
+from .config import ServeConfig
 from .correctness import blocks_needed, decode_check
 from .measure import Device, PrefillFit, load_ceiling, peak_flops
 from .model import BLOCK_TOKENS, LlamaModel
-from .report import Ceilings, arm_rows, target_rows
+from .report import Ceilings, arm_rows
 from .workload import Workload, describe, prefix_workload, trace_workload
 
 __all__ = ["run_serve_bench"]
@@ -62,35 +65,31 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
     meta: dict[str, Any] = {"serve": dataclasses.asdict(cfg),
                             "model": dataclasses.asdict(mc)}
     if cfg.mode == "correctness":
-        kv = model.new_kv_cache(check_blocks)
         say("correctness: greedy decode from restored KV against recomputed KV")
-        return await _check(cfg, model, kv, device, say), meta
+        return await _check(cfg, model, model.new_kv_cache(check_blocks), device, say), meta
     workload = _workload(cfg, mc.vocab)
     say(describe(workload))
     cfg.resolve_pools(workload, block_bytes)
     assert cfg.gpu_blocks is not None
     say(f"pools (blocks of 16 tokens): GPU {cfg.gpu_blocks:,}, host {cfg.host_blocks:,}, "
         f"disk {cfg.disk_blocks:,} (+{cfg.staging_blocks} staging)")
-    kv = model.new_kv_cache(max(cfg.gpu_blocks, check_blocks))
+    kv = new_kv_pools(cfg, model)
     say("calibrating prefill time (also warms the model up)")
-    fit = PrefillFit.measure(model, kv, device, int(max(len(r.tokens) for r in workload.requests)),
-                             cfg.gpu_blocks)
+    fit = PrefillFit.measure(model, kv[cfg.kv_owners()[0]], device,
+                             int(max(len(r.tokens) for r in workload.requests)), cfg.gpu_blocks)
     factor, offered = _compress(cfg, workload, fit)
     say(f"timestamps compressed {factor:.3g}x: estimated offered load of the recompute arm {offered:.2f}")
     ceil_bytes = 64 * block_bytes  # the KV of 1k tokens
     load_first, load_name = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
     peak, peak_name = peak_flops(device, 1.0 if device.kind == "cuda" else 0.3)
     say(f"ceilings: load {load_first:.2f} GB/s ({load_name}); peak {peak / 1e12:.3g} TFLOP/s ({peak_name})")
-    arms: dict[str, ArmResult] = {}
     mirrored = cfg.mirrored_arm()
-    for name in cfg.ordered_arms():
-        say(f"arm {name}: {ARM_TEXT[name]}")
-        t0 = time.perf_counter()
-        hits = oracle_hits(arms[mirrored]) if name == "oracle" and mirrored in arms else None
-        arms[name] = await run_arm(name, cfg, model, kv, device, workload, block_bytes=block_bytes,
-                                   oracle=hits, progress=say)
-        p50 = np.median([s.ttft for s in arms[name].served]) * 1e3
-        say(f"arm {name}: TTFT p50 {p50:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+    async with AsyncExitStack() as stack:
+        open_ = await open_arms(cfg, model, kv, device, stack, block_bytes=block_bytes, progress=say)
+        await _serve_arms(cfg, workload, open_, mirrored, say)
+        arms = {name: await arm.result() for name, arm in open_.items()}
+    del open_, kv
+    device.empty_cache()
     load_last, _ = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
     disk = arms["disk"].disk_ceiling if "disk" in arms else None
     ceil = Ceilings(max(load_first, load_last), load_name, peak, peak_name, block_bytes, disk)
@@ -98,11 +97,38 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
     for name, arm in arms.items():
         rows += arm_rows(arm, ceil, mc, recompute=arms.get("recompute"),
                          mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
-    rows += target_rows(arms, mirrored)
-    rows += await _check(cfg, model, kv, device, say)
+    rows += target_rows(arms, mirrored, ceil)
+    rows += noise_rows(arms, mirrored)
+    rows += await _check(cfg, model, model.new_kv_cache(check_blocks), device, say)
     meta["workload"] = describe(workload)
     meta["compression"] = factor
     return rows, meta
+
+
+async def _serve_arms(cfg: ServeConfig, workload: Workload, arms: dict[str, Arm], mirrored: str | None,
+                      say: Progress) -> None:
+    """Warm the caching arms, then serve the measured requests segment by segment, every
+    arm taking its turn on each segment (``ServeConfig.turns``): the arms share the
+    machine's good and bad moments instead of each having its own stretch of the run."""
+    for arm in arms.values():
+        if arm.warms and workload.warm:
+            say(f"arm {arm.name}: warming its caches with {len(workload.warm)} requests")
+            await arm.server.warm(workload.warm)
+    segments = workload.segments(cfg.segment_count(len(workload.measured)))
+    for k, requests in enumerate(segments):
+        t0 = time.perf_counter()
+        p50 = []
+        for name in cfg.turns(k):
+            arm = arms[name]
+            if name == "oracle" and mirrored is not None:
+                assert arm.server.oracle is not None
+                arm.server.oracle.update(oracle_hits(arms[mirrored].served[-len(requests):]))
+            gc.collect()  # each turn starts without the garbage of the ones before
+            served = await arm.server.serve(requests, k)
+            arm.served += served
+            p50.append(f"{name} {np.median([s.ttft for s in served]) * 1e3:.1f}")
+        say(f"segment {k + 1}/{len(segments)} ({len(requests)} requests, {time.perf_counter() - t0:.1f} s): "
+            "TTFT p50 ms " + ", ".join(p50))
 
 
 async def _check(cfg: ServeConfig, model: LlamaModel, kv: list[torch.Tensor], device: Device,

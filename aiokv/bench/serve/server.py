@@ -1,13 +1,16 @@
 """The server loop of one arm: requests arrive on the clock, one model serves them in order.
 
-An arrival task releases each measured request at its (compressed) arrival time; the
+An arrival task releases each request of a segment at its (compressed) arrival time; the
 engine takes them first come, first served. For each it finds the leading blocks the GPU
-prefix cache holds, asks the ``OffloadCache`` (host pool and tiers below it) for the next
-ones and restores them into free GPU blocks, prefills the rest over that cached prefix, and
-stamps the first token. The request's full blocks are then offloaded in the background
-while the next request runs; they stay held in the GPU pool until that copy is over.
-A request's TTFT runs from its arrival, so time queued behind earlier requests counts.
-Only the public API of aiokv is used.
+prefix cache holds, asks the source below (an ``OffloadCache``, or the layerwise arm's
+host pool) for the next ones and restores them into free GPU blocks, prefills the rest over
+that cached prefix, and stamps the first token. A layerwise restore is not awaited before
+the prefill: the model gates each layer on its copy. The request's full blocks are then
+offloaded in the background while the next request runs; they stay held in the GPU pool
+until that copy is over. A request's TTFT runs from its arrival, so time queued behind
+earlier requests counts. A segment ends once its requests are served and its copies (and
+tier writes) have settled, so the arms can take turns on the machine. Only the public API
+of aiokv is used.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import anyio
 import anyio.abc
 import torch
 
-from ...cache.offload import OffloadCache
 from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
 from .pool import BlockPool
-from .workload import ServeRequest, Workload
+from .sources import Restored, Source
+from .workload import ServeRequest
 
 __all__ = ["HIT_CLASSES", "Served", "Server"]
 
@@ -35,7 +38,8 @@ HIT_CLASSES = ("miss", "gpu", "host", "disk")
 
 @dataclass
 class Served:
-    """What one measured request saw; times in seconds since the measured part began."""
+    """What one measured request saw; times in seconds on the compressed trace clock (the
+    measured part's first arrival is 0), in the segment it was served in."""
 
     index: int
     prompt: int
@@ -49,6 +53,16 @@ class Served:
     disk_tokens: int = 0
     prefill_s: float = 0.0
     load_s: float = 0.0
+    segment: int = 0
+    stall_s: float = 0.0  # of prefill_s, waiting on layerwise loads' layers
+    recomputed: int = 0  # tokens restored by a load that failed, then computed
+    wall: float = 0.0  # when its service began, in seconds since the arms opened
+    late_failure: bool = False  # a layerwise load failed after the forward had read it
+
+    @property
+    def compute_s(self) -> float:
+        """Prefill seconds less the time it waited on layers: the model's own work."""
+        return self.prefill_s - self.stall_s
 
     @property
     def ttft(self) -> float:
@@ -74,7 +88,7 @@ class Served:
 
 @dataclass
 class Server:
-    """One arm's server: the model, its paged KV, a pool, and the caches below it.
+    """One arm's server: the model, its paged KV, a pool, and the source below it.
 
     ``oracle`` maps a request index to the tokens another arm served from its GPU cache,
     host and disk; such a server allocates blocks for them and prefills only the rest,
@@ -85,32 +99,37 @@ class Server:
     kv: Sequence[torch.Tensor]
     device: Device
     pool: BlockPool
-    cache: OffloadCache | None = None
+    source: Source | None = None
     oracle: dict[int, tuple[int, int, int]] | None = None
     progress: Callable[[str], None] = lambda _msg: None
+    stalls: list[float] = field(default_factory=list)
+    epoch: float = field(default_factory=time.perf_counter)
     _offloads: int = field(default=0, init=False)
     _clock0: float = field(default=0.0, init=False)
 
-    async def run(self, workload: Workload, *, warm: bool = True) -> list[Served]:
-        """Serve the warm-up requests back to back (untimed), let their copies settle,
-        then replay the measured ones on the clock."""
+    async def warm(self, requests: Sequence[ServeRequest]) -> None:
+        """Serve the warm-up requests back to back (untimed) and let their copies settle."""
+        self._clock0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            if warm and workload.warm:
-                for i, req in enumerate(workload.warm):
-                    await self._serve(req, tg, arrival=self._now())
-                    if i % 100 == 99:
-                        self.progress(f"  warm-up {i + 1}/{len(workload.warm)}")
-                await self._settle()
-            measured = workload.measured
+            for i, req in enumerate(requests):
+                await self._serve(req, tg, arrival=self._now())
+                if i % 100 == 99:
+                    self.progress(f"  warm-up {i + 1}/{len(requests)}")
+            await self._settle()
+        self.stalls.clear()  # the measured requests' only
+
+    async def serve(self, requests: Sequence[ServeRequest], segment: int = 0) -> list[Served]:
+        """Replay ``requests`` on the clock from the first one's arrival, then settle."""
+        out: list[Served] = []
+        if not requests:
+            return out
+        async with anyio.create_task_group() as tg:
             send, receive = anyio.create_memory_object_stream[tuple[ServeRequest, float]](math.inf)
-            self._clock0 = time.perf_counter()
-            tg.start_soon(self._arrivals, measured, send)
-            out: list[Served] = []
+            self._clock0 = time.perf_counter() - requests[0].arrival
+            tg.start_soon(self._arrivals, list(requests), send)
             async with receive:
                 async for req, arrival in receive:
-                    out.append(await self._serve(req, tg, arrival=arrival))
-                    if len(out) % 100 == 0:
-                        self.progress(f"  {len(out)}/{len(measured)} requests")
+                    out.append(await self._serve(req, tg, arrival=arrival, segment=segment))
             await self._settle()
         return out
 
@@ -130,51 +149,70 @@ class Server:
         """Wait for the offloads in flight and the tier writes behind them."""
         while self._offloads:
             await anyio.sleep(0.001)
-        if self.cache is not None:
-            await self.cache.drain()
+        if self.source is not None:
+            await self.source.drain()
 
-    async def _serve(self, req: ServeRequest, tg: anyio.abc.TaskGroup, *, arrival: float) -> Served:
-        start = self._now()
+    async def _serve(self, req: ServeRequest, tg: anyio.abc.TaskGroup, *, arrival: float,
+                     segment: int = 0) -> Served:
+        start, wall = self._now(), time.perf_counter() - self.epoch
         pool, n = self.pool, req.cacheable_blocks
         gpu = pool.match(req.keys[:n])
         reused: list[int] = []
-        host = disk = 0
-        load_s = 0.0
+        got = Restored(0)
         if self.oracle is not None:
             gpu_t, host_t, disk_t = self.oracle.get(req.index, (0, 0, 0))
-            host, disk = host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS
+            got = Restored(host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS)
             gpu = await pool.take_waiting(gpu_t // BLOCK_TOKENS)
-            reused = await pool.take_waiting(host + disk)
-        elif self.cache is not None and len(gpu) < n:
+            reused = await pool.take_waiting(got.host + got.disk)
+        elif self.source is not None and len(gpu) < n:
             rest = req.keys[len(gpu):n]
-            hits = self.cache.lookup(rest)
+            hits = self.source.lookup(rest)
             if hits:
                 reused = await pool.take_waiting(hits)
-                t0 = time.perf_counter()
-                result = await self.cache.restore(rest[:hits], reused)
-                load_s = time.perf_counter() - t0
-                disk = min(result.from_tiers, result.restored)
-                host = result.restored - disk
-        cached = len(gpu) + host + disk
+                got = await self.source.restore(rest[:hits], reused)
         blocks = -(-len(req.tokens) // BLOCK_TOKENS)
         table = gpu + reused + await pool.take_waiting(blocks - len(gpu) - len(reused))
-        begin = cached * BLOCK_TOKENS
-        token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
-        first = self._now()
+        begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
+        token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv,
+                                                     gate=got.gate)
+        stalls = got.take_stalls() if got.take_stalls is not None else []
+        recomputed = 0
+        if got.failed:  # a layer failed under the forward: what it read there is wrong
+            if got.end is not None:
+                await got.end()
+            recomputed, begin = got.host * BLOCK_TOKENS, len(gpu) * BLOCK_TOKENS
+            got.host = 0
+            token, again = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
+            prefill_s += again
+        first = self._now()  # the gates passed: the first token needs nothing more of the load
+        self.stalls += stalls
         full = len(req.keys)
         pool.register(req.keys, table[:full])
-        if self.cache is not None and full:
+        if self.source is not None and full:
             pool.hold(table[:full])
             self._offloads += 1
             tg.start_soon(self._offload, req.keys, table[:full])
         pool.release(table)
-        return Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
-                      gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=host * BLOCK_TOKENS,
-                      disk_tokens=disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=load_s)
+        served = Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
+                        gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
+                        disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
+                        segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
+                        wall=wall)
+        if got.end is not None and not got.failed:
+            tg.start_soon(self._end_load, got, served)
+        return served
+
+    async def _end_load(self, got: Restored, served: Served) -> None:
+        """A layerwise load's end, off the first token's path: its copy time, and whether a
+        layer failed after its gate passed (on CUDA a copy can fail after the wait was
+        enqueued: that request's output was computed from wrong bytes)."""
+        ok = await got.end()  # type: ignore[misc]
+        served.load_s = got.load_s
+        served.late_failure = not ok
 
     async def _offload(self, keys: list[int], blocks: list[int]) -> None:
         try:
-            await self.cache.offload(keys, blocks)  # type: ignore[union-attr]
+            await self.source.offload(keys, blocks)  # type: ignore[union-attr]
         finally:
             self.pool.release(blocks)
             self._offloads -= 1

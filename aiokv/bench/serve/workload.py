@@ -11,6 +11,7 @@ factor; the first ``warmup`` requests only fill the caches.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -74,6 +75,13 @@ class Workload:
         """Trace seconds from the first to the last measured arrival (uncompressed)."""
         measured = self.measured
         return (measured[-1].trace_ms - measured[0].trace_ms) / 1000.0 if measured else 0.0
+
+    def segments(self, count: int) -> list[list[ServeRequest]]:
+        """The measured requests cut into ``count`` runs of consecutive arrivals, as even
+        as can be (fewer if there are fewer requests)."""
+        measured = self.measured
+        bounds = np.linspace(0, len(measured), min(count, len(measured)) + 1).round().astype(int)
+        return [measured[a:b] for a, b in itertools.pairwise(bounds)]
 
     def max_blocks(self) -> int:
         return max(-(-len(r.tokens) // BLOCK_TOKENS) for r in self.requests)
