@@ -70,7 +70,7 @@ class Cascade:
         for tier in tiers:
             tier.check_block_bytes(block_bytes)  # a tier that holds no block fails here
         limit = max(1, queue_bytes // block_bytes)
-        self.links = [TierLink(t, limit, float(queue_wait)) for t in tiers]
+        self.links = [TierLink(t, _room(t, limit, block_bytes), float(queue_wait)) for t in tiers]
         self.local = [link for link in self.links if not link.tier.remote]
         self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
@@ -463,6 +463,15 @@ class Ticket:
 
     def _batches(self) -> list[tuple[TierLink, Batch]]:
         return [*self._through, *([self._down] if self._down is not None else [])]
+
+
+def _room(tier: Tier, limit: int, block_bytes: int) -> int:
+    """Blocks that may be on their way down to ``tier``: ``limit``, but never more than the
+    tier holds. Beyond that the tier must refuse writes until earlier ones land, and the
+    refused blocks, still found in memory, would make what the cache finds depend on how
+    fast the tier writes (docs/tiers.md, "Write-behind")."""
+    capacity = tier.capacity_bytes
+    return limit if capacity is None else max(1, min(limit, capacity // block_bytes))
 
 
 def tier_list(tiers: Sequence[Tier]) -> list[Tier]:

@@ -88,6 +88,9 @@ class Tier(abc.ABC):
     name: str = "tier"
     remote: bool = False
     write_through: bool = False
+    capacity_bytes: int | None = None
+    """KV payload bytes the tier holds at most, if it has a bound (the cache keeps no more
+    than that on their way down to it)."""
 
     def check_block_bytes(self, block_bytes: int) -> None:
         """Refuse (``InvalidSpec``) a configuration that cannot hold one block of
