@@ -495,6 +495,21 @@ async def test_misuse_raises(tmp_path: Path) -> None:
         await tier.write(keys_of(1), payloads(1))
 
 
+async def test_a_buffer_not_in_c_order_is_refused_as_misuse(tmp_path: Path) -> None:
+    """A Fortran-ordered array is contiguous but cannot be read as flat bytes: InvalidSpec,
+    as the Redis tier says, not the TypeError of a failed cast."""
+    import numpy as np
+
+    side = int(BLOCK ** 0.5)
+    tier = await opened(tmp_path, layout_fingerprint(block_bytes=side * side), capacity_bytes=4 * side * side)
+    fortran = np.zeros((side, side), dtype=np.uint8, order="F")
+    with pytest.raises(InvalidSpec, match="contiguous"):
+        await tier.write(keys_of(1), [memoryview(fortran)])
+    with pytest.raises(InvalidSpec, match="contiguous"):
+        await tier.read(keys_of(1), [memoryview(fortran)])
+    await tier.aclose()
+
+
 @pytest.mark.parametrize("bad", [True, False, 1.5, "4096", None, 0, -BLOCK])
 def test_capacity_and_threads_take_the_shared_integer_check(tmp_path: Path, bad: object) -> None:
     """The same rule as every tier's (and the worker's counts): an int, never a bool."""
