@@ -449,3 +449,29 @@ async def test_a_disk_tier_on_a_read_only_filesystem_raises_tier_error(tmp_path:
                 assert "read-only" in str(exc).lower() or "errno 30" in str(exc).lower()
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+async def test_a_store_landing_after_the_exit_counts_its_copies_down_as_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit's bound ran out while a store was still copying: once it lands, the copies
+    it would have sent down cannot go (the tiers are closed) and count as dropped."""
+    from aiokv import Direction
+    from tests.test_offload_cache import Gate
+
+    tier = MemTier(write_through=True)
+    kv = make_layers(num_layers=2, num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=6) as worker:
+        cache = OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=2, drain_timeout=0.1)
+        gate = Gate(monkeypatch, Direction.STORE)
+        try:
+            async with anyio.create_task_group() as tg:
+                async with cache:
+                    tg.start_soon(cache.offload, [f"k{i}" for i in range(4)], range(4))
+                    await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                assert tier.closed  # left within the bound, the store still copying
+                gate.open.set()
+        finally:
+            gate.open.set()
+    st = cache.stats().tiers[0]
+    assert st.write_throughs == 0 and st.demotions_dropped == 4 and st.queued_blocks == 0
+    assert cache.stats().stored_keys == 4

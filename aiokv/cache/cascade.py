@@ -455,10 +455,12 @@ class Ticket:
                     mgr.complete_load(pinned)
                 cascade.staging.give(self._staging)
 
-        if not cascade.start(copy, done):  # stopped meanwhile
+        if not cascade.start(copy, done):  # stopped meanwhile: the copies down are dropped
             if mgr is not None:
                 mgr.complete_load(pinned)
-            self.failed()
+            for link, batch in self._batches():
+                link.abandon(batch)
+            cascade.staging.give(self._staging)
             done.set()
 
     def _batches(self) -> list[tuple[TierLink, Batch]]:
