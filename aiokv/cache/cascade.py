@@ -13,6 +13,7 @@ the queue full (docs/tiers.md, "How blocks move").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from functools import partial
 
@@ -37,6 +38,8 @@ DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_WAIT = 1.0
 """Seconds an offer waits for room in a full write queue before that tier counts as
 falling behind (docs/tiers.md, "Write-behind")."""
+
+_log = logging.getLogger("aiokv")
 
 StoreFn = Callable[[list[int], list[int]], TransferFuture]
 """Submits a store of GPU blocks into host chunks (absolute ids)."""
@@ -336,7 +339,9 @@ class Cascade:
 
     def start(self, work: Callable[[], Awaitable[None]], done: anyio.Event) -> bool:
         """Run ``work`` in the task group, shielded (a copy is not abandoned half way), and
-        set ``done`` after; False (nothing started) once the cascade is stopped."""
+        set ``done`` after; False (nothing started) once the cascade is stopped. A failing
+        ``work`` drops its own batches and is logged: it never cancels the task group, whose
+        scope holds the caller's code inside ``async with cache``."""
         if self._tg is None:
             return False
         seq = self._started
@@ -347,6 +352,9 @@ class Cascade:
             try:
                 with anyio.CancelScope(shield=True):
                     await work()
+            except Exception:  # its batches are dropped, counted; the caller's code goes on
+                _log.warning("aiokv: copying blocks off the host pool for the tiers failed; "
+                             "they were dropped", exc_info=True)
             finally:
                 del self._copies[seq]
                 done.set()
