@@ -325,6 +325,36 @@ async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: P
     assert stats.writes - stats.evictions == len(held)
 
 
+async def test_eviction_order_is_the_order_writes_were_planned_not_landed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that lands late (a slow file) is as old as when it was called, so which key
+    a later write evicts never depends on how fast the disk was."""
+    tier = await opened(tmp_path, capacity_bytes=2 * BLOCK, policy="lru", io_threads=2)
+    first, second, third = keys_of(3)
+    gate = threading.Event()
+    real = BlockFiles.write_one
+
+    def write_one(files: BlockFiles, key: bytes, payload: memoryview) -> bool:
+        if key == first:
+            gate.wait(10)  # the first call's file lands after the second call's
+        return real(files, key, payload)
+
+    monkeypatch.setattr(BlockFiles, "write_one", write_one)
+    results: list[list[bool]] = []
+
+    async def write(keys: list[bytes]) -> None:
+        results.append(await tier.write(keys, payloads(len(keys))))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write, [first])
+        await anyio.wait_all_tasks_blocked()
+        await write([second])  # lands first
+        gate.set()
+    assert results == [[True], [True]]
+    assert await tier.write([third], payloads(1)) == [True]
+    assert [tier.holds(k) for k in (first, second, third)] == [False, True, True]
+
+
 async def test_reopening_with_less_capacity_keeps_the_newest(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
     keys = keys_of(5)
@@ -463,6 +493,21 @@ async def test_misuse_raises(tmp_path: Path) -> None:
     await tier.aclose()
     with pytest.raises(UsageError):
         await tier.write(keys_of(1), payloads(1))
+
+
+async def test_a_buffer_not_in_c_order_is_refused_as_misuse(tmp_path: Path) -> None:
+    """A Fortran-ordered array is contiguous but cannot be read as flat bytes: InvalidSpec,
+    as the Redis tier says, not the TypeError of a failed cast."""
+    import numpy as np
+
+    side = int(BLOCK ** 0.5)
+    tier = await opened(tmp_path, layout_fingerprint(block_bytes=side * side), capacity_bytes=4 * side * side)
+    fortran = np.zeros((side, side), dtype=np.uint8, order="F")
+    with pytest.raises(InvalidSpec, match="contiguous"):
+        await tier.write(keys_of(1), [memoryview(fortran)])
+    with pytest.raises(InvalidSpec, match="contiguous"):
+        await tier.read(keys_of(1), [memoryview(fortran)])
+    await tier.aclose()
 
 
 @pytest.mark.parametrize("bad", [True, False, 1.5, "4096", None, 0, -BLOCK])

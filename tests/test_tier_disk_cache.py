@@ -154,3 +154,54 @@ async def test_a_cache_left_through_an_error_does_not_persist(tmp_path: Path) ->
                 await offload_generations(kv, cache, 4)
                 raise KeyError("the server failed")
         assert cache.stats().tiers[0].persisted == 0
+
+
+async def test_a_slow_full_disk_never_lets_the_cache_find_more_than_it_holds(tmp_path: Path) -> None:
+    """Blocks on their way down never outnumber what the disk holds. Otherwise a disk full
+    of blocks still being written refuses the next ones, which wait in memory for a retry
+    and are found there only while the writer lags: what the cache finds (and a replay's
+    hit rate) would hang on the disk's speed."""
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=10)
+    disk_blocks = 8
+    tier = DiskTier(tmp_path, capacity_bytes=disk_blocks * (64 << 10), simulated_latency=0.05)
+    most = 0
+    async with cache_on(kv, tier) as cache:
+        offered: list[str] = []
+        expected: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, 40, 4):
+            keys = [f"k{i}" for i in range(start, start + 4)]
+            fill(kv, range(4), seed=2000 + start)
+            expected.update((key, block(kv, i)) for i, key in enumerate(keys))
+            assert (await cache.offload(keys, list(range(4)))).stored == 4
+            offered += keys
+            most = max(most, sum(cache.lookup([k]) for k in offered))
+        await cache.drain()
+        assert most <= HOST + disk_blocks
+        st = cache.stats().tiers[0]
+        assert st.demotions_dropped == 0 and st.demoted == 36
+        found = [k for k in offered if cache.lookup([k])]
+        assert len(found) == HOST + disk_blocks
+        result = await cache.restore(found[:disk_blocks], list(range(20, 20 + disk_blocks)))
+        assert result.restored == disk_blocks
+        assert restored_exactly(kv, found[:disk_blocks], 20, expected)
+
+
+async def test_writes_a_bounded_exit_stops_count_what_reached_the_disk(tmp_path: Path) -> None:
+    """A disk write cannot be abandoned half way: its threads finish even when the exit's
+    bound cancels it. What they wrote counts as written, not dropped, so the counters say
+    what the next cache on the directory finds."""
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=11)
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 26, simulated_latency=0.3)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
+        cache = OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=STAGING,
+                             drain_timeout=0.05)
+        async with cache:
+            for start in range(0, 16, 4):
+                fill(kv, range(4), seed=3000 + start)
+                await cache.offload([f"k{i}" for i in range(start, start + 4)], list(range(4)))
+    st = cache.stats().tiers[0]
+    assert st.demoted + st.demotions_dropped == 12 and st.queued_blocks == 0
+
+    async with cache_on(kv, DiskTier(tmp_path, capacity_bytes=1 << 26)) as second:
+        found = sum(second.lookup([f"k{i}"]) for i in range(12))
+    assert found == st.demoted > 0

@@ -449,3 +449,61 @@ async def test_a_disk_tier_on_a_read_only_filesystem_raises_tier_error(tmp_path:
                 assert "read-only" in str(exc).lower() or "errno 30" in str(exc).lower()
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+async def test_a_store_landing_after_the_exit_counts_its_copies_down_as_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit's bound ran out while a store was still copying: once it lands, the copies
+    it would have sent down cannot go (the tiers are closed) and count as dropped."""
+    from aiokv import Direction
+    from tests.test_offload_cache import Gate
+
+    tier = MemTier(write_through=True)
+    kv = make_layers(num_layers=2, num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=6) as worker:
+        cache = OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=2, drain_timeout=0.1)
+        gate = Gate(monkeypatch, Direction.STORE)
+        try:
+            async with anyio.create_task_group() as tg:
+                async with cache:
+                    tg.start_soon(cache.offload, [f"k{i}" for i in range(4)], range(4))
+                    await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                assert tier.closed  # left within the bound, the store still copying
+                gate.open.set()
+        finally:
+            gate.open.set()
+    st = cache.stats().tiers[0]
+    assert st.write_throughs == 0 and st.demotions_dropped == 4 and st.queued_blocks == 0
+    assert cache.stats().stored_keys == 4
+
+
+async def test_a_copy_down_that_fails_drops_its_blocks_and_spares_the_callers_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write-through copy off the pool that fails (out of memory for its rows) runs in the
+    cache's task group: its blocks are dropped and counted, and neither the offer nor the
+    code inside ``async with cache`` is cancelled by it."""
+    from aiokv.cache.pages import PageMap
+
+    tier = MemTier(write_through=True)
+    real = PageMap.gather
+    calls = 0
+
+    def gather(pages: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise MemoryError("no room for the rows")
+        return real(pages, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", gather)
+    async with tiered([tier]) as (kv, _w, cache):
+        randomize(kv, range(4), seed=1)
+        first = await cache.offload([f"a{i}" for i in range(4)], range(4))
+        await anyio.sleep(0.01)  # the body goes on, not cancelled
+        randomize(kv, range(4), seed=2)
+        second = await cache.offload([f"b{i}" for i in range(4)], range(4))
+        await cache.drain()
+        st = cache.stats().tiers[0]
+        assert first.stored == 4 and second.stored == 4
+        assert st.demotions_dropped == 4 and st.write_throughs == 4
+        settled(cache)

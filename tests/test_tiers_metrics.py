@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from aiokv.cache.tiers import codec
 from tests.test_tiers_cascade import MemTier, store_generations, tiered
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -50,4 +53,33 @@ async def test_two_tiers_of_one_name_get_distinct_series() -> None:
         assert value("aiokv_cache_tier_hits_total", {"tier": "mem-1"}) == st[0].hits == 2
         samples = [s for m in registry.collect() for s in m.samples]
         keys = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
-        assert len(keys) == len(set(keys)) == 2 * 9
+        assert len(keys) == len(set(keys)) == 2 * 11
+
+
+async def test_blocks_persisted_on_close_are_exported(tmp_path: Path) -> None:
+    from aiokv import DiskTier
+    from aiokv.metrics import CacheTierCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    async with tiered([DiskTier(tmp_path, capacity_bytes=1 << 24)], persist_on_close=True) as (kv, _w, cache):
+        registry.register(CacheTierCollector(cache))
+        await store_generations(kv, cache, 8)  # k4..k7 only in the host
+    st = cache.stats().tiers[0]
+    assert st.persisted == 4
+    assert registry.get_sample_value("aiokv_cache_tier_persisted_blocks_total", {"tier": "disk"}) == 4
+
+
+async def test_read_misses_are_exported() -> None:
+    from aiokv.metrics import CacheTierCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    tier = MemTier()
+    async with tiered([tier]) as (kv, _w, cache):
+        registry.register(CacheTierCollector(cache))
+        await store_generations(kv, cache, 8)
+        await cache.drain()
+        tier.fail_reads.add(codec.key_bytes("k1"))
+        assert (await cache.restore(["k0", "k1"], [20, 21])).restored == 1
+        st = cache.stats().tiers[0]
+        assert st.read_misses == 1
+        assert registry.get_sample_value("aiokv_cache_tier_read_misses_total", {"tier": "mem"}) == 1

@@ -12,6 +12,8 @@ from typing import Any
 import anyio.to_thread
 
 from ..cache.tiers.base import Tier
+from ..errors import MissingExtra
+from ..extras import require
 
 __all__ = ["clear_namespace", "ping"]
 
@@ -20,10 +22,9 @@ TIMEOUT = 5.0
 
 def _client(url: str) -> Any:
     try:
-        import redis
-    except ImportError:
-        raise ValueError("a redis tier needs the redis package: "
-                         "python3 -m pip install -e '.[redis]'") from None
+        redis = require("redis")
+    except MissingExtra as exc:  # the bench CLI prints a ValueError without a traceback
+        raise ValueError(str(exc)) from None
     scheme, sep, rest = url.partition("://")
     if scheme.lower().endswith("+cluster"):
         return redis.RedisCluster.from_url(f"{scheme.lower().removesuffix('+cluster')}{sep}{rest}",

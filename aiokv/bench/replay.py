@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..cache.offload import OffloadCache
+from ..cache.protocol import default_staging
 from ..cache.tiers.base import Tier
 from ..layout import CanonicalKVCaches
 from ..worker import AsyncOffloadingWorker
@@ -62,10 +63,10 @@ class ReplayResult:
 
 def host_chunks_for(host: int) -> int:
     """The pool size whose default staging leaves ``host`` chunks to the host tier."""
-    for staging in range(1, 65):
-        if max(1, min(64, (host + staging) // 4)) == staging:
-            return host + staging
-    return host + 64
+    staging = 1
+    while default_staging(host + staging) != staging:  # ends: the default grows slower
+        staging += 1
+    return host + staging
 
 
 def make_tier(name: str, blocks: int, *, directory: str, redis_url: str | None, namespace: str,

@@ -13,6 +13,7 @@ the queue full (docs/tiers.md, "How blocks move").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from functools import partial
 
@@ -37,6 +38,8 @@ DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_WAIT = 1.0
 """Seconds an offer waits for room in a full write queue before that tier counts as
 falling behind (docs/tiers.md, "Write-behind")."""
+
+_log = logging.getLogger("aiokv")
 
 StoreFn = Callable[[list[int], list[int]], TransferFuture]
 """Submits a store of GPU blocks into host chunks (absolute ids)."""
@@ -70,7 +73,7 @@ class Cascade:
         for tier in tiers:
             tier.check_block_bytes(block_bytes)  # a tier that holds no block fails here
         limit = max(1, queue_bytes // block_bytes)
-        self.links = [TierLink(t, limit, float(queue_wait)) for t in tiers]
+        self.links = [TierLink(t, _room(t, limit, block_bytes), float(queue_wait)) for t in tiers]
         self.local = [link for link in self.links if not link.tier.remote]
         self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
@@ -336,7 +339,9 @@ class Cascade:
 
     def start(self, work: Callable[[], Awaitable[None]], done: anyio.Event) -> bool:
         """Run ``work`` in the task group, shielded (a copy is not abandoned half way), and
-        set ``done`` after; False (nothing started) once the cascade is stopped."""
+        set ``done`` after; False (nothing started) once the cascade is stopped. A failing
+        ``work`` drops its own batches and is logged: it never cancels the task group, whose
+        scope holds the caller's code inside ``async with cache``."""
         if self._tg is None:
             return False
         seq = self._started
@@ -347,6 +352,9 @@ class Cascade:
             try:
                 with anyio.CancelScope(shield=True):
                     await work()
+            except Exception:  # its batches are dropped, counted; the caller's code goes on
+                _log.warning("aiokv: copying blocks off the host pool for the tiers failed; "
+                             "they were dropped", exc_info=True)
             finally:
                 del self._copies[seq]
                 done.set()
@@ -455,14 +463,25 @@ class Ticket:
                     mgr.complete_load(pinned)
                 cascade.staging.give(self._staging)
 
-        if not cascade.start(copy, done):  # stopped meanwhile
+        if not cascade.start(copy, done):  # stopped meanwhile: the copies down are dropped
             if mgr is not None:
                 mgr.complete_load(pinned)
-            self.failed()
+            for link, batch in self._batches():
+                link.abandon(batch)
+            cascade.staging.give(self._staging)
             done.set()
 
     def _batches(self) -> list[tuple[TierLink, Batch]]:
         return [*self._through, *([self._down] if self._down is not None else [])]
+
+
+def _room(tier: Tier, limit: int, block_bytes: int) -> int:
+    """Blocks that may be on their way down to ``tier``: ``limit``, but never more than the
+    tier holds. Beyond that the tier must refuse writes until earlier ones land, and the
+    refused blocks, still found in memory, would make what the cache finds depend on how
+    fast the tier writes (docs/tiers.md, "Write-behind")."""
+    capacity = tier.capacity_bytes
+    return limit if capacity is None else max(1, min(limit, capacity // block_bytes))
 
 
 def tier_list(tiers: Sequence[Tier]) -> list[Tier]:

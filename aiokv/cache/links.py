@@ -177,7 +177,7 @@ class TierLink:
         """One batch's write call. Keys the tier refuses while other calls run (it may be
         removing the same key's old file for one of them) are tried again when those are
         over, so calls touching one key do not cost a block."""
-        ok = 0
+        ok: int | None = None
         try:
             with scope:
                 rows = batch.rows
@@ -201,7 +201,18 @@ class TierLink:
             ok = 0
         finally:
             self.writes.pop(batch, None)
-            self._written(batch, ok)
+            self._written(batch, self._landed(batch) if ok is None else ok)
+
+    def _landed(self, batch: Batch) -> int:
+        """How many of a stopped batch's blocks the tier holds: a local tier's I/O is never
+        abandoned half way, so what it wrote counts as written, not as dropped; a remote
+        tier cannot say without a round trip."""
+        if self.tier.remote:
+            return 0
+        try:
+            return sum(1 for key in batch.keys if self.tier.holds(key))
+        except Exception:  # a tier that broke its contract
+            return 0
 
     async def _call(self, batch: Batch, keys: list[bytes],
                     views: list[memoryview]) -> tuple[list[bool], bool]:

@@ -91,7 +91,8 @@ class OffloadCache:
             default (``codec.default_fingerprint``) folds in each page's size, dtype and
             shape, so pass one naming the model when servers of different models with the
             same layout share a tier (or give each model its own tier ``namespace=``).
-        queue_bytes: per tier, bytes of blocks on their way down (queued or being written).
+        queue_bytes: per tier, bytes of blocks on their way down (queued or being written);
+            never more than the tier's own ``capacity_bytes``.
         queue_wait: seconds an offer waits for room in a full queue before that tier counts
             as falling behind and what does not fit is dropped (counted and logged).
         drain_timeout: seconds leaving the cache waits for copies and tier writes (and for

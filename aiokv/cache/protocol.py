@@ -9,8 +9,8 @@ from ..future import TransferFuture
 from ..plan import HostLayout
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 
-__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_store_ids", "check_worker", "result_or_none",
-           "split_chunks"]
+__all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_store_ids", "check_worker", "default_staging",
+           "result_or_none", "split_chunks"]
 
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks a cache with tiers keeps aside to bring lower-tier blocks up to the GPU."""
@@ -99,6 +99,12 @@ def result_or_none(fut: TransferFuture) -> TransferResult | None:
     return res if res.success else None
 
 
+def default_staging(chunks: int) -> int:
+    """Staging chunks a cache of ``chunks`` chunks with tiers keeps when not told:
+    ``DEFAULT_STAGING_CHUNKS``, at most a quarter of them, at least one."""
+    return max(1, min(DEFAULT_STAGING_CHUNKS, chunks // 4))
+
+
 def split_chunks(worker: CacheWorker, chunks: range | None, staging_chunks: int | None, *,
                  tiers: bool) -> tuple[range, range, range]:
     """The cache's chunks, the host part of them and the staging part (the last ones,
@@ -115,7 +121,7 @@ def split_chunks(worker: CacheWorker, chunks: range | None, staging_chunks: int 
         if len(chunks) < 2:
             raise InvalidSpec("a cache with tiers needs at least 2 chunks (one to hold blocks, one "
                               f"to stage them to and from the tiers); it has {len(chunks)}")
-        n = max(1, min(DEFAULT_STAGING_CHUNKS, len(chunks) // 4))
+        n = default_staging(len(chunks))
     elif isinstance(staging_chunks, bool) or not isinstance(staging_chunks, int):
         raise InvalidSpec(f"staging_chunks must be an int, got {staging_chunks!r}")
     else:

@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import InvalidSpec
 from ...specs import as_count
 
-__all__ = ["Tier", "TierStatistics", "check_capacity", "positive_count", "positive_seconds"]
+__all__ = ["Tier", "TierStatistics", "byte_view", "check_capacity", "positive_count", "positive_seconds"]
 
 
 def positive_count(value: Any, what: str) -> int:
@@ -63,6 +63,21 @@ class TierStatistics:
     evictions: int
 
 
+def byte_view(buffer: Any, *, writable: bool = False) -> memoryview:
+    """A caller's buffer as flat bytes, by the one rule every tier follows; a buffer the
+    tier cannot use (not a buffer, not C-contiguous, read-only where it must be filled) is
+    misuse (``InvalidSpec``)."""
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
+    if not view.c_contiguous:
+        raise InvalidSpec("tier buffers must be contiguous (in C order)")
+    if writable and view.readonly:
+        raise InvalidSpec("read() needs writable buffers to fill")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> None:
     """Refuse a tier bound that holds no whole block (it would silently store nothing)."""
     if capacity_bytes is not None and capacity_bytes < block_bytes:
@@ -88,6 +103,9 @@ class Tier(abc.ABC):
     name: str = "tier"
     remote: bool = False
     write_through: bool = False
+    capacity_bytes: int | None = None
+    """KV payload bytes the tier holds at most, if it has a bound (the cache keeps no more
+    than that on their way down to it)."""
 
     def check_block_bytes(self, block_bytes: int) -> None:
         """Refuse (``InvalidSpec``) a configuration that cannot hold one block of

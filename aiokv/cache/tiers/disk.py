@@ -35,7 +35,7 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy
 from . import codec
-from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .base import Tier, TierStatistics, byte_view, check_capacity, positive_count, positive_seconds
 from .disk_direct import DirectMode
 from .disk_index import DiskIndex
 from .disk_io import (
@@ -229,7 +229,7 @@ class DiskTier(Tier):
         """
         files = self._opened()
         keys = codec.stored_keys(keys)
-        outs = [self._byte_view(v, writable=True) for v in out]
+        outs = [byte_view(v, writable=True) for v in out]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
         index = self._index
@@ -258,7 +258,7 @@ class DiskTier(Tier):
         """
         files = self._opened()
         keys = codec.stored_keys(keys)
-        views = [self._byte_view(p, writable=False) for p in payloads]
+        views = [byte_view(p) for p in payloads]
         if len(views) != len(keys):
             raise InvalidSpec(f"write got {len(keys)} keys and {len(views)} payloads")
         index = self._index
@@ -302,16 +302,6 @@ class DiskTier(Tier):
         if self._files is None:
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
-
-    @staticmethod
-    def _byte_view(buffer: object, *, writable: bool) -> memoryview:
-        try:
-            view = memoryview(buffer)  # type: ignore[arg-type]
-        except TypeError:
-            raise InvalidSpec(f"tier buffers are memoryviews, got {type(buffer).__name__}") from None
-        if not view.contiguous or (writable and view.readonly):
-            raise InvalidSpec("tier buffers must be contiguous" + (" and writable" if writable else ""))
-        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         # Not abandoned on cancellation: a read thread writes into the caller's buffers,

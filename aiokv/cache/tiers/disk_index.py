@@ -136,6 +136,9 @@ class DiskIndex:
             self._evict(key)
         self.pending.update(keys[i] for i in todo)
         self.removing.update(doomed)
+        # Ordered now, in the order the cache decided, not when each write lands (which
+        # depends on how fast the disk is); pending keys are never chosen as victims.
+        policy.on_insert([keys[i] for i in todo])
         return todo, doomed, first
 
     def after_write(self, keys: Sequence[bytes], stored: Sequence[bool | None],
@@ -144,21 +147,20 @@ class DiskIndex:
         self.removing.difference_update(doomed)
         c = self.counts
         failed = False
-        new: list[bytes] = []
+        policy = self.make_policy()
         for i in todo:
             key = keys[i]
             self.pending.discard(key)
             if stored[i]:
                 self.held[key] = None
-                new.append(key)
                 c["writes"] += 1
                 c["write_bytes"] += self.block_bytes or 0
-            elif stored[i] is False:
+                continue
+            policy.on_remove(key, evicted=False)  # ordered when planned: not held after all
+            if stored[i] is False:
                 c["errors"] += 1
                 failed = True
             # None: never started (the call was cancelled first); the file may not exist.
-        if new:
-            self.make_policy().on_insert(new)
         return failed
 
     def statistics(self, name: str) -> TierStatistics:

@@ -24,7 +24,7 @@ from ...errors import InvalidSpec, TierError, UsageError
 from ...extras import require
 from ...loops import loop_library
 from . import codec
-from .base import Tier, TierStatistics, check_capacity, positive_count, positive_seconds
+from .base import Tier, TierStatistics, byte_view, check_capacity, positive_count, positive_seconds
 from .health import FailureLog
 from .redis_quota import WriteQuota
 from .redis_values import (
@@ -32,7 +32,6 @@ from .redis_values import (
     FAILED,
     HIT,
     MISS,
-    byte_view,
     check_landed,
     encode_headers,
     encode_values,

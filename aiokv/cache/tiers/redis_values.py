@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...errors import InvalidSpec
 from . import codec
 
-__all__ = ["CORRUPT", "FAILED", "HIT", "MISS", "byte_view", "check_landed", "encode_headers",
+__all__ = ["CORRUPT", "FAILED", "HIT", "MISS", "check_landed", "encode_headers",
            "encode_values", "groups_of", "land_replies", "verified"]
 
 HIT, MISS, CORRUPT, FAILED = 0, 1, 2, 3
@@ -102,15 +101,3 @@ def encode_values(fingerprint: bytes, keys: Sequence[bytes], views: Sequence[mem
     return [b"".join((header, views[j]))
             for header, j in zip(encode_headers(fingerprint, keys, views, group), group)]
 
-
-def byte_view(buffer: memoryview, *, writable: bool = False) -> memoryview:
-    """A flat byte view of a caller's buffer; a buffer the tier cannot use is misuse."""
-    try:
-        view = memoryview(buffer)
-    except TypeError as exc:
-        raise InvalidSpec(f"tier buffers are memoryviews of bytes, got {type(buffer).__name__}") from exc
-    if not view.c_contiguous:
-        raise InvalidSpec("tier buffers must be contiguous")
-    if writable and view.readonly:
-        raise InvalidSpec("read() needs writable buffers to fill")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
