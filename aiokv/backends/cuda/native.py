@@ -14,14 +14,14 @@ import importlib
 import os
 from typing import Any
 
-from ...errors import InvalidSpec
+from ...errors import InvalidSpec, WorkerClosed
 
-__all__ = ["ENV", "NativeWaiter", "helper", "status"]
+__all__ = ["ENV", "NativeIssuer", "NativeWaiter", "helper", "status"]
 
 ENV = "AIOKV_NATIVE"
 # The contract of the rows and calls this Python side speaks; ``_native.c`` exports its own
 # (``ABI``): raise both together whenever an opcode, a row's words or a call changes.
-_ABI, _WORDS = 1, 8
+_ABI, _WORDS = 2, 8
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._native")
@@ -36,7 +36,7 @@ else:
                 f"{_ABI}): rebuild it (python3 setup.py build_ext --inplace, or reinstall)")
         _ext = None
     else:
-        _ext.set_error_class(InvalidSpec)
+        _ext.set_error_class(InvalidSpec, WorkerClosed)
         _WHY = "built"
 
 
@@ -84,3 +84,48 @@ class NativeWaiter:
 
     def abandon(self) -> None:
         self._waiter.abandon()
+
+
+class NativeIssuer:
+    """One lane's issuer thread (``_native.Issuer``): runs the programs handed to it in
+    order, without the GIL, and arms the doorbells asked for meanwhile through the lane's
+    waiter. ``submit`` never waits for a driver call (program.py, "Issuing")."""
+
+    def __init__(self, table: Any, waiter: NativeWaiter | None = None, sticky: Any = (),
+                 spin_us: float = 0.0) -> None:
+        if _ext is None:
+            raise InvalidSpec(f"the native helper is {_WHY}")
+        self.cancelled = int(_ext.CANCELLED)
+        self._issuer = _ext.Issuer(table, waiter._waiter if waiter is not None else None,
+                                   tuple(int(c) for c in sticky), float(spin_us))
+        self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here) -> Ticket
+
+    def pause(self) -> None:
+        """Pick up no program until ``resume`` (tests that need a job to stay queued)."""
+        self._issuer.pause()
+
+    def resume(self) -> None:
+        self._issuer.resume()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or running; False if ``timeout`` passed first."""
+        return bool(self._issuer.drain(timeout))
+
+    def set_broken(self, code: int) -> None:
+        """A sticky error seen elsewhere: every program not yet run fails with it, uncalled."""
+        self._issuer.set_broken(int(code))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._issuer.stats())
+
+    def lags(self) -> list[float]:
+        """Seconds from each recent submit's return to the thread's first driver call for it."""
+        return list(self._issuer.lags())
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Issue what is queued (for at most ``timeout`` seconds, then cancel the rest) and
+        join the thread; False if it did not end (left to end by itself)."""
+        return bool(self._issuer.close(timeout))
+
+    def abandon(self) -> None:
+        self._issuer.abandon()
