@@ -163,6 +163,9 @@ IssuerState *aiokv_issuer_state(PyObject *issuer); /* NULL (TypeError set) if no
 Program *aiokv_program_new(IssuerState *st, Py_ssize_t rows, Py_ssize_t nbuf, size_t data);
 void *aiokv_program_alloc(Program *p, Py_ssize_t buf, size_t nbytes);
 void aiokv_program_drop(IssuerState *st, Program *p);
-PyObject *aiokv_issuer_queue(IssuerState *st, Program *p); /* a new Ticket, or NULL */
+/* Queue ``p``: a new Ticket, or NULL (``p`` dropped). ``run_here``: run it on this thread now,
+ * holding the GIL, if the issuer is idle. */
+PyObject *aiokv_issuer_queue(IssuerState *st, Program *p, int run_here);
+const DriverTable *aiokv_issuer_table(IssuerState *st);
 
 #endif

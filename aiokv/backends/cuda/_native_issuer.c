@@ -426,9 +426,15 @@ queue_program(IssuerState *st, Program *p, int run_here)
 }
 
 PyObject *
-aiokv_issuer_queue(IssuerState *st, Program *p)
+aiokv_issuer_queue(IssuerState *st, Program *p, int run_here)
 {
-    return queue_program(st, p, 0);
+    return queue_program(st, p, run_here);
+}
+
+const DriverTable *
+aiokv_issuer_table(IssuerState *st)
+{
+    return &st->d;
 }
 
 /* Block (GIL released) until ``n`` rows ran (n < 0: the program is over) or it is over,

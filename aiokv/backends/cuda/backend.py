@@ -63,6 +63,7 @@ class CudaBackend(Backend):
         # The native helper's driver table (None: every driver call is made from Python).
         self.native_table: Any = None
         self.native_why = ""
+        self.plans_ids = False
         try:
             self._open_native()
         except BaseException:
@@ -179,6 +180,8 @@ class CudaBackend(Backend):
                         issue_thread=self.options.issue_thread, recorder=recorder, table=table,
                         measure_stalls=self.options.layer_stalls)
         self._lanes.append(lane)
+        # The core hands a lane with a planner the job's ids to plan in C (``plan.IdPlan``).
+        self.plans_ids = self.plans_ids or lane.planner is not None
         return lane
 
     def close(self) -> None:

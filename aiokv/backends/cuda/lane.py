@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ...layer_plan import CopySlice, LayerPlan
-from ...plan import CopyPlan
+from ...plan import CopyPlan, IdPlan
 from ...specs import Direction
 from ..base import Completion, Lane, LaneStatistics, LayerRun
 from .completion import CudaCompletion
@@ -25,7 +25,9 @@ from .driver.codes import STICKY
 from .issuer import Issuer
 from .layers import CudaLayerRun
 from .native import NativeIssuer, NativeWaiter
-from .program import RUN_HERE_US, Recorder
+from .planner import make_planner
+from .program import CALL_NAMES, RUN_HERE_US, Recorder
+from .staged import StagedCopy
 from .strategy import CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
@@ -105,6 +107,8 @@ class CudaLane(Lane):
         self._recorder = recorder
         self.waiter: NativeWaiter | None = None
         self.native: NativeIssuer | None = None
+        self.planner: Any = None  # ``_native.Planner``: jobs planned in C from their ids
+        self._staging_shared = False
         self._last_ticket: Any = None
         self._issuer = (Issuer(f"aiokv-issue-{direction.value}")
                         if issue_thread and recorder is None else None)
@@ -128,6 +132,14 @@ class CudaLane(Lane):
                 recorder.bind(self.stream, self._driver.create_event())
                 self.native = NativeIssuer(table, self.waiter, STICKY, NATIVE_SPIN_US)
                 recorder.attach(self.native)
+                ctx = getattr(strategy, "ctx", None)
+                pool = getattr(ctx, "pool", None)
+                if pool is not None:
+                    chunks = pool.tensor.numel() // ctx.layout.chunk_bytes  # type: ignore[union-attr]
+                    self.planner = make_planner(strategy, ctx, self.native.handle, recorder.main,  # type: ignore[arg-type]
+                                                recorder.rescue, chunks)
+                    if self.planner is not None and isinstance(strategy, StagedCopy):
+                        strategy.planner = self.planner
         except BaseException:
             if self.waiter is not None:
                 self.waiter.close()
@@ -185,9 +197,18 @@ class CudaLane(Lane):
         try:
             drv.ensure_context()
             drv.check_usable()
+            events = drv.take_job_events()
+            if self.planner is not None and type(plan) is IdPlan:
+                ticket = self._plan_in_c(plan, dep, events)
+                if ticket is not None:
+                    self._last_ticket = ticket
+                    return CudaCompletion(drv, events, None, self.bell_stream, waiter=self.waiter,
+                                          ticket=ticket, recorder=rec, stream=self.stream,
+                                          dependency=dep.event if dep is not None else None)
+            if type(plan) is IdPlan:
+                plan.check()  # bad input raises before the dependency is recorded
             if dep is not None and dep.pending:
                 dep.resolve(drv)  # on the caller's thread, at submit (DESIGN.md section 1)
-            events = drv.take_job_events()
             prepared = self._strategy.prepare(plan)
             program = rec.open()
             try:
@@ -212,9 +233,42 @@ class CudaLane(Lane):
                 raise drv.broken from exc
             raise
         self._last_ticket = ticket
+        if self.planner is not None:
+            self._share_staging()
         return CudaCompletion(drv, events, error, self.bell_stream, waiter=self.waiter, ticket=ticket,
                               recorder=rec, dependency=dep.event if dep is not None else None,
                               stream=self.stream)
+
+    def _plan_in_c(self, plan: IdPlan, dep: Dependency | None, events: JobEvents) -> Any:
+        """The job's program built and queued by the planner, with the dependency recorded
+        on the caller's stream first, here: its ticket, or None where it plans in Python
+        (nothing was done then). A failing dependency call raises, nothing queued."""
+        planner = self.planner
+        if dep is None:
+            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop)
+        elif dep.pending:
+            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event,
+                                 dep.stream, dep.source or 0)
+        else:
+            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event)
+        if type(out) is tuple:
+            raise self._driver.fail(int(out[0]), CALL_NAMES.get(int(out[1]), "a driver call"))
+        if out is not None and dep is not None:
+            dep.stream = dep.source = None  # recorded
+        return out
+
+    def _share_staging(self) -> None:
+        """Tell the planner of the ring once a job planned in Python made it (or found it
+        could not be had), so that staged jobs plan in C from then on."""
+        strategy = self._strategy
+        if isinstance(strategy, StagedCopy) and not self._staging_shared:
+            if strategy.slot_bytes == 0:
+                self.planner.set_staging(0, 0, 0)
+                self._staging_shared = True
+            elif strategy.staging is not None and strategy.page_table is not None:
+                ring = strategy.staging.data_ptr()
+                self.planner.set_staging(ring, strategy.slot_bytes, strategy.page_table)
+                self._staging_shared = True
 
     def _issue(self, plan: CopyPlan, dep: Dependency | None, completion: CudaCompletion,
                events: JobEvents) -> None:

@@ -100,6 +100,11 @@ class NativeIssuer:
                                    tuple(int(c) for c in sticky), float(spin_us))
         self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here) -> Ticket
 
+    @property
+    def handle(self) -> Any:
+        """The ``_native.Issuer`` itself (what a ``_native.Planner`` queues on)."""
+        return self._issuer
+
     def pause(self) -> None:
         """Pick up no program until ``resume`` (tests that need a job to stay queued)."""
         self._issuer.pause()
