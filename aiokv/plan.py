@@ -138,9 +138,9 @@ class HostLayout:
     def num_groups(self) -> int:
         return len(self.tensor_idx)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> tuple[int, ...]:
-        """Bytes one GPU block of each group moves."""
+        """Bytes one GPU block of each group moves (read in every submit: kept)."""
         return tuple(sum(s) for s in self.page_sizes)
 
 
@@ -237,7 +237,11 @@ class IdPlan(CopyPlan):
         return self._count * len(self.layout.tensor_idx[0])
 
     def check(self) -> None:
-        self.mapping  # noqa: B018 - checks the ids, or raises
+        """Check the ids now (raising ``InvalidSpec``), and keep copies of them: a job
+        planned later (held behind an open layerwise store) must not read ids its caller
+        has reused since."""
+        mapping = self.mapping
+        self.block_ids, self.chunk_ids = mapping.gpu_blocks[0], mapping.host_slots[0]
 
 
 def _as_ids(ids: Any, what: str) -> np.ndarray:
@@ -426,7 +430,7 @@ def plan_ids(block_ids: Any, chunk_ids: Any, *, layout: HostLayout, num_chunks: 
     per chunk with as many chunk ids as block ids; else None (plan it with ``map_blocks``).
     ``group_sizes`` / ``block_indices`` pass when they say nothing more than that (vLLM's
     specs carry them for every job)."""
-    if layout.num_groups != 1 or layout.blocks_per_chunk != 1:
+    if len(layout.tensor_idx) != 1 or layout.blocks_per_chunk != 1:
         return None
     try:
         count = len(block_ids)

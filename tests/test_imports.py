@@ -66,6 +66,7 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.kernel",
     "aiokv.backends.cuda.pieces",
     "aiokv.backends.cuda.staged",
+    "aiokv.backends.cuda.planner",  # a lane's jobs planned in C (the native helper's planner)
     "aiokv.backends.cuda.completion",
     "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.lane",

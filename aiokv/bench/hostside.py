@@ -8,19 +8,25 @@ the helper's table (its issuer and waiter threads included), and copies move no 
 Events read as complete at once, so a job ends as soon as its program has been issued. The
 staged strategy gets a CPU staging ring and a page table that is never uploaded.
 
-``host_figures`` times what the issue asks of the host (docs/performance.md, "Host side"):
-the submit of a per-layer job (128 blocks of 64 pages of 32 KiB, staged) and of a 1-block
-job on each path, and how often a submit lets the GIL go, counted by a pure-Python thread
-that can only run when the submitting thread drops it (with a long switch interval). Needs
-the native helper built for the native rows.
+``host_figures`` times the host side of a submit (docs/performance.md, "Host side"): a
+per-layer job (128 blocks of 64 pages of 32 KiB, staged) and a 1-block job on each path,
+and, where a C compiler is at hand, how many times a submit lets the GIL go: a child
+process runs the submits with a shim in ``LD_PRELOAD`` that counts the submitting
+thread's calls of ``PyEval_SaveThread`` (every GIL release: ctypes, numpy, blocking calls
+alike). Needs the native helper built for the native rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -229,56 +235,76 @@ def _submit_times(worker: SyncOffloadingWorker, jobs: list[tuple[Any, Any]], rep
     return out
 
 
-class _GilCounter:
-    """A pure-Python thread that counts the GIL hand-overs it wins: with a switch interval
-    far longer than a submit, it runs only when the submitting thread lets the GIL go."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._last = 0
-
-    def _spin(self) -> None:
-        while not self._stop.is_set():
-            self.count += 1
-
-    def __enter__(self) -> _GilCounter:
-        self._old = sys.getswitchinterval()
-        self._thread.start()
-        while self.count == 0:
-            time.sleep(0.001)
-        sys.setswitchinterval(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setswitchinterval(self._old)
-        self._stop.set()
-        self._thread.join()
+_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+static __thread long releases;
+void *PyEval_SaveThread(void)
+{
+    static void *(*real)(void);
+    if (real == 0)
+        real = (void *(*)(void))dlsym(RTLD_NEXT, "PyEval_SaveThread");
+    releases++;
+    return real();
+}
+long aiokv_gil_releases(void) { return releases; }
+"""
 
 
-def _releases(worker: SyncOffloadingWorker, jobs: list[tuple[Any, Any]], reps: int) -> float:
-    """Mean GIL releases per submit: each lets the counting thread in for a switch interval."""
-    seen = 0
-    with _GilCounter() as counter:
-        for i in range(reps):
-            blocks, chunks = jobs[i % len(jobs)]
-            spec_g, spec_c = GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks)
-            before = counter.count
-            worker.submit_store(10_000 + i, spec_g, spec_c)
-            seen += counter.count != before
-            worker.wait([10_000 + i])
-            worker.get_finished()
-    return seen / reps
+def _releases_here(worker: SyncOffloadingWorker, jobs: list[tuple[Any, Any]], reps: int) -> float:
+    """Mean GIL releases per submit on this thread (inside the ``LD_PRELOAD`` shim)."""
+    count = ctypes.PyDLL(None).aiokv_gil_releases  # its calls keep the GIL
+    count.restype = ctypes.c_long
+    total = 0
+    for i in range(reps):
+        blocks, chunks = jobs[i % len(jobs)]
+        spec_g, spec_c = GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks)
+        before = count()
+        worker.submit_store(10_000 + i, spec_g, spec_c)
+        total += count() - before
+        worker.wait([10_000 + i])
+        worker.get_finished()
+    return total / reps
 
 
-def host_figures(reps: int = 400) -> dict[str, dict[str, float]]:
-    """Per path ("python", "native"): submit p50 / p10 in microseconds of the per-layer
-    staged job and of the 1-block job, and the share of submits that let the GIL go."""
+def gil_releases(reps: int = 50) -> dict[str, dict[str, float]] | None:
+    """Per path, GIL releases per submit of the per-layer and the 1-block job, counted in a
+    child process (see the module doc); None without a C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source, shim = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
+        with open(source, "w") as fh:
+            fh.write(_SHIM)
+        if subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", shim, source, "-ldl"],
+                          capture_output=True).returncode != 0:
+            return None
+        env = {**os.environ, "LD_PRELOAD": shim}
+        child = f"from aiokv.bench.hostside import _gil_child; _gil_child({reps})"
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env,
+                             check=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def _gil_child(reps: int) -> None:
+    def count(w: SyncOffloadingWorker, jobs: list[tuple[Any, Any]]) -> dict[str, float]:
+        return {"GIL releases per submit": _releases_here(w, jobs, reps)}
+
+    print(json.dumps(_measure(reps, count)))
+
+
+def _jobs() -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
     rng = np.random.default_rng(0)
     layer_jobs = [(rng.choice(BLOCKS, JOB_BLOCKS, replace=False),
                    rng.choice(CHUNKS, JOB_BLOCKS, replace=False)) for _ in range(4)]
-    tiny_jobs = [([i % 64], [(i * 7) % 64]) for i in range(16)]
+    tiny_jobs: list[tuple[Any, Any]] = [([i % 64], [(i * 7) % 64]) for i in range(16)]
+    return layer_jobs, tiny_jobs
+
+
+def _measure(reps: int, figures_of: Any) -> dict[str, dict[str, float]]:
+    """``figures_of(worker, jobs)`` per path and job kind, after a warm-up."""
+    layer_jobs, tiny_jobs = _jobs()
     kv, small = per_layer_kv(), tiny_kv()
     out: dict[str, dict[str, float]] = {}
     paths = [("python", False)] + ([("native", True)] if native.helper() is not None else [])
@@ -291,13 +317,26 @@ def host_figures(reps: int = 400) -> dict[str, dict[str, float]]:
                                          options={"native": flag})
                 try:
                     _submit_times(w, jobs, 20)  # warm-up
-                    times = _submit_times(w, jobs, reps)
-                    figures[f"{label} submit p50 us"] = statistics.median(times) * 1e6
-                    figures[f"{label} submit p10 us"] = float(np.percentile(times, 10)) * 1e6
-                    figures[f"{label} GIL releases per submit"] = _releases(w, jobs, 20)
+                    figures.update({f"{label} {key}": value for key, value in figures_of(w, jobs).items()})
                 finally:
                     w.shutdown()
             out[name] = figures
+    return out
+
+
+def host_figures(reps: int = 400) -> dict[str, dict[str, float]]:
+    """Per path ("python", "native"): submit p50 / p10 in microseconds of the per-layer
+    staged job and of the 1-block job, and (with a C compiler) GIL releases per submit."""
+
+    def timed(w: SyncOffloadingWorker, jobs: list[tuple[Any, Any]]) -> dict[str, float]:
+        times = _submit_times(w, jobs, reps)
+        return {"submit p50 us": statistics.median(times) * 1e6,
+                "submit p10 us": float(np.percentile(times, 10)) * 1e6}
+
+    out = _measure(reps, timed)
+    releases = gil_releases()
+    for path, figures in (releases or {}).items():
+        out[path].update(figures)
     return out
 
 

@@ -4,6 +4,7 @@ dedicated streams, with the copy strategy ``WorkerOptions.strategy`` picks."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -82,7 +83,10 @@ class CudaBackend(Backend):
         if wanted and not usable:
             raise InvalidSpec(f"WorkerOptions(native=True), but {why}; install with a C compiler "
                               "(pip reinstalls build it), or leave native at None")
-        if not usable:
+        if not usable and wanted is None and native.env_choice():
+            _log.warning("aiokv: %s=%s asks for the native helper, but %s: CUDA jobs are issued from "
+                         "Python", native.ENV, os.environ.get(native.ENV), why)
+        elif not usable:
             _log.debug("aiokv: CUDA jobs are issued from Python (%s)", why)
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
