@@ -164,11 +164,17 @@ def test_the_c_plan_makes_the_calls_the_python_plan_makes(case: dict[str, Any]) 
 @pytest.mark.usefixtures("small_slices")
 @pytest.mark.parametrize("to_host", [True, False])
 @pytest.mark.parametrize(("staging", "blocks"), [(2048, 3), (4096, 9), (1 << 16, 40)])
-def test_jobs_through_the_ring_make_the_same_calls_on_both_paths(to_host: bool, staging: int,
-                                                                 blocks: int) -> None:
+@pytest.mark.parametrize("ctas", [None, 3])
+def test_jobs_through_the_ring_make_the_same_calls_on_both_paths(to_host: bool, staging: int, blocks: int,
+                                                                 ctas: int | None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the staging ring, one slice or several (and launches of more than 256 blocks
     where a slot holds them), neighbouring chunks merged into runs or not, with and without
-    a dependency: after the ring's first job (set up in Python) the C plan takes them all."""
+    a dependency, one CTA per tile or fewer (``pieces.MAX_CTAS``): after the ring's first
+    job (set up in Python) the C plan takes them all."""
+    from aiokv.backends.cuda import pieces
+
+    monkeypatch.setattr(pieces, "MAX_CTAS", ctas)
     rng = np.random.default_rng(blocks)
     jobs = []
     for j in range(5):

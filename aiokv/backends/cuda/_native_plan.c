@@ -58,7 +58,7 @@ typedef struct {
     int staged, gains_only, has_shape;
     uint64_t kstream, dstream, full[2], free_[2], joined, function;
     uint64_t ring, slot_bytes, page_table, st_npages, longest;
-    uint64_t min_staged_pieces, direct_piece_bytes;
+    uint64_t min_staged_pieces, direct_piece_bytes, max_ctas;
     long long staged_jobs;
     int next_slot, last_staged;
     /* scratch, reused by every job */
@@ -435,7 +435,8 @@ launch_one(const PlannerObject *p, Builder *b, Py_ssize_t offsets, const uint32_
     memcpy(at + 36, &n32, 4);
     memcpy(at + 40, &tot32, 4);
     memcpy(at + 44, rows, (size_t)n * 4);
-    row(b, OP_LAUNCH, p->kstream, p->function, total, 256, (uint64_t)blob, (uint64_t)offsets, PARAMS);
+    uint64_t ctas = p->max_ctas == 0 ? total : (total < p->max_ctas ? total : p->max_ctas);
+    row(b, OP_LAUNCH, p->kstream, p->function, ctas ? ctas : 1, 256, (uint64_t)blob, (uint64_t)offsets, PARAMS);
 }
 
 /* ``PieceKernel.launch``: every page of the blocks at device ``rows``, one launch for a
@@ -601,22 +602,22 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
         "issuer", "pages", "chunk_bytes", "host_base", "num_chunks", "num_blocks", "to_host", "main", "rescue",
         "subs", "joins", "max_streams", "min_slice_bytes", "min_slice_descriptors", "run_here_us",
         "staged", "kernel_stream", "dma_stream", "full", "free", "joined", "function", "longest",
-        "slot_bytes", "gains_only", "has_shape", "min_staged_pieces", "direct_piece_bytes", NULL};
+        "slot_bytes", "gains_only", "has_shape", "min_staged_pieces", "direct_piece_bytes", "max_ctas", NULL};
     PyObject *issuer, *pages, *subs, *joins, *full = NULL, *free_ = NULL;
     unsigned long long chunk_bytes, host_base, num_chunks, num_blocks, main_stream, rescue, min_bytes, min_desc;
     unsigned long long kstream = 0, dstream = 0, joined = 0, function = 0, longest = 0, slot_bytes = 0;
-    unsigned long long min_pieces = 64, direct = 1 << 20;
+    unsigned long long min_pieces = 64, direct = 1 << 20, max_ctas = 0;
     int to_host, max_streams, staged = 0, gains_only = 1, has_shape = 0;
     double run_here_us;
     if (self->issuer != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Planner is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKpKKOOiKKd|pKKOOKKKKppKK", kwlist, &issuer, &pages,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKKKKpKKOOiKKd|pKKOOKKKKppKKK", kwlist, &issuer, &pages,
                                      &chunk_bytes, &host_base, &num_chunks, &num_blocks, &to_host, &main_stream,
                                      &rescue, &subs, &joins, &max_streams, &min_bytes, &min_desc, &run_here_us,
                                      &staged, &kstream, &dstream, &full, &free_, &joined, &function, &longest,
-                                     &slot_bytes, &gains_only, &has_shape, &min_pieces, &direct))
+                                     &slot_bytes, &gains_only, &has_shape, &min_pieces, &direct, &max_ctas))
         return -1;
     if (aiokv_issuer_state(issuer) == NULL)
         return -1;
@@ -663,7 +664,7 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
     self->run_here_us = run_here_us, self->staged = staged, self->kstream = kstream, self->dstream = dstream;
     self->joined = joined, self->function = function, self->longest = longest, self->slot_bytes = slot_bytes;
     self->gains_only = gains_only, self->has_shape = has_shape, self->st_npages = (uint64_t)self->npages;
-    self->min_staged_pieces = min_pieces, self->direct_piece_bytes = direct;
+    self->min_staged_pieces = min_pieces, self->direct_piece_bytes = direct, self->max_ctas = max_ctas;
     self->seen = calloc(num_blocks, sizeof(uint32_t));
     if (self->seen == NULL) {
         PyErr_NoMemory();
@@ -903,7 +904,7 @@ PyDoc_STRVAR(Planner_doc,
 "        subs, joins, max_streams, min_slice_bytes, min_slice_descriptors, run_here_us,\n"
 "        staged=False, kernel_stream=0, dma_stream=0, full=None, free=None, joined=0,\n"
 "        function=0, longest=0, slot_bytes=0, gains_only=True, has_shape=False,\n"
-"        min_staged_pieces=64, direct_piece_bytes=1 MiB)\n\n"
+"        min_staged_pieces=64, direct_piece_bytes=1 MiB, max_ctas=0)\n\n"
 "One lane's planner (see ``submit``): ``pages`` holds a row per page of a block in the\n"
 "layout's order (tensor index, the tensor's device base, row stride, bytes, offset in the\n"
 "chunk); the rest is the lane's streams, events and the thresholds of its strategy.");

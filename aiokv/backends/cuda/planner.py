@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ...plan import HostLayout
-from . import native
+from . import native, pieces
 from .dma import MIN_SLICE_BYTES, MIN_SLICE_DESCRIPTORS, DmaCopy, MultiStreamDma
 from .program import RUN_HERE_US
 from .staged import DIRECT_PIECE_BYTES, MIN_STAGED_PIECES, StagedCopy
@@ -62,6 +62,7 @@ def make_planner(strategy: CopyStrategy, ctx: CopyContext, issuer: Any, main: in
             "slot_bytes": strategy.slot_bytes, "gains_only": strategy.only_where_it_gains,
             "has_shape": strategy.shape is not None, "longest": strategy.shape[2] if strategy.shape else 0,
             "min_staged_pieces": MIN_STAGED_PIECES, "direct_piece_bytes": DIRECT_PIECE_BYTES,
+            "max_ctas": pieces.MAX_CTAS or 0,  # read now: tests set it before building a worker
         }
     elif not ctx.runs:  # pitched jobs stay in Python
         staged = {}
