@@ -22,7 +22,7 @@ from .layers import LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import State
 from .options import WorkerOptions
-from .specs import Direction, TransferResult
+from .specs import Direction, TransferResult, flag
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
 
@@ -138,7 +138,7 @@ class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
         ``layerwise=True`` returns the job's ``LayerwiseJob`` instead (true as well): nothing
         is copied until the forward pass pushes each layer (``job.push(i)``), each behind
         the compute that wrote it (docs/layerwise.md)."""
-        if layerwise:
+        if flag("layerwise", layerwise):
             return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after, True)
         self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
         return True
@@ -161,7 +161,7 @@ class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
         forward pass gates each layer on it (``job.gate(i)``) instead of waiting for the
         whole job (docs/layerwise.md)."""
         direction = Direction.of_load(expedited)
-        if layerwise:
+        if flag("layerwise", layerwise):
             return self._submit(direction, job_id, src_spec, dst_spec, after, True)
         self._submit(direction, job_id, src_spec, dst_spec, after)
         return True

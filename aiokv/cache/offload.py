@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, flag
 from .admission import AdmissionPolicy
 from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, Room, tier_list
 from .counters import Counters
@@ -427,6 +427,7 @@ class OffloadCache:
         keys = as_keys(keys)
         self._check_open()
         blocks = as_block_ids(keys, gpu_block_ids)
+        expedited = flag("expedited", expedited)
         self._worker.check_submittable(after)
         self._n.fold()
         if not keys:
