@@ -10,7 +10,7 @@ import anyio
 
 from ..errors import DuplicateJob, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
+from ..specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec
 from .counters import Counters
 from .protocol import CacheWorker, result_or_none
 
@@ -71,7 +71,7 @@ class Jobs:
             future = self.submit(
                 lambda jid: self._worker.submit_load(jid, src, dst, expedited=expedited, after=after)
             )
-            future.add_done_callback(self._count_load)
+            future.add_done_callback(lambda fut: self._count_load(fut, Direction.of_load(expedited)))
             return future
 
         return load
@@ -83,10 +83,10 @@ class Jobs:
         future.add_done_callback(self._count_store)
         return future
 
-    def _count_load(self, fut: TransferFuture) -> None:
+    def _count_load(self, fut: TransferFuture, direction: Direction) -> None:
         if (res := result_or_none(fut)) is not None:
             self._n.load_bytes += res.transfer_size or 0
-            self._n.untimed_loads.append(res)
+            self._n.untimed_loads.append((res, direction))
 
     def _count_store(self, fut: TransferFuture) -> None:
         if (res := result_or_none(fut)) is not None:

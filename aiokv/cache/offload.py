@@ -25,10 +25,8 @@ changes between checkpoints, and each call re-reads what it needs after an await
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -42,6 +40,7 @@ from .counters import Counters
 from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
 from .manager import ChunkManager
+from .owners import owners_of
 from .pages import page_map_of
 from .persist import persist_host
 from .policies import EvictionPolicy
@@ -51,22 +50,13 @@ from .restore import Outcome, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
 from .tiers.codec import default_fingerprint
 
+if TYPE_CHECKING:
+    from ..metrics import OffloadMetrics
+
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult", "RestoreResult"]
 
 DEFAULT_POLICY = "adaptive"
 """The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
-
-
-class _Shared:
-    """What the caches on one worker share: who owns which chunks (entries go with their
-    caches), and one job id counter, so they never collide on ids."""
-
-    def __init__(self) -> None:
-        self.caches: weakref.WeakSet[OffloadCache] = weakref.WeakSet()
-        self.job_ids = itertools.count(1)
-
-
-_SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
 
 
 class OffloadCache:
@@ -104,6 +94,9 @@ class OffloadCache:
         persist_on_close: when the cache is left without an error, first write the blocks
             the host holds to the nearest tier, so a process opening the same directory and
             layout next finds them (docs/tiers.md, "Warm restarts").
+        metrics: an ``aiokv.metrics.OffloadMetrics``: each copy the cache makes is observed
+            in its transfer time and size histograms (at the cache's next call, never in
+            the wake-up path). ``CacheCollector`` exports the cache's own counters.
     """
 
     def __init__(
@@ -121,6 +114,7 @@ class OffloadCache:
         queue_wait: float = DEFAULT_QUEUE_WAIT,
         drain_timeout: float = 30.0,
         persist_on_close: bool = False,
+        metrics: OffloadMetrics | None = None,
     ) -> None:
         check_worker(worker)
         tiers = tier_list(tiers)
@@ -131,22 +125,21 @@ class OffloadCache:
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         cascade = Cascade(tiers, pages=page_map_of(worker), staging=staging, queue_bytes=queue_bytes,
                           queue_wait=queue_wait) if tiers else None
-        shared = _SHARED.setdefault(worker, _Shared())
-        for other in shared.caches:
-            both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
-            if both:
-                raise InvalidSpec(
-                    f"chunks {both.start}..{both.stop - 1} of this worker already belong to another "
-                    f"OffloadCache ({other.chunks!r}); give each cache its own chunks=range(...)"
-                )
-        # After every check: the manager adopts a policy object, which then serves no other.
-        self._mgr = ChunkManager(
-            len(host), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
-        )
-        self._worker = worker
+        if metrics is not None and not callable(getattr(metrics, "observe", None)):
+            raise InvalidSpec(f"metrics must be an aiokv.metrics.OffloadMetrics, "
+                              f"got {type(metrics).__name__}")
+        owners = owners_of(worker)
         self.chunks: range = chunks
+        owners.claim(self)
+        try:  # the manager adopts a policy object, which then serves no other
+            self._mgr = ChunkManager(
+                len(host), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+            )
+        except BaseException:
+            owners.release(self)
+            raise
+        self._worker = worker
         self._host = host
-        shared.caches.add(self)
         self._keep_events = keep_events
         self._cascade = cascade
         self._fingerprint = fingerprint or (
@@ -154,10 +147,10 @@ class OffloadCache:
         )
         self._drain_timeout = float(drain_timeout)
         self._persist = bool(persist_on_close)
-        self._shared = shared
+        self._owners = owners
         self._state = "new"  # "open" once entered, "closed" once left or aclose()d
-        self._n = Counters()
-        self._jobs = Jobs(worker, shared.job_ids, self._n)
+        self._n = Counters(metrics)
+        self._jobs = Jobs(worker, owners.job_ids, self._n)
 
     @property
     def manager(self) -> ChunkManager:
@@ -240,7 +233,8 @@ class OffloadCache:
             finally:
                 # A copy still running past the bound writes into these chunks: they go
                 # free when it ends, never before.
-                self._jobs.when_idle(lambda: self._shared.caches.discard(self))
+                self._jobs.when_idle(lambda: self._owners.release(self))
+                self._n.fold(0)  # the last copies' figures, into stats() and the metrics
 
     def _check_open(self) -> None:
         if self._state == "closed":
