@@ -36,11 +36,17 @@ async def test_the_caches_copies_feed_the_histograms() -> None:
             await cache.offload(["d"], [4])
             assert await cache.restore(["a", "b"], [8, 9])
             assert await cache.restore(["c"], [10], expedited=True)
-            cache.lookup(["a"])  # a later call: the copies before it are observed
+            # Observed at the next offload or restore, or stats(): the last restore not yet.
+            assert sample(registry, "aiokv_transfer_seconds_count", direction="load") == 1
+            assert sample(registry, "aiokv_transfer_seconds_count", direction="expedited_load") is None
             st = cache.stats()
+            assert sample(registry, "aiokv_transfer_seconds_count", direction="expedited_load") == 1
+            await cache.offload(["e"], [5])
         # The exit folds what the last call left.
-        assert sample(registry, "aiokv_transfer_seconds_count", direction="store") == 2
-        assert sample(registry, "aiokv_transfer_size_bytes_sum", direction="store") == st.store_bytes
+        assert sample(registry, "aiokv_transfer_seconds_count", direction="store") == 3
+        stored = cache.stats().store_bytes
+        assert sample(registry, "aiokv_transfer_size_bytes_sum", direction="store") == stored
+        assert st.store_bytes == 4 * worker.chunk_bytes
         assert sample(registry, "aiokv_transfer_seconds_count", direction="load") == 1
         assert sample(registry, "aiokv_transfer_seconds_count", direction="expedited_load") == 1
         loads = sum(sample(registry, "aiokv_transfer_size_bytes_sum", direction=d) or 0
@@ -49,7 +55,7 @@ async def test_the_caches_copies_feed_the_histograms() -> None:
         seconds = sample(registry, "aiokv_transfer_seconds_sum", direction="store")
         assert seconds == pytest.approx(cache.stats().store_seconds) and seconds > 0
         # The worker's own counters agree (the collector of the same OffloadMetrics).
-        assert sample(registry, "aiokv_transfers_total", direction="store") == 2
+        assert sample(registry, "aiokv_transfers_total", direction="store") == 3
         metrics.unregister()
 
 

@@ -95,8 +95,9 @@ class OffloadCache:
             the host holds to the nearest tier, so a process opening the same directory and
             layout next finds them (docs/tiers.md, "Warm restarts").
         metrics: an ``aiokv.metrics.OffloadMetrics``: each copy the cache makes is observed
-            in its transfer time and size histograms (at the cache's next call, never in
-            the wake-up path). ``CacheCollector`` exports the cache's own counters.
+            in its transfer time and size histograms at the next ``offload``, ``restore``
+            or ``stats()`` (never in the wake-up path), all by the close.
+            ``CacheCollector`` exports the cache's own counters.
     """
 
     def __init__(
