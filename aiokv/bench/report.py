@@ -98,7 +98,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         bounds = any(r.bound and r.ceiling is not None for r in group)
         targets = any(r.target is not None for r in group)
         reference = "ceiling/bound" if bounds else "ceiling"
-        header = f"{'figure':<46} {'value':>12} {reference:>13} {'ratio':>7}  "
+        header = f"{'figure':<46} {'value':>15} {reference:>13} {'ratio':>7}  "
         header += f"{'target':<16} note" if targets else "note"
         lines += ["", f"== {section} ==", header, "-" * len(header)]
         for row in group:
@@ -106,7 +106,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
                      else f"{_number(row.value, row.unit)} {row.unit}".rstrip())
             ratio = f"{row.ratio:.2f}" if row.ratio is not None else ""
             mark = f"{_target(row):<16} " if targets else ""
-            lines.append(f"{row.name:<46} {value:>12} {_reference(row, bounds):>13} {ratio:>7}  "
+            lines.append(f"{row.name:<46} {value:>15} {_reference(row, bounds):>13} {ratio:>7}  "
                          f"{mark}{row.note}".rstrip())
     return "\n".join(lines).lstrip("\n")
 
