@@ -286,3 +286,12 @@ def test_a_native_submit_never_lets_the_gil_go() -> None:
     assert counts["native"] == {"per-layer GIL releases per submit": 0.0,
                                 "1-block GIL releases per submit": 0.0}
     assert counts["python"]["per-layer GIL releases per submit"] > 0
+
+
+def test_a_lane_of_more_dma_streams_than_the_planner_takes_plans_in_python() -> None:
+    kv, layout = caches([256], 16)
+    lane, fake = make_lane(kv, layout, "dma", True, planner.MAX_STREAMS + 1, 0, 16, in_c=True)
+    assert lane.planner is None
+    job = lane.launch(IdPlan([1, 2], [3, 4], 2, layout, 16, False, True), None)
+    assert job.wait(10) and job.error is None and fake.calls
+    lane.close()

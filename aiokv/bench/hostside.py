@@ -280,7 +280,8 @@ def gil_releases(reps: int = 50) -> dict[str, dict[str, float]] | None:
         if subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", shim, source, "-ldl"],
                           capture_output=True).returncode != 0:
             return None
-        env = {**os.environ, "LD_PRELOAD": shim}
+        # After whatever is preloaded already (a sanitizer's runtime must come first).
+        env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, (os.environ.get("LD_PRELOAD"), shim)))}
         child = f"from aiokv.bench.hostside import _gil_child; _gil_child({reps})"
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env,
                              check=True).stdout

@@ -11,7 +11,7 @@
  * always raised) comes back as None, and the lane plans it in Python. */
 #include "_native.h"
 
-#define MAX_STREAMS 64
+#define MAX_STREAMS 64 /* DMA streams a lane may spread a job over here (more: the Python plan) */
 #define ROWS_PER_LAUNCH 256
 #define PARAMS 9
 #define BLOB_BYTES (44 + 4 * ROWS_PER_LAUNCH)
@@ -622,8 +622,9 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
     if (aiokv_issuer_state(issuer) == NULL)
         return -1;
     if (chunk_bytes == 0 || num_chunks == 0 || num_blocks == 0 || rescue == 0 || max_streams < 1 ||
-        min_bytes == 0 || min_desc == 0)
-        return aiokv_bad_input("a planner needs chunks, blocks, a rescue event, streams and slice sizes"), -1;
+        max_streams > MAX_STREAMS || min_bytes == 0 || min_desc == 0)
+        return aiokv_bad_input("a planner needs chunks, blocks, a rescue event, 1-%d streams and slice sizes",
+                               MAX_STREAMS), -1;
     Py_buffer v;
     if (aiokv_get_view(pages, &v, "pages", -1) < 0)
         return -1;

@@ -27,7 +27,11 @@ from .program import RUN_HERE_US
 from .staged import DIRECT_PIECE_BYTES, MIN_STAGED_PIECES, StagedCopy
 from .strategy import CopyContext, CopyStrategy
 
-__all__ = ["layout_pages", "make_planner"]
+__all__ = ["MAX_STREAMS", "layout_pages", "make_planner"]
+
+# DMA streams per lane the C planner spreads a job over (``_native_plan.c``'s MAX_STREAMS);
+# a lane with more plans in Python.
+MAX_STREAMS = 64
 
 
 def layout_pages(layout: HostLayout, device_base: np.ndarray) -> np.ndarray:
@@ -69,7 +73,7 @@ def make_planner(strategy: CopyStrategy, ctx: CopyContext, issuer: Any, main: in
     else:
         return None
     dma: MultiStreamDma = strategy.dma
-    if dma.threads is not None:
+    if dma.threads is not None or dma.max_streams > MAX_STREAMS:
         return None
     return ext.Planner(
         issuer, layout_pages(layout, ctx.device_base), layout.chunk_bytes, ctx.host_base, num_chunks,
