@@ -216,10 +216,10 @@ thread_cpu(void)
 }
 
 /* Run ``p``'s rows (or none: ``refuse`` is the code it fails with), publishing progress.
- * Called by the thread without the lock, or by a submit that found the issuer idle with the
- * lock held (``locked``: no ticket of it can be waited on yet, so no broadcast is due). */
+ * Called without the lock, by the thread or by a submit that found the issuer idle
+ * (``here``: no ticket of it can be waited on yet, so no broadcast is due). */
 static void
-run_program(IssuerState *st, Program *p, CUresult refuse, int locked)
+run_program(IssuerState *st, Program *p, CUresult refuse, int here)
 {
     TicketState *t = p->ticket;
     t->started_at = aiokv_now();
@@ -232,7 +232,7 @@ run_program(IssuerState *st, Program *p, CUresult refuse, int locked)
             if (code != 0)
                 break;
             atomic_store_explicit(&t->rows_done, done + 1, memory_order_release);
-            if (!locked && atomic_load_explicit(&st->row_waiters, memory_order_acquire) > 0) {
+            if (!here && atomic_load_explicit(&st->row_waiters, memory_order_acquire) > 0) {
                 pthread_mutex_lock(&st->mu);
                 pthread_cond_broadcast(&st->progress);
                 pthread_mutex_unlock(&st->mu);
@@ -308,7 +308,7 @@ issuer_main(void *arg)
     int bells[MAX_BELLS];
     for (;;) {
         int spun = 0;
-        while (!((st->head != NULL && !st->paused) || (st->stop && st->head == NULL))) {
+        while (!((st->head != NULL && !st->paused && !st->busy) || (st->stop && st->head == NULL && !st->busy))) {
             if (!spun && st->spin_ns > 0 && !st->paused && !st->stop) {
                 /* A short spin before sleeping: a submit right behind the last one is
                  * picked up without a futex wake-up. The condition is looked at again
@@ -398,13 +398,21 @@ queue_program(IssuerState *st, Program *p, int run_here)
         return NULL;
     }
     if (run_here && st->head == NULL && !st->busy && !st->paused) {
-        /* The lock stays held: nothing may start on the thread meanwhile. */
+        /* ``busy`` keeps the thread from starting anything queued meanwhile; the lock is
+         * not held across the driver calls. */
+        CUresult refuse = st->cancel ? AIOKV_CANCELLED : st->broken;
+        st->busy = 1;
         t->queued_at = aiokv_now();
         t->inline_run = 1;
-        run_program(st, p, st->cancel ? AIOKV_CANCELLED : st->broken, 1);
+        pthread_mutex_unlock(&st->mu);
+        run_program(st, p, refuse, 1);
+        pthread_mutex_lock(&st->mu);
+        st->busy = 0;
         int bells[MAX_BELLS];
         int n = finish_program(st, p, bells); /* none: nobody held the ticket yet */
         st->inlined++;
+        if ((st->head != NULL || st->stop) && st->sleeping) /* what waited for this run */
+            pthread_cond_signal(&st->work);
         pthread_mutex_unlock(&st->mu);
         for (int i = 0; i < n; i++)
             ring_now(bells[i]);
