@@ -313,8 +313,9 @@ class Backend(abc.ABC):
         """Raise ``InvalidSpec`` when the KV tensors cannot be served by this backend."""
 
     @abc.abstractmethod
-    def allocate_pool(self, nbytes: int) -> HostPool:
-        """Allocate (and, on CUDA, pin) ``nbytes`` of host memory."""
+    def allocate_pool(self, nbytes: int, file: str | None = None) -> HostPool:
+        """Allocate (and, on CUDA, pin) ``nbytes`` of host memory; under the name ``file``,
+        mapped shared, when given (``WorkerOptions.host_pool_file``)."""
 
     @abc.abstractmethod
     def capture(self, after: Any) -> Any:

@@ -23,6 +23,7 @@ from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
 from .base import Backend, Completion, HostPool, Lane, LayerRun, StallMeter
+from .shared_file import SharedFile
 
 __all__ = ["CpuBackend"]
 
@@ -64,7 +65,14 @@ class CpuCompletion(Completion):
 
 
 class CpuHostPool(HostPool):
-    def __init__(self, nbytes: int) -> None:
+    """The chunks in ordinary memory, or in a shared file (``file``, see ``shared_file``)."""
+
+    def __init__(self, nbytes: int, file: str | None = None) -> None:
+        self._shared: SharedFile | None = None
+        if file is not None:
+            self._shared = SharedFile(file, nbytes)
+            self.tensor = torch.from_numpy(np.frombuffer(self._shared.map, dtype=np.uint8, count=nbytes))
+            return
         try:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         except (RuntimeError, MemoryError) as exc:  # torch says "DefaultCPUAllocator: can't allocate"
@@ -75,6 +83,8 @@ class CpuHostPool(HostPool):
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self._shared is not None:
+            self._shared.close()
 
 
 def flat_bytes(view: torch.Tensor) -> np.ndarray:
@@ -280,8 +290,8 @@ class CpuBackend(Backend):
                     "tensors; use backend='cuda' (or 'auto') for GPU tensors"
                 )
 
-    def allocate_pool(self, nbytes: int) -> HostPool:
-        return CpuHostPool(nbytes)
+    def allocate_pool(self, nbytes: int, file: str | None = None) -> HostPool:
+        return CpuHostPool(nbytes, file)
 
     def capture(self, after: Any) -> Any:
         """CPU writes are synchronous, so by default nothing is awaited. ``after`` may be a
