@@ -115,7 +115,8 @@ class WorkerOptions:
         self.drain_timeout_or(None)
         if self.host_pool_file is not None and (
                 not isinstance(self.host_pool_file, str) or not os.path.isabs(self.host_pool_file)):
-            raise InvalidSpec(f"host_pool_file must be None or an absolute file name, got {self.host_pool_file!r}")
+            raise InvalidSpec(f"host_pool_file must be None or an absolute file name, "
+                              f"got {self.host_pool_file!r}")
 
     def drain_timeout_or(self, given: Any) -> float:
         """``given`` (an ``aclose`` / ``shutdown`` argument) if not None, else the option;

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "aiokv.extras")),
     ("layout", ("aiokv.layout",)),
     ("plan", ("aiokv.plan", "aiokv.layer_plan")),
-    ("backend interfaces", ("aiokv.backends.base",)),
+    ("backend interfaces", ("aiokv.backends.base", "aiokv.backends.shared_file")),
     ("backends", ("aiokv.backends.cpu", "aiokv.backends.cuda", "aiokv.backends.cuda.*")),
     ("backend selection", ("aiokv.backends",)),
     ("handler", ("aiokv.handler",)),
