@@ -16,8 +16,8 @@ asked), and what the host evicts goes down, all on the tiers' own thread
 from __future__ import annotations
 
 import logging
+import os
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -40,7 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...cache import ChunkManager, KeysRemoved, KeysStored
 from ...cache import LookupResult as ChunkLookup
 from ...errors import InvalidSpec
-from .shared_pool import PoolView, attach
+from .shared_pool import PoolView, attach, pool_file
 from .tier_io import TierIO
 from .tier_metrics import TIER_COUNTERS, tier_label
 from .tier_urls import TierURL
@@ -56,7 +56,6 @@ _LOOKUP = {
     Where.HIT_PENDING: LookupResult.HIT_PENDING,
     Where.RETRY: LookupResult.RETRY,
 }
-_ATTACH_EVERY = 0.05  # seconds between looks for the workers' published pools
 
 
 def _prefix_order(keys: list[Any], req_context: Any) -> list[Any]:
@@ -121,8 +120,13 @@ class AiokvOffloadingManager(OffloadingManager):
         self._engine_id = engine_id
         self._world_size = world_size
         self._fingerprint = fingerprint
-        self._attach_at = 0.0
+        self._attach_failed = False
         self._reported = [TierCounts() for _ in tiers]
+        # The request whose prefix is being looked up, and the keys found held so far: a
+        # read up for a later key must not evict them.
+        self._scan_req: Any = None
+        self._scan: list[Any] = []
+        self._attach()  # vLLM builds its workers first: their pools are published by now
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # Keys whose store job failed, told by a caller before vLLM completes the job
         # (vLLM 0.33 completes every store as a success; see fail_store).
@@ -152,19 +156,17 @@ class AiokvOffloadingManager(OffloadingManager):
 
     def _attach(self) -> None:
         """Start the tiers once every worker has published its shared pool (vLLM builds the
-        workers first, so this is the first step's first call); a look costs a stat."""
+        workers first, so at the manager's construction); until then a look costs a stat."""
         io = self._io
-        if io is None or io.view is not None:
+        if io is None or io.view is not None or self._attach_failed:
             return
-        now = time.monotonic()
-        if now < self._attach_at:
+        if not os.path.exists(f"{pool_file(self._engine_id, self._world_size - 1)}.json"):
             return
-        self._attach_at = now + _ATTACH_EVERY
         try:
             view = attach(self._engine_id, self._world_size, self.num_chunks)
         except (OSError, ValueError) as exc:
             _log.error("aiokv: cannot map the workers' host pools (%s); the tiers stay off", exc)
-            self._attach_at = float("inf")
+            self._attach_failed = True
             return
         if view is None:
             return
@@ -184,8 +186,16 @@ class AiokvOffloadingManager(OffloadingManager):
     def lookup(self, key: Any, req_context: Any) -> LookupResult:
         """HIT, HIT_PENDING (being stored, or read up from a tier), RETRY (a remote tier is
         being asked) or MISS; never waits for a tier."""
+        if self._io is None:
+            return _LOOKUP[self._tiered.lookup(key)]
         self._attach()
-        return _LOOKUP[self._tiered.lookup(key)]
+        req = getattr(req_context, "req_id", None)
+        if req != self._scan_req:
+            self._scan_req, self._scan = req, []
+        where = self._tiered.lookup(key, self._scan)
+        if where is Where.HIT or where is Where.HIT_PENDING:
+            self._scan.append(key)
+        return _LOOKUP[where]
 
     def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
         """HOST, or where a block read up from a tier came from: DISK for a local tier,
@@ -318,6 +328,7 @@ class AiokvOffloadingManager(OffloadingManager):
         """Take the tiers' answers at the end of each step, so blocks read up meanwhile are
         hits at the next one."""
         self._attach()
+        self._scan_req, self._scan = None, []
         self._tiered.poll()
 
     def has_pending_work(self) -> bool:

@@ -69,8 +69,12 @@ class TierEvent:
 
 
 def default_spare(num_chunks: int) -> int:
-    """Chunks kept aside for evicted blocks on their way down: an eighth of the pool, 1 to 64."""
-    return min(64, max(1, num_chunks // 8)) if num_chunks >= 2 else 0
+    """Chunks kept aside for evicted blocks on their way down: an eighth of the pool (a
+    quarter of a small one, up to 4), between 1 and 64. One store evicting more blocks at
+    once than are spare drops the rest, so a tiny pool keeps a larger share."""
+    if num_chunks < 2:
+        return 0
+    return min(64, max(1, num_chunks // 8, min(4, num_chunks // 4)))
 
 
 class TieredChunks:
@@ -126,7 +130,13 @@ class TieredChunks:
 
     @property
     def spare_free(self) -> int:
+        """Spare chunks free now (the rest hold evicted blocks on their way down)."""
         return len(self._spare)
+
+    @property
+    def promoting(self) -> int:
+        """Keys being read up from a tier now (each a pending store of one slot)."""
+        return len(self._promoting)
 
     def physical(self, slots: Sequence[int]) -> list[int]:
         """The physical chunks of ``slots`` (what a worker's spec names)."""
@@ -135,8 +145,13 @@ class TieredChunks:
 
     # -- the host's own calls ---------------------------------------------------------------
 
-    def lookup(self, key: Hashable) -> Where:
-        """Where ``key`` is; a key found below the host starts its way up (never waits)."""
+    def lookup(self, key: Hashable, protect: Sequence[Hashable] = ()) -> Where:
+        """Where ``key`` is; a key found below the host starts its way up (never waits).
+
+        ``protect``: keys the caller found held just before (the same request's prefix), which
+        the chunk a read up takes may not be made by evicting; without that, a prefix
+        longer than the host could evict its own head to bring up its tail, for ever.
+        """
         self.poll()
         held = self.chunks.lookup(key)
         if held is HostLookup.HIT:
@@ -157,7 +172,7 @@ class TieredChunks:
         if tier < 0:
             tier = self._located.pop(key, -1)
         if tier >= 0:
-            return self._promote(key, tier)
+            return self._promote(key, tier, protect)
         if key in self._asking:
             return Where.RETRY
         if any(io.usable(t) for t in self._remote):
@@ -267,10 +282,13 @@ class TieredChunks:
             ops, self._ops = self._ops, []
             self.io.submit(ops)
 
-    def _promote(self, key: Hashable, tier: int) -> Where:
-        plan = self.chunks.prepare_store([key], admit=False)
+    def _promote(self, key: Hashable, tier: int, protect: Sequence[Hashable]) -> Where:
+        if len(self._promoting) >= max(1, self.chunks.num_chunks // 2):
+            return Where.RETRY  # half the host is being read up: let those land first
+        held = [k for k in protect if k in self.chunks]
+        plan = self.chunks.prepare_store([*held, key], admit=False)
         if plan is None or not plan.chunk_ids:
-            return Where.MISS  # no room: every other block is pinned or being written
+            return Where.MISS  # no room: every other block is pinned, being written or protected
         self._evicted(plan)
         chunk = self._phys[plan.chunk_ids[0]]
         self._promoting[key] = chunk
