@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from aiokv.cache.tiers import DiskTier
 from tests.redis_server import RedisServer, need_redis, running
 
 from .connector_engine import ConnectorEngine
-from .harness import write_tiny_model
+from .harness import DOC, Group, build_configs, write_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,7 +117,9 @@ def test_a_disk_tier_brings_evicted_prefixes_back(model_dir: Path, tmp_path: Pat
     checked = tiered.tally.checked
     tiered.close()
     figures(f"disk/{connector}", host_only=host_only, with_disk=with_disk,
-            rise=with_disk / max(host_only, 1e-9), promoted=counts.promoted, demoted=counts.demoted)
+            rise=with_disk / max(host_only, 1e-9), promoted=counts.promoted, demoted=counts.demoted,
+            dropped=counts.dropped, promote_ms=1e3 * counts.promote_seconds / max(1, counts.promoted),
+            steps=tiered.tally.steps)
     assert counts.demoted > 20 and counts.promoted > 20 and counts.promote_failed == 0, counts
     assert with_disk >= 1.3 * host_only and with_disk > 0, (host_only, with_disk)
     assert checked > 500
@@ -137,7 +140,8 @@ def test_a_redis_tier_on_a_real_server_brings_evicted_prefixes_back(model_dir: P
         tiered.close()
         keys = int(server.cli("DBSIZE"))
     figures("redis/OffloadingConnector", host_only=host_only, with_redis=with_redis,
-            rise=with_redis / max(host_only, 1e-9), promoted=counts.promoted, demoted=counts.demoted)
+            rise=with_redis / max(host_only, 1e-9), promoted=counts.promoted, demoted=counts.demoted,
+            dropped=counts.dropped, promote_ms=1e3 * counts.promote_seconds / max(1, counts.promoted))
     assert counts.demoted > 20 and counts.promoted > 20 and counts.promote_failed == 0, counts
     assert keys > 20, "the blocks are in the server"
     assert with_redis >= 1.3 * host_only and with_redis > 0, (host_only, with_redis)
@@ -243,3 +247,25 @@ def test_tier_stats_and_events_reach_vllm(model_dir: Path, tmp_path: Path) -> No
                for e in events if e.medium is Medium.STORAGE)
     promoted = [k for e in events if e.medium is Medium.CPU and not e.removed for k in e.keys]
     assert len(promoted) >= counts.promoted
+
+
+def test_the_documented_tiers_build_through_vllms_factory(model_dir: Path, tmp_path: Path) -> None:
+    """docs/vllm.md's aiokv_tiers line, its directory moved here: vLLM's factory builds the
+    spec, a disk then a Redis tier, and nothing connects before the tiers open."""
+    pytest.importorskip("redis")
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from aiokv.integrations.vllm.tier_urls import TierURL
+
+    lines = re.findall(r"--kv-transfer-config '(\{.*?\})'", DOC.read_text(), re.S)
+    [doc] = [json.loads(line) for line in lines if "aiokv_tiers" in line]
+    extra = doc["kv_connector_extra_config"]
+    extra["aiokv_tiers"] = [u.replace("/var/cache/aiokv", str(tmp_path / "kv")) for u in extra["aiokv_tiers"]]
+    vc, kc = build_configs(model_dir, extra=extra, groups=[Group(("l0",))])
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+
+    spec = OffloadingSpecFactory.create_spec(build_offloading_config(vc, kc))
+    tiers: tuple[TierURL, ...] = spec.options.tiers
+    assert [t.kind for t in tiers] == ["disk", "redis"]
+    assert tiers[0].options["capacity_bytes"] == 64 << 30 and tiers[1].write_through
+    assert tiers[1].options["namespace"] == "llama8b"

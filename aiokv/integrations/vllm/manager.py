@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -49,6 +50,8 @@ from .tiered_chunks import TierCounts, TieredChunks, Where
 __all__ = ["AiokvOffloadingManager"]
 
 _log = logging.getLogger("aiokv")
+
+_ATTACH_PATIENCE = 120.0  # seconds before a pool never published is worth a warning
 
 _LOOKUP = {
     Where.MISS: LookupResult.MISS,
@@ -121,6 +124,7 @@ class AiokvOffloadingManager(OffloadingManager):
         self._world_size = world_size
         self._fingerprint = fingerprint
         self._attach_failed = False
+        self._attach_warn_at = time.monotonic() + _ATTACH_PATIENCE
         self._reported = [TierCounts() for _ in tiers]
         # The request whose prefix is being looked up, and the keys found held so far: a
         # read up for a later key must not evict them.
@@ -160,7 +164,14 @@ class AiokvOffloadingManager(OffloadingManager):
         io = self._io
         if io is None or io.view is not None or self._attach_failed:
             return
-        if not os.path.exists(f"{pool_file(self._engine_id, self._world_size - 1)}.json"):
+        missing = [r for r in range(self._world_size)
+                   if not os.path.exists(f"{pool_file(self._engine_id, r)}.json")]
+        if missing:
+            if time.monotonic() > self._attach_warn_at:
+                self._attach_warn_at = float("inf")
+                _log.warning("aiokv: the tiers stay off until rank(s) %s publish their host pools in %s; "
+                             "every rank must run on the scheduler's host (docs/vllm.md, Tiers below "
+                             "host memory)", missing, os.path.dirname(pool_file(self._engine_id, 0)))
             return
         try:
             view = attach(self._engine_id, self._world_size, self.num_chunks)

@@ -22,6 +22,7 @@ TIER_COUNTERS = {
     "vllm:kv_offload_aiokv_tier_written_through": "written_through",
     "vllm:kv_offload_aiokv_tier_write_bytes": "write_bytes",
     "vllm:kv_offload_aiokv_tier_dropped": "dropped",
+    "vllm:kv_offload_aiokv_tier_promote_seconds": "promote_seconds",
 }
 
 TIER_COUNTER_DOCS = {
@@ -34,6 +35,8 @@ TIER_COUNTER_DOCS = {
     "write_bytes": "KV bytes written to this aiokv tier.",
     "dropped": "Blocks meant for this aiokv tier that it never got (no room on the way down, "
                "the tier refused or failed them, or it was not open).",
+    "promote_seconds": "Seconds from each read up from this aiokv tier starting to the scheduler seeing it "
+                       "done (failed reads too); divided by promoted plus promote_failed, the mean.",
 }
 
 

@@ -54,9 +54,7 @@ class TierCounts:
     written_through: int = 0
     write_bytes: int = 0
     dropped: int = 0  # blocks meant for this tier that it never got
-
-    def fields(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    promote_seconds: float = 0.0  # from each read up's start to the lookup that saw it end
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,7 @@ class TieredChunks:
         self._group_of = group_of
         self._clock = clock
         self._draining: dict[Hashable, int] = {}  # evicted key -> its chunk, being written down
-        self._promoting: dict[Hashable, int] = {}  # key -> the chunk it is read into
+        self._promoting: dict[Hashable, tuple[int, float]] = {}  # key -> (its chunk, when asked)
         self._through: dict[int, Hashable] = {}  # id(op) of a write-through -> its pinned key
         self._located: dict[Hashable, int] = {}  # key -> the remote tier that holds it
         self._asking: set[Hashable] = set()
@@ -291,7 +289,7 @@ class TieredChunks:
             return Where.MISS  # no room: every other block is pinned, being written or protected
         self._evicted(plan)
         chunk = self._phys[plan.chunk_ids[0]]
-        self._promoting[key] = chunk
+        self._promoting[key] = (chunk, self._clock())
         self.counts[tier].found += 1
         self._queue(Op("promote", key, self._group_of(key), chunk, tier))
         self._flush()
@@ -300,9 +298,11 @@ class TieredChunks:
     def _promoted(self, done: Done, *, fenced: bool) -> None:
         op = done.op
         counts = self.counts[op.tier]
-        if fenced or self._promoting.get(op.key) != op.chunk:
+        asked = self._promoting.get(op.key)
+        if fenced or asked is None or asked[0] != op.chunk:
             return  # reset meanwhile: the key is no longer the host's
         del self._promoting[op.key]
+        counts.promote_seconds += self._clock() - asked[1]
         if done.ok:
             self.chunks.complete_store([op.key], True)
             self.sources[op.key] = op.tier
