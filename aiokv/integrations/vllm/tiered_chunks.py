@@ -168,7 +168,7 @@ class TieredChunks:
             return Where.RETRY  # readable from its tier once its write there ends
         tier = io.holds(key)
         if tier < 0:
-            tier = self._located.pop(key, -1)
+            tier = self._located.get(key, -1)
         if tier >= 0:
             return self._promote(key, tier, protect)
         if key in self._asking:
@@ -198,7 +198,8 @@ class TieredChunks:
     def complete_store(self, keys: Sequence[Hashable], success: bool = True) -> None:
         """``ChunkManager.complete_store``; stored keys also go to write-through tiers."""
         keys = list(keys)
-        landed = [k for k in keys if self.chunks.lookup(k) is HostLookup.HIT_PENDING] if success else []
+        landed = [k for k in keys if self.chunks.lookup(k) is HostLookup.HIT_PENDING] \
+            if success and self._through_to else []
         self.chunks.complete_store(keys, success)
         if landed and self._through_to:
             self._write_through(landed)
@@ -288,6 +289,7 @@ class TieredChunks:
         if plan is None or not plan.chunk_ids:
             return Where.MISS  # no room: every other block is pinned, being written or protected
         self._evicted(plan)
+        self._located.pop(key, None)
         chunk = self._phys[plan.chunk_ids[0]]
         self._promoting[key] = (chunk, self._clock())
         self.counts[tier].found += 1
