@@ -6,7 +6,9 @@ job's start, then per layer one batched copy and the layer's event (``issue_laye
 builds those rows with numpy whatever the number of layers), then the job's end. No host
 work sits between two layers. A store is enqueued a layer at a time as the forward pass
 pushes it: each push is one call of its own (the wait on the producer, the layer's batched
-copy, its event), and the job's end is recorded behind the last layer.
+copy, its event), and the job's end is recorded behind the last layer. A store's layer
+events are timing pairs bracketing the layer's copies, so its ``transfer_time`` sums the
+copies and leaves out the time the stream waited for the forward between pushes.
 
 Copies go as batched DMA on the lane's main stream whatever the lane's strategy: the staged
 strategy gathers a job across layers and the kernel strategy moves pages with torch ops,
@@ -74,7 +76,11 @@ class _RunEnd(CudaCompletion):
 
     def _finish(self, error: BaseException | None) -> None:
         super()._finish(error)
-        self._run._ended(landed=error is None)
+        # Timed (``settle`` reads the layers' pairs) only once the whole job succeeded.
+        self._run._ended(landed=error is None, timed=self._error is None)
+
+    def _device_time(self, drv: Driver, events: JobEvents) -> float | None:
+        return self._run.copy_time(drv, events)
 
 
 class CudaLayerRun(LayerRun):
@@ -90,9 +96,17 @@ class CudaLayerRun(LayerRun):
         self._bounds = plan.bounds
         self._pointers = lane.pointers(plan)  # host work, before anything is taken
         self._events: list[Any] = []
+        # A store's layers: a timing pair each, its stop being the layer's event (the first
+        # pushed layer's copies start at the job's start instead).
+        self._spans: list[JobEvents] = []
+        self._first: int | None = None
         self._job: JobEvents | None = None
         try:
-            self._events = [drv.take_sync_event() for _ in range(n)]
+            if store:
+                self._spans = [drv.take_job_events() for _ in range(n)]
+                self._events = [span.stop for span in self._spans]
+            else:
+                self._events = [drv.take_sync_event() for _ in range(n)]
             self._job = drv.take_job_events()
         except BaseException:
             self.give_back()
@@ -115,8 +129,11 @@ class CudaLayerRun(LayerRun):
 
     def give_back(self) -> None:
         """Nothing of the job was enqueued: its events go back."""
-        for event in self._events:
-            self._drv.give_sync_event(event)
+        if self._spans:
+            self._give_spans()
+        else:
+            for event in self._events:
+                self._drv.give_sync_event(event)
         if self._job is not None:
             self._drv.give_job_events(self._job)
         self._events, self._job = [], None
@@ -241,7 +258,9 @@ class CudaLayerRun(LayerRun):
                     dep.resolve(target)
                     target.stream_wait(main, dep.event)
                 if not self._has_start:
-                    target.record(self._job.start, main)
+                    target.record(self._job.start, main)  # also this layer's start
+                else:
+                    target.record(self._spans[layer].start, main)
                 issue_layers(target, main, dst[lo:hi], src[lo:hi], sizes[lo:hi], [0, hi - lo],
                              [self._events[layer]], to_host=lane.direction.to_host)
             except BaseException:
@@ -258,6 +277,8 @@ class CudaLayerRun(LayerRun):
         if dep is not None:
             drv.give_sync_event(dep.event)
         with self._changed:
+            if not self._has_start:
+                self._first = layer
             self._has_start = True
             self._recorded[layer] = 1
             self._changed.notify_all()
@@ -306,7 +327,7 @@ class CudaLayerRun(LayerRun):
 
     # -- waiting ------------------------------------------------------------------------
 
-    def _ended(self, landed: bool) -> None:
+    def _ended(self, landed: bool, timed: bool = False) -> None:
         """The job's end was seen (``landed``: its event completed, so every layer recorded
         before it did too): every layer is final; their events go back."""
         with self._changed:
@@ -315,8 +336,39 @@ class CudaLayerRun(LayerRun):
             events, self._events = self._events, []
             self._changed.notify_all()
         if self._drv.broken is None and self.abandoned is None:
+            if self._spans:
+                if not timed:
+                    self._give_spans()  # no time to read (a timed store's: ``copy_time``)
+                return
             for event in events:
                 self._drv.give_sync_event(event)
+
+    def copy_time(self, drv: Driver, job: JobEvents) -> float | None:
+        """Seconds the copies took on the device (the job landed): a load's from its start
+        to its end; a store's summed over its layers, each from its start to its event, so
+        the time the stream waited for the forward between pushes is not counted."""
+        if not self._store:
+            return drv.elapsed(job.start, job.stop)
+        spans = self._spans
+        if not spans:
+            return None  # given back already: the time is lost, never misreported
+        try:
+            total = 0.0
+            for layer, span in enumerate(spans):
+                seconds = drv.elapsed(job.start if layer == self._first else span.start, span.stop)
+                if seconds is None:
+                    return None
+                total += seconds
+            return total
+        finally:
+            if drv.broken is None:
+                self._give_spans()
+
+    def _give_spans(self) -> None:
+        with self._lock:
+            spans, self._spans = self._spans, []
+        for span in spans:
+            self._drv.give_job_events(span)
 
     def query(self, layer: int) -> bool:
         if self._errors[layer] is not None or self._seen[layer] or self._over:
