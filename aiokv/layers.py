@@ -26,6 +26,7 @@ from .backends.base import Backend, LayerRun, StallMeter
 from .errors import InvalidSpec, UsageError, WorkerClosed
 from .handler import Handler, LayerJob
 from .layer_plan import LayerMap, LayerPlan, plan_layers
+from .layer_timeline import LayerTimeline
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .plan import CopyPlan, HostLayout
@@ -198,6 +199,12 @@ class LayerwiseJob:
     def done(self) -> bool:
         """True once every layer's copies are over (successfully or not)."""
         return self._run.completion.query()
+
+    def timeline(self) -> LayerTimeline | None:
+        """When each layer's copies ended and when the consumer reached and passed its gate
+        (``LayerTimeline``), once the job is done and its gates ran on their streams; None
+        before, and on CUDA unless the worker has ``WorkerOptions(layer_stalls=True)``."""
+        return self._run.timeline()
 
     @property
     def layers_pushed(self) -> int:
