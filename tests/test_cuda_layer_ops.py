@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv.backends.cuda.layer_ops import LayerOps, fold_layers
+from aiokv.backends.cuda import layer_ops
+from aiokv.backends.cuda.layer_ops import LayerOps, fold_layers, prefer_staged, worth_staging
 from aiokv.layer_plan import LayerMap, plan_layers
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, map_blocks
@@ -113,3 +114,33 @@ def test_a_pitch_over_the_drivers_limit_folds_nothing(pitch_limit: int) -> None:
     _, kv, layout, host = setup(1, 1)
     folded = fold(kv, layout, host, list(range(8)), list(range(8)), to_host=True, max_pitch=pitch_limit)
     assert len(folded.pitched) == (0 if pitch_limit < layout.chunk_bytes else 2 * LAYERS)
+
+
+class Through:
+    """A stand-in for a job through the device slot, at a given cost a layer."""
+
+    def __init__(self, us: float) -> None:
+        self.us = us
+
+    def cost_us(self, layer: int) -> float:
+        return self.us
+
+
+def test_scattered_blocks_go_through_the_slot_and_runs_straight_to_their_pages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one rule: through the slot only where the costliest layer straight to its pages
+    is over STAGE_ABOVE_US (20 us here: this layout's jobs are small) and the slot takes at
+    most half of that."""
+    monkeypatch.setattr(layer_ops, "STAGE_ABOVE_US", 20.0)
+    _, kv, layout, host = setup(1, 2)
+    chunks = list(range(20))
+    runs = fold(kv, layout, host, list(range(2, 22)), chunks, to_host=False, min_height=4)
+    blocks = np.random.default_rng(0).permutation(BLOCKS)[:20].tolist()
+    scattered = fold(kv, layout, host, blocks, chunks, to_host=False, min_height=4)
+    assert [runs.descriptors(i) for i in range(LAYERS)] == [2] * LAYERS
+    assert min(scattered.descriptors(i) for i in range(LAYERS)) > 30
+    assert not worth_staging(runs) and worth_staging(scattered)
+    cost = scattered.cost_us(0)
+    assert cost > layer_ops.STAGE_ABOVE_US
+    assert prefer_staged(scattered, Through(cost / 2)) and not prefer_staged(scattered, Through(cost / 2 + 1))
+    assert not prefer_staged(runs, Through(0.0))

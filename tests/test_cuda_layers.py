@@ -16,11 +16,14 @@ import pytest
 import torch
 
 from aiokv.backends.base import StallMeter
+from aiokv.backends.cuda import layer_ops as layer_ops_mod
 from aiokv.backends.cuda import layers as layers_mod
 from aiokv.backends.cuda import native
 from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.driver.batch import BatchCopies
 from aiokv.backends.cuda.lane import CudaLane, Dependency
+from aiokv.backends.cuda.layer_staging import LayerStaging
+from aiokv.backends.cuda.pieces import PieceKernel
 from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.errors import CudaCallFailed, InvalidSpec
 from aiokv.handler import Handler
@@ -141,6 +144,8 @@ class LogDriver:
 # K and V pages per layer; one description for every job (the host layout follows it).
 KV = CanonicalKVCaches.from_tensors([torch.zeros(2, BLOCKS, PAGE // 2, dtype=torch.uint8)
                                      for _ in range(LAYERS)], block_dim=1)
+KV_LAYOUT = HostLayout.build(KV, 1)
+KV_MAP = LayerMap.build(KV, KV_LAYOUT)
 
 
 def kv_plan(to_host: bool, blocks: list[int], chunks: list[int]) -> tuple[LayerPlan, HostLayout]:
@@ -615,17 +620,46 @@ SIM_JOBS = {"scattered": ([2, 7, 3], [9, 12, 0], [5, 1, 8]),
             "runs": ([2, 3, 4, 5, 6, 11], [8, 9, 10, 11, 12, 0], [5, 6, 7, 8, 9, 1])}
 
 
+SLOT_AT, TABLE_AT = 6 << 20, (6 << 20) + (1 << 19)
+
+
+def staged_lane(lane: CudaLane, mem: np.ndarray, at: int) -> None:
+    """Give ``lane`` a device slot of two blocks of a layer (so jobs go in slices) at
+    ``at``, its page table written straight into the simulated memory."""
+    ctx = lane.context
+
+    def make_kernel() -> PieceKernel:
+        kernel = PieceKernel(ctx.driver, None)  # type: ignore[arg-type]
+
+        def upload(pages: np.ndarray, stream: Any, keep: bool = False) -> int:
+            raw = np.ascontiguousarray(pages, dtype=np.uint64).view(np.uint8).reshape(-1)
+            mem[at + TABLE_AT - SLOT_AT : at + TABLE_AT - SLOT_AT + raw.size] = raw
+            return at + TABLE_AT - SLOT_AT
+
+        kernel.upload = upload  # type: ignore[method-assign]
+        return kernel
+
+    lane.layer_staging = LayerStaging(KV_LAYOUT, KV_MAP, ctx.device_base, ctx.host_base, 2 * PAGE,
+                                      make_kernel, lambda nbytes, stream: at)
+
+
 @pytest.mark.parametrize("path", ["python", pytest.param("native", marks=native_only)])
-@pytest.mark.parametrize(("job", "pitched", "split"), [
-    ("scattered", False, False), ("runs", True, False), ("runs", True, True), ("runs", False, True)])
+@pytest.mark.parametrize(("job", "mode", "split"), [
+    ("scattered", "plain", False), ("runs", "pitched", False), ("runs", "pitched", True),
+    ("runs", "plain", True), ("scattered", "staged", False), ("runs", "staged", True)])
 @pytest.mark.parametrize("seed", range(2))
 def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait(
-        seed: int, job: str, pitched: bool, split: bool, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, job: str, mode: str, split: bool, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores pushed in any order and a load, its later layers from the issuer thread
-    (``split``) or all at once, with runs folded into pitched ops or not: every page lands
-    where it belongs, and a read gated on layer 1 runs only after that layer landed."""
+    (``split``) or all at once, with runs folded into pitched ops, or through a device slot
+    and the piece kernel, or plain: every page lands where it belongs, and a read gated on
+    layer 1 runs only after that layer landed."""
     if split:
         monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)  # the submit enqueues layer 0 alone
+    if mode == "staged":  # every job through the slot, however few its descriptors
+        monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
+        monkeypatch.setattr(layers_mod, "prefer_staged", lambda direct, staged: True)
+    pitched = mode != "plain"
     rng = np.random.default_rng(seed)
     mem = np.zeros(8 << 20, dtype=np.uint8)
     sim = (PitchedSimDriver if pitched else SimLaneDriver)(mem)
@@ -637,14 +671,18 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
     recorded = path == "native"
     store, fake = make_lane(Direction.STORE, sim, recorded=recorded, bases=(device, pool))
     load, _ = make_lane(Direction.LOAD, sim, recorded=recorded, bases=(device, pool))
-    for lane in (store, load):
+    for i, lane in enumerate((store, load)):
         lane.stream = lane._strategy.main_stream = sim.create_stream()
         if lane.recorder is not None:
             lane.recorder.bind(lane.stream, sim.create_event())
+        if mode == "staged":
+            staged_lane(lane, mem, SLOT_AT + i * (64 << 10))
     src, dst, chunks = SIM_JOBS[job]
     plan, layout = kv_plan(True, src, chunks)
     run = store.open_layers(plan)
-    assert [run.layer_descriptors(i) for i in range(LAYERS)] == [4 if pitched else 2 * len(src)] * LAYERS
+    # Staged: a 2-D op a chunk run (cut where a slice of two blocks ends), a launch a slice.
+    ops = {"plain": 2 * len(src), "pitched": 4, "staged": 5 if job == "scattered" else 7}[mode]
+    assert [run.layer_descriptors(i) for i in range(LAYERS)] == [ops] * LAYERS
     for layer in rng.permutation(LAYERS).tolist():  # pushed in any order
         run.push(layer, None)
     run.finish(None)
@@ -682,7 +720,9 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
                 assert np.array_equal(got, block_page(t, b_src))
     assert np.array_equal(mem[scratch : scratch + page], block_page(2, src[0])), \
         "the gated read ran before its layer landed"
-    if recorded and pitched:
+    if recorded and mode == "pitched":
         assert fake.names().count("cuMemcpy3DBatchAsync") == LAYERS  # a call a layer, one op a page tensor
+    if recorded and mode == "staged":
+        assert "cuMemcpyBatchAsync" not in fake.names() and "cuLaunchKernel" in fake.names()
     load.close()
     store.close()

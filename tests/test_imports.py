@@ -69,6 +69,7 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.completion",
     "aiokv.backends.cuda.layer_ops",  # a layerwise job's copies folded into few ops a layer
     "aiokv.backends.cuda.layer_clock",  # a measured layerwise job's device timestamps
+    "aiokv.backends.cuda.layer_staging",  # layers through a device slot where blocks scatter
     "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.lane",
     "aiokv.backends.cuda.backend",

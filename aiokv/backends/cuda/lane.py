@@ -99,6 +99,8 @@ class CudaLane(Lane):
         self.issue_cpu_seconds = 0.0
         # Host clock just before the latest job's copies were handed to the device.
         self.last_started_at: float | None = None
+        # The device slot of layerwise jobs whose blocks do not run (``layers.layer_ops``).
+        self.layer_staging: Any = None
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -318,6 +320,8 @@ class CudaLane(Lane):
         """Dropped unclosed: keep what queued copies may still read, and let the issuer
         and waiter threads end after their queues."""
         self._strategy.abandon()
+        if self.layer_staging is not None:
+            self.layer_staging.abandon()
         if self.waiter is not None:
             self.waiter.abandon()
         if self._issuer is not None:

@@ -25,11 +25,19 @@ import numpy as np
 
 from ...layer_plan import CopySlice
 
-__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "LayerOps", "PitchedRows", "fold_layers"]
+__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_US", "LayerOps", "PitchedRows", "fold_layers",
+           "prefer_staged", "worth_staging"]
 
 # A pitched op costs the driver several descriptors' worth of host time, so a run shorter
 # than this goes as plain descriptors (docs/layerwise.md, "Few descriptors a layer").
 MIN_LAYER_PITCHED_HEIGHT = 4
+# Estimated host microseconds of the driver's calls (as ``program.py`` estimates them): a
+# call, a plain descriptor, a pitched op, a kernel launch.
+US_PER_CALL, US_PER_DESCRIPTOR, US_PER_PITCHED_OP, US_PER_LAUNCH = 1.5, 0.8, 3.0, 2.0
+# A layer whose copies straight to its pages cost more than this goes through the device
+# slot (``layer_staging``) where that costs at most half as much: scattered GPU blocks
+# (docs/layerwise.md, "Few descriptors a layer"). The one place the choice is made.
+STAGE_ABOVE_US = 40.0
 
 
 @dataclass(frozen=True)
@@ -62,15 +70,29 @@ class LayerOps:
     pbounds: np.ndarray
     # The driver's packed rows of ``pitched`` (``Driver.pitched_ops``), once packed.
     packed: np.ndarray | None = None
+    # Set where the job goes through the lane's device slot instead (``layer_staging``).
+    staged: Any = None
 
     @property
     def num_layers(self) -> int:
         return int(self.bounds.shape[0]) - 1
 
     def descriptors(self, layer: int) -> int:
-        """Driver operations layer ``layer`` takes: plain descriptors and pitched ops."""
+        """Driver operations layer ``layer`` takes: plain descriptors and pitched ops (or,
+        through the slot, its 2-D ops and kernel launches)."""
+        if self.staged is not None:
+            return int(self.staged.layer_ops(layer))
         plain = self.bounds[layer + 1] - self.bounds[layer]
         return int(plain + self.pbounds[layer + 1] - self.pbounds[layer])
+
+    def cost_us(self, layer: int) -> float:
+        """Estimated host time of layer ``layer``'s driver calls, its event's record included."""
+        if self.staged is not None:
+            return US_PER_CALL * 2 + self.staged.cost_us(layer)
+        plain = int(self.bounds[layer + 1] - self.bounds[layer])
+        pitched = int(self.pbounds[layer + 1] - self.pbounds[layer])
+        return (US_PER_CALL * (1 + (plain > 0) + (pitched > 0)) + US_PER_DESCRIPTOR * plain
+                + US_PER_PITCHED_OP * pitched)
 
     def with_packed(self, pack: Any) -> LayerOps:
         """The same ops with ``packed`` = ``pack(dst, dst_pitch, src, src_pitch, width, height)``."""
@@ -80,6 +102,25 @@ class LayerOps:
         packed = pack(p.dst, p.dst_pitch, p.src, p.src_pitch, p.width, p.height)
         return LayerOps(self.dst, self.src, self.sizes, self.bounds, p, self.pbounds,
                         np.ascontiguousarray(packed, dtype=np.uint64))
+
+    def with_staged(self, staged: Any) -> LayerOps:
+        return LayerOps(self.dst, self.src, self.sizes, self.bounds, self.pitched, self.pbounds, self.packed,
+                        staged)
+
+
+def prefer_staged(direct: LayerOps, staged: Any) -> bool:
+    """Whether a job goes through the slot: its costliest layer straight to its pages is
+    over ``STAGE_ABOVE_US`` and the slot takes at most half of that."""
+    worst = max((direct.cost_us(layer) for layer in range(direct.num_layers)), default=0.0)
+    if worst <= STAGE_ABOVE_US:
+        return False
+    through = max(staged.cost_us(layer) for layer in range(direct.num_layers))
+    return bool(2 * through <= worst)
+
+
+def worth_staging(direct: LayerOps) -> bool:
+    """Whether to plan the slot at all (it takes memory on first use)."""
+    return any(direct.cost_us(layer) > STAGE_ABOVE_US for layer in range(direct.num_layers))
 
 
 def _u64(values: np.ndarray) -> np.ndarray:

@@ -45,7 +45,9 @@ from .completion import CudaCompletion
 from .driver import Driver, JobEvents
 from .issuer import Issuer
 from .layer_clock import Held, read_gate
-from .layer_ops import LayerOps, fold_layers
+from .layer_ops import US_PER_CALL, LayerOps, fold_layers, prefer_staged, worth_staging
+from .layer_staging import LayerStaging, TorchSlot
+from .pieces import PieceKernel
 from .program import Recorder
 from .strategy import CopyContext
 
@@ -55,7 +57,6 @@ __all__ = ["INLINE_ISSUE_US", "CudaLayerRun", "LayerLane", "head_layers", "layer
 # the rest go from the lane's issuer thread. At least one layer always goes at once, so the
 # forward pass never waits on a thread hand-off for layer 0 (docs/layerwise.md, "Loads").
 INLINE_ISSUE_US = 100.0
-_US_PER_CALL, _US_PER_DESCRIPTOR, _US_PER_PITCHED_OP = 1.5, 0.8, 3.0
 
 # A captured dependency (``lane.Dependency``: ``event``, ``pending``, ``resolve(driver)``).
 Dependency = Any
@@ -70,6 +71,7 @@ class LayerLane(Protocol):
     waiter: Any
     measure_stalls: bool
     last_started_at: float | None
+    layer_staging: Any  # a ``LayerStaging``, made on first use by ``layer_ops``
 
     @property
     def driver(self) -> Driver: ...
@@ -82,14 +84,44 @@ class LayerLane(Protocol):
     def layer_issuer(self) -> Issuer: ...
 
 
-def layer_ops(ctx: CopyContext, plan: LayerPlan) -> LayerOps:
-    """The plan's copies in the lane's direction, folded into pitched runs where the
-    driver has 2-D batches (``layer_ops.fold_layers``)."""
+def layer_ops(lane: LayerLane, plan: LayerPlan) -> LayerOps:
+    """The plan's copies in the lane's direction: folded into pitched runs straight to the
+    pages where the driver has 2-D batches (``layer_ops.fold_layers``), or through the
+    lane's device slot where those would be many (``layer_staging``, ``prefer_staged``)."""
+    ctx = lane.context
     drv = ctx.driver
     pitched = bool(getattr(drv, "pitched_copies", False))
     ops = fold_layers(plan, plan.bounds, ctx.device_base, ctx.host_base, to_host=ctx.to_host,
                       max_pitch=int(getattr(drv, "max_pitch", 0)) if pitched else 0)
-    return ops.with_packed(drv.pitched_ops) if pitched else ops
+    if not pitched:
+        return ops
+    ops = ops.with_packed(drv.pitched_ops)
+    staging = _staging(lane, plan) if worth_staging(ops) else None
+    if staging is not None:
+        staged = staging.plan(plan, lane.stream, drv.pitched_ops, ctx.to_host)
+        if staged is not None and prefer_staged(ops, staged):
+            return ops.with_staged(staged)
+    return ops
+
+
+def _staging(lane: LayerLane, plan: LayerPlan) -> LayerStaging | None:
+    """The lane's device slot for staged layers, made on first use (None: no staging)."""
+    staging = lane.layer_staging
+    if staging is None:
+        ctx = lane.context
+        slot = int(getattr(ctx, "staging_bytes", 0)) // 2
+        if slot <= 0:
+            return None
+        kernel: list[Any] = []
+
+        def make_kernel() -> Any:
+            kernel.append(PieceKernel(ctx.driver, ctx.device))
+            return kernel[0]
+
+        staging = lane.layer_staging = LayerStaging(
+            ctx.layout, plan.layer_map, ctx.device_base, ctx.host_base, slot, make_kernel,
+            TorchSlot(ctx.device, lambda stream: kernel[0].torch_stream(stream)))
+    return staging if staging.shape is not None else None
 
 
 def head_layers(ops: LayerOps, budget_us: float | None = None) -> int:
@@ -97,12 +129,9 @@ def head_layers(ops: LayerOps, budget_us: float | None = None) -> int:
     estimated driver time; at least one."""
     if budget_us is None:
         budget_us = INLINE_ISSUE_US
-    spent = 2 * _US_PER_CALL  # the job's start, and the wait on its dependency
+    spent = 2 * US_PER_CALL  # the job's start, and the wait on its dependency
     for layer in range(ops.num_layers):
-        plain = int(ops.bounds[layer + 1] - ops.bounds[layer])
-        pitched = int(ops.pbounds[layer + 1] - ops.pbounds[layer])
-        spent += _US_PER_CALL * (1 + (plain > 0) + (pitched > 0))
-        spent += _US_PER_DESCRIPTOR * plain + _US_PER_PITCHED_OP * pitched
+        spent += ops.cost_us(layer)
         if spent > budget_us:
             return max(1, layer)
     return ops.num_layers
@@ -132,7 +161,7 @@ class CudaLayerRun(LayerRun):
         self._store = store
         self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
-        self._ops = layer_ops(lane.context, plan)  # host work, before anything is taken
+        self._ops = layer_ops(lane, plan)  # host work, before anything is taken
         self._head = n if store else head_layers(self._ops)
         self._held = Held(drv) if lane.measure_stalls else None
         self._events: list[Any] = []
@@ -194,6 +223,10 @@ class CudaLayerRun(LayerRun):
         """Layer ``layer``'s copies and its event's record on the main stream, through
         ``target`` (the driver, or the lane's recorder while a program is open)."""
         ops, main = self._ops, self._lane.stream
+        if ops.staged is not None:
+            self._lane.layer_staging.emit(target, ops.staged, layer, main, self._lane.direction.to_host)
+            target.record(self._events[layer], main)
+            return
         lo, hi = int(ops.pbounds[layer]), int(ops.pbounds[layer + 1])
         if hi > lo and ops.packed is not None:
             target.memcpy_pitched(ops.packed[lo:hi], main)
