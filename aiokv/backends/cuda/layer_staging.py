@@ -220,7 +220,8 @@ class LayerStaging:
             rows = job.rows[job.cuts[s] : job.cuts[s + 1]]
             if not to_host:
                 target.memcpy_pitched(ops, stream)
-            kernel.launch(job.table, pages, rows, job.slot, step, shape.longest, not to_host, stream)
+            kernel.launch(job.table, pages, rows, job.slot, step, shape.longest, not to_host, stream,
+                          driver=target)
             if to_host:
                 target.memcpy_pitched(ops, stream)
 

@@ -115,7 +115,10 @@ def _staging(lane: LayerLane, plan: LayerPlan) -> LayerStaging | None:
         kernel: list[Any] = []
 
         def make_kernel() -> Any:
-            kernel.append(PieceKernel(ctx.driver, ctx.device))
+            # On the driver itself: the table's upload runs on the submitting thread, while
+            # the issuer thread may hold the lane's recorder; launches go through the
+            # recorder as the layer is enqueued (``LayerStaging.emit``).
+            kernel.append(PieceKernel(lane.driver, ctx.device))
             return kernel[0]
 
         staging = lane.layer_staging = LayerStaging(
