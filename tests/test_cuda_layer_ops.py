@@ -144,3 +144,25 @@ def test_scattered_blocks_go_through_the_slot_and_runs_straight_to_their_pages(
     assert cost > layer_ops.STAGE_ABOVE_US
     assert prefer_staged(scattered, Through(cost / 2)) and not prefer_staged(scattered, Through(cost / 2 + 1))
     assert not prefer_staged(runs, Through(0.0))
+
+
+class Costs:
+    """A stand-in for a job's ops: each layer at a given estimated driver cost."""
+
+    def __init__(self, us: float, layers: int = 32) -> None:
+        self.us, self.num_layers = us, layers
+
+    def cost_us(self, layer: int) -> float:
+        return self.us
+
+
+def test_a_loads_submit_enqueues_layers_until_the_copy_engine_is_fed() -> None:
+    """Cheap layers all go at once; a 16k-token prefix's (about 60 us and 64 MiB a layer)
+    until about 5 ms of copies are queued, so the issuer thread may wait a GIL switch
+    interval without the copy engine idling; layers of thousands of descriptors one only."""
+    from aiokv.backends.cuda.layers import head_layers
+
+    assert head_layers(Costs(2.0), [1 << 20] * 32) == 32  # type: ignore[arg-type]
+    assert head_layers(Costs(60.0), [64 << 20] * 32) == 4  # type: ignore[arg-type]
+    assert head_layers(Costs(1640.0), [64 << 20] * 32) == 1  # type: ignore[arg-type]
+    assert head_layers(Costs(60.0), [1 << 20] * 32) == 6  # type: ignore[arg-type]  # capped at 400 us

@@ -476,6 +476,7 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
     layer 2 is held in its copy call blocks, waits on nothing, and goes once it is issued. A
     second load on the lane queues behind the first's last layer."""
     monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
     drv = LogDriver()
     drv.hold_batch = 3  # layer 2's copies (the Python path's calls; the native path's below)
     lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
@@ -515,6 +516,7 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
 def test_a_failure_in_the_issuers_layers_fails_those_layers_and_the_job(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
     drv = LogDriver()
     drv.fail_batch = 3  # layer 2's copies, on the issuer thread
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
@@ -654,8 +656,9 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
     (``split``) or all at once, with runs folded into pitched ops, or through a device slot
     and the piece kernel, or plain: every page lands where it belongs, and a read gated on
     layer 1 runs only after that layer landed."""
-    if split:
-        monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)  # the submit enqueues layer 0 alone
+    if split:  # the submit enqueues layer 0 alone
+        monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
+        monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
     if mode == "staged":  # every job through the slot, however few its descriptors
         monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
         monkeypatch.setattr(layers_mod, "prefer_staged", lambda direct, staged: True)

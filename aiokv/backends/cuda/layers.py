@@ -33,7 +33,10 @@ import functools
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from ...doorbell import Doorbell
 from ...errors import WorkerClosed
@@ -53,10 +56,16 @@ from .strategy import CopyContext
 
 __all__ = ["INLINE_ISSUE_US", "CudaLayerRun", "LayerLane", "head_layers", "layer_ops"]
 
-# Estimated driver time (host microseconds) a load's submit spends on its first layers;
-# the rest go from the lane's issuer thread. At least one layer always goes at once, so the
-# forward pass never waits on a thread hand-off for layer 0 (docs/layerwise.md, "Loads").
+# A load's submit enqueues its first layers itself, the rest go from the lane's issuer
+# thread. It always spends this much estimated driver time (host microseconds), and at least
+# layer 0, so the forward pass never waits on a thread hand-off for its first layer; and it
+# goes on, up to INLINE_MAX_US, until the layers enqueued keep the copy engine busy for
+# INLINE_COVER_S at INLINE_COVER_GBPS: the issuer thread must take the GIL from the forward
+# pass's thread first, which can take a switch interval (docs/layerwise.md, "Loads").
 INLINE_ISSUE_US = 100.0
+INLINE_MAX_US = 400.0
+INLINE_COVER_S = 5e-3
+INLINE_COVER_GBPS = 50.0
 
 # A captured dependency (``lane.Dependency``: ``event``, ``pending``, ``resolve(driver)``).
 Dependency = Any
@@ -127,17 +136,23 @@ def _staging(lane: LayerLane, plan: LayerPlan) -> LayerStaging | None:
     return staging if staging.shape is not None else None
 
 
-def head_layers(ops: LayerOps, budget_us: float | None = None) -> int:
-    """How many layers, from layer 0, fit ``budget_us`` (default ``INLINE_ISSUE_US``) of
-    estimated driver time; at least one."""
-    if budget_us is None:
-        budget_us = INLINE_ISSUE_US
+def head_layers(ops: LayerOps, layer_bytes: Sequence[int]) -> int:
+    """How many layers, from layer 0, a load's submit enqueues itself (see
+    ``INLINE_ISSUE_US``): at least one."""
     spent = 2 * US_PER_CALL  # the job's start, and the wait on its dependency
+    covered = 0.0  # seconds of copies enqueued so far, at INLINE_COVER_GBPS
     for layer in range(ops.num_layers):
         spent += ops.cost_us(layer)
-        if spent > budget_us:
+        if spent > INLINE_ISSUE_US and (spent > INLINE_MAX_US or covered >= INLINE_COVER_S):
             return max(1, layer)
+        covered += layer_bytes[layer] / (INLINE_COVER_GBPS * 1e9)
     return ops.num_layers
+
+
+def _layer_bytes(plan: LayerPlan) -> list[int]:
+    total = np.concatenate(([0], np.cumsum(plan.nbytes, dtype=np.int64)))
+    cuts = np.asarray(plan.bounds, dtype=np.int64)
+    return (total[cuts[1:]] - total[cuts[:-1]]).tolist()
 
 
 class _RunEnd(CudaCompletion):
@@ -165,7 +180,7 @@ class CudaLayerRun(LayerRun):
         self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
         self._ops = layer_ops(lane, plan)  # host work, before anything is taken
-        self._head = n if store else head_layers(self._ops)
+        self._head = n if store else head_layers(self._ops, _layer_bytes(plan))
         self._held = Held(drv) if lane.measure_stalls else None
         self._events: list[Any] = []
         self._job: JobEvents | None = None
