@@ -533,6 +533,30 @@ def test_a_failure_in_the_issuers_layers_fails_those_layers_and_the_job(
         lane.close()
 
 
+def test_a_load_whose_later_layers_find_no_thread_enqueues_them_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issuer could not take the later layers (no thread could start): the submit
+    enqueues them itself, so the job still ends behind every layer."""
+    from aiokv.backends.cuda.issuer import Issuer
+
+    monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
+    plain = Issuer.run
+
+    def no_thread(self: Issuer, work: Any, defer: bool) -> bool:
+        if defer:
+            raise RuntimeError("can't start new thread")
+        return plain(self, work, defer)
+
+    monkeypatch.setattr(Issuer, "run", no_thread)
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    assert run.head == 1 and all(run.enqueued(i) for i in range(LAYERS))  # type: ignore[attr-defined]
+    assert drv.calls[-1] == ("record", run.completion._events.stop, MAIN)
+    lane.close()
+
+
 def test_a_measured_load_gives_its_timeline_in_device_time_then_its_events_back() -> None:
     """Layer events are timing events placed from the job's origin; each gate's marks say
     when the consumer reached and passed it. The timeline waits for the job's end and for

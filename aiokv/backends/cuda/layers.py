@@ -335,8 +335,11 @@ class CudaLayerRun(LayerRun):
         if error is not None or last:
             self._settle_issue(started, error)
             return
-        issuer = lane.layer_issuer()
-        issuer.run(functools.partial(self._issue_tail, count, started), defer=True)
+        tail = functools.partial(self._issue_tail, count, started)
+        try:
+            lane.layer_issuer().run(tail, defer=True)
+        except Exception:  # no thread to hand them to (closed, or none could start): here then
+            tail()
 
     def _issue_tail(self, first: int, started: float) -> None:
         """On the issuer thread: layers ``first..`` one call each, each marked as it is
