@@ -122,20 +122,21 @@ async def test_awaited_layers_resolve_before_the_job() -> None:
 
 @pytest.mark.parametrize("blocks", ["runs", "scattered"])
 def test_a_layers_copies_go_pitched_or_through_the_slot_and_land_byte_exact(blocks: str) -> None:
-    """Llama-8B pages (32 KiB K and V a layer), 128 blocks a job in 128 consecutive chunks:
+    """Llama-8B pages (32 KiB K and V a layer), 192 blocks a job in 192 consecutive chunks:
     blocks that run go as a few pitched ops a layer straight to their pages, scattered ones
-    through the lane's device slot (a 2-D copy of the chunk run, a kernel scatter). Both
-    directions land byte for byte, and a gated read sees each layer in place."""
+    (384 descriptors a layer) through the lane's device slot (a 2-D copy of the chunk run, a
+    kernel scatter). Both directions land byte for byte, and a gated read sees each layer
+    in place."""
     gen = torch.Generator().manual_seed(5)
-    layers, nb = 8, 320
+    layers, nb, n = 8, 448, 192
     tensors = [random_like((2, nb, 16, 8, 128), torch.bfloat16, "cuda", gen) for _ in range(layers)]
     kv = CanonicalKVCaches.from_tensors(tensors, block_dim=1)
     before = [as_bytes(t).clone() for t in tensors]
     order = torch.randperm(nb, generator=gen).tolist()
-    src = list(range(8, 136)) if blocks == "runs" else order[:128]
-    dst = list(range(160, 288)) if blocks == "runs" else order[128:256]
-    chunks = list(range(4, 132))
-    w = SyncOffloadingWorker(kv, num_cpu_chunks=140)
+    src = list(range(8, 8 + n)) if blocks == "runs" else order[:n]
+    dst = list(range(240, 240 + n)) if blocks == "runs" else order[n : 2 * n]
+    chunks = list(range(4, 4 + n))
+    w = SyncOffloadingWorker(kv, num_cpu_chunks=4 + n)
     try:
         store = w.submit_store(1, GPULoadStoreSpec(src), CPULoadStoreSpec(chunks), layerwise=True)
         for layer in range(layers):

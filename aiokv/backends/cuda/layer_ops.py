@@ -34,10 +34,14 @@ MIN_LAYER_PITCHED_HEIGHT = 4
 # Estimated host microseconds of the driver's calls (as ``program.py`` estimates them): a
 # call, a plain descriptor, a pitched op, a kernel launch.
 US_PER_CALL, US_PER_DESCRIPTOR, US_PER_PITCHED_OP, US_PER_LAUNCH = 1.5, 0.8, 3.0, 2.0
-# A layer whose copies straight to its pages cost more than this goes through the device
-# slot (``layer_staging``) where that costs at most half as much: scattered GPU blocks
-# (docs/layerwise.md, "Few descriptors a layer"). The one place the choice is made.
-STAGE_ABOVE_US = 40.0
+# A layer whose copies straight to its pages cost more host time than this (about 250
+# plain descriptors: scattered GPU blocks) goes through the device slot
+# (``layer_staging``) where that costs at most half as much. Below it, runs go straight to
+# the pages even where the slot would take fewer calls: the slot costs SM time, device
+# memory and a second pass over the bytes, and a layer's enqueue of a few tens of
+# microseconds stays far ahead of its copy (docs/layerwise.md, "Few descriptors a layer").
+# The one place the choice is made.
+STAGE_ABOVE_US = 200.0
 
 
 @dataclass(frozen=True)
