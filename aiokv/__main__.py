@@ -29,8 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE",
                    help="also write the rows as JSON; '-' writes them to stdout "
                         "(the table then goes to stderr)")
-    b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling "
-                                                      "(serve: TTFT CDFs per arm)")
+    b.add_argument("--plot", metavar="FILE.png", help="draw GB/s per page size against the ceiling (serve: "
+                                                      "TTFT CDFs per arm, one layerwise load's layers)")
     c = b.add_argument_group(
         "bench cache (and serve)", "Replays request traces through the offload cache. The traces are the "
         "Mooncake traces (kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0): JSON lines with "
