@@ -99,7 +99,10 @@ class LayerwiseJob:
             self._deferred = []
 
     def __repr__(self) -> str:
-        done = sum(s is not None for s in self._final)
+        # Asked of each layer (never waiting): a gate that found its layer done, or the
+        # job's end, leaves no final status behind, yet the layer is done.
+        done = self.num_layers if self.done() else sum(
+            self.layer_status(i) is not PENDING for i in range(self.num_layers))
         return f"<LayerwiseJob {self.direction.value} job={self.job_id} layers={done}/{self.num_layers} done>"
 
     # -- the operations -------------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_a_loads_submit_enqueues_layers_until_the_copy_engine_is_fed() -> None:
     """Cheap layers all go at once; a 16k-token prefix's (about 60 us and 64 MiB a layer)
     until about 5 ms of copies are queued, so the issuer thread may wait a GIL switch
     interval without the copy engine idling; layers of thousands of descriptors one only."""
-    from aiokv.backends.cuda.layers import head_layers
+    from aiokv.backends.cuda.layer_copies import head_layers
 
     assert head_layers(Costs(2.0), [1 << 20] * 32) == 32  # type: ignore[arg-type]
     assert head_layers(Costs(60.0), [64 << 20] * 32) == 4  # type: ignore[arg-type]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from aiokv.backends.base import StallMeter
+from aiokv.backends.cuda import layer_copies as copies_mod
 from aiokv.backends.cuda import layer_ops as layer_ops_mod
-from aiokv.backends.cuda import layers as layers_mod
 from aiokv.backends.cuda import native
 from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.driver.batch import BatchCopies
@@ -340,7 +340,10 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
         ("cuMemcpyBatchAsync", fake.calls[3][1]), ("cuEventRecord", events[1])]
     fake.calls.clear()
     assert run.push(0, None) is True
-    assert [c[0] for c in fake.calls] == ["cuMemcpyBatchAsync", "cuEventRecord"]  # no second start
+    # No second job start: the layer's own start, its copies, its end.
+    assert [(c[0], c[1]) for c in fake.calls] == [
+        ("cuEventRecord", run._spans[0].start), ("cuMemcpyBatchAsync", fake.calls[1][1]),
+        ("cuEventRecord", events[0])]
     assert lane.recorder is not None and lane.recorder.calls == 2
     run.push(2, None)
     run.push(3, None)
@@ -428,6 +431,81 @@ def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     assert run.error(0) is None and run.gate(3, CONSUMER, StallMeter()) is False
 
 
+class ClockDriver(LogDriver):
+    """A device clock: each record stamps its event with the time, each batched copy takes
+    ``COPY`` seconds, and the test moves the clock between pushes (the forward's compute)."""
+
+    COPY = 1e-3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0.0
+        self.stamps: dict[Any, float] = {}
+        self.asked: list[tuple[Any, Any]] = []
+
+    def record(self, event: Any, stream: Any) -> None:
+        super().record(event, stream)
+        self.stamps[event] = self.clock
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any,
+                     **kw: Any) -> None:
+        super().memcpy_batch(dst, src, sizes, stream, **kw)
+        self.clock += self.COPY
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        self.asked.append((start, stop))
+        return self.stamps[stop] - self.stamps[start]
+
+
+def test_a_stores_device_time_sums_its_layers_copies_not_the_gaps_between_pushes() -> None:
+    """Pushes 0.25 s apart, each layer's copies 1 ms: the store took 4 ms of copies, not
+    the 0.754 s from its first push to its end (TransferResult: the copies' time)."""
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1, 2], [3, 4])[0])
+    job = run.completion._events
+    spans = list(run._spans)
+    for n, layer in enumerate((2, 0, 1, 3)):  # any order: the first pushed starts at the job's start
+        drv.clock += 0.25 if n else 0.0  # the forward computes the next layer meanwhile
+        run.push(layer, None)
+    run.finish(None)
+    assert drv.stamps[job.stop] - drv.stamps[job.start] == pytest.approx(0.75 + 4 * ClockDriver.COPY)
+    drv.done.add(job.stop)
+    assert run.completion.query() and run.completion.error is None
+    assert run.completion.elapsed == pytest.approx(4 * ClockDriver.COPY)
+    events = [span.stop for span in spans]
+    expected = [(job.start, events[2])] + [(spans[i].start, events[i]) for i in (0, 1, 3)]
+    assert sorted(drv.asked) == sorted(expected)
+    # Each layer's start is recorded after its wait on the producer, just before its copies.
+    for i in (0, 1, 3):
+        at = drv.calls.index(("record", spans[i].start, MAIN))
+        assert drv.calls[at + 1][0] == "batch" and drv.calls[at + 2] == ("record", events[i], MAIN)
+    # The pairs go back to the pool once read, the job's own pair too.
+    assert {e for span in spans for e in (span.start, span.stop)} | {job.start, job.stop} <= set(drv.given)
+
+
+def test_a_loads_device_time_still_runs_from_its_start_to_its_end() -> None:
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    job = run.completion._events
+    drv.done.add(job.stop)
+    assert run.completion.query() and run.completion.elapsed == pytest.approx(LAYERS * ClockDriver.COPY)
+    assert drv.asked == [(job.start, job.stop)]
+
+
+def test_a_failed_store_gives_its_layer_pairs_back_and_reports_no_time() -> None:
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    spans = list(run._spans)
+    run.push(0, None)
+    run.finish(RuntimeError("closing"))
+    drv.done.add(run.completion._events.stop)
+    assert run.completion.wait(10) and run.completion.elapsed is None and drv.asked == []
+    assert {e for span in spans for e in (span.start, span.stop)} <= set(drv.given)
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
@@ -475,8 +553,8 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
     go from the issuer thread, each marked as its record is enqueued: a gate on layer 2 while
     layer 2 is held in its copy call blocks, waits on nothing, and goes once it is issued. A
     second load on the lane queues behind the first's last layer."""
-    monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
-    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     drv = LogDriver()
     drv.hold_batch = 3  # layer 2's copies (the Python path's calls; the native path's below)
     lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
@@ -515,8 +593,8 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
 
 def test_a_failure_in_the_issuers_layers_fails_those_layers_and_the_job(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
-    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     drv = LogDriver()
     drv.fail_batch = 3  # layer 2's copies, on the issuer thread
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
@@ -539,8 +617,8 @@ def test_a_load_whose_later_layers_find_no_thread_enqueues_them_itself(
     enqueues them itself, so the job still ends behind every layer."""
     from aiokv.backends.cuda.issuer import Issuer
 
-    monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
-    monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     plain = Issuer.run
 
     def no_thread(self: Issuer, work: Any, defer: bool) -> bool:
@@ -681,11 +759,11 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
     and the piece kernel, or plain: every page lands where it belongs, and a read gated on
     layer 1 runs only after that layer landed."""
     if split:  # the submit enqueues layer 0 alone
-        monkeypatch.setattr(layers_mod, "INLINE_ISSUE_US", 0.0)
-        monkeypatch.setattr(layers_mod, "INLINE_MAX_US", 0.0)
+        monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+        monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     if mode == "staged":  # every job through the slot, however few its descriptors
         monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
-        monkeypatch.setattr(layers_mod, "prefer_staged", lambda direct, staged: True)
+        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged: True)
     pitched = mode != "plain"
     rng = np.random.default_rng(seed)
     mem = np.zeros(8 << 20, dtype=np.uint8)

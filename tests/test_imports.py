@@ -70,6 +70,8 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.layer_ops",  # a layerwise job's copies folded into few ops a layer
     "aiokv.backends.cuda.layer_clock",  # a measured layerwise job's device timestamps
     "aiokv.backends.cuda.layer_staging",  # layers through a device slot where blocks scatter
+    "aiokv.backends.cuda.layer_copies",  # a layer's ops, and the layers a load's submit enqueues
+    "aiokv.backends.cuda.layer_pushes",  # a layerwise store's pushes
     "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.lane",
     "aiokv.backends.cuda.backend",

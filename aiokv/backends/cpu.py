@@ -97,7 +97,8 @@ _NO_COPIES = CopySlice(*(np.zeros(0, dtype=np.int64),) * 4)
 
 class _JobEnd(CpuCompletion):
     """A layerwise job's end: its last queue item, behind every layer it enqueued. Fails
-    with the first layer's error; its time runs from its first layer's start."""
+    with the first layer's error; its time is the sum of its layers' copy times, so a
+    store's time leaves out the gaps in which the forward computed the next layer."""
 
     __slots__ = ("_run",)
 
@@ -109,7 +110,7 @@ class _JobEnd(CpuCompletion):
         layers = self._run.layers
         error = error or next((c.error for c in layers if c.error is not None), None)
         starts = [c._started for c in layers if c._started is not None]
-        elapsed = time.perf_counter() - min(starts) if starts and error is None else None
+        elapsed = sum(c._elapsed or 0.0 for c in layers) if starts and error is None else None
         super()._finish(error, elapsed)
 
 

@@ -1,16 +1,19 @@
 """Layerwise jobs on a CUDA lane: one event per layer, recorded on the lane's main stream
 behind that layer's copies.
 
-A load's submit enqueues only its first layers (as many as fit ``INLINE_ISSUE_US`` of
-estimated driver time, at least one) behind the wait on its dependency and the job's
-start: one native call where the lane has the helper. The rest go from the lane's issuer
-thread a layer at a time, each marked enqueued as soon as its event's record is, and the
-job's end behind the last. So the submit returns within about one layer's enqueue and the
-forward pass starts while later layers are still being handed to the device. A layer is
-a few driver operations (``layer_ops``: pitched runs and one batched call), never
-thousands of descriptors. A store is enqueued a layer at a time as the forward pass pushes
-it: each push is one call of its own (the wait on the producer, the layer's copies, its
-event), and the job's end is recorded behind the last layer.
+A load's submit enqueues its first layers itself (``head_layers``: always some 100 us of
+estimated driver time and at least layer 0, more until about 5 ms of copies are queued)
+behind the wait on its dependency and the job's start: one native call where the lane has
+the helper. The rest go from the lane's issuer thread a layer at a time, each marked
+enqueued as soon as its event's record is, and the job's end behind the last. So the
+forward pass starts while later layers are still being handed to the device. A layer is a
+few driver operations (``layer_ops``: pitched runs and one batched call, or 2-D copies
+through a device slot), never thousands of descriptors. A store is enqueued a layer at a
+time as the forward pass pushes it: each push is one call of its own (the wait on the
+producer, the layer's copies, its event), and the job's end is recorded behind the last
+layer. A store's layer events are timing pairs bracketing the layer's copies, so its
+``transfer_time`` sums the copies and leaves out the time the stream waited for the
+forward between pushes.
 
 Copies go on the lane's main stream whatever the lane's strategy: the staged strategy
 gathers a job across layers and the kernel strategy moves pages with torch ops, neither of
@@ -33,127 +36,19 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from ...doorbell import Doorbell
-from ...errors import WorkerClosed
 from ...layer_plan import LayerPlan
 from ...layer_timeline import LayerTimeline
-from ...specs import Direction
 from ..base import LayerRun, StallMeter
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
-from .issuer import Issuer
 from .layer_clock import Held, read_gate
-from .layer_ops import US_PER_CALL, LayerOps, fold_layers, prefer_staged, worth_staging
-from .layer_staging import LayerStaging, TorchSlot
-from .pieces import PieceKernel
-from .program import Recorder
-from .strategy import CopyContext
+from .layer_copies import Dependency, LayerLane, head_layers, layer_bytes, layer_ops
+from .layer_pushes import StorePushes
 
-__all__ = ["INLINE_ISSUE_US", "CudaLayerRun", "LayerLane", "head_layers", "layer_ops"]
-
-# A load's submit enqueues its first layers itself, the rest go from the lane's issuer
-# thread. It always spends this much estimated driver time (host microseconds), and at least
-# layer 0, so the forward pass never waits on a thread hand-off for its first layer; and it
-# goes on, up to INLINE_MAX_US, until the layers enqueued keep the copy engine busy for
-# INLINE_COVER_S at INLINE_COVER_GBPS: the issuer thread must take the GIL from the forward
-# pass's thread first, which can take a switch interval (docs/layerwise.md, "Loads").
-INLINE_ISSUE_US = 100.0
-INLINE_MAX_US = 400.0
-INLINE_COVER_S = 5e-3
-INLINE_COVER_GBPS = 50.0
-
-# A captured dependency (``lane.Dependency``: ``event``, ``pending``, ``resolve(driver)``).
-Dependency = Any
-
-
-class LayerLane(Protocol):
-    """What a layerwise run uses of its lane (``lane.CudaLane``)."""
-
-    direction: Direction
-    stream: Any
-    bell_stream: Any
-    waiter: Any
-    measure_stalls: bool
-    last_started_at: float | None
-    layer_staging: Any  # a ``LayerStaging``, made on first use by ``layer_ops``
-
-    @property
-    def driver(self) -> Driver: ...
-    @property
-    def recorder(self) -> Recorder | None: ...
-    @property
-    def issuer(self) -> Issuer | None: ...
-    @property
-    def context(self) -> CopyContext: ...
-    def layer_issuer(self) -> Issuer: ...
-
-
-def layer_ops(lane: LayerLane, plan: LayerPlan) -> LayerOps:
-    """The plan's copies in the lane's direction: folded into pitched runs straight to the
-    pages where the driver has 2-D batches (``layer_ops.fold_layers``), or through the
-    lane's device slot where those would be many (``layer_staging``, ``prefer_staged``)."""
-    ctx = lane.context
-    drv = ctx.driver
-    pitched = bool(getattr(drv, "pitched_copies", False))
-    ops = fold_layers(plan, plan.bounds, ctx.device_base, ctx.host_base, to_host=ctx.to_host,
-                      max_pitch=int(getattr(drv, "max_pitch", 0)) if pitched else 0)
-    if not pitched:
-        return ops
-    ops = ops.with_packed(drv.pitched_ops)
-    staging = _staging(lane, plan) if worth_staging(ops) else None
-    if staging is not None:
-        staged = staging.plan(plan, lane.stream, drv.pitched_ops, ctx.to_host)
-        if staged is not None and prefer_staged(ops, staged):
-            return ops.with_staged(staged)
-    return ops
-
-
-def _staging(lane: LayerLane, plan: LayerPlan) -> LayerStaging | None:
-    """The lane's device slot for staged layers, made on first use (None: no staging)."""
-    staging = lane.layer_staging
-    if staging is None:
-        ctx = lane.context
-        slot = int(getattr(ctx, "staging_bytes", 0)) // 2
-        if slot <= 0:
-            return None
-        kernel: list[Any] = []
-
-        def make_kernel() -> Any:
-            # On the driver itself: the table's upload runs on the submitting thread, while
-            # the issuer thread may hold the lane's recorder; launches go through the
-            # recorder as the layer is enqueued (``LayerStaging.emit``).
-            kernel.append(PieceKernel(lane.driver, ctx.device))
-            return kernel[0]
-
-        staging = lane.layer_staging = LayerStaging(
-            ctx.layout, plan.layer_map, ctx.device_base, ctx.host_base, slot, make_kernel,
-            TorchSlot(ctx.device, lambda stream: kernel[0].torch_stream(stream)))
-    return staging if staging.shape is not None else None
-
-
-def head_layers(ops: LayerOps, layer_bytes: Sequence[int]) -> int:
-    """How many layers, from layer 0, a load's submit enqueues itself (see
-    ``INLINE_ISSUE_US``): at least one."""
-    spent = 2 * US_PER_CALL  # the job's start, and the wait on its dependency
-    covered = 0.0  # seconds of copies enqueued so far, at INLINE_COVER_GBPS
-    for layer in range(ops.num_layers):
-        spent += ops.cost_us(layer)
-        if spent > INLINE_ISSUE_US and (spent > INLINE_MAX_US or covered >= INLINE_COVER_S):
-            return max(1, layer)
-        covered += layer_bytes[layer] / (INLINE_COVER_GBPS * 1e9)
-    return ops.num_layers
-
-
-def _layer_bytes(plan: LayerPlan) -> list[int]:
-    total = np.concatenate(([0], np.cumsum(plan.nbytes, dtype=np.int64)))
-    cuts = np.asarray(plan.bounds, dtype=np.int64)
-    return (total[cuts[1:]] - total[cuts[:-1]]).tolist()
-
+__all__ = ["CudaLayerRun", "LayerLane"]
 
 class _RunEnd(CudaCompletion):
     """A layerwise job's end: once seen, every layer is final and its events go back."""
@@ -166,10 +61,14 @@ class _RunEnd(CudaCompletion):
 
     def _finish(self, error: BaseException | None) -> None:
         super()._finish(error)
-        self._run._ended(landed=error is None)
+        # Timed (``settle`` reads the layers' pairs) only once the whole job succeeded.
+        self._run._ended(landed=error is None, timed=self._error is None)
+
+    def _device_time(self, drv: Driver, events: JobEvents) -> float | None:
+        return self._run.copy_time(drv, events)
 
 
-class CudaLayerRun(LayerRun):
+class CudaLayerRun(StorePushes, LayerRun):
     """One layerwise job's events on a lane (see the module doc)."""
 
     def __init__(self, lane: LayerLane, plan: LayerPlan, store: bool) -> None:
@@ -180,13 +79,21 @@ class CudaLayerRun(LayerRun):
         self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
         self._ops = layer_ops(lane, plan)  # host work, before anything is taken
-        self._head = n if store else head_layers(self._ops, _layer_bytes(plan))
+        self._head = n if store else head_layers(self._ops, layer_bytes(plan))
         self._held = Held(drv) if lane.measure_stalls else None
         self._events: list[Any] = []
+        # A store's layers: a timing pair each, its stop being the layer's event (the first
+        # pushed layer's copies start at the job's start instead).
+        self._spans: list[JobEvents] = []
+        self._first: int | None = None
         self._job: JobEvents | None = None
         take = drv.take_timing_event if self._held is not None else drv.take_sync_event
         try:
-            self._events = [take() for _ in range(n)]
+            if store:
+                self._spans = [drv.take_job_events() for _ in range(n)]
+                self._events = [span.stop for span in self._spans]
+            else:
+                self._events = [take() for _ in range(n)]
             if self._held is not None:
                 self._held.origin = drv.take_timing_event()
             self._job = drv.take_job_events()
@@ -229,8 +136,11 @@ class CudaLayerRun(LayerRun):
     def give_back(self) -> None:
         """Nothing of the job was enqueued: its events go back."""
         drv = self._drv
-        for event in self._events:
-            (drv.give_timing_event if self._held is not None else drv.give_sync_event)(event)
+        if self._spans:
+            self._give_spans()
+        else:
+            for event in self._events:
+                (drv.give_timing_event if self._held is not None else drv.give_sync_event)(event)
         if self._job is not None:
             drv.give_job_events(self._job)
         if self._held is not None:
@@ -396,108 +306,9 @@ class CudaLayerRun(LayerRun):
             except Exception:
                 pass  # a broken context fails every job anyway
 
-    def push(self, layer: int, dependency: Any) -> bool:
-        issuer = self._lane.issuer
-        dep: Dependency | None = dependency
-        self._pushed[layer] = 1
-        if issuer is None:
-            return self._issue_push(layer, dep)
-        try:
-            if dep is not None and dep.pending:
-                self._drv.ensure_context()
-                dep.resolve(self._drv)  # on the caller's thread: its stream as it stands now
-        except Exception as exc:
-            return self._push_failed(layer, exc, dep)
-
-        def issue() -> None:
-            self._issue_push(layer, dep)  # a failure is the layer's (``_push_failed``)
-
-        issuer.run(issue, defer=False)
-        return True
-
-    def _issue_push(self, layer: int, dep: Dependency | None) -> bool:
-        """One layer of a store: the wait on its producer, its copies, its event; one
-        native call where the lane has the helper."""
-        lane, drv = self._lane, self._drv
-        assert self._job is not None
-        main, rec = lane.stream, lane.recorder
-        try:
-            drv.ensure_context()
-            drv.check_usable()
-            target: Any = drv if rec is None else rec
-            if rec is not None:
-                rec.open()
-            try:
-                if dep is not None:
-                    dep.resolve(target)
-                    target.stream_wait(main, dep.event)
-                if not self._has_start:
-                    target.record(self._job.start, main)
-                    if self._held is not None:
-                        target.record(self._held.origin, main)
-                self._emit(target, layer)
-            except BaseException:
-                if rec is not None:
-                    rec.abort()
-                raise
-            if rec is not None:
-                rec.commit()
-        except BaseException as exc:
-            self._push_failed(layer, exc, dep)
-            if not isinstance(exc, Exception):
-                raise
-            return False
-        if dep is not None:
-            drv.give_sync_event(dep.event)
-        with self._changed:
-            self._has_start = True
-        self._mark([layer])
-        lane.last_started_at = time.perf_counter()
-        return True
-
-    def fail(self, layer: int, error: BaseException) -> None:
-        self._pushed[layer] = 1
-        self._push_failed(layer, error, None)
-
-    def _push_failed(self, layer: int, exc: BaseException, dep: Dependency | None) -> bool:
-        if dep is not None and self._drv.broken is None:
-            self._drv.give_sync_event(dep.event)
-        with self._changed:
-            self._errors[layer] = exc
-            self._changed.notify_all()
-        return False
-
-    def finish(self, error: BaseException | None) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        with self._changed:
-            for i in range(self.num_layers):
-                # Not "not recorded": a push still queued on the issuer thread is recorded
-                # after this, and before the end ``_end_store`` records behind it.
-                if not self._pushed[i] and self._errors[i] is None:
-                    self._errors[i] = error or WorkerClosed("the store ended before this layer was pushed")
-            self._changed.notify_all()
-        issuer = self._lane.issuer
-        if issuer is None:
-            self._end_store()
-        else:
-            issuer.run(self._end_store, defer=False)
-
-    def _end_store(self) -> None:
-        """Record the store's end behind its pushed layers; it fails if any layer did."""
-        assert self._job is not None
-        try:
-            self._drv.ensure_context()
-        except Exception:
-            pass
-        self._end_behind(self._job)
-        error = next((e for e in self._errors if e is not None), None)
-        self.completion.mark_issued(time.perf_counter(), error)
-
     # -- waiting ------------------------------------------------------------------------
 
-    def _ended(self, landed: bool) -> None:
+    def _ended(self, landed: bool, timed: bool = False) -> None:
         """The job's end was seen (``landed``: its event completed, so every layer recorded
         before it did too): every layer is final; their events go back (a measured run's
         once its timeline is read)."""
@@ -506,11 +317,19 @@ class CudaLayerRun(LayerRun):
             self._over = True
             events, self._events = self._events, []
             self._changed.notify_all()
+        if self._drv.broken is not None or self.abandoned is not None:
+            return  # copies may still run: nothing goes back to the pools
+        if self._spans:  # a store's layer events are its timing pairs' (``copy_time``)
+            if self._held is not None:
+                self._held.keep([], landed=False)
+            if not timed:
+                self._give_spans()  # no time to read (a timed store's: ``copy_time``)
+            return
         if self._held is not None:
-            self._held.keep(events, landed and self.abandoned is None)
-        elif self._drv.broken is None and self.abandoned is None:
-            for event in events:
-                self._drv.give_sync_event(event)
+            self._held.keep(events, landed)
+            return
+        for event in events:
+            self._drv.give_sync_event(event)
 
     def query(self, layer: int) -> bool:
         if self._errors[layer] is not None or self._seen[layer] or self._over:

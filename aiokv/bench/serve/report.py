@@ -100,7 +100,7 @@ def _ttft_rows(section: str, label: str, group: Sequence[Served], bounds: dict[i
     p, b = percentiles(ttft), percentiles(bound)
     return [BenchRow(section, f"TTFT p{q} {label}".rstrip(), p[i], "ms", b[i],
                      note=f"n={len(group)}" if i == 0 else "",
-                     extra=(extra or {}) if i == 0 else {})
+                     extra=(extra or {}) if i == 0 else {}, bound=True)
             for i, q in enumerate((50, 90, 99))]
 
 
@@ -120,7 +120,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
         "segment": [s.segment for s in served], "arrival_ms": _ms([s.arrival for s in served]),
         "wall_s": [s.wall for s in served],
         "tokens": [[s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed] for s in served]})
-    rows[0].note = f"n={len(served)}; ceiling column: this arm's lower bound"
+    rows[0].note = f"n={len(served)}; beside each TTFT, this arm's lower bound (>=)"
     for cls in HIT_CLASSES:
         group = [s for s in served if s.hit == cls]
         if group:
@@ -190,7 +190,7 @@ def _class_row(section: str, label: str, group: Sequence[Served], bounds: dict[i
     return BenchRow(section, f"TTFT p50 {label}", p[0], "ms", b[0],
                     note=f"n={len(group)}; p90 {p[1]:.1f}, p99 {p[2]:.1f} ms",
                     extra={"n": len(group), "p90_ms": p[1], "p99_ms": p[2],
-                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]})
+                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]}, bound=True)
 
 
 def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:

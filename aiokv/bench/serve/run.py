@@ -41,25 +41,38 @@ def run_serve_bench(cfg: ServeConfig,
     """
     cfg.check()
     say = progress or (lambda _msg: None)
+    # The trace and the pool sizes given are checked before the model is built.
+    workload = None if cfg.mode == "correctness" else _workload(cfg, cfg.model_config().vocab, say)
+    if workload is not None:
+        cfg.check_pools(workload)
     threads = torch.get_num_threads()
     if cfg.backend == "cpu":
         torch.set_num_threads(1)
     try:
-        return anyio.run(_main, cfg, say, backend=cfg.loop)
+        return anyio.run(_main, cfg, say, workload, backend=cfg.loop)
     finally:
         torch.set_num_threads(threads)
+
+
+def _count(n: float) -> str:
+    """A count for a reader: 111k, 7.0M, 6.98B (never 0.000111 B)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
 
 
 def _correctness_blocks(cfg: ServeConfig) -> int:
     return 64 if cfg.model == "llama3-8b" else 8
 
 
-async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[str, Any]]:
+async def _main(cfg: ServeConfig, say: Progress,
+                workload: Workload | None) -> tuple[list[BenchRow], dict[str, Any]]:
     device = Device(cfg.backend)
     mc = cfg.model_config()
     block_bytes = mc.block_bytes(cfg.dtype)
     say(f"model {mc.name}, {mc.layers} layers, {str(cfg.dtype).removeprefix('torch.')} on {device.kind}: "
-        f"{mc.params_per_layer() * mc.layers / 1e9:.3g} B layer parameters, "
+        f"{_count(mc.params_per_layer() * mc.layers)} layer parameters, "
         f"{mc.page_bytes(cfg.dtype) >> 10} KiB K/V pages, {block_bytes / 2**20:.3g} MiB a block")
     model = LlamaModel(mc, device=device.kind, dtype=cfg.dtype, seed=cfg.seed)
     check_blocks = blocks_needed(_correctness_blocks(cfg), cfg.decode_tokens)
@@ -68,7 +81,7 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
     if cfg.mode == "correctness":
         say("correctness: greedy decode from restored KV against recomputed KV")
         return await _check(cfg, model, model.new_kv_cache(check_blocks), device, say), meta
-    workload = _workload(cfg, mc.vocab)
+    assert workload is not None
     say(describe(workload))
     cfg.resolve_pools(workload, block_bytes)
     assert cfg.gpu_blocks is not None
@@ -146,7 +159,7 @@ async def _check(cfg: ServeConfig, model: LlamaModel, kv: list[torch.Tensor], de
     return rows
 
 
-def _workload(cfg: ServeConfig, vocab: int) -> Workload:
+def _workload(cfg: ServeConfig, vocab: int, say: Progress) -> Workload:
     assert cfg.requests is not None and cfg.warmup is not None
     if cfg.mode == "prefix":
         assert cfg.prefix_tokens is not None and cfg.suffix_tokens is not None
@@ -154,14 +167,28 @@ def _workload(cfg: ServeConfig, vocab: int) -> Workload:
                                suffix_tokens=cfg.suffix_tokens, requests=cfg.requests,
                                warmup=cfg.warmup, vocab=vocab, seed=cfg.seed)
     from ..cache import find_traces
+    from ..trace import FULL_TRACES, PACKAGED_TRACE
 
-    paths = find_traces(cfg.traces)
+    try:
+        paths = find_traces(cfg.traces)
+    except FileNotFoundError:
+        if cfg.traces:
+            raise
+        paths = [PACKAGED_TRACE]
+        say(f"no full Mooncake trace found: replaying the {PACKAGED_TRACE.name} slice shipped with aiokv "
+            f"(the first 400 requests of the conversation trace; the full ones: {FULL_TRACES})")
     if cfg.traces and len(paths) > 1:
         raise ValueError(f"serve replays one trace; --trace named {len(paths)} files")
     path = next((p for p in paths if Path(p).stem.startswith("conversation")), paths[0])
     assert cfg.block_tokens is not None and cfg.max_tokens is not None
-    return trace_workload(path, requests=cfg.requests, warmup=cfg.warmup, block_tokens=cfg.block_tokens,
-                          max_tokens=cfg.max_tokens, vocab=vocab, seed=cfg.seed)
+    workload = trace_workload(path, requests=cfg.requests, warmup=cfg.warmup, block_tokens=cfg.block_tokens,
+                              max_tokens=cfg.max_tokens, vocab=vocab, seed=cfg.seed)
+    if path == PACKAGED_TRACE and len(workload.requests) < cfg.warmup + cfg.requests:
+        raise ValueError(
+            f"the trace slice shipped with aiokv holds {len(workload.requests)} requests, and this run "
+            f"asks for {cfg.warmup + cfg.requests} (--warmup {cfg.warmup} + --requests {cfg.requests}); "
+            f"pass --trace with the full conversation_trace.jsonl from {FULL_TRACES}, or ask for fewer")
+    return workload
 
 
 def _push_shape(arm: ArmResult) -> tuple[int, int]:
@@ -203,7 +230,7 @@ def _setup_rows(cfg: ServeConfig, workload: Workload, ceil: Ceilings, loads: tup
     ]
     if "disk" in arms:
         disk = arms["disk"]
-        rows.append(BenchRow(section, "disk tier read ceiling", disk.disk_ceiling or 0.0, "GB/s",
+        rows.append(BenchRow(section, "disk tier read ceiling", disk.disk_ceiling, "GB/s",
                              note="DiskTier.read_ceiling: plain reads of its own files"
                              if disk.disk_ceiling else f"not measured: {disk.disk_ceiling_error}"))
     for name, blocks in (("GPU pool", cfg.gpu_blocks), ("host pool", cfg.host_blocks),
