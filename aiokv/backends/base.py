@@ -16,6 +16,7 @@ import torch
 from ..doorbell import Doorbell
 from ..errors import InvalidSpec
 from ..layer_plan import LayerPlan
+from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
@@ -242,6 +243,11 @@ class LayerRun(abc.ABC):
     def abandon(self, error: BaseException) -> None:
         """The worker closed without this job ending: waiters stop waiting."""
         self.abandoned = error
+
+    def timeline(self) -> LayerTimeline | None:
+        """When each layer moved and was used, once the job ended and its gates' marks
+        were read; None before, or where not measured (CUDA without ``layer_stalls``)."""
+        return None
 
 
 class HostPool(abc.ABC):

@@ -19,6 +19,7 @@ import torch
 from ..doorbell import Doorbell
 from ..errors import HostMemoryError, InvalidSpec
 from ..layer_plan import CopySlice, LayerPlan
+from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
@@ -130,11 +131,17 @@ class CpuLayerRun(LayerRun):
     def __init__(self, lane: CpuLane, plan: LayerPlan) -> None:
         self._lane = lane
         self._plan = plan
-        self.num_layers = plan.num_layers
-        self.layers = [CpuCompletion() for _ in range(self.num_layers)]
+        self.num_layers = n = plan.num_layers
+        self.layers = [CpuCompletion() for _ in range(n)]
         self.completion: _JobEnd = _JobEnd(self)
-        self._queued = bytearray(self.num_layers)
+        self._queued = bytearray(n)
         self._finished = False
+        # Host clock marks for ``timeline``: each layer's enqueue, and each gate's
+        # arrival and return (the first gate of a layer).
+        self._submitted = time.perf_counter()
+        self._issued_at: list[float | None] = [None] * n
+        self._reached: list[float | None] = [None] * n
+        self._gone_on: list[float | None] = [None] * n
 
     def load(self, dependency: Any) -> None:
         for layer in range(self.num_layers):
@@ -144,6 +151,7 @@ class CpuLayerRun(LayerRun):
 
     def _put(self, layer: int, dependency: Any) -> None:
         self._queued[layer] = 1
+        self._issued_at[layer] = time.perf_counter() - self._submitted
         self._lane.put((self._plan.layer(layer), self.layers[layer], dependency))
 
     def push(self, layer: int, dependency: Any) -> bool:
@@ -188,13 +196,37 @@ class CpuLayerRun(LayerRun):
 
     def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
         done = self.layers[layer]
+        began = time.perf_counter()
         if done.query():
+            self._note_gate(layer, began, began)
             meter.add(0.0)
             return done.error is None
-        began = time.perf_counter()
         finished = self.wait(layer)
-        meter.add(time.perf_counter() - began)
+        now = time.perf_counter()
+        self._note_gate(layer, began, now)
+        meter.add(now - began)
         return finished and done.error is None
+
+    def _note_gate(self, layer: int, arrived: float, went_on: float) -> None:
+        if self._reached[layer] is None:
+            self._reached[layer], self._gone_on[layer] = arrived, went_on
+
+    def timeline(self) -> LayerTimeline | None:
+        if not self.completion.query():
+            return None
+        starts = [c._started for c in self.layers if c._started is not None]
+        if not starts:
+            return None
+        origin = min(starts)
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - origin
+
+        done = [since(c._started + c._elapsed) if c._started is not None and c._elapsed is not None else None
+                for c in self.layers]
+        return LayerTimeline(clock="host", copy_done=tuple(done), reached=tuple(map(since, self._reached)),
+                             started=tuple(map(since, self._gone_on)), issued=tuple(self._issued_at),
+                             blocked=(0.0,) * self.num_layers)
 
     def ring_when_done(self, layer: int, bell: Doorbell) -> bool:
         return self.layers[layer].ring_when_done(bell)
