@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 
-from aiokv.backends.cuda import native
 from aiokv.backends.cuda.completion import CudaCompletion
 from aiokv.backends.cuda.driver import JobEvents
 from aiokv.backends.cuda.lane import ISSUE_THREAD_BYTES, CudaLane, Dependency
 from aiokv.doorbell import Doorbell
-from aiokv.errors import CudaCallFailed, InvalidSpec, WorkerBroken, WorkerClosed
+from aiokv.errors import WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
 
 from .native_fakes import FakeTable, submit_paths
@@ -456,100 +455,3 @@ def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> Non
     driver.stream_synchronize = synced.append  # type: ignore[method-assign]
     lane.close()
     assert lane.stream in synced
-
-
-# -- the native path: the caller records, the issuer thread calls -------------------------
-
-def native_only(test: Any) -> Any:
-    """A test of the native path alone: run once, where the helper is built."""
-    test = pytest.mark.parametrize("path", ["native"], indirect=True)(test)
-    return pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")(test)
-
-
-def make_native_lane() -> tuple[CudaLane, FakeDriver, Any, Any]:
-    driver = FakeDriver()
-    fake = FakeTable(target=driver)
-    rec = fake.recorder(driver, 0, 0)
-    strategy = FakeStrategy(rec)  # type: ignore[arg-type]
-    strategy.main_stream = 0x40
-    lane = CudaLane(driver, Direction.STORE, strategy, recorder=rec, table=fake.table)  # type: ignore[arg-type]
-    return lane, driver, fake, rec
-
-
-@native_only
-def test_the_dependency_is_recorded_at_submit_and_the_program_runs_on_the_issuer() -> None:
-    """The caller's stream records the dependency on the caller's thread, at submit (the
-    caller may go on to enqueue more work there at once); the job's own calls wait for the
-    issuer thread."""
-    lane, driver, fake, rec = make_native_lane()
-    gate = hold(lane)
-    try:
-        c = lane.launch(plan(1024), Dependency(0xD1, stream=0x5))  # not recorded yet
-        events = c._events
-        assert events is not None
-        assert 0xD1 in driver.recorded and fake.calls == [], "a call of the job was made at submit"
-        assert not c.query()
-        gate.set()
-        assert c.wait(10) and c.error is None
-        assert fake.calls == [("cuEventRecord", events.start, 0x40), ("cuEventRecord", events.stop, 0x40)]
-        assert rec.calls == 1 and driver.given_sync == [0xD1]
-        assert threading.current_thread().name not in {c[0] for c in fake.threads}
-    finally:
-        gate.set()
-        lane.close()
-
-
-@native_only
-def test_a_program_refused_as_bad_input_raises_at_submit_and_gives_everything_back() -> None:
-    lane, driver, fake, _ = make_native_lane()
-    orig = lane._strategy.enqueue
-
-    def null_event(prepared: Any, dependency: Any, start: Any, stop: Any, **kw: Any) -> None:
-        orig(prepared, dependency, 0, stop, **kw)  # a null event: the helper refuses it
-
-    lane._strategy.enqueue = null_event  # type: ignore[method-assign]
-    with pytest.raises(InvalidSpec, match="null event"):
-        lane.launch(plan(1024), Dependency(0xD1, stream=0x5))
-    assert fake.calls == [] and len(driver.given_jobs) == 1 and driver.given_sync == [0xD1]
-    lane.close()
-
-
-@native_only
-@pytest.mark.parametrize("how", ["driver", "strategy"])
-@pytest.mark.parametrize("size", [1024, LONG])
-def test_a_native_job_that_fails_part_way_fails_once_its_end_is_recorded(how: str, size: int) -> None:
-    """A driver call failing on the issuer thread, or the strategy raising while it was
-    recorded (what it recorded is enqueued, as the Python path would have): the job is
-    failed, not raised, and its end is recorded on the main stream behind that part."""
-    lane, driver, fake, _ = make_native_lane()
-    if how == "driver":
-        fake.fail["cuEventRecord"] = (2, 2)  # the stop record
-    else:
-        lane._strategy.fail_enqueue = RuntimeError("strategy broke")
-    c = lane.launch(plan(size), None)
-    events = c._events
-    assert events is not None
-    assert c.wait(10) and c.error is not None
-    assert isinstance(c.error, CudaCallFailed if how == "driver" else RuntimeError)
-    assert ("cuEventRecord", events.start, 0x40) in fake.calls
-    assert events.stop in driver.recorded, "the failed job's end was not recorded behind it"
-    lane.close()
-
-
-@native_only
-def test_a_native_lanes_doorbells_are_rung_by_its_waiter_thread() -> None:
-    lane, driver, _, _ = make_native_lane()
-    bell = Doorbell()
-    try:
-        c = lane.launch(plan(1024), None)
-        assert c.ring_when_done(bell) is True
-        assert driver.armed == [], "the host-function ring was used instead of the waiter"
-        deadline = time.monotonic() + 10
-        while not bell.drain():
-            assert time.monotonic() < deadline, "the waiter never rang"
-            time.sleep(0.001)
-        assert lane.waiter is not None and lane.waiter.stats()["rung"] == 1
-    finally:
-        lane.close()
-        bell.close()
-    assert lane.waiter.stats()["running"] is False

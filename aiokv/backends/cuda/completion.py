@@ -82,6 +82,13 @@ class CudaCompletion(Completion):
             if not self.ring_when_done(bell):
                 bell.ring()  # cannot arm it: wake the waiter now, it falls back to polling
 
+    def attach(self, ticket: Any, started: float, error: BaseException | None) -> None:
+        """A job planned after its submit (behind a Python issuer's work) reached the native
+        issuer as ``ticket`` (None: it never did, and fails with ``error``)."""
+        with self._lock:
+            self._ticket = ticket
+        self.mark_issued(started, error)
+
     def _pending_issue(self) -> bool:
         if self._ticket is not None:
             return self._ticket_pending()
@@ -157,10 +164,11 @@ class CudaCompletion(Completion):
         if self.query():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        ticket = self._ticket
-        if ticket is not None and not ticket.wait(timeout):
-            return self.query()
         if self._issued is not None and not self._issued.wait(timeout):
+            return self.query()
+        ticket = self._ticket  # (set by then, for a job planned after its submit)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if ticket is not None and not ticket.wait(left):
             return self.query()
         if timeout is None:
             with self._lock:

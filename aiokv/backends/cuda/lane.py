@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ...layer_plan import CopySlice, LayerPlan
-from ...plan import CopyPlan, IdPlan
+from ...plan import CopyPlan
 from ...specs import Direction
 from ..base import Completion, Lane, LaneStatistics, LayerRun
 from .completion import CudaCompletion
@@ -25,10 +25,11 @@ from .driver.codes import STICKY
 from .issuer import Issuer
 from .layers import CudaLayerRun
 from .native import NativeIssuer, NativeWaiter
+from .native_submit import NativeSubmit
 from .planner import make_planner
-from .program import CALL_NAMES, RUN_HERE_US, Recorder
+from .program import Recorder
 from .staged import StagedCopy
-from .strategy import CopyStrategy
+from .strategy import CopyContext, CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
 
@@ -79,7 +80,7 @@ class Dependency:
         self.stream = self.source = None
 
 
-class CudaLane(Lane):
+class CudaLane(NativeSubmit, Lane):
     """One direction: a main stream whose job end events mark completion, in order.
 
     With ``issue_thread``, jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one)
@@ -110,8 +111,10 @@ class CudaLane(Lane):
         self.planner: Any = None  # ``_native.Planner``: jobs planned in C from their ids
         self._staging_shared = False
         self._last_ticket: Any = None
-        self._issuer = (Issuer(f"aiokv-issue-{direction.value}")
-                        if issue_thread and recorder is None else None)
+        # A Python issuer thread: ``issue_thread`` on the Python path; on the native path
+        # only one a layerwise load made for its later layers (``layer_issuer``).
+        self._issue_thread = issue_thread and recorder is None
+        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if self._issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
         self.issued_later = 0
@@ -119,6 +122,8 @@ class CudaLane(Lane):
         self.issue_cpu_seconds = 0.0
         # Host clock just before the latest job's copies were handed to the device.
         self.last_started_at: float | None = None
+        # The device slot of layerwise jobs whose blocks do not run (``layers.layer_ops``).
+        self.layer_staging: Any = None
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -154,7 +159,7 @@ class CudaLane(Lane):
         dep: Dependency | None = dependency
         events = None
         issuer = self._issuer
-        defer = issuer is not None and plan.total_bytes >= ISSUE_THREAD_BYTES
+        defer = self._issue_thread and plan.total_bytes >= ISSUE_THREAD_BYTES
         try:
             drv.ensure_context()
             drv.check_usable()
@@ -184,91 +189,6 @@ class CudaLane(Lane):
                 self._give_back(events, dep)
             raise
         return completion
-
-    def _submit(self, plan: CopyPlan, dependency: Any) -> Completion:
-        """The native path: capture the dependency on this thread, plan and record the job,
-        and hand its program to the issuer thread (a tiny one may run here at once). Raises
-        only before anything was queued; a failure after that is the job's."""
-        drv, rec = self._driver, self._recorder
-        assert rec is not None and self.native is not None
-        dep: Dependency | None = dependency
-        events = ticket = None
-        error: BaseException | None = None
-        try:
-            drv.ensure_context()
-            drv.check_usable()
-            events = drv.take_job_events()
-            if self.planner is not None and type(plan) is IdPlan:
-                ticket = self._plan_in_c(plan, dep, events)
-                if ticket is not None:
-                    self._last_ticket = ticket
-                    return CudaCompletion(drv, events, None, self.bell_stream, waiter=self.waiter,
-                                          ticket=ticket, recorder=rec, stream=self.stream,
-                                          dependency=dep.event if dep is not None else None)
-            if type(plan) is IdPlan:
-                plan.check()  # bad input raises before the dependency is recorded
-            if dep is not None and dep.pending:
-                dep.resolve(drv)  # on the caller's thread, at submit (DESIGN.md section 1)
-            prepared = self._strategy.prepare(plan)
-            program = rec.open()
-            try:
-                self._strategy.enqueue(prepared, dep.event if dep is not None else None, events.start,
-                                       events.stop)
-            except BaseException as exc:
-                if drv.broken is not None:
-                    rec.program = None
-                    raise
-                # What was recorded goes, joined into main with the job's end behind it, as
-                # the Python path would have enqueued it; the job then fails, unraised.
-                ticket = rec.abort_later(events.stop)
-                if ticket is None or not isinstance(exc, Exception):
-                    raise
-                error = exc
-            else:
-                ticket = rec.submit(events.stop, program.cost <= RUN_HERE_US)
-        except BaseException as exc:
-            if ticket is None:  # nothing queued: the job's events are ours again
-                self._give_back(events if drv.broken is None else None, dep)
-            if drv.broken is not None and drv.broken is not exc:
-                raise drv.broken from exc
-            raise
-        self._last_ticket = ticket
-        if self.planner is not None:
-            self._share_staging()
-        return CudaCompletion(drv, events, error, self.bell_stream, waiter=self.waiter, ticket=ticket,
-                              recorder=rec, dependency=dep.event if dep is not None else None,
-                              stream=self.stream)
-
-    def _plan_in_c(self, plan: IdPlan, dep: Dependency | None, events: JobEvents) -> Any:
-        """The job's program built and queued by the planner, with the dependency recorded
-        on the caller's stream first, here: its ticket, or None where it plans in Python
-        (nothing was done then). A failing dependency call raises, nothing queued."""
-        planner = self.planner
-        if dep is None:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop)
-        elif dep.pending:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event,
-                                 dep.stream, dep.source or 0)
-        else:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event)
-        if type(out) is tuple:
-            raise self._driver.fail(int(out[0]), CALL_NAMES.get(int(out[1]), "a driver call"))
-        if out is not None and dep is not None:
-            dep.stream = dep.source = None  # recorded
-        return out
-
-    def _share_staging(self) -> None:
-        """Tell the planner of the ring once a job planned in Python made it (or found it
-        could not be had), so that staged jobs plan in C from then on."""
-        strategy = self._strategy
-        if isinstance(strategy, StagedCopy) and not self._staging_shared:
-            if strategy.slot_bytes == 0:
-                self.planner.set_staging(0, 0, 0)
-                self._staging_shared = True
-            elif strategy.staging is not None and strategy.page_table is not None:
-                ring = strategy.staging.data_ptr()
-                self.planner.set_staging(ring, strategy.slot_bytes, strategy.page_table)
-                self._staging_shared = True
 
     def _issue(self, plan: CopyPlan, dep: Dependency | None, completion: CudaCompletion,
                events: JobEvents) -> None:
@@ -334,6 +254,21 @@ class CudaLane(Lane):
     def issuer(self) -> Issuer | None:
         return self._issuer
 
+    def layer_issuer(self) -> Issuer:
+        """The issuer a layerwise load hands its later layers to: the lane's own, made on
+        first use where ``issue_thread`` is off. Every launch after it then goes through it
+        (at once, on the caller's thread, while it holds nothing; on the native path only
+        while it holds work, see ``native_submit``), so the lane's jobs stay in submission
+        order."""
+        if self._issuer is None:
+            self._issuer = Issuer(f"aiokv-issue-{self.direction.value}")
+        return self._issuer
+
+    @property
+    def context(self) -> CopyContext:
+        """The strategy's addresses of this lane's tensors and pool."""
+        return self._strategy.ctx
+
     def pointers(self, plan: CopyPlan | CopySlice) -> tuple[Any, Any, Any]:
         """The plan's (dst, src, sizes) tables in this lane's direction."""
         return self._strategy.ctx.pointers(plan)
@@ -351,9 +286,11 @@ class CudaLane(Lane):
         except BaseException:
             self._give_back(None, dep)
             raise
-        if issuer is None:
+        if issuer is None and run.head == run.num_layers:
             run.issue_load(dep, on_issuer=False)
             return run
+        if issuer is None:  # made now, idle: the first layers still go at once, from here
+            issuer = self.layer_issuer()
         ran = False
 
         def work() -> None:
@@ -422,6 +359,8 @@ class CudaLane(Lane):
         self._strategy.abandon()
         if self.native is not None:
             self.native.abandon()
+        if self.layer_staging is not None:
+            self.layer_staging.abandon()
         if self.waiter is not None:
             self.waiter.abandon()
         if self._issuer is not None:
