@@ -205,3 +205,32 @@ async def test_a_scrape_from_its_own_thread_neither_loses_nor_doubles_a_copy(
     seconds = {d: sample(registry, "aiokv_transfer_seconds_sum", direction=d) for d in ("store", "load")}
     assert seconds == {"store": pytest.approx(st.store_seconds), "load": pytest.approx(st.load_seconds)}
     metrics.unregister()
+
+
+async def test_one_registry_exports_several_caches_told_apart_by_labels() -> None:
+    """Two caches of one process (one per rank, per model) in one registry: prometheus_client
+    refuses a second collector of the same names, so the collector takes both, each under
+    its own label values, and drops one that is gone."""
+    from aiokv.metrics import CacheCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    kv = make_layers(num_layers=2, num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        a = OffloadCache(worker, policy="lru", chunks=range(0, 4))
+        b = OffloadCache(worker, policy="lru", chunks=range(4, 8))
+        collector = CacheCollector(a, labels={"cache": "a"})
+        registry.register(collector)
+        collector.add(b, {"cache": "b"})
+        await a.offload(["x"], [1])
+        await b.offload(["y", "z"], [2, 3])
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="a") == 1
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="b") == 2
+        with pytest.raises(InvalidSpec, match="exported here already"):
+            collector.add(b, {"cache": "a"})
+        with pytest.raises(InvalidSpec, match="labels must name"):
+            collector.add(b, {"rank": "1"})
+        with pytest.raises(InvalidSpec, match="OffloadCache"):
+            collector.add(object(), {"cache": "c"})  # type: ignore[arg-type]
+        assert collector.discard({"cache": "a"}) is True  # b is left
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="a") is None
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="b") == 2
