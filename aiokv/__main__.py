@@ -99,7 +99,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
               "runs from a fresh clone on the trace slice shipped with aiokv")
     s.add_argument("--loop", choices=["asyncio", "trio"], default=None,
                    help="event loop of the server (default asyncio)")
-    s.add_argument("--plot", metavar="FILE.png", help="draw each arm's TTFT CDF (needs matplotlib)")
+    s.add_argument("--plot", metavar="FILE.png",
+                   help="draw each arm's TTFT CDF and one layerwise load's layers (needs matplotlib)")
     _trace_options(s, serve=True)
     add_serve_arguments(s)
     return p, {"transfer": t, "cache": c, "serve": s}

@@ -22,6 +22,7 @@ from ..report import BenchRow
 from .arms import ArmResult
 from .config import ARM_TEXT
 from .model import BLOCK_TOKENS, ModelConfig
+from .overlap import overlap_rows, plot_timeline
 from .server import HIT_CLASSES, Served
 
 __all__ = ["BUCKETS", "Ceilings", "arm_bounds", "arm_rows", "bucket_of", "lower_bounds", "percentiles",
@@ -152,6 +153,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     rows += _restore_rows(section, arm, ceil)
     if arm.name == "layerwise":
         rows += _stall_rows(section, arm)
+        rows += overlap_rows(section, arm)
     return rows
 
 
@@ -221,13 +223,18 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
 
 
 def plot_cdfs(rows: Sequence[BenchRow], path: str, title: str) -> None:
-    """TTFT CDF per arm (log time axis); needs matplotlib."""
+    """TTFT CDF per arm (log time axis) and, with the layerwise arm, one load's layers
+    (``overlap.plot_timeline``); needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    timed = any(row.extra.get("timelines") for row in rows)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(15 if timed else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
+    if timed:
+        plot_timeline(axes[0][1], rows)
     for row in rows:
         values = row.extra.get("ttft_ms")
         if not values:

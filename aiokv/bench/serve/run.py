@@ -22,6 +22,7 @@ from .config import ServeConfig
 from .correctness import blocks_needed, decode_check
 from .measure import Device, PrefillFit, load_ceiling, peak_flops
 from .model import BLOCK_TOKENS, LlamaModel
+from .pushes import push_rows
 from .report import Ceilings, arm_rows
 from .workload import Workload, describe, prefix_workload, trace_workload
 
@@ -101,6 +102,11 @@ async def _main(cfg: ServeConfig, say: Progress,
         open_ = await open_arms(cfg, model, kv, device, stack, block_bytes=block_bytes, progress=say)
         await _serve_arms(cfg, workload, open_, mirrored, say)
         arms = {name: await arm.result() for name, arm in open_.items()}
+        pushes = []
+        if "layerwise" in arms:
+            cached, new = _push_shape(arms["layerwise"])
+            say(f"layerwise stores pushed from the forward: {new} tokens over {cached}, with and without")
+            pushes = await push_rows(model, kv["layerwise"], device, cached=cached, new=new, seed=cfg.seed)
     del open_, kv
     device.empty_cache()
     load_last, _ = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
@@ -111,6 +117,7 @@ async def _main(cfg: ServeConfig, say: Progress,
         rows += arm_rows(arm, ceil, mc, recompute=arms.get("recompute"),
                          mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
     rows += target_rows(arms, mirrored, ceil)
+    rows += pushes
     rows += noise_rows(arms, mirrored)
     rows += await _check(cfg, model, model.new_kv_cache(check_blocks), device, say)
     meta["workload"] = describe(workload)
@@ -182,6 +189,16 @@ def _workload(cfg: ServeConfig, vocab: int, say: Progress) -> Workload:
             f"asks for {cfg.warmup + cfg.requests} (--warmup {cfg.warmup} + --requests {cfg.requests}); "
             f"pass --trace with the full conversation_trace.jsonl from {FULL_TRACES}, or ask for fewer")
     return workload
+
+
+def _push_shape(arm: ArmResult) -> tuple[int, int]:
+    """A typical request of the layerwise arm: (tokens it reused, tokens it computed), the
+    medians over its host hits (over every request where it had none)."""
+    hits = [s for s in arm.served if s.host_tokens] or arm.served
+    if not hits:
+        return 0, 16 * BLOCK_TOKENS
+    reused = int(np.median([s.gpu_tokens + s.host_tokens for s in hits]))
+    return reused, max(BLOCK_TOKENS, int(np.median([s.computed for s in hits])))
 
 
 def _compress(cfg: ServeConfig, workload: Workload, fit: PrefillFit) -> tuple[float, float]:
