@@ -118,13 +118,16 @@ class NativeSubmit:
         on the caller's stream first, here: its ticket, or None where it plans in Python
         (nothing was done then). A failing dependency call raises, nothing queued."""
         planner = self.planner
+        # Handles as ints: cuda-python's objects convert, whatever their version.
+        start, stop = int(events.start), int(events.stop)
         if dep is None:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop)
+            out = planner.submit(plan.block_ids, plan.chunk_ids, start, stop)
         elif dep.pending:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event,
-                                 dep.stream, dep.source or 0)
+            source = int(dep.source) if dep.source is not None else 0
+            out = planner.submit(plan.block_ids, plan.chunk_ids, start, stop, int(dep.event), int(dep.stream),
+                                 source)
         else:
-            out = planner.submit(plan.block_ids, plan.chunk_ids, events.start, events.stop, dep.event)
+            out = planner.submit(plan.block_ids, plan.chunk_ids, start, stop, int(dep.event))
         if type(out) is tuple:
             raise self._driver.fail(int(out[0]), CALL_NAMES.get(int(out[1]), "a driver call"))
         if out is not None and dep is not None:
