@@ -1,6 +1,7 @@
 """The lane's device slot for layerwise jobs whose blocks scatter (``layer_staging``), on the
 simulated device: the memory a job was planned with stays allocated while any of its
-layers is still to be enqueued."""
+layers is still to be enqueued, and the lane lets the slot go at close (never at abandon,
+where copies may still use it)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ POOL, SLOTS_AT, TABLE_AT = 4 << 20, 6 << 20, 7 << 20
 class Slots:
     """Device memory for the slot as ``TorchSlot`` hands it out: each call a new block,
     the one before let go (torch's caching allocator may then give it to another
-    allocation, or free it)."""
+    allocation, or free it); ``release`` lets the last one go."""
 
     def __init__(self) -> None:
         self.live: tuple[int, int] | None = None
@@ -43,6 +44,11 @@ class Slots:
         self.calls += 1
         self.live = (at, at + nbytes)
         return at
+
+    def release(self) -> None:
+        if self.live is not None:
+            self.released.append(self.live)
+        self.live = None
 
     def stale(self, address: int) -> bool:
         """Whether ``address`` lies in memory let go and not handed out again."""
@@ -123,3 +129,20 @@ def test_a_slot_is_never_let_go_while_queued_layers_still_use_it() -> None:
     assert all(small.enqueued(i) and large.enqueued(i) for i in range(LAYERS))
     assert sim.stale == [], "layers were enqueued on a slot let go after they were planned"
     lane.close()
+
+
+@pytest.mark.usefixtures("through_the_slot")
+@pytest.mark.parametrize("ending", ["close", "abandon"])
+def test_a_lane_lets_its_slot_go_at_close_and_keeps_it_when_abandoned(ending: str) -> None:
+    mem = np.zeros(8 << 20, dtype=np.uint8)
+    slots = Slots()
+    lane, _ = staged(mem, slots, issue_thread=False)
+    run = lane.launch_layers(kv_plan(False, [2, 7, 3], [5, 1, 8])[0], None)
+    assert run._ops.staged is not None and slots.live is not None  # type: ignore[attr-defined]
+    if ending == "close":
+        lane.close()
+        assert slots.live is None, "a closed lane still holds its layer slot"
+        assert lane.layer_staging.slot is None and lane.layer_staging.kernel is None
+    else:
+        lane.abandon()  # copies may still run: the slot stays
+        assert slots.live is not None and slots.released == []

@@ -56,6 +56,10 @@ class TorchSlot:
             return None
         return int(self.tensor.data_ptr())
 
+    def release(self) -> None:
+        """Let the memory go (nothing on the lane's stream uses it any more)."""
+        self.tensor = None
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -110,9 +114,9 @@ class LayerStaging:
     """A lane's slot and page table for staged layers (module doc). ``kernel``: the piece
     kernel (``PieceKernel``: ``upload``, ``launch``), made on first use by ``make_kernel``;
     ``allocate(nbytes, stream)`` returns a device address (None: no memory), called once:
-    the slot is taken whole on first use and kept, because a job's layers may wait on the
-    issuer thread long after it was planned on the slot, and memory let go meanwhile could
-    be handed to another tensor, or freed, before they are enqueued."""
+    the slot is taken whole on first use and kept until ``close``, because a job's layers
+    may wait on the issuer thread long after it was planned on the slot, and memory let go
+    meanwhile could be handed to another tensor, or freed, before they are enqueued."""
 
     def __init__(self, layout: HostLayout, layer_map: LayerMap, device_base: np.ndarray, host_base: int,
                  slot_bytes: int, make_kernel: Callable[[], Any],
@@ -201,6 +205,18 @@ class LayerStaging:
                 return False
             self.slot, self.slot_size = at, self.slot_bytes
         return True
+
+    def close(self) -> None:
+        """The lane closed and its stream is synchronised: the slot and the page table go
+        (``allocate``'s ``release``, where it has one), and nothing goes through it again."""
+        self.shape = None
+        self.slot, self.table, self.slot_size = None, None, 0
+        release = getattr(self._allocate, "release", None)
+        if release is not None:
+            release()
+        kernel, self.kernel = self.kernel, None
+        if kernel is not None:
+            kernel.close()
 
     def abandon(self) -> None:
         """The worker was dropped unclosed: copies may still use the slot and the table,
