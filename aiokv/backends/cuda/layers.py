@@ -321,12 +321,12 @@ class CudaLayerRun(StorePushes, LayerRun):
             return  # copies may still run: nothing goes back to the pools
         if self._spans:  # a store's layer events are its timing pairs' (``copy_time``)
             if self._held is not None:
-                self._held.keep([], landed=False)
+                self._held.keep([], landed=False, recorded=b"")
             if not timed:
                 self._give_spans()  # no time to read (a timed store's: ``copy_time``)
             return
         if self._held is not None:
-            self._held.keep(events, landed)
+            self._held.keep(events, landed, bytes(self._recorded))
             return
         for event in events:
             self._drv.give_sync_event(event)
