@@ -27,6 +27,7 @@ class Held:
         self.origin: Any = None
         self._events: list[Any] = []
         self._recorded: bytes = b""  # per layer, whether this job recorded its event
+        self._kept = False  # the job's end handed its layer events over (``keep``)
         self._landed = False
         self._gates_open = 0  # gates whose marks are not read yet
         self._copy_done: list[float | None] | None = None
@@ -39,6 +40,7 @@ class Held:
         event was recorded by this job; one that was not (a load that failed part way)
         holds another job's time, or none, and is never read."""
         with self._lock:
+            self._kept = True
             if landed and self.origin is not None:
                 self._events, self._landed, self._recorded = events, True, recorded
                 return
@@ -63,9 +65,10 @@ class Held:
 
     def copy_done(self, layers: int) -> list[float | None] | None:
         """Each layer's end from the origin (None where unknown), or None while a gate's
-        marks are still to run."""
+        marks are still to run or the job's end has not handed its events over (``keep``:
+        read before that, the answer would stay without copy ends)."""
         with self._lock:
-            if self._gates_open > 0:
+            if self._gates_open > 0 or not self._kept:
                 return None
             if self._copy_done is None:
                 origin = self.origin
