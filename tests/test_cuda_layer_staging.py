@@ -19,7 +19,16 @@ from aiokv.specs import Direction
 
 from .sim_device import launch_values, pitched_rows
 from .test_cuda_lane import hold
-from .test_cuda_layers import KV_LAYOUT, KV_MAP, LAYERS, PAGE, PitchedSimDriver, kv_plan, make_lane, native_only
+from .test_cuda_layers import (
+    KV_LAYOUT,
+    KV_MAP,
+    LAYERS,
+    PAGE,
+    PitchedSimDriver,
+    kv_plan,
+    make_lane,
+    native_only,
+)
 
 pytestmark = native_only
 
