@@ -389,4 +389,8 @@ class CudaLane(NativeSubmit, Lane):
                     self.waiter.abandon()
             self._driver.destroy_stream(self.bell_stream)
         finally:
-            self._strategy.close()
+            try:
+                if self.layer_staging is not None:  # its slot: the main stream was synchronised
+                    self.layer_staging.close()
+            finally:
+                self._strategy.close()
