@@ -318,3 +318,52 @@ def test_a_page_table_slot_is_not_reused_while_a_queued_program_copies_out_of_it
         assert program.ticket.wait(10) and slot.free(driver)
     finally:
         issuer.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_rows", "drain"])
+def test_a_wait_with_no_timeout_is_interrupted_by_a_signal(call: str) -> None:
+    """Ctrl-C (or a test's timeout) must reach a thread blocked on a program that never
+    issues: the wait runs the signal's handler, which raises, while the program is still
+    queued. A watchdog resumes the issuer after a while, so a wait deaf to signals fails
+    this test (the exception only comes once the program has run) instead of hanging it."""
+    import signal
+
+    fake = FakeTable()
+    issuer = NativeIssuer(fake.table)
+    issuer.pause()
+    ticket = submit(issuer, records(0xE0, 0xE1))
+    main = threading.main_thread().ident
+    assert threading.get_ident() == main  # handlers run on the main thread only
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    kill = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGUSR1))
+    watchdog = threading.Timer(5.0, issuer.resume)
+    kill.start()
+    watchdog.start()
+    issued_then = None
+    try:
+        with pytest.raises(_Interrupted):
+            try:
+                if call == "wait":
+                    ticket.wait()
+                elif call == "wait_rows":
+                    ticket.wait_rows(2)
+                else:
+                    issuer.drain()
+            finally:
+                issued_then = ticket.issued
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        kill.cancel()
+        watchdog.cancel()
+        issuer.resume()
+        assert ticket.wait(10)
+        issuer.close()
+    assert issued_then is False, "the wait ignored the signal until its program had run"

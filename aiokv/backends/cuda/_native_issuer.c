@@ -445,37 +445,74 @@ aiokv_issuer_table(IssuerState *st)
     return &st->d;
 }
 
+/* A wait that has no deadline, or a long one, sleeps in slices of this many seconds; between
+ * them the thread takes the GIL back and runs pending signal handlers, so Ctrl-C (or a
+ * test's timeout) reaches a caller blocked on a program that never issues. */
+#define WAIT_SLICE 0.05
+
+/* Whether a wait is over; called under ``st->mu``. */
+typedef int (*ready_fn)(IssuerState *st, void *arg);
+
+/* Block, the GIL released, until ``ready`` holds or ``timeout`` seconds (< 0: none) passed:
+ * 1 ready, 0 timed out, -1 a signal handler raised (its exception set). ``rows``: the wait
+ * is for rows, so the thread announces each row it runs. */
+static int
+wait_progress(IssuerState *st, ready_fn ready, void *arg, double timeout, int rows)
+{
+    double until = timeout >= 0 ? aiokv_now() + timeout : 0;
+    for (;;) {
+        double slice = WAIT_SLICE;
+        if (timeout >= 0) {
+            double left = until - aiokv_now();
+            slice = left < slice ? (left > 0 ? left : 0) : slice;
+        }
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec deadline;
+        deadline_after(slice, &deadline);
+        pthread_mutex_lock(&st->mu);
+        st->waiters++;
+        if (rows)
+            atomic_fetch_add(&st->row_waiters, 1);
+        while (!(ok = ready(st, arg)) && pthread_cond_timedwait(&st->progress, &st->mu, &deadline) != ETIMEDOUT)
+            ;
+        if (!ok)
+            ok = ready(st, arg);
+        if (rows)
+            atomic_fetch_sub(&st->row_waiters, 1);
+        st->waiters--;
+        pthread_mutex_unlock(&st->mu);
+        Py_END_ALLOW_THREADS
+        if (ok)
+            return 1;
+        if (timeout >= 0 && aiokv_now() >= until)
+            return 0;
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
+typedef struct {
+    TicketState *t;
+    long long n;
+} RowsWanted;
+
+static int
+ticket_ready(IssuerState *st, void *arg)
+{
+    const RowsWanted *w = arg;
+    return atomic_load(&w->t->state) == T_DONE || (w->n >= 0 && atomic_load(&w->t->rows_done) >= w->n);
+}
+
 /* Block (GIL released) until ``n`` rows ran (n < 0: the program is over) or it is over,
- * or ``timeout`` seconds (< 0: none) passed. True once the condition holds. */
+ * or ``timeout`` seconds (< 0: none) passed. 1 once the condition holds, 0 if not, -1 if a
+ * signal handler raised meanwhile. */
 static int
 ticket_wait(TicketState *t, long long n, double timeout)
 {
-    IssuerState *st = t->issuer;
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    struct timespec deadline;
-    if (timeout >= 0)
-        deadline_after(timeout, &deadline);
-    pthread_mutex_lock(&st->mu);
-    st->waiters++;
-    if (n >= 0)
-        atomic_fetch_add(&st->row_waiters, 1);
-    for (;;) {
-        int over = atomic_load_explicit(&t->state, memory_order_acquire) == T_DONE;
-        ok = over || (n >= 0 && atomic_load_explicit(&t->rows_done, memory_order_acquire) >= n);
-        if (ok)
-            break;
-        if (timeout < 0)
-            pthread_cond_wait(&st->progress, &st->mu);
-        else if (pthread_cond_timedwait(&st->progress, &st->mu, &deadline) == ETIMEDOUT)
-            break;
-    }
-    if (n >= 0)
-        atomic_fetch_sub(&st->row_waiters, 1);
-    st->waiters--;
-    pthread_mutex_unlock(&st->mu);
-    Py_END_ALLOW_THREADS
-    if (ok && n >= 0)
+    RowsWanted w = {t, n};
+    int ok = wait_progress(t->issuer, ticket_ready, &w, timeout, n >= 0);
+    if (ok > 0 && n >= 0)
         ok = atomic_load_explicit(&t->rows_done, memory_order_acquire) >= n;
     return ok;
 }
@@ -496,7 +533,8 @@ parse_timeout(PyObject *arg, double *timeout)
 
 PyDoc_STRVAR(ticket_wait_doc,
 "wait(timeout=None) -> bool\n\nBlock, the GIL released, until the program has been issued (every\n"
-"row ran, or one failed, or it was refused); False if ``timeout`` seconds passed first.");
+"row ran, or one failed, or it was refused); False if ``timeout`` seconds passed first. A\n"
+"signal handler that raises (Ctrl-C) interrupts it with its exception.");
 
 static PyObject *
 Ticket_wait(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -508,12 +546,14 @@ Ticket_wait(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (atomic_load_explicit(&self->t->state, memory_order_acquire) == T_DONE)
         Py_RETURN_TRUE;
-    return PyBool_FromLong(ticket_wait(self->t, -1, timeout));
+    int ok = ticket_wait(self->t, -1, timeout);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 PyDoc_STRVAR(ticket_wait_rows_doc,
 "wait_rows(n, timeout=None) -> bool\n\nBlock, the GIL released, until at least ``n`` rows have run;\n"
-"False if ``timeout`` seconds passed first or the program ended short of them (a failure).");
+"False if ``timeout`` seconds passed first or the program ended short of them (a failure).\n"
+"A signal handler that raises interrupts it, as it does ``wait``.");
 
 static PyObject *
 Ticket_wait_rows(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -528,7 +568,8 @@ Ticket_wait_rows(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (n <= 0 || atomic_load_explicit(&self->t->rows_done, memory_order_acquire) >= n)
         Py_RETURN_TRUE;
-    return PyBool_FromLong(ticket_wait(self->t, n, timeout));
+    int ok = ticket_wait(self->t, n, timeout);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 PyDoc_STRVAR(ticket_result_doc,
@@ -915,9 +956,16 @@ Issuer_resume(IssuerObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* Nothing queued or running (or no thread left to run it). */
+static int
+issuer_idle(IssuerState *st, void *unused)
+{
+    return (st->head == NULL && !st->busy) || !st->running;
+}
+
 PyDoc_STRVAR(drain_doc,
 "drain(timeout=None) -> bool\n\nBlock, the GIL released, until nothing is queued or running;\n"
-"False if ``timeout`` seconds passed first.");
+"False if ``timeout`` seconds passed first. A signal handler that raises interrupts it.");
 
 static PyObject *
 Issuer_drain(IssuerObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -930,26 +978,8 @@ Issuer_drain(IssuerObject *self, PyObject *const *args, Py_ssize_t nargs)
     IssuerState *st = aiokv_issuer_state((PyObject *)self);
     if (st == NULL)
         return NULL;
-    int idle;
-    Py_BEGIN_ALLOW_THREADS
-    struct timespec deadline;
-    if (timeout >= 0)
-        deadline_after(timeout, &deadline);
-    pthread_mutex_lock(&st->mu);
-    st->waiters++;
-    for (;;) {
-        idle = st->head == NULL && !st->busy;
-        if (idle || !st->running)
-            break;
-        if (timeout < 0)
-            pthread_cond_wait(&st->progress, &st->mu);
-        else if (pthread_cond_timedwait(&st->progress, &st->mu, &deadline) == ETIMEDOUT)
-            break;
-    }
-    st->waiters--;
-    pthread_mutex_unlock(&st->mu);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(idle);
+    int ok = wait_progress(st, issuer_idle, NULL, timeout, 0);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
 }
 
 PyDoc_STRVAR(close_doc,

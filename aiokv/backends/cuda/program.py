@@ -342,8 +342,10 @@ class Recorder:
             return
         if self.issuer is not None:
             ticket = self.submit()
-            ticket.wait()
+            # Queued: it runs whatever happens to this wait (a signal handler may raise in
+            # it), so the caller must not take its events back as never used.
             self.ran = True
+            ticket.wait()
             result = ticket.result()
             error = self.error_of(result)
             if error is not None:
