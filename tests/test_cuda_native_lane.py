@@ -145,3 +145,42 @@ def test_a_job_behind_a_python_issuers_work_is_handed_over_from_there_in_order()
         gate.set()
         lane.close()
         bell.close()
+
+
+def test_a_layerwise_load_on_a_busy_issuer_never_waits_on_the_submitting_thread() -> None:
+    """A layerwise load's first layers are one program whose issue the thread running the
+    load waits for (``Recorder.commit``). Submitted while the native issuer cannot take it
+    at once (held here), that wait must not fall on the submitting thread, an event loop:
+    the load goes from the lane's layer issuer thread and is issued once the native issuer
+    goes on. A watchdog lets the issuer go after a while, so a submit that waits fails this
+    test instead of hanging it."""
+    from .test_cuda_layers import LAYERS, LogDriver, kv_plan
+    from .test_cuda_layers import make_lane as make_layer_lane
+
+    drv = LogDriver()
+    lane, fake = make_layer_lane(Direction.LOAD, drv, recorded=True)
+    assert lane.native is not None
+    lane.native.pause()
+    resumed = threading.Event()
+
+    def watchdog_resume() -> None:
+        resumed.set()
+        assert lane.native is not None
+        lane.native.resume()
+
+    watchdog = threading.Timer(5.0, watchdog_resume)
+    watchdog.start()
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+        assert not resumed.is_set(), "the submit waited for the native issuer to go on"
+        assert not run.enqueued(0) and fake.calls == []
+        watchdog.cancel()
+        lane.native.resume()
+        assert lane.issuer is not None and lane.issuer.drain(10)
+        assert all(run.enqueued(i) for i in range(LAYERS))
+        records = [c[1] for c in fake.calls if c[0] == "cuEventRecord"]
+        assert records[-1] == run.completion._events.stop and set(run._events) <= set(records)
+    finally:
+        watchdog.cancel()
+        lane.native.resume()
+        lane.close()

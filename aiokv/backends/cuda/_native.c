@@ -508,7 +508,7 @@ PyInit__native(void)
             "{s:N,s:N,s:N}", "noop", PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_noop), "event_create",
             PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_event_create), "host_func_now",
             PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_host_func_now))) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 2) < 0) { /* native.py's _ABI: raise both together */
+        PyModule_AddIntConstant(m, "ABI", 3) < 0) { /* native.py's _ABI: raise both together */
         Py_DECREF(m);
         return NULL;
     }

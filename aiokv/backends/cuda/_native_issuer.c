@@ -1138,6 +1138,25 @@ Issuer_lags(IssuerObject *self, PyObject *unused)
     return out;
 }
 
+static PyObject *
+Issuer_get_idle(IssuerObject *self, void *unused)
+{
+    IssuerState *st = self->st;
+    if (st == NULL)
+        Py_RETURN_TRUE;
+    pthread_mutex_lock(&st->mu);
+    int idle = st->head == NULL && !st->busy && !st->paused;
+    pthread_mutex_unlock(&st->mu);
+    return PyBool_FromLong(idle);
+}
+
+static PyGetSetDef Issuer_getset[] = {
+    {"idle", (getter)Issuer_get_idle, NULL,
+     "nothing queued or running, nor paused: a program handed over now starts at once (a short "
+     "lock, never a wait)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static void
 Issuer_dealloc(IssuerObject *self)
 {
@@ -1176,4 +1195,5 @@ PyTypeObject aiokv_IssuerType = {
     .tp_init = (initproc)Issuer_init,
     .tp_dealloc = (destructor)Issuer_dealloc,
     .tp_methods = Issuer_methods,
+    .tp_getset = Issuer_getset,
 };

@@ -277,6 +277,11 @@ class CudaLane(NativeSubmit, Lane):
         drv = self._driver
         dep: Dependency | None = dependency
         issuer = self._issuer
+        # On the native path the first layers' program is committed, and its issue waited
+        # for, by the thread that runs ``issue_load``: with programs still queued on the
+        # native issuer that wait would hold the submitting thread behind them, so the whole
+        # load goes from the layer issuer thread instead.
+        behind = self.native is not None and not self.native.idle
         try:
             drv.ensure_context()
             drv.check_usable()
@@ -286,7 +291,7 @@ class CudaLane(NativeSubmit, Lane):
         except BaseException:
             self._give_back(None, dep)
             raise
-        if issuer is None and run.head == run.num_layers:
+        if issuer is None and run.head == run.num_layers and not behind:
             run.issue_load(dep, on_issuer=False)
             return run
         if issuer is None:  # made now, idle: the first layers still go at once, from here
@@ -299,7 +304,7 @@ class CudaLane(NativeSubmit, Lane):
             run.issue_load(dep, on_issuer=issuer.on_own_thread())
 
         try:
-            issuer.run(work, defer=False)  # behind the jobs the issuer still holds
+            issuer.run(work, defer=behind)  # behind the jobs the issuer still holds
         except BaseException:
             if not ran:
                 run.give_back()

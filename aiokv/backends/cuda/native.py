@@ -22,7 +22,7 @@ __all__ = ["ENV", "NativeIssuer", "NativeWaiter", "env_choice", "helper", "statu
 ENV = "AIOKV_NATIVE"
 # The contract of the rows and calls this Python side speaks; ``_native.c`` exports its own
 # (``ABI``): raise both together whenever an opcode, a row's words or a call changes.
-_ABI, _WORDS = 2, 8
+_ABI, _WORDS = 3, 8
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._native")
@@ -132,6 +132,12 @@ class NativeIssuer:
 
     def resume(self) -> None:
         self._issuer.resume()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running, nor paused: a program handed over now starts at once
+        (never waits)."""
+        return bool(self._issuer.idle)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running; False if ``timeout`` passed first."""
