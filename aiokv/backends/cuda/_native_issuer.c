@@ -231,8 +231,12 @@ run_program(IssuerState *st, Program *p, CUresult refuse, int here)
             code = aiokv_run_op(&st->d, p->rows + done * WORDS, p->bufs);
             if (code != 0)
                 break;
-            atomic_store_explicit(&t->rows_done, done + 1, memory_order_release);
-            if (!here && atomic_load_explicit(&st->row_waiters, memory_order_acquire) > 0) {
+            /* Both sequentially consistent, as the waiter's announce-then-look is
+             * (``wait_progress``, ``ticket_ready``): with release / acquire the store may
+             * sit in this core's buffer while the load reads no waiter, and the waiter
+             * read the old count and sleep, missing this row until the program ends. */
+            atomic_store(&t->rows_done, done + 1);
+            if (!here && atomic_load(&st->row_waiters) > 0) {
                 pthread_mutex_lock(&st->mu);
                 pthread_cond_broadcast(&st->progress);
                 pthread_mutex_unlock(&st->mu);
