@@ -295,3 +295,22 @@ def test_a_lane_of_more_dma_streams_than_the_planner_takes_plans_in_python() -> 
     job = lane.launch(IdPlan([1, 2], [3, 4], 2, layout, 16, False, True), None)
     assert job.wait(10) and job.error is None and fake.calls
     lane.close()
+
+
+def test_a_planner_never_initialised_refuses_jobs_instead_of_crashing() -> None:
+    """A ``_native.Planner`` made by ``__new__`` alone (or whose ``__init__`` raised part way)
+    has no issuer, pages or scratch: ``submit`` raises, in a child process so that a crash
+    fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    code = ("from aiokv.backends.cuda import native\n"
+            "ext = native.helper()\n"
+            "p = ext.Planner.__new__(ext.Planner)\n"
+            "try:\n"
+            "    p.submit([1, 2], [3, 4], 1, 2)\n"
+            "except RuntimeError as exc:\n"
+            "    print('refused:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"the child died ({out.returncode}): {out.stderr[-500:]}"
+    assert out.stdout.startswith("refused:") and "initialised" in out.stdout

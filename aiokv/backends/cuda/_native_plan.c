@@ -633,6 +633,7 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
         return aiokv_bad_input("pages must be rows of 5 8-byte integers (tensor, base, stride, bytes, offset)"), -1;
     }
     self->npages = v.len / (5 * 8);
+    free(self->pages); /* left by an __init__ that raised part way, if any */
     self->pages = malloc(v.len);
     if (self->pages == NULL) {
         PyBuffer_Release(&v);
@@ -657,8 +658,12 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
         if (n != 2 || read_streams(free_, self->free_, &n, "free") < 0 || n != 2)
             return PyErr_Occurred() ? -1 : (aiokv_bad_input("staged: two full and two free events"), -1);
     }
-    self->issuer = issuer;
-    Py_INCREF(issuer);
+    free(self->seen);
+    self->seen = calloc(num_blocks, sizeof(uint32_t));
+    if (self->seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     self->chunk_bytes = chunk_bytes, self->host_base = host_base, self->num_chunks = num_chunks;
     self->num_blocks = num_blocks, self->to_host = to_host, self->main = main_stream, self->rescue = rescue;
     self->max_streams = max_streams, self->min_slice_bytes = min_bytes, self->min_slice_descriptors = min_desc;
@@ -666,11 +671,9 @@ Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
     self->joined = joined, self->function = function, self->longest = longest, self->slot_bytes = slot_bytes;
     self->gains_only = gains_only, self->has_shape = has_shape, self->st_npages = (uint64_t)self->npages;
     self->min_staged_pieces = min_pieces, self->direct_piece_bytes = direct, self->max_ctas = max_ctas;
-    self->seen = calloc(num_blocks, sizeof(uint32_t));
-    if (self->seen == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    /* Last: an issuer says the planner is whole (``submit`` refuses one without). */
+    self->issuer = issuer;
+    Py_INCREF(issuer);
     return 0;
 }
 
@@ -755,6 +758,9 @@ Planner_submit(PlannerObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKK|KKK", kwlist, &blocks, &chunks, &start, &stop, &dep,
                                      &dep_stream, &dep_source))
         return NULL;
+    if (self->issuer == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "this Planner was never initialised (its __init__ did not "
+                            "complete)");
     IssuerState *st = aiokv_issuer_state(self->issuer);
     if (st == NULL)
         return NULL;
