@@ -47,7 +47,8 @@ parts build on:
 - The ``Ticket`` (``_native.Ticket``): ``rows_done`` is how many rows the issuer has made so
   far (an atomic read of C memory: never blocks, any thread); ``wait_rows(n, timeout=None)``
   blocks, the GIL released, until ``rows_done >= n`` (False on timeout, or when the program
-  ended short of ``n`` rows: a failure); ``wait(timeout=None)`` until it has been issued;
+  ended short of ``n`` rows: a failure); ``wait(timeout=None)`` until it has been issued
+  (a signal handler that raises interrupts either wait, as Ctrl-C does);
   ``result()`` is None until then, and afterwards ``(rows_done, cuda_result, failed_op,
   end_recorded)``: ``cuda_result`` 0, the CUresult of the row that failed (opcode
   ``failed_op``), or ``native.NativeIssuer.cancelled`` (the lane closed first, nothing ran);
