@@ -8,13 +8,27 @@ in the layout's own order (tensor reference order), without the chunk's alignmen
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
 
 from .protocol import CacheWorker
 
-__all__ = ["PageMap", "page_map_of"]
+__all__ = ["ROW_ALIGN", "PageMap", "aligned_rows", "page_map_of"]
+
+ROW_ALIGN = 4096
+"""Alignment of each row ``aligned_rows`` hands out: what direct I/O needs of a buffer."""
+
+
+def aligned_rows(n: int, row_bytes: int) -> np.ndarray:
+    """An ``(n, row_bytes)`` uint8 array whose every row starts on a page (``ROW_ALIGN``),
+    so a disk tier with direct I/O writes each row as it is, without a bounce copy. Backed
+    by an anonymous mapping, freed with the last view of it."""
+    stride = -(-max(1, row_bytes) // ROW_ALIGN) * ROW_ALIGN
+    buf = mmap.mmap(-1, max(1, n) * stride)
+    whole = np.frombuffer(buf, dtype=np.uint8).reshape(max(1, n), stride)
+    return whole[:n, :row_bytes]
 
 
 class PageMap:
@@ -36,11 +50,15 @@ class PageMap:
         self.identity = self.host == self.portable
 
     def gather(self, pool: np.ndarray, chunks: Sequence[int]) -> np.ndarray:
-        """The blocks in ``chunks`` as ``(n, payload_bytes)`` portable rows (a copy)."""
+        """The blocks in ``chunks`` as ``(n, payload_bytes)`` portable rows (a copy), each
+        row page-aligned (``aligned_rows``). numpy copies large runs without the GIL, so
+        this runs beside the event loop and the model's thread."""
         rows = pool.reshape(-1, self.chunk_bytes)
+        out = aligned_rows(len(chunks), self.payload_bytes)
         if self.identity:
-            return rows[list(chunks), : self.payload_bytes]
-        out = np.empty((len(chunks), self.payload_bytes), dtype=np.uint8)
+            for i, c in enumerate(chunks):
+                np.copyto(out[i], rows[c, : self.payload_bytes])
+            return out
         picked = rows[list(chunks)]
         for size, h, p in zip(self.sizes, self.host, self.portable):
             out[:, p : p + size] = picked[:, h : h + size]

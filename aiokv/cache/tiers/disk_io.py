@@ -30,6 +30,8 @@ try:
 except ImportError:  # Windows: no flock; one tier per directory is then up to the user
     fcntl = None  # type: ignore[assignment]
 
+import numpy as np
+
 from . import codec
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
 
@@ -201,7 +203,7 @@ class BlockFiles:
                     or header.payload_len != length or codec.checksum(payload) != header.crc):
                 return self._drop(path)
             if payload is not out:
-                out[:] = payload
+                _copy(out, payload)
             return ReadStatus.HIT
         except OSError as exc:
             self.last_error = exc
@@ -258,7 +260,7 @@ class BlockFiles:
                 whole = self._bounce.get(size)
                 whole[: len(header)] = header
                 whole[len(header):span] = bytes(span - len(header))
-                whole[span:span + length] = payload
+                _copy(whole[span:span + length], payload)
                 whole[span + length:] = bytes(size - span - length)
                 _write_all(fd, [whole])
             else:
@@ -367,6 +369,12 @@ class BlockFiles:
         except OSError:
             return 0
         return 1
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` through numpy, which copies without the GIL (a memoryview slice
+    assignment holds it for the whole copy, stalling the loop and the model's thread)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
