@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                         "Redis), with the hit rate per tier, and each tier's restore GB/s beside its "
                         "ceiling")
     c.add_argument("--redis-url", metavar="URL",
-                   help="cache --tiers with redis=N: the Redis/Valkey server (the bench deletes what it "
-                        "wrote)")
+                   help="cache --tiers with redis=N, serve (adds the redis arm): the Redis/Valkey "
+                        "server (the bench deletes what it wrote)")
     c.add_argument("--tier-dir", metavar="DIR",
                    help="cache --tiers, serve: the folder the disk tier writes under (default: the "
                         "system's temporary folder)")
@@ -74,7 +74,7 @@ _READ_BY: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("--trace", "trace", ("cache", "serve")), ("--capacity", "capacity", ("cache",)),
     ("--policy", "policy", ("cache", "serve")), ("--loop", "loop", ("transfer", "serve")),
     ("--plot", "plot", ("transfer", "serve")), ("--tiers", "tiers", ("cache",)),
-    ("--redis-url", "redis_url", ("cache",)), ("--tier-dir", "tier_dir", ("cache", "serve")),
+    ("--redis-url", "redis_url", ("cache", "serve")), ("--tier-dir", "tier_dir", ("cache", "serve")),
     *((flag, attr, ("serve",)) for flag, attr in SERVE_OPTIONS),
 )
 

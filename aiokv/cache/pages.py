@@ -8,7 +8,6 @@ in the layout's own order (tensor reference order), without the chunk's alignmen
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,11 +22,12 @@ ROW_ALIGN = 4096
 
 def aligned_rows(n: int, row_bytes: int) -> np.ndarray:
     """An ``(n, row_bytes)`` uint8 array whose every row starts on a page (``ROW_ALIGN``),
-    so a disk tier with direct I/O writes each row as it is, without a bounce copy. Backed
-    by an anonymous mapping, freed with the last view of it."""
+    so a disk tier with direct I/O writes each row as it is, without a bounce copy. One
+    allocation a little larger than needed, the start moved up to the next page."""
     stride = -(-max(1, row_bytes) // ROW_ALIGN) * ROW_ALIGN
-    buf = mmap.mmap(-1, max(1, n) * stride)
-    whole = np.frombuffer(buf, dtype=np.uint8).reshape(max(1, n), stride)
+    raw = np.empty(max(1, n) * stride + ROW_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ROW_ALIGN
+    whole = raw[skip : skip + max(1, n) * stride].reshape(max(1, n), stride)
     return whole[:n, :row_bytes]
 
 
@@ -56,8 +56,11 @@ class PageMap:
         rows = pool.reshape(-1, self.chunk_bytes)
         out = aligned_rows(len(chunks), self.payload_bytes)
         if self.identity:
-            for i, c in enumerate(chunks):
-                np.copyto(out[i], rows[c, : self.payload_bytes])
+            if out.flags.c_contiguous:  # one call; chunk ids are the cache's own, never out of range
+                np.take(rows[:, : self.payload_bytes], chunks, axis=0, out=out, mode="clip")
+            else:
+                for i, c in enumerate(chunks):
+                    np.copyto(out[i], rows[c, : self.payload_bytes])
             return out
         picked = rows[list(chunks)]
         for size, h, p in zip(self.sizes, self.host, self.portable):

@@ -17,6 +17,7 @@ SERVE_OPTIONS = (
     ("--max-tokens", "max_tokens"), ("--prefixes", "prefixes"), ("--prefix-tokens", "prefix_tokens"),
     ("--suffix-tokens", "suffix_tokens"), ("--compress", "compress"), ("--load", "load"),
     ("--gpu-blocks", "gpu_blocks"), ("--host-blocks", "host_blocks"), ("--disk-blocks", "disk_blocks"),
+    ("--redis-blocks", "redis_blocks"), ("--redis-server", "redis_server"),
     ("--arms", "arms"), ("--segments", "segments"), ("--decode-tokens", "decode_tokens"), ("--seed", "seed"),
 )
 """(flag, attribute) of every option only ``aiokv bench serve`` reads."""
@@ -46,8 +47,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-blocks", type=int, help="serve: GPU KV pool in 16-token blocks")
     g.add_argument("--host-blocks", type=int, help="serve: host tier (OffloadCache) in blocks")
     g.add_argument("--disk-blocks", type=int, help="serve: disk tier in blocks")
+    g.add_argument("--redis-blocks", type=int,
+                   help="serve: Redis tier in blocks (default: the disk tier's, at most an eighth of RAM)")
+    g.add_argument("--redis-server", metavar="PATH",
+                   help="serve: a redis-server binary the bench starts on loopback for the redis arm "
+                        "(or give --redis-url); either adds the redis arm to the default arms")
     g.add_argument("--arms", metavar="A,B",
-                   help="serve: arms to run, of recompute,gpu,host,layerwise,disk,oracle (default all)")
+                   help="serve: arms to run, of recompute,gpu,host,layerwise,disk,redis,oracle (default "
+                        "all but redis, which needs --redis-url or --redis-server)")
     g.add_argument("--segments", type=int,
                    help="serve: the measured requests are served in this many segments, every arm "
                         "taking its turn on each (default: one per 25 requests)")
@@ -75,6 +82,7 @@ def serve_rows(args: argparse.Namespace, backend: str,
         max_tokens=args.max_tokens, prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         suffix_tokens=args.suffix_tokens, compress=args.compress, load=args.load,
         gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
+        redis_blocks=args.redis_blocks, redis_url=args.redis_url, redis_server=args.redis_server,
         tier_dir=args.tier_dir, policy=args.policy, arms=arms, segments=args.segments,
         decode_tokens=args.decode_tokens,
         seed=args.seed, loop=args.loop,

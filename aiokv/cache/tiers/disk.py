@@ -12,7 +12,8 @@ A crash therefore never leaves a half-written block that reads as whole: it is d
 the next ``open`` (bad header or length) or at its first read (bad checksum). With
 ``fsync=True`` each block is also on stable storage before ``write`` reports it stored.
 
-Threads: every file operation runs in a thread bounded by ``io_threads``; a call's blocks
+Threads: every file operation runs in a thread, reads and writes each bounded by ``io_threads``
+(so a restore never queues behind the writes of blocks on their way down); a call's blocks
 are shared out among them. Calls carry no timeout of their own and a cancelled call waits
 for its threads: a read thread writes into the caller's buffers, so abandoning it would let
 the caller reuse memory that is still being filled. A local disk answers or fails with an
@@ -50,6 +51,9 @@ __all__ = ["DiskTier"]
 T = TypeVar("T")
 _log = logging.getLogger("aiokv")
 
+SPREAD_BYTES = 1 << 20
+"""Bytes of one call's blocks that earn it another I/O thread (up to ``io_threads``)."""
+
 
 class DiskTier(Tier):
     """Blocks in files under ``path``, bounded by ``capacity_bytes`` of KV payload.
@@ -61,7 +65,8 @@ class DiskTier(Tier):
         write_through: the cache writes every stored block here at once (see ``Tier``).
         policy: an eviction policy name from the registry (``"lru"``, ``"arc"``, ...) or
             an unused ``EvictionPolicy`` instance.
-        io_threads: worker threads doing file I/O at once (one batch is spread over them).
+        io_threads: worker threads reading at once, and as many writing (one call's blocks
+            are spread over them): reads never wait behind writes.
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
             ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it; a full
             disk cannot tell, so the tier is buffered until a later write can), False
@@ -98,6 +103,7 @@ class DiskTier(Tier):
         self._files: BlockFiles | None = None
         self._closed = False
         self._limiter: anyio.CapacityLimiter | None = None
+        self._read_limiter: anyio.CapacityLimiter | None = None
         self._index = DiskIndex(self.capacity_bytes, policy)
         self.temp_files_removed = 0
         """Temporary files (writes a crash interrupted) removed by ``open``."""
@@ -138,6 +144,9 @@ class DiskTier(Tier):
             raise InvalidSpec("a tier fingerprint has at least 16 bytes "
                               "(make it with codec.layout_fingerprint)")
         self._limiter = anyio.CapacityLimiter(self.io_threads)
+        # Reads have threads of their own: a restore, which a request waits for, never
+        # queues behind the background writes of blocks on their way down.
+        self._read_limiter = anyio.CapacityLimiter(self.io_threads)
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
         locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
@@ -242,7 +251,7 @@ class DiskTier(Tier):
         pinned = [keys[i] for i in todo]
         index.pin(pinned)
         try:
-            await self._spread(partial(files.read_many, keys, outs, status), todo)
+            await self._spread(partial(files.read_many, keys, outs, status), todo, reading=True)
         finally:
             index.unpin(pinned)
             self._note(index.after_read(keys, outs, status))
@@ -303,24 +312,29 @@ class DiskTier(Tier):
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+    async def _run(self, fn: Callable[..., T], *args: object, reading: bool = False) -> T:
         # Not abandoned on cancellation: a read thread writes into the caller's buffers,
         # so the call returns only once its threads are done with them.
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(fn, *args,
+                                              limiter=self._read_limiter if reading else self._limiter)
 
-    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int]) -> None:
+    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int], *,
+                      reading: bool = False) -> None:
         """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
-        ``todo`` (each thread takes the next index when it is free)."""
+        ``todo`` (each thread takes the next index when it is free), one thread for each
+        ``SPREAD_BYTES`` of the call at most: a hop to a thread costs the event loop tens
+        of microseconds, more than a thread takes to move a few small blocks."""
         if not todo:
             return
         queue = deque(todo)
-        parts = min(self.io_threads, len(todo))
+        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES))
+        parts = min(self.io_threads, -(-len(todo) // per))
         if parts == 1:
-            await self._run(work, queue)
+            await self._run(work, queue, reading=reading)
             return
         async with anyio.create_task_group() as tg:
             for _ in range(parts):
-                tg.start_soon(self._run, work, queue)
+                tg.start_soon(partial(self._run, work, queue, reading=reading))
 
     def _remove_files(self, keys: list[bytes]) -> None:
         assert self._files is not None
