@@ -148,7 +148,8 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     reused = {k: sum(getattr(s, f"{k}_tokens") for s in served) for k in ("gpu", "host", "disk")}
     rows.append(BenchRow(section, "prefill tokens/s", computed / prefill if prefill else 0.0, "tok/s",
                          note=f"{computed:,} computed of {prompt:,} prompt tokens; reused: "
-                              + ", ".join(f"{k} {v / max(1, prompt):.1%}" for k, v in reused.items()),
+                              + ", ".join(f"{TIER_OF.get(arm.name, k) if k == 'disk' else k} "
+                                          f"{v / max(1, prompt):.1%}" for k, v in reused.items()),
                          extra={"computed_tokens": computed, "prompt_tokens": prompt, **reused}))
     busy = sum(s.busy for s in served)
     rows.append(BenchRow(section, "model utilisation", 100 * utilisation(served), "%",
