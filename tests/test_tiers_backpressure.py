@@ -278,3 +278,68 @@ async def test_a_large_offer_beside_a_steady_stream_of_small_ones_drops_nothing(
         st = cache.stats().tiers[0]
         assert st.demotions_dropped == 0 and st.demoted >= 16 and st.room_waits > 0
         settled(cache)
+
+
+async def test_write_calls_start_in_the_order_the_cache_decided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two offers' evictions copied off the loop, the first copy slower than the second: the
+    tier still gets the first offer's blocks first, since it orders blocks for eviction as
+    their write starts, and that order must not hang on the threads' timing."""
+    from aiokv.cache import staging as staging_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)  # every copy on a thread
+    gather = PageMap.gather
+    calls = 0
+
+    def slow_first(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(0.3)
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", slow_first)
+    tier = SlowTier()
+    written: list[list[bytes]] = []
+    write = tier.write
+
+    async def record(keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        written.append(list(keys))
+        return await write(keys, payloads)
+
+    tier.write = record  # type: ignore[method-assign]
+    async with tiered([tier], host=8) as (_kv, _w, cache):
+        calls = -100  # the first offer below fills the host: no copy down yet
+        await cache.offload([f"old{i}" for i in range(8)], list(range(8)))
+        calls = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.offload, ["x0", "x1"], [10, 11])  # evicts old0, old1: slow copy
+            await anyio.sleep(0.1)
+            tg.start_soon(cache.offload, ["y0", "y1"], [12, 13])  # evicts old2, old3: fast copy
+        await cache.drain()
+    assert [sorted(k) for k in written] == [
+        sorted(codec_keys(["old0", "old1"])), sorted(codec_keys(["old2", "old3"]))]
+
+
+def codec_keys(keys: Sequence[str]) -> list[bytes]:
+    from aiokv.cache.tiers.codec import key_bytes
+
+    return [key_bytes(k) for k in keys]
+
+
+def test_a_block_used_again_while_being_written_moves_up_in_the_disk_order() -> None:
+    """``DiskTier.touch`` (the cache calls it for a block the host lets go again while its
+    first copy is on its way): a key being written moves up as a held one does, so how fast
+    the write lands does not decide which block the disk evicts first."""
+    from aiokv.cache.tiers.disk_index import DiskIndex
+
+    index = DiskIndex(capacity_bytes=3 * 16, policy="lru")
+    index.block_bytes = 16
+    stored: list[bool | None] = [None] * 3
+    todo, doomed, _ = index.plan_write([b"a", b"b", b"c"], stored)  # ordered a, b, c; being written
+    index.touch([b"a", b"unknown"])  # a used again before its write landed; unknown: ignored
+    for i in todo:
+        stored[i] = True
+    index.after_write([b"a", b"b", b"c"], stored, todo, doomed)
+    assert index.policy is not None
+    assert index.policy.victims(2, lambda k: True) == [b"b", b"c"]  # a is the newest now

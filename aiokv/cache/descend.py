@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ..errors import InvalidSpec, UsageError
 from ..future import TransferFuture
 from .links import Batch, TierLink
 from .manager import ChunkManager
@@ -38,8 +39,24 @@ async def demote(cascade: Cascade, keys: Sequence[Hashable], chunks: Sequence[in
     if link is None or not keys:
         return
     # A block the tier holds goes too: its write is a touch there (no I/O for a local
-    # tier), so the tier orders blocks by when the host let them go, as a victim cache.
-    todo = [(tk, c) for k, c in zip(keys, chunks) if (tk := cascade.tier_key(k)) not in link.inflight]
+    # tier), so the tier orders blocks by when the host let them go, as a victim cache. One
+    # still on its way there is touched now, as its write would if it had landed already:
+    # how fast writes land must not decide what the tier keeps.
+    todo: list[tuple[bytes, int]] = []
+    again: list[bytes] = []
+    for k, c in zip(keys, chunks):
+        tk = cascade.tier_key(k)
+        if tk in link.inflight:
+            again.append(tk)
+        else:
+            todo.append((tk, c))
+    if again and not link.tier.remote:
+        try:
+            link.tier.touch(again)
+        except (UsageError, InvalidSpec):
+            raise
+        except Exception:  # a tier that broke its contract: no touch, nothing lost
+            pass
     try:
         while todo:
             want = min(len(todo), link.room.step)

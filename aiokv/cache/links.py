@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -67,6 +68,7 @@ class TierLink:
     writes: dict[Batch, anyio.CancelScope] = field(default_factory=dict)  # write calls running
     tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
     _calling: set[Batch] = field(default_factory=set)  # batches whose write call runs now
+    _order: deque[Batch] = field(default_factory=deque)  # expected, write call not started
     _calls: int = 0  # write calls started
     room: WriteRoom = field(init=False)
     hits: int = 0
@@ -127,29 +129,47 @@ class TierLink:
 
     def expect(self, batch: Batch) -> None:
         """List ``batch``'s keys as on their way here (their copy is starting); room for
-        them was reserved."""
+        them was reserved. Write calls start in the order batches are expected."""
         for i, key in enumerate(batch.keys):
             self.inflight[key] = (batch, i)
+        self._order.append(batch)
 
     def push(self, batch: Batch, rows: np.ndarray) -> None:
-        """The batch's bytes landed: start its write (or drop it once closed)."""
+        """The batch's bytes landed: start its write once the batches expected before it
+        have started theirs (or drop it once closed)."""
         batch.rows = rows
         batch.landed.set()
-        if self.tg is None:
-            self.abandon(batch)
-            return
-        scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
-        self.tg.start_soon(self._write, batch, scope)
+        self._dispatch()
 
     def abandon(self, batch: Batch, *, dropped: bool = True) -> None:
         """The batch will not be written (its copy failed, or the cache closed; a store
         that never landed is no drop)."""
+        self._give_up(batch, dropped=dropped)
+        self._dispatch()
+
+    def _give_up(self, batch: Batch, *, dropped: bool) -> None:
         batch.landed.set()
         batch.written.set()
         self._forget(batch)
         if dropped:
             self.drop(len(batch.keys))
         self.give_room(len(batch.keys))
+
+    def _dispatch(self) -> None:
+        """Start the write calls of the batches whose bytes have landed, in the order they
+        were expected: copies off the pool may end out of order (those on worker threads),
+        and a tier orders blocks for eviction when their write starts, so the order the
+        cache decided, not the threads' timing, decides what the tier keeps."""
+        order = self._order
+        while order and order[0].landed.is_set():
+            batch = order.popleft()
+            if batch.written.is_set():  # abandoned meanwhile
+                continue
+            if self.tg is None:
+                self._give_up(batch, dropped=True)
+                continue
+            scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
+            self.tg.start_soon(self._write, batch, scope)
 
     def find(self, key: bytes) -> tuple[Batch, int] | None:
         return self.inflight.get(key)

@@ -52,7 +52,7 @@ T = TypeVar("T")
 _log = logging.getLogger("aiokv")
 
 SPREAD_BYTES = 1 << 20
-"""Bytes of one call's blocks that earn it another I/O thread (up to ``io_threads``)."""
+"""Bytes of one read call's blocks that earn it another I/O thread (up to ``io_threads``)."""
 
 
 class DiskTier(Tier):
@@ -220,6 +220,11 @@ class DiskTier(Tier):
         self._opened()
         return codec.stored_keys([key])[0] in self._index.held
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count keys held or being written as used now, for the eviction policy."""
+        self._opened()
+        self._index.touch(codec.stored_keys(keys))
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are held (the index answers; no I/O)."""
         self._opened()
@@ -321,13 +326,16 @@ class DiskTier(Tier):
     async def _spread(self, work: Callable[[deque[int]], None], todo: list[int], *,
                       reading: bool = False) -> None:
         """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
-        ``todo`` (each thread takes the next index when it is free), one thread for each
-        ``SPREAD_BYTES`` of the call at most: a hop to a thread costs the event loop tens
-        of microseconds, more than a thread takes to move a few small blocks."""
+        ``todo`` (each thread takes the next index when it is free). A read takes one
+        thread for each ``SPREAD_BYTES`` of it at most: a hop to a thread costs the event
+        loop tens of microseconds, more than a thread takes to read a few small blocks, and
+        a restore keeps the threads busy with several reads at once. A write takes them
+        all: how soon its blocks land decides what a block demoted again meanwhile counts
+        for (docs/tiers.md, "On their way down")."""
         if not todo:
             return
         queue = deque(todo)
-        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES))
+        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES)) if reading else 1
         parts = min(self.io_threads, -(-len(todo) // per))
         if parts == 1:
             await self._run(work, queue, reading=reading)
