@@ -68,11 +68,12 @@ class PageMap:
         return out
 
     def scatter(self, pool: np.ndarray, chunks: Sequence[int], rows: np.ndarray) -> None:
-        """Write portable ``rows`` into the host ``chunks``."""
+        """Write portable ``rows`` into the host ``chunks``: one numpy call per page of all
+        the blocks at once (numpy copies without the GIL), not one per page of each."""
         view = pool.reshape(-1, self.chunk_bytes)
-        for i, c in enumerate(chunks):
-            for size, h, p in zip(self.sizes, self.host, self.portable):
-                view[c, h : h + size] = rows[i, p : p + size]
+        at = np.asarray(chunks, dtype=np.intp)
+        for size, h, p in zip(self.sizes, self.host, self.portable):
+            view[at, h : h + size] = rows[: len(at), p : p + size]
 
 
 def page_map_of(worker: CacheWorker) -> PageMap:

@@ -84,8 +84,9 @@ async def restore_from_host(keys: Sequence[Hashable], blocks: list[int], *, mgr:
 async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, mgr: ChunkManager,
                                 cascade: Cascade, host_start: int, submit: Submit) -> Outcome:
     """Bring ``keys`` into ``blocks`` from the host, memory on its way down, and the tiers."""
-    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes))
     staging = cascade.staging
+    # At least four batches fit the staging chunks at once, so their reads overlap.
+    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes, staging.total // 4))
     slots: list[_Slot] = []
     run = _Run(len(keys))
     pos = 0

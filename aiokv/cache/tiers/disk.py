@@ -65,8 +65,9 @@ class DiskTier(Tier):
         write_through: the cache writes every stored block here at once (see ``Tier``).
         policy: an eviction policy name from the registry (``"lru"``, ``"arc"``, ...) or
             an unused ``EvictionPolicy`` instance.
-        io_threads: worker threads reading at once, and as many writing (one call's blocks
-            are spread over them): reads never wait behind writes.
+        io_threads: blocks read at the device at once (by twice as many threads, which
+            checksum one block while the next is read), and threads writing at once (one
+            call's blocks are spread over them): reads never wait behind writes.
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
             ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it; a full
             disk cannot tell, so the tier is buffered until a later write can), False
@@ -145,8 +146,10 @@ class DiskTier(Tier):
                               "(make it with codec.layout_fingerprint)")
         self._limiter = anyio.CapacityLimiter(self.io_threads)
         # Reads have threads of their own: a restore, which a request waits for, never
-        # queues behind the background writes of blocks on their way down.
-        self._read_limiter = anyio.CapacityLimiter(self.io_threads)
+        # queues behind the background writes of blocks on their way down. Twice as many
+        # as read at the device at once (``BlockFiles(read_slots=...)``), so a block's
+        # checksum runs beside the next block's read instead of holding the disk idle.
+        self._read_limiter = anyio.CapacityLimiter(2 * self.io_threads)
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
         locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
@@ -164,7 +167,7 @@ class DiskTier(Tier):
                 _log.warning("disk tier at %s: cannot tell whether O_DIRECT works (a full "
                              "disk?); buffered I/O until a write can tell", directory)
             files = BlockFiles(directory, fingerprint, direct=mode, fsync=self._fsync,
-                               delay=self._latency)
+                               delay=self._latency, read_slots=self.io_threads)
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
                                  f"{directory}; give each cache its own directory")
@@ -329,14 +332,15 @@ class DiskTier(Tier):
         ``todo`` (each thread takes the next index when it is free). A read takes one
         thread for each ``SPREAD_BYTES`` of it at most: a hop to a thread costs the event
         loop tens of microseconds, more than a thread takes to read a few small blocks, and
-        a restore keeps the threads busy with several reads at once. A write takes them
+        a restore keeps the threads busy with several reads at once; a large read takes
+        up to twice ``io_threads`` (half of them checksumming at any time). A write takes them
         all: how soon its blocks land decides what a block demoted again meanwhile counts
         for (docs/tiers.md, "On their way down")."""
         if not todo:
             return
         queue = deque(todo)
         per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES)) if reading else 1
-        parts = min(self.io_threads, -(-len(todo) // per))
+        parts = min(2 * self.io_threads if reading else self.io_threads, -(-len(todo) // per))
         if parts == 1:
             await self._run(work, queue, reading=reading)
             return
