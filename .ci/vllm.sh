@@ -54,7 +54,10 @@ EOF
   fi
   "$venv/bin/python" -m pip install -q -r "$reqs"
   "$venv/bin/python" -m pip install -q --no-deps -e .
-  "$venv/bin/python" -m pip install -q 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3'
+  # The test tools, and the redis extra: the tier tests run a Redis tier against a real
+  # redis-server (they skip, saying why, where redis-server is missing).
+  "$venv/bin/python" -m pip install -q 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' \
+    'redis[hiredis]>=6.0' 'isal>=1.6'
 }
 
 status=0

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .future import TransferFuture
 from .layer_future import LayerwiseFuture
+from .layer_timeline import LayerTimeline
 from .layers import LayerStatistics, LayerwiseJob
 from .layout import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from .options import WorkerOptions
@@ -72,6 +73,7 @@ __all__ = [
     "LaneStatistics",
     "LayerStatistics",
     "LayerStatus",
+    "LayerTimeline",
     "LayerwiseFuture",
     "LayerwiseJob",
     "LoadStoreSpec",

@@ -87,7 +87,8 @@ class OffloadCore:
         self.handlers: dict[Direction, Handler] = {}
         try:  # whatever fails, the backend (a CUDA context reference) is released
             self.backend.check_caches(kv_caches)
-            self.pool = self.backend.allocate_pool(self.num_cpu_chunks * self.layout.chunk_bytes)
+            self.pool = self.backend.allocate_pool(self.num_cpu_chunks * self.layout.chunk_bytes,
+                                                   self.options.host_pool_file)
             for d in Direction:
                 self.handlers[d] = Handler(d, self.backend.open_lane(d, kv_caches, self.layout, self.pool))
         except BaseException:

@@ -22,6 +22,7 @@ import anyio.lowlevel
 from .doorbell import Doorbell
 from .errors import UsageError
 from .future import TransferFuture
+from .layer_timeline import LayerTimeline
 from .layers import LayerwiseJob
 from .loops import LoopEvent, loop_event
 from .specs import LayerStatus, TransferResult
@@ -173,6 +174,10 @@ class LayerwiseFuture(TransferFuture):
     def failed_blocks(self) -> set[int]:
         """``LayerwiseJob.failed_blocks``: GPU blocks to recompute (or not stored)."""
         return self._layers.failed_blocks()
+
+    def timeline(self) -> LayerTimeline | None:
+        """``LayerwiseJob.timeline``: each layer's copy end and its gate's marks."""
+        return self._layers.timeline()
 
     def _resolve(self, result: TransferResult, cause: BaseException | None = None) -> None:
         try:

@@ -1,7 +1,8 @@
 """Layerwise jobs, the core's part (the same for both faces).
 
-A layerwise load enqueues every layer in the one submit, each layer's end marked behind
-its copies, so consumers can start on layer 0 while later layers still copy. A layerwise
+A layerwise load's submit enqueues its first layers and the backend the rest (on CUDA from
+the lane's issuer thread), each layer's end marked behind its copies, so consumers can
+start on layer 0 while later layers are still being handed over and copied. A layerwise
 store enqueues nothing at submit: the forward pass pushes each layer once the compute that
 writes it is enqueued (``push(i, after=...)``), and the job ends once every layer is
 pushed and copied. ``LayerwiseJob`` is one job's per-layer operations (the sync face's
@@ -26,6 +27,7 @@ from .backends.base import Backend, LayerRun, StallMeter
 from .errors import InvalidSpec, UsageError, WorkerClosed
 from .handler import Handler, LayerJob
 from .layer_plan import LayerMap, LayerPlan, plan_layers
+from .layer_timeline import LayerTimeline
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .plan import CopyPlan, HostLayout
@@ -48,8 +50,9 @@ class LayerStatistics:
         failed_layers: layers that ended failed (copies failed, or never pushed).
         stalls: seconds each gate's consumer waited on its layer after it was due, most
             recent last (the last 4096): on CUDA in device time on its stream (measured
-            with ``WorkerOptions(layer_stalls=True)``; without it gates add none), on the
-            CPU the host time the gate blocked. A layer already done counts 0.
+            with ``WorkerOptions(layer_stalls=True)``, the time before the layer was
+            handed to the device included; without it gates add none), on the CPU the
+            host time the gate blocked. A layer already done counts about 0.
         stalls_measured: how many gate stalls were measured in all.
         waited: host seconds each wait (``wait_layer``, or an awaited ``layer``) took,
             most recent last (the last 4096); 0 for a layer already done. Kept apart from
@@ -96,7 +99,10 @@ class LayerwiseJob:
             self._deferred = []
 
     def __repr__(self) -> str:
-        done = sum(s is not None for s in self._final)
+        # Asked of each layer (never waiting): a gate that found its layer done, or the
+        # job's end, leaves no final status behind, yet the layer is done.
+        done = self.num_layers if self.done() else sum(
+            self.layer_status(i) is not PENDING for i in range(self.num_layers))
         return f"<LayerwiseJob {self.direction.value} job={self.job_id} layers={done}/{self.num_layers} done>"
 
     # -- the operations -------------------------------------------------------------------
@@ -198,6 +204,12 @@ class LayerwiseJob:
     def done(self) -> bool:
         """True once every layer's copies are over (successfully or not)."""
         return self._run.completion.query()
+
+    def timeline(self) -> LayerTimeline | None:
+        """When each layer's copies ended and when the consumer reached and passed its gate
+        (``LayerTimeline``), once the job is done and its gates ran on their streams; None
+        before, and on CUDA unless the worker has ``WorkerOptions(layer_stalls=True)``."""
+        return self._run.timeline()
 
     @property
     def layers_pushed(self) -> int:

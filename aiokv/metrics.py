@@ -8,10 +8,13 @@ Two sources, because the numbers live in two places:
 * Per-job histograms (transfer time, transfer size) need each job's ``TransferResult``,
   which only the code that awaited or drained the job holds, so it feeds them:
   ``metrics.observe(result, "store")``, or ``metrics.track(future, "load")`` on the
-  async face.
+  async face; an ``OffloadCache(worker, metrics=metrics)`` feeds them its own copies.
 
-``OffloadMetrics`` bundles both. ``prometheus_client`` is imported when one is built,
-so ``import aiokv.metrics`` works without it.
+``OffloadMetrics`` bundles both. ``CacheCollector`` exports an ``OffloadCache``'s own
+counters (hits, stores, restores, evictions, staging chunks, drops) and
+``CacheTierCollector`` its per-tier series, both read from ``cache.stats()`` at scrape
+time. ``prometheus_client`` is imported when one is built, so ``import aiokv.metrics``
+works without it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ if TYPE_CHECKING:
     from .future import TransferFuture
 
 __all__ = [
-    "DEFAULT_SIZE_BUCKETS", "DEFAULT_TIME_BUCKETS", "CacheTierCollector", "OffloadMetrics", "WorkerCollector",
+    "DEFAULT_SIZE_BUCKETS", "DEFAULT_TIME_BUCKETS", "CacheCollector", "CacheTierCollector", "OffloadMetrics",
+    "WorkerCollector",
 ]
 
 # Seconds a job's copies took on the device: tens of microseconds (a few pages) to seconds.
@@ -136,6 +140,71 @@ class WorkerCollector:
 
 class _HasCacheStats(Protocol):
     def stats(self) -> Any: ...
+
+
+# (metric name, help, kind, reads an OffloadCacheStats) for each cache-level series.
+_CACHE_SERIES: tuple[tuple[str, str, str, Any], ...] = (
+    ("cache_hits", "Keys lookups found (leading hits, any tier).", "counter", lambda s: s.hits),
+    ("cache_host_hits", "Keys lookups found in the host pool.", "counter", lambda s: s.host_hits),
+    ("cache_misses", "Keys lookups did not find.", "counter", lambda s: s.misses),
+    ("cache_offered_keys", "Keys offered to offload.", "counter", lambda s: s.offered_keys),
+    ("cache_stored_keys", "Keys stored in the host pool.", "counter", lambda s: s.stored_keys),
+    ("cache_failed_store_keys", "Keys whose store copy failed (not loadable).", "counter",
+     lambda s: s.failed_stores),
+    ("cache_rejected_keys", "Keys the admission policy turned away.", "counter",
+     lambda s: s.manager.rejected_by_admission),
+    ("cache_evictions", "Keys evicted from the host pool.", "counter", lambda s: s.evictions),
+    ("cache_restores", "restore calls.", "counter", lambda s: s.restores),
+    ("cache_restored_keys", "Keys restored to the GPU.", "counter", lambda s: s.restored_keys),
+    ("cache_restore_misses", "restore calls that restored nothing.", "counter", lambda s: s.restore_misses),
+    ("cache_failed_loads", "restore calls whose load copy failed (a miss, recomputed).", "counter",
+     lambda s: s.failed_loads),
+    ("cache_store_bytes", "Bytes the cache's store copies moved.", "counter", lambda s: s.store_bytes),
+    ("cache_load_bytes", "Bytes the cache's load copies moved.", "counter", lambda s: s.load_bytes),
+    ("cache_demotions_dropped", "Blocks on their way down to a tier that were dropped (all tiers).",
+     "counter", lambda s: sum(t.demotions_dropped for t in s.tiers)),
+    ("cache_keys", "Keys the host pool holds (loadable).", "gauge", lambda s: s.manager.keys),
+    ("cache_chunks", "Host chunks the cache owns for keys.", "gauge", lambda s: s.manager.num_chunks),
+    ("cache_pending_keys", "Keys being stored.", "gauge", lambda s: s.manager.pending_keys),
+    ("cache_pinned_keys", "Keys pinned by loads in flight.", "gauge", lambda s: s.manager.pinned_keys),
+    ("cache_copies_in_flight", "The cache's copies submitted and not over.", "gauge", lambda s: s.in_flight),
+    ("cache_staging_chunks", "Chunks kept aside to move blocks to and from the tiers.", "gauge",
+     lambda s: s.staging_chunks),
+    ("cache_staging_free", "Staging chunks free now.", "gauge", lambda s: s.staging_free),
+)
+
+
+class CacheCollector:
+    """Exports an ``OffloadCache``'s own counters and occupancy (``cache.stats()``) at each
+    scrape: hits and misses, offers, stores, restores, failures, evictions, bytes, keys
+    held, pending and pinned, staging chunks, and blocks dropped on their way down. Keys
+    count blocks (one key per block). ``labels`` are constant labels, e.g. ``{"cache":
+    "a"}`` where one registry exports several caches (each its own collector)."""
+
+    def __init__(self, cache: _HasCacheStats, *, namespace: str = "aiokv",
+                 labels: Mapping[str, str] | None = None) -> None:
+        _prometheus()
+        if not callable(getattr(cache, "stats", None)):
+            raise InvalidSpec(f"expected an OffloadCache, got {type(cache).__name__}")
+        self._cache = cache
+        self._ns = namespace
+        self._labels = {k: str(v) for k, v in (labels or {}).items()}
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._cache.stats())
+
+    def _families(self, stats: Any) -> Iterator[Metric]:
+        core = _prometheus().metrics_core
+        names = list(self._labels)
+        for name, doc, kind, read in _CACHE_SERIES:
+            family_type = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
+            family = family_type(f"{self._ns}_{name}", doc, labels=names)
+            if stats is not None:
+                family.add_metric(list(self._labels.values()), read(stats))
+            yield family
 
 
 # (metric name, help, kind, reads a TierCacheStats) for each per-tier series.

@@ -7,6 +7,7 @@ the CPU backend and the CUDA package can all depend on it without importing each
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -82,6 +83,11 @@ class WorkerOptions:
     # their futures/results, and keeps the host memory their copies may still write.
     # ``math.inf`` waits for ever.
     drain_timeout: float = 30.0
+    # An absolute file name (on a memory filesystem such as /dev/shm) to make the host pool
+    # from, mapped shared, so another process can map the same chunks (vLLM's scheduler
+    # moves blocks between them and lower tiers); made anew, and removed when the worker
+    # closes. None: private memory (backends/shared_file.py).
+    host_pool_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -107,6 +113,10 @@ class WorkerOptions:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidSpec(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self.drain_timeout_or(None)
+        if self.host_pool_file is not None and (
+                not isinstance(self.host_pool_file, str) or not os.path.isabs(self.host_pool_file)):
+            raise InvalidSpec(f"host_pool_file must be None or an absolute file name, "
+                              f"got {self.host_pool_file!r}")
 
     def drain_timeout_or(self, given: Any) -> float:
         """``given`` (an ``aclose`` / ``shutdown`` argument) if not None, else the option;

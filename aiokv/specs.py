@@ -43,11 +43,17 @@ class Direction(enum.Enum):
 
     @staticmethod
     def of_load(expedited: Any) -> Direction:
-        """A load's queue. ``expedited`` must be a bool (numpy's too): a string such as
-        "no" would otherwise read as True."""
-        if not isinstance(expedited, (bool, np.bool_)):
-            raise InvalidSpec(f"expedited must be a bool, got {expedited!r}")
-        return Direction.EXPEDITED_LOAD if expedited else Direction.LOAD
+        """A load's queue (``expedited`` checked by ``flag``)."""
+        return Direction.EXPEDITED_LOAD if flag("expedited", expedited) else Direction.LOAD
+
+
+def flag(name: str, value: Any) -> bool:
+    """A submit's bool flag (``expedited``, ``layerwise``), checked the one way for every
+    flag of both faces: a bool (numpy's too), since a string such as "no" would otherwise
+    read as True. Raises ``InvalidSpec`` before anything is enqueued."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidSpec(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 class LayerStatus(enum.Enum):

@@ -10,6 +10,7 @@ where the core says what to wait on.
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, overload
@@ -22,7 +23,7 @@ from .layers import LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import State
 from .options import WorkerOptions
-from .specs import Direction, TransferResult
+from .specs import Direction, TransferResult, flag
 
 __all__ = ["OffloadingWorker", "SyncOffloadingWorker"]
 
@@ -44,8 +45,9 @@ class OffloadingWorker(abc.ABC):
         transfer (calls from several threads take turns with ``submit_*``)."""
 
     @abc.abstractmethod
-    def wait(self, job_ids: set[int]) -> None:
-        """Block until those jobs are done; unknown ids are ignored; reports nothing."""
+    def wait(self, job_ids: set[int]) -> bool | None:
+        """Block until those jobs are done; unknown ids are ignored; reports nothing (vLLM
+        ignores what it returns; aiokv's says whether the jobs ended within a timeout)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -138,7 +140,7 @@ class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
         ``layerwise=True`` returns the job's ``LayerwiseJob`` instead (true as well): nothing
         is copied until the forward pass pushes each layer (``job.push(i)``), each behind
         the compute that wrote it (docs/layerwise.md)."""
-        if layerwise:
+        if flag("layerwise", layerwise):
             return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after, True)
         self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
         return True
@@ -161,7 +163,7 @@ class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
         forward pass gates each layer on it (``job.gate(i)``) instead of waiting for the
         whole job (docs/layerwise.md)."""
         direction = Direction.of_load(expedited)
-        if layerwise:
+        if flag("layerwise", layerwise):
             return self._submit(direction, job_id, src_spec, dst_spec, after, True)
         self._submit(direction, job_id, src_spec, dst_spec, after)
         return True
@@ -222,11 +224,20 @@ class SyncOffloadingWorker(WorkerFacts, OffloadingWorker):
                     self._layerwise.pop(result.job_id, None)
         return done
 
-    def wait(self, job_ids: Iterable[int]) -> None:
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         """Block until those jobs are done (unknown ids are ignored); reports nothing, so
-        their results still come from ``get_finished()``. Raises ``InvalidSpec`` unless
-        ``job_ids`` is a collection of int ids."""
-        self._core.wait_for(job_ids)
+        their results still come from ``get_finished()``.
+
+        Returns True once every job is done, or False when ``timeout`` seconds (for the
+        whole wait) passed first: the jobs then stay in flight, untouched, and are still
+        reported by ``get_finished()`` when they end. Without a timeout it blocks as long
+        as the jobs take (a plain store queued behind an open layerwise store waits for
+        that store's last push). Raises ``InvalidSpec`` unless ``job_ids`` is a collection
+        of int ids and ``timeout`` is None or seconds >= 0."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidSpec(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        return self._core.wait_for(job_ids, None if math.isinf(timeout or 0) else timeout)
 
     # -- lifetime -----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from .lifecycle import State
 from .loops import LoopEvent, loop_event
 from .options import WorkerOptions
 from .poller import CompletionForecast, Poller, PollerStatistics
-from .specs import Direction
+from .specs import Direction, flag
 
 __all__ = ["AsyncOffloadingWorker"]
 
@@ -132,7 +132,7 @@ class AsyncOffloadingWorker(WorkerFacts):
             UsageError: called off the loop thread that opened the worker.
             WorkerBroken: the device failed under the worker.
         """
-        if layerwise:
+        if flag("layerwise", layerwise):
             return self._submit_layers(Direction.STORE, job_id, src_spec, dst_spec, after)
         return self._submit(Direction.STORE, job_id, src_spec, dst_spec, after)
 
@@ -150,9 +150,10 @@ class AsyncOffloadingWorker(WorkerFacts):
         ``layerwise=True`` enqueues every layer now, each layer's end marked behind its
         copies, and returns a ``LayerwiseFuture`` (``await fut.layer(i)``, ``fut.gate(i)``;
         docs/layerwise.md). Raises what ``submit_store`` raises."""
-        if layerwise:
-            return self._submit_layers(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
-        return self._submit(Direction.of_load(expedited), job_id, src_spec, dst_spec, after)
+        direction = Direction.of_load(expedited)
+        if flag("layerwise", layerwise):
+            return self._submit_layers(direction, job_id, src_spec, dst_spec, after)
+        return self._submit(direction, job_id, src_spec, dst_spec, after)
 
     def _submit_layers(self, direction: Direction, job_id: int, src: Any, dst: Any,
                        after: Any) -> LayerwiseFuture:

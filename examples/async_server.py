@@ -19,12 +19,13 @@ the simulation (no network)::
 
     python examples/async_server.py --requests 64
 
-or serve it::
+or serve it (``--metrics`` also serves Prometheus metrics; needs ``.[metrics]`` too)::
 
-    python examples/async_server.py --serve --port 8000
+    python examples/async_server.py --serve --port 8000 --metrics
     curl -s localhost:8000/generate -H 'content-type: application/json' \
          -d '{"prompt": "You are a helpful assistant. Hi!"}'
     curl -s localhost:8000/stats
+    curl -s localhost:8000/metrics
 """
 
 from __future__ import annotations
@@ -204,17 +205,23 @@ class PrefixCacheServer:
         self.kv = self.model.new_kv_cache(num_gpu_blocks, self.device)
         kv = CanonicalKVCaches.from_tensors(self.kv, block_dim=1)
         self.worker = AsyncOffloadingWorker(kv, num_cpu_chunks=num_cpu_chunks)  # backend follows self.kv
-        self.cache = OffloadCache(self.worker, policy=policy)  # None: the recommended policy
+        self.metrics = None
+        if metrics_registry is not None:
+            from aiokv.metrics import OffloadMetrics
+
+            # The worker's counters, and per-copy histograms the cache feeds.
+            self.metrics = OffloadMetrics(self.worker, registry=metrics_registry)
+        # policy=None: the recommended policy
+        self.cache = OffloadCache(self.worker, policy=policy, metrics=self.metrics)
+        if metrics_registry is not None:
+            from aiokv.metrics import CacheCollector
+
+            metrics_registry.register(CacheCollector(self.cache))  # hits, stores, evictions...
         self.num_gpu_blocks = num_gpu_blocks
         self._free_blocks = list(range(num_gpu_blocks))  # the engine's own device allocator
         self._blocks_freed: anyio.Condition | None = None
         self._compute_limiter: anyio.CapacityLimiter | None = None
         self.stats = ServerStats()
-        self.metrics = None
-        if metrics_registry is not None:
-            from aiokv.metrics import OffloadMetrics
-
-            self.metrics = OffloadMetrics(self.worker, registry=metrics_registry)
 
     async def __aenter__(self) -> PrefixCacheServer:
         self._blocks_freed = anyio.Condition()
@@ -223,7 +230,10 @@ class PrefixCacheServer:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        await self.worker.aclose()
+        try:
+            await self.cache.aclose()  # waits for its copies, then frees its chunks
+        finally:
+            await self.worker.aclose()
 
     async def generate(self, prompt: str) -> tuple[dict[str, Any], Finished]:
         tokens = tokenize(prompt, self.device)
@@ -330,7 +340,7 @@ def create_app(server: PrefixCacheServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if server.metrics is None:
-            raise HTTPException(404, "metrics are off; pass metrics_registry= to the server")
+            raise HTTPException(404, "metrics are off; start with --metrics (or pass metrics_registry=)")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -400,6 +410,17 @@ async def simulate(
     return report
 
 
+def build_server(*, metrics: bool = False, **options: Any) -> PrefixCacheServer:
+    """The server ``--serve`` runs; with ``metrics`` its ``/metrics`` exports the worker's
+    and the cache's series from a registry of its own."""
+    registry = None
+    if metrics:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+    return PrefixCacheServer(metrics_registry=registry, **options)
+
+
 def main(argv: list[str] | None = None) -> SimulationReport | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64, help="requests to simulate")
@@ -408,11 +429,15 @@ def main(argv: list[str] | None = None) -> SimulationReport | None:
     parser.add_argument("--serve", action="store_true", help="serve over HTTP with uvicorn instead")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--metrics", action="store_true",
+                        help="--serve: expose Prometheus metrics at /metrics (needs the metrics extra)")
     args = parser.parse_args(argv)
+    if args.metrics and not args.serve:
+        parser.error("--metrics goes with --serve (the simulation has no /metrics to scrape)")
     if args.serve:
         import uvicorn
 
-        uvicorn.run(create_app(PrefixCacheServer()), host=args.host, port=args.port)
+        uvicorn.run(create_app(build_server(metrics=args.metrics)), host=args.host, port=args.port)
         return None
     report = anyio.run(
         lambda: simulate(args.requests, num_prefixes=args.prefixes, concurrency=args.concurrency)

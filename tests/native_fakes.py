@@ -47,7 +47,8 @@ def _u64s(address: int, n: int) -> list[int]:
 class FakeTable:
     """The callbacks, their log (``calls``), and a ``_native.Table`` over them.
 
-    ``fail[name] = (nth, code)``: the nth call (from 1) of ``name`` returns ``code``.
+    ``fail[name] = (nth, code)``: the nth call (from 1) of ``name`` returns ``code``;
+    ``hold[name] = (nth, event)``: the nth call blocks until ``event`` is set.
     ``target`` gets the calls that move bytes (a ``SimDriver``'s methods), if given.
     ``missing``: entry points left out of the table (address 0).
     """
@@ -57,6 +58,7 @@ class FakeTable:
         self.target = target
         self.calls: list[tuple[Any, ...]] = []
         self.fail: dict[str, tuple[int, int]] = {}
+        self.hold: dict[str, tuple[int, Any]] = {}  # the nth call of name blocks until the event is set
         self._counts: dict[str, int] = {}
         impl: dict[str, Callable[..., int]] = {
             "cuStreamWaitEvent": self._wait, "cuEventRecord": self._record,
@@ -76,6 +78,9 @@ class FakeTable:
     def _log(self, name: str, *args: Any) -> int:
         self.calls.append((name, *args))
         n = self._counts[name] = self._counts.get(name, 0) + 1
+        nth_held, release = self.hold.get(name, (0, None))
+        if nth_held == n and release is not None:
+            assert release.wait(10), f"{name} held for ever"
         nth, code = self.fail.get(name, (0, 0))
         return code if nth == n else 0
 
@@ -112,7 +117,12 @@ class FakeTable:
 
     def _pitched(self, n: int, ops: int, flags: int, stream: int | None) -> int:
         rows = [_u64s(ops + 112 * i, 14) for i in range(n)]
-        return self._log("cuMemcpy3DBatchAsync", rows, flags, stream or 0)
+        code = self._log("cuMemcpy3DBatchAsync", rows, flags, stream or 0)
+        if not code and self.target is not None and hasattr(self.target, "memcpy_pitched"):
+            import numpy as np
+
+            self.target.memcpy_pitched(np.array(rows, dtype=np.uint64), stream or 0)
+        return code
 
     def _launch(self, function: int | None, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
                 shmem: int, stream: int | None, params: int | None, extra: int | None) -> int:

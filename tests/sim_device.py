@@ -27,6 +27,17 @@ def launch_values(params: ctypes.Array[ctypes.c_void_p]) -> tuple[tuple[int, ...
     return values, list(rows[: total // (tiles * npages)])
 
 
+def pitched_rows(ops: np.ndarray) -> list[tuple[int, int, int]]:
+    """The (dst, src, nbytes) row copies of packed 2-D ops: words 1-2 the source's address
+    and pitch, 6-7 the destination's, 10-11 the width and height (``Driver.pitched_ops``)."""
+    rows = []
+    for op in ops.reshape(-1, 14).tolist():
+        src, spitch, dst, dpitch, width, height = op[1], op[2], op[6], op[7], op[10], op[11]
+        assert spitch >= width and dpitch >= width, "a pitch under the width"
+        rows += [(dst + r * dpitch, src + r * spitch, width) for r in range(height)]
+    return rows
+
+
 class SimDriver:
     """Streams as queues of operations on ``mem``; ``run`` executes them."""
 
@@ -85,6 +96,10 @@ class SimDriver:
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.streams[stream].append(("copy", [(dst, src, nbytes)]))
+
+    def memcpy_pitched(self, ops: np.ndarray, stream: int, **_: Any) -> None:
+        """Packed 2-D copies (``Driver.pitched_ops`` rows), as the row copies they make."""
+        self.streams[stream].append(("copy", pitched_rows(np.asarray(ops, dtype=np.uint64))))
 
     def launch(self, function: Any, grid: tuple[int, int, int], block: int, stream: int,
                params: ctypes.Array[ctypes.c_void_p], packed: Any = None) -> None:

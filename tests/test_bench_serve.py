@@ -33,6 +33,8 @@ from aiokv.bench.serve.workload import (
 )
 from aiokv.cache.offload import OffloadCache
 
+from .layerwise_prefill import layerwise_prefill
+
 
 def conversation_trace(path: Path, conversations: int = 24, turns: int = 4, seed: int = 0) -> Path:
     """Conversations that share a first block and grow turn by turn, in shuffled rounds: a
@@ -143,6 +145,16 @@ def test_gate_runs_once_per_layer_before_its_prefix_is_read() -> None:
     torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4)
     model.prefill(prompt, 0, list(range(7)), kv, gate=gate)  # nothing cached: no gate
     assert calls == [0, 1, 2, 3]
+
+
+@pytest.mark.anyio
+async def test_a_layerwise_restored_prefix_gives_the_logits_of_the_kv_as_computed() -> None:
+    """The GPU test's shapes on the CPU backend: 64 cached blocks and 100 new tokens need a
+    table of 71 blocks (the GPU test once gave 70, and the model refused the prefill)."""
+    model = LlamaModel(ModelConfig.tiny(4), seed=3)
+    kv = model.new_kv_cache(160)
+    timeline = await layerwise_prefill(model, kv, Device("cpu"), cached_blocks=64, new_tokens=100)
+    assert timeline.clock == "host"
 
 
 def test_prefill_refuses_a_short_block_table() -> None:

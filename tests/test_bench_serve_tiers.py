@@ -130,9 +130,13 @@ def test_the_tier_section_has_every_figure_the_targets_read(tier_run: tuple[int,
     for arm in ("disk", "redis"):
         dropped = tiers[f"blocks dropped on the way down, {arm} arm"]
         assert dropped["value"] == 0 and dropped["extra"]["written"] > 0  # room at this pace
-        assert f"host hits, {arm} arm / host arm" in tiers
-        restore = tiers[f"restore GB/s, {arm} arm / tier ceiling"]
-        assert restore["value"] > 0 and restore["ceiling"] > 0 and restore["extra"]["tier_bytes"] > 0
+        assert dropped["target"] == ["<=", 0] and dropped["target_met"]
+        assert tiers[f"host hits, {arm} arm / host arm"]["target"] == ["<=", 1.1]
+        restore = tiers[f"restore / tier ceiling, {arm} arm"]
+        assert restore["value"] > 0 and restore["extra"]["ceiling_gbps"] > 0
+        assert restore["extra"]["tier_bytes"] > 0
+        assert restore["value"] == pytest.approx(restore["extra"]["gbps"] / restore["extra"]["ceiling_gbps"])
+        assert restore["target"] == [">=", {"disk": 0.8, "redis": 0.7}[arm]]
     setup = {r["name"]: r for r in rows if r["section"].startswith("serve setup")}
     assert setup["disk tier read ceiling"]["value"] > 0 and setup["Redis GET ceiling"]["value"] > 0
     assert setup["Redis tier"]["value"] > 0

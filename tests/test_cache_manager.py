@@ -149,6 +149,26 @@ def test_admission_rejections_are_counted() -> None:
     assert mgr.stats().rejected_by_admission == 2
 
 
+def test_a_store_taken_without_admission_neither_asks_nor_teaches_it() -> None:
+    """A block read back from a lower tier is stored whatever admission would say (it was
+    admitted once), and admission never hears of it: another key's first offer is still
+    refused and its second admitted, as without the read-backs between them."""
+    mgr = ChunkManager(4, admission="second-offer")
+    plan = mgr.prepare_store(["a"], admit=False)
+    assert plan is not None and plan.keys_to_store == ["a"]
+    mgr.complete_store(["a"])
+    assert mgr.lookup("a") is LookupResult.HIT
+    assert mgr.stats().rejected_by_admission == 0
+    plan = mgr.prepare_store(["b"])
+    assert plan is not None and plan.keys_to_store == []  # b's first offer: refused
+    plan = mgr.prepare_store(["c"], admit=False)
+    assert plan is not None and plan.keys_to_store == ["c"]
+    mgr.complete_store(["c"])
+    plan = mgr.prepare_store(["b"])
+    assert plan is not None and plan.keys_to_store == ["b"]  # the second offer of b
+    mgr.check_invariants()
+
+
 def test_unknown_names_raise() -> None:
     with pytest.raises(ValueError):
         ChunkManager(4, policy="nope")

@@ -169,7 +169,7 @@ def test_a_pool_that_cannot_be_allocated_still_releases_the_backend(monkeypatch)
     from aiokv.backends.cpu import CpuBackend
 
     released: list[bool] = []
-    monkeypatch.setattr(CpuBackend, "allocate_pool", lambda self, nbytes: (_ for _ in ()).throw(
+    monkeypatch.setattr(CpuBackend, "allocate_pool", lambda self, nbytes, file=None: (_ for _ in ()).throw(
         InvalidSpec("could not map that many bytes")))
     monkeypatch.setattr(CpuBackend, "close", lambda self: released.append(True))
     with pytest.raises(InvalidSpec, match="could not map"):

@@ -11,6 +11,7 @@ import mmap
 from typing import Any
 
 import pytest
+import torch
 
 from aiokv.backends.cuda import host_pool
 from aiokv.backends.cuda.host_pool import PinnedHostPool
@@ -102,3 +103,31 @@ def test_a_registration_refused_for_lack_of_memory_unmaps_and_propagates() -> No
 def test_a_pool_of_no_bytes_is_bad_input() -> None:
     with pytest.raises(InvalidSpec, match="positive size"):
         PinnedHostPool(0, _Registrations())  # type: ignore[arg-type]
+
+
+def test_a_pool_in_a_shared_file_is_pinned_seen_by_another_mapping_and_unnamed_at_close(tmp_path) -> None:
+    """vLLM's scheduler maps the workers' pools to move blocks to lower tiers: the file's
+    bytes are the registered memory's, and closing removes the name."""
+    drv = _Registrations()
+    path = tmp_path / "pool"
+    pool = PinnedHostPool(3 * mmap.PAGESIZE + 5, drv, str(path))  # type: ignore[arg-type]
+    assert pool.address in drv.ranges and drv.ranges[pool.address] == 4 * mmap.PAGESIZE
+    pool.tensor[:] = torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as other:
+        assert bytes(other[: pool.nbytes]) == pool.tensor.numpy().tobytes()
+        other[7] = (int(pool.tensor[7]) + 1) % 256
+        assert int(pool.tensor[7]) == other[7]
+    address = pool.address
+    pool.close()
+    gc.collect()
+    assert not path.exists() and not drv.ranges and not mapped(address)
+
+
+def test_a_shared_pool_whose_registration_fails_leaves_no_file(tmp_path) -> None:
+    class Refusing(_Registrations):
+        def host_register(self, address: int, nbytes: int) -> int:
+            raise HostMemoryError("could not pin: ask for fewer chunks")
+
+    with pytest.raises(HostMemoryError):
+        PinnedHostPool(8 << 20, Refusing(), str(tmp_path / "pool"))  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())

@@ -16,9 +16,14 @@ import pytest
 import torch
 
 from aiokv.backends.base import StallMeter
+from aiokv.backends.cuda import layer_copies as copies_mod
+from aiokv.backends.cuda import layer_ops as layer_ops_mod
 from aiokv.backends.cuda import native
 from aiokv.backends.cuda.driver import JobEvents
+from aiokv.backends.cuda.driver.batch import BatchCopies
 from aiokv.backends.cuda.lane import CudaLane, Dependency
+from aiokv.backends.cuda.layer_staging import LayerStaging
+from aiokv.backends.cuda.pieces import PieceKernel
 from aiokv.backends.cuda.strategy import CopyContext
 from aiokv.errors import CudaCallFailed, InvalidSpec
 from aiokv.handler import Handler
@@ -54,6 +59,9 @@ class LogDriver:
         self.done: set[int] = set()
         self.given: list[Any] = []
         self.fail_batch = 0  # the nth memcpy_batch raises
+        self.hold_batch = 0  # the nth memcpy_batch blocks until ``release`` is set
+        self.release = threading.Event()
+        self.at: dict[Any, float] = {}  # device time an event's record ran at (``elapsed``)
         self.next = 0x1000
 
     def _handle(self) -> int:
@@ -87,6 +95,12 @@ class LogDriver:
     def give_job_events(self, events: JobEvents) -> None:
         self.given.extend((events.start, events.stop))
 
+    def take_timing_event(self) -> int:
+        return self._handle()
+
+    def give_timing_event(self, event: Any) -> None:
+        self.given.append(event)
+
     def record(self, event: Any, stream: Any) -> None:
         self.calls.append(("record", event, stream))
         self.recorded.add(event)
@@ -97,7 +111,10 @@ class LogDriver:
     def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any,
                      **kw: Any) -> None:
         self.calls.append(("batch", dst.tolist(), stream))
-        if sum(c[0] == "batch" for c in self.calls) == self.fail_batch:
+        nth = sum(c[0] == "batch" for c in self.calls)
+        if nth == self.hold_batch:
+            assert self.release.wait(10)
+        if nth == self.fail_batch:
             raise CudaCallFailed("injected", 2)
 
     def query(self, event: Any) -> bool:
@@ -111,6 +128,10 @@ class LogDriver:
         pass
 
     def elapsed(self, start: Any, stop: Any) -> float:
+        """Device seconds between two events: from ``at`` (a test's clock) where it has
+        both, else 2.5 ms."""
+        if start in self.at and stop in self.at:
+            return self.at[stop] - self.at[start]
         return 2.5e-3
 
     def can_ring(self) -> bool:
@@ -123,6 +144,8 @@ class LogDriver:
 # K and V pages per layer; one description for every job (the host layout follows it).
 KV = CanonicalKVCaches.from_tensors([torch.zeros(2, BLOCKS, PAGE // 2, dtype=torch.uint8)
                                      for _ in range(LAYERS)], block_dim=1)
+KV_LAYOUT = HostLayout.build(KV, 1)
+KV_MAP = LayerMap.build(KV, KV_LAYOUT)
 
 
 def kv_plan(to_host: bool, blocks: list[int], chunks: list[int]) -> tuple[LayerPlan, HostLayout]:
@@ -140,11 +163,11 @@ class Strategy:
     name = "dma"
     pitched_jobs = staged_jobs = 0
 
-    def __init__(self, to_host: bool, bases: tuple[list[int], int] | None = None) -> None:
+    def __init__(self, to_host: bool, bases: tuple[list[int], int] | None = None, driver: Any = None) -> None:
         device, host = bases or ([0x100000 * (i + 1) for i in range(2 * LAYERS)], 0x9000000)
         self.main_stream = MAIN
         self.ctx = SimpleNamespace(runs=(), to_host=to_host, device_base=np.array(device, dtype=np.int64),
-                                   host_base=host)
+                                   host_base=host, driver=driver)
         self.ctx.pointers = lambda plan: CopyContext.pointers(self.ctx, plan)  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -158,7 +181,7 @@ def make_lane(direction: Direction, driver: Any, *, recorded: bool, issue_thread
               measure: bool = False, bases: Any = None) -> tuple[CudaLane, Any]:
     fake = FakeTable(target=driver if isinstance(driver, SimDriver) else None)
     rec = fake.recorder(driver, MAIN, 0) if recorded else None
-    strategy = Strategy(direction.to_host, bases)
+    strategy = Strategy(direction.to_host, bases, driver=rec if rec is not None else driver)
     lane = CudaLane(driver, direction, strategy, issue_thread=issue_thread, recorder=rec,  # type: ignore[arg-type]
                     measure_stalls=measure)
     return lane, fake
@@ -235,7 +258,9 @@ def test_a_gate_makes_exactly_one_stream_wait_on_the_layers_event(recorded: bool
 def test_gates_add_stall_samples_only_where_stalls_are_measured(measure: bool) -> None:
     """Through the core's handle: a gate that waits on the device, then two on a layer found
     done (by the run, then by its final status). Unmeasured, none adds a sample; measured,
-    each does (the wait once the consumer stream passed it, the done ones as 0)."""
+    each does: the wait, and the first gate on the done layer (it marks the consumer's
+    stream twice with no wait between: about 0 on a device, the fake's 2.5 ms here), once
+    the consumer's stream passed their marks; the one that knew the layer final, 0 at once."""
     drv = LogDriver()
     lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=measure)
     layers = Layerwise(KV, HostLayout.build(KV, 1), SimpleNamespace(consumer=lambda stream: CONSUMER),  # type: ignore[arg-type]
@@ -246,9 +271,11 @@ def test_gates_add_stall_samples_only_where_stalls_are_measured(measure: bool) -
     drv.done.update(c[1] for c in drv.calls if c[0] == "record" and c[2] == CONSUMER)  # passed
     drv.done.add(events[0])
     assert job.gate(0) and job.layer_status(0) and job.gate(0)
+    assert [c[0] for c in drv.calls if c[0] == "wait"] == ["wait"], "a gate waited on a layer known done"
+    drv.done.update(c[1] for c in drv.calls if c[0] == "record" and c[2] == CONSUMER)  # passed
     stats = layers.statistics()
     assert stats.gates == 3
-    assert sorted(stats.stalls) == ([0.0, 0.0, 2.5e-3] if measure else [])
+    assert sorted(stats.stalls) == ([0.0, 2.5e-3, 2.5e-3] if measure else [])
     assert stats.stalls_measured == (3 if measure else 0)
 
 
@@ -313,7 +340,10 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
         ("cuMemcpyBatchAsync", fake.calls[3][1]), ("cuEventRecord", events[1])]
     fake.calls.clear()
     assert run.push(0, None) is True
-    assert [c[0] for c in fake.calls] == ["cuMemcpyBatchAsync", "cuEventRecord"]  # no second start
+    # No second job start: the layer's own start, its copies, its end.
+    assert [(c[0], c[1]) for c in fake.calls] == [
+        ("cuEventRecord", run._spans[0].start), ("cuMemcpyBatchAsync", fake.calls[1][1]),
+        ("cuEventRecord", events[0])]
     assert lane.recorder is not None and lane.recorder.calls == 2
     run.push(2, None)
     run.push(3, None)
@@ -401,6 +431,81 @@ def test_finishing_a_store_short_of_layers_fails_those_and_the_job() -> None:
     assert run.error(0) is None and run.gate(3, CONSUMER, StallMeter()) is False
 
 
+class ClockDriver(LogDriver):
+    """A device clock: each record stamps its event with the time, each batched copy takes
+    ``COPY`` seconds, and the test moves the clock between pushes (the forward's compute)."""
+
+    COPY = 1e-3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0.0
+        self.stamps: dict[Any, float] = {}
+        self.asked: list[tuple[Any, Any]] = []
+
+    def record(self, event: Any, stream: Any) -> None:
+        super().record(event, stream)
+        self.stamps[event] = self.clock
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any,
+                     **kw: Any) -> None:
+        super().memcpy_batch(dst, src, sizes, stream, **kw)
+        self.clock += self.COPY
+
+    def elapsed(self, start: Any, stop: Any) -> float:
+        self.asked.append((start, stop))
+        return self.stamps[stop] - self.stamps[start]
+
+
+def test_a_stores_device_time_sums_its_layers_copies_not_the_gaps_between_pushes() -> None:
+    """Pushes 0.25 s apart, each layer's copies 1 ms: the store took 4 ms of copies, not
+    the 0.754 s from its first push to its end (TransferResult: the copies' time)."""
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1, 2], [3, 4])[0])
+    job = run.completion._events
+    spans = list(run._spans)
+    for n, layer in enumerate((2, 0, 1, 3)):  # any order: the first pushed starts at the job's start
+        drv.clock += 0.25 if n else 0.0  # the forward computes the next layer meanwhile
+        run.push(layer, None)
+    run.finish(None)
+    assert drv.stamps[job.stop] - drv.stamps[job.start] == pytest.approx(0.75 + 4 * ClockDriver.COPY)
+    drv.done.add(job.stop)
+    assert run.completion.query() and run.completion.error is None
+    assert run.completion.elapsed == pytest.approx(4 * ClockDriver.COPY)
+    events = [span.stop for span in spans]
+    expected = [(job.start, events[2])] + [(spans[i].start, events[i]) for i in (0, 1, 3)]
+    assert sorted(drv.asked) == sorted(expected)
+    # Each layer's start is recorded after its wait on the producer, just before its copies.
+    for i in (0, 1, 3):
+        at = drv.calls.index(("record", spans[i].start, MAIN))
+        assert drv.calls[at + 1][0] == "batch" and drv.calls[at + 2] == ("record", events[i], MAIN)
+    # The pairs go back to the pool once read, the job's own pair too.
+    assert {e for span in spans for e in (span.start, span.stop)} | {job.start, job.stop} <= set(drv.given)
+
+
+def test_a_loads_device_time_still_runs_from_its_start_to_its_end() -> None:
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    job = run.completion._events
+    drv.done.add(job.stop)
+    assert run.completion.query() and run.completion.elapsed == pytest.approx(LAYERS * ClockDriver.COPY)
+    assert drv.asked == [(job.start, job.stop)]
+
+
+def test_a_failed_store_gives_its_layer_pairs_back_and_reports_no_time() -> None:
+    drv = ClockDriver()
+    lane, _ = make_lane(Direction.STORE, drv, recorded=False)
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    spans = list(run._spans)
+    run.push(0, None)
+    run.finish(RuntimeError("closing"))
+    drv.done.add(run.completion._events.stop)
+    assert run.completion.wait(10) and run.completion.elapsed is None and drv.asked == []
+    assert {e for span in spans for e in (span.start, span.stop)} <= set(drv.given)
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
@@ -438,6 +543,134 @@ def test_a_program_refused_as_bad_input_raises_at_submit_and_gives_everything_ba
     assert fake.calls == [] and 0xD1 in drv.given and len(drv.given) == LAYERS + 3  # layers, job pair, dep
 
 
+# -- later layers from the issuer thread -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
+        recorded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submit enqueues layer 0 (and the dependency, the start) and returns; layers 1-3
+    go from the issuer thread, each marked as its record is enqueued: a gate on layer 2 while
+    layer 2 is held in its copy call blocks, waits on nothing, and goes once it is issued. A
+    second load on the lane queues behind the first's last layer."""
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    drv = LogDriver()
+    drv.hold_batch = 3  # layer 2's copies (the Python path's calls; the native path's below)
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
+    if recorded:
+        fake.hold["cuMemcpyBatchAsync"] = (3, drv.release)
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], Dependency(0xD1, stream=0x5))
+        assert run.head == 1 and run.enqueued(0)
+        assert lane.issuer is not None, "no issuer took the later layers"
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(2, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(0.1)
+        events = layer_events(run)
+        assert consumer.is_alive() and not run.enqueued(2) and ("wait", CONSUMER, events[2]) not in drv.calls
+        second = lane.launch_layers(kv_plan(False, [5], [6])[0], None)  # queued behind the first
+        drv.release.set()
+        consumer.join(10)
+        assert result == [True] and lane.issuer.drain(10)
+        assert all(run.enqueued(i) for i in range(LAYERS)) and all(second.enqueued(i) for i in range(LAYERS))
+        if recorded:
+            records = [c[1] for c in fake.calls if c[0] == "cuEventRecord"]
+        else:
+            records = [c[1] for c in drv.calls if c[0] == "record" and c[2] == MAIN]
+        job, job2 = run.completion._events, second.completion._events
+        assert records.index(job.stop) < records.index(job2.start), "the second load went ahead of the first"
+        assert [records.index(e) for e in events] == sorted(records.index(e) for e in events)
+        issued = run._issued_at
+        assert all(t is not None for t in issued) and issued == sorted(issued)  # type: ignore[type-var]
+        drv.done.update((*events, job.stop))
+        assert run.completion.wait(10) and run.completion.error is None
+    finally:
+        drv.release.set()
+        lane.close()
+
+
+def test_a_failure_in_the_issuers_layers_fails_those_layers_and_the_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    drv = LogDriver()
+    drv.fail_batch = 3  # layer 2's copies, on the issuer thread
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+        assert lane.issuer is not None and lane.issuer.drain(10)
+        assert [run.enqueued(i) for i in range(LAYERS)] == [True, True, False, False]
+        assert run.gate(3, CONSUMER, StallMeter()) is False
+        assert ("record", run.completion._events.stop, MAIN) in drv.calls, "no end behind the part enqueued"
+        drv.done.update((*layer_events(run)[:2], run.completion._events.stop))
+        assert run.completion.wait(10) and isinstance(run.completion.error, CudaCallFailed)
+        assert run.error(0) is None and isinstance(run.error(3), CudaCallFailed)
+    finally:
+        lane.close()
+
+
+def test_a_load_whose_later_layers_find_no_thread_enqueues_them_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issuer could not take the later layers (no thread could start): the submit
+    enqueues them itself, so the job still ends behind every layer."""
+    from aiokv.backends.cuda.issuer import Issuer
+
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    plain = Issuer.run
+
+    def no_thread(self: Issuer, work: Any, defer: bool) -> bool:
+        if defer:
+            raise RuntimeError("can't start new thread")
+        return plain(self, work, defer)
+
+    monkeypatch.setattr(Issuer, "run", no_thread)
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    assert run.head == 1 and all(run.enqueued(i) for i in range(LAYERS))  # type: ignore[attr-defined]
+    assert drv.calls[-1] == ("record", run.completion._events.stop, MAIN)
+    lane.close()
+
+
+def test_a_measured_load_gives_its_timeline_in_device_time_then_its_events_back() -> None:
+    """Layer events are timing events placed from the job's origin; each gate's marks say
+    when the consumer reached and passed it. The timeline waits for the job's end and for
+    every gate's second mark, then gives the origin and the layer events back."""
+    drv = LogDriver()
+    lane, _ = make_lane(Direction.LOAD, drv, recorded=False, measure=True)
+    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    events, job = layer_events(run), run.completion._events
+    origin = run._held.origin  # type: ignore[union-attr]
+    assert ("record", origin, MAIN) in drv.calls
+    meter = StallMeter()
+    marks = []
+    for layer in range(LAYERS):
+        assert run.gate(layer, CONSUMER, meter)
+        marks.append([c[1] for c in drv.calls if c[0] == "record" and c[2] == CONSUMER][-2:])
+    # The device: layer i lands at 1 + i ms; the consumer reaches gate i at 0.5 + 1.2 i ms.
+    drv.at[origin] = 0.0
+    for layer, (arrive, leave) in enumerate(marks):
+        drv.at[events[layer]] = 1e-3 * (1 + layer)
+        drv.at[arrive] = 1e-3 * (0.5 + 1.2 * layer)
+        drv.at[leave] = max(drv.at[arrive], drv.at[events[layer]])
+    drv.done.update((*events, job.stop))
+    assert run.completion.wait(10)
+    assert run.timeline() is None, "a timeline before its gates' marks ran"
+    drv.done.update(m for pair in marks for m in pair)
+    tl = run.timeline()
+    assert tl is not None and tl.clock == "device"
+    assert tl.copy_done == pytest.approx((1e-3, 2e-3, 3e-3, 4e-3))
+    assert tl.reached == pytest.approx(tuple(1e-3 * (0.5 + 1.2 * i) for i in range(LAYERS)))
+    assert tl.started == pytest.approx((1e-3, 2e-3, 3e-3, 4.1e-3))
+    assert tl.first_reached == pytest.approx(0.5e-3) and tl.overlap == pytest.approx(3.5e-3)
+    assert sorted(meter.samples) == pytest.approx(sorted([0.5e-3, 0.3e-3, 0.1e-3, 0.0]))
+    assert origin in drv.given and set(events) <= set(drv.given)
+    assert run.timeline() is tl
+
+
 # -- the simulated device: bytes and ordering -----------------------------------------------------------
 
 
@@ -461,6 +694,12 @@ class SimLaneDriver(SimDriver):
     def give_job_events(self, events: Any) -> None:
         pass
 
+    def take_timing_event(self) -> int:
+        return self.create_event()
+
+    def give_timing_event(self, event: Any) -> None:
+        pass
+
     def stream_synchronize(self, stream: Any) -> None:
         pass
 
@@ -471,26 +710,84 @@ class SimLaneDriver(SimDriver):
         return False
 
 
-@native_only
-@pytest.mark.parametrize("seed", range(4))
-def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait(seed: int) -> None:
+class PitchedSimDriver(SimLaneDriver):
+    """The simulated device where the driver has 2-D batches (``cuMemcpy3DBatchAsync``)."""
+
+    pitched_copies = True
+    max_pitch = 1 << 20
+    pitched_ops = staticmethod(BatchCopies.pitched_ops)
+
+
+# (blocks stored, blocks loaded into, chunks): scattered ids, then a run of five blocks and
+# chunks that advance together (one pitched op a page tensor) beside a lone block.
+SIM_JOBS = {"scattered": ([2, 7, 3], [9, 12, 0], [5, 1, 8]),
+            "runs": ([2, 3, 4, 5, 6, 11], [8, 9, 10, 11, 12, 0], [5, 6, 7, 8, 9, 1])}
+
+
+SLOT_AT, TABLE_AT = 6 << 20, (6 << 20) + (1 << 19)
+
+
+def staged_lane(lane: CudaLane, mem: np.ndarray, at: int) -> None:
+    """Give ``lane`` a device slot of two blocks of a layer (so jobs go in slices) at
+    ``at``, its page table written straight into the simulated memory."""
+    ctx = lane.context
+
+    def make_kernel() -> PieceKernel:
+        kernel = PieceKernel(ctx.driver, None)  # type: ignore[arg-type]
+
+        def upload(pages: np.ndarray, stream: Any, keep: bool = False) -> int:
+            raw = np.ascontiguousarray(pages, dtype=np.uint64).view(np.uint8).reshape(-1)
+            mem[at + TABLE_AT - SLOT_AT : at + TABLE_AT - SLOT_AT + raw.size] = raw
+            return at + TABLE_AT - SLOT_AT
+
+        kernel.upload = upload  # type: ignore[method-assign]
+        return kernel
+
+    lane.layer_staging = LayerStaging(KV_LAYOUT, KV_MAP, ctx.device_base, ctx.host_base, 2 * PAGE,
+                                      make_kernel, lambda nbytes, stream: at)
+
+
+@pytest.mark.parametrize("path", ["python", pytest.param("native", marks=native_only)])
+@pytest.mark.parametrize(("job", "mode", "split"), [
+    ("scattered", "plain", False), ("runs", "pitched", False), ("runs", "pitched", True),
+    ("runs", "plain", True), ("scattered", "staged", False), ("runs", "staged", True)])
+@pytest.mark.parametrize("seed", range(2))
+def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait(
+        seed: int, job: str, mode: str, split: bool, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores pushed in any order and a load, its later layers from the issuer thread
+    (``split``) or all at once, with runs folded into pitched ops, or through a device slot
+    and the piece kernel, or plain: every page lands where it belongs, and a read gated on
+    layer 1 runs only after that layer landed."""
+    if split:  # the submit enqueues layer 0 alone
+        monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+        monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    if mode == "staged":  # every job through the slot, however few its descriptors
+        monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
+        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged: True)
+    pitched = mode != "plain"
     rng = np.random.default_rng(seed)
     mem = np.zeros(8 << 20, dtype=np.uint8)
-    sim = SimLaneDriver(mem)
+    sim = (PitchedSimDriver if pitched else SimLaneDriver)(mem)
     device = [(1 << 20) + i * BLOCKS * (PAGE // 2) for i in range(2 * LAYERS)]  # 2 pages a layer
     pool = 4 << 20
     mem[: 2 << 20] = rng.integers(0, 256, 2 << 20, dtype=np.uint8)
     original = mem.copy()
     # Streams are created in this order on both lanes, so MAIN is not the sim's: read it back.
-    store, _ = make_lane(Direction.STORE, sim, recorded=True, bases=(device, pool))
-    load, _ = make_lane(Direction.LOAD, sim, recorded=True, bases=(device, pool))
-    for lane in (store, load):
+    recorded = path == "native"
+    store, fake = make_lane(Direction.STORE, sim, recorded=recorded, bases=(device, pool))
+    load, _ = make_lane(Direction.LOAD, sim, recorded=recorded, bases=(device, pool))
+    for i, lane in enumerate((store, load)):
         lane.stream = lane._strategy.main_stream = sim.create_stream()
-        assert lane.recorder is not None
-        lane.recorder.bind(lane.stream, sim.create_event())
-    src, dst, chunks = [2, 7, 3], [9, 12, 0], [5, 1, 8]
+        if lane.recorder is not None:
+            lane.recorder.bind(lane.stream, sim.create_event())
+        if mode == "staged":
+            staged_lane(lane, mem, SLOT_AT + i * (64 << 10))
+    src, dst, chunks = SIM_JOBS[job]
     plan, layout = kv_plan(True, src, chunks)
     run = store.open_layers(plan)
+    # Staged: a 2-D op a chunk run (cut where a slice of two blocks ends), a launch a slice.
+    ops = {"plain": 2 * len(src), "pitched": 4, "staged": 5 if job == "scattered" else 7}[mode]
+    assert [run.layer_descriptors(i) for i in range(LAYERS)] == [ops] * LAYERS
     for layer in rng.permutation(LAYERS).tolist():  # pushed in any order
         run.push(layer, None)
     run.finish(None)
@@ -508,13 +805,17 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
             for b, c in zip(src, chunks):
                 host = pool + c * layout.chunk_bytes + offset
                 assert np.array_equal(mem[host : host + page], block_page(t, b))
-    # Load into other blocks; a consumer stream reads layer 1 of block 9 into scratch after a gate.
+    # Load into other blocks; a consumer stream reads layer 1 of dst[0] into scratch after a gate.
     lplan, _ = kv_plan(False, dst, chunks)
     lrun = load.launch_layers(lplan, None)
+    assert lrun.head == (1 if split else LAYERS)  # type: ignore[attr-defined]
     consumer = sim.create_stream()
     assert lrun.gate(1, consumer, StallMeter()) is True  # not run yet: a real wait
     scratch = 7 << 20
-    sim.memcpy(scratch, device[2] + 9 * page, page, consumer)  # layer 1's K page of block 9
+    sim.memcpy(scratch, device[2] + dst[0] * page, page, consumer)  # layer 1's K page
+    if split:
+        assert load.issuer is not None and load.issuer.drain(10)
+    assert all(lrun.enqueued(i) for i in range(LAYERS))
     sim.run(rng)
     for layer in range(LAYERS):
         for part in range(2):
@@ -522,5 +823,11 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
             for b_src, b_dst in zip(src, dst):
                 got = mem[device[t] + b_dst * page : device[t] + (b_dst + 1) * page]
                 assert np.array_equal(got, block_page(t, b_src))
-    assert np.array_equal(mem[scratch : scratch + page], block_page(2, 2)), \
+    assert np.array_equal(mem[scratch : scratch + page], block_page(2, src[0])), \
         "the gated read ran before its layer landed"
+    if recorded and mode == "pitched":
+        assert fake.names().count("cuMemcpy3DBatchAsync") == LAYERS  # a call a layer, one op a page tensor
+    if recorded and mode == "staged":
+        assert "cuMemcpyBatchAsync" not in fake.names() and "cuLaunchKernel" in fake.names()
+    load.close()
+    store.close()

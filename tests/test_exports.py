@@ -19,8 +19,8 @@ def test_public_names_are_pinned() -> None:
         "UsageError",
         # what the async face's poller did (for the bench)
         "PollerStatistics",
-        # layerwise jobs: the per-layer handles, their status and statistics
-        "LayerStatistics", "LayerStatus", "LayerwiseFuture", "LayerwiseJob",
+        # layerwise jobs: the per-layer handles, their status, statistics and timelines
+        "LayerStatistics", "LayerStatus", "LayerTimeline", "LayerwiseFuture", "LayerwiseJob",
     }
     for name in aiokv.__all__:
         assert getattr(aiokv, name) is not None

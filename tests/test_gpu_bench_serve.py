@@ -20,8 +20,8 @@ from aiokv.bench.serve.config import ARMS
 from aiokv.bench.serve.correctness import blocks_needed, decode_check
 from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
-from aiokv.bench.serve.sources import LayerwiseSource
 
+from .layerwise_prefill import layerwise_prefill, table_blocks
 from .test_bench_serve import conversation_trace
 
 pytestmark = [
@@ -57,36 +57,37 @@ async def test_8b_layers_decode_from_restored_kv_token_for_token(tmp_path: Path)
 
 
 @pytest.mark.anyio
-async def test_layerwise_loads_gate_the_prefill_on_the_device(tmp_path: Path) -> None:
+async def test_layerwise_loads_gate_the_prefill_on_the_device() -> None:
     """A prefix stored through the layerwise source comes back with one layerwise load
     whose layers the forward gates on its stream (no host wait): the same bytes, the same
-    logits as over the KV as computed, and a stall sample per gate (``layer_stalls``)."""
-    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, WorkerOptions
-
+    logits as over the KV as computed, a stall sample per gate (``layer_stalls``), and each
+    layer's start after its copy's end in device time (``tests/layerwise_prefill.py``; its
+    CPU twin runs the same block counts)."""
     model = LlamaModel(ModelConfig.llama3_8b(4), device="cuda", dtype=torch.bfloat16, seed=3)
-    kv = model.new_kv_cache(200)
-    prompt = np.random.default_rng(1).integers(0, model.config.vocab, 64 * BLOCK_TOKENS + 100)
-    cached = 64 * BLOCK_TOKENS
-    src, dst = list(range(70)), list(range(100, 170))
-    model.prefill(prompt[:cached], 0, src, kv)
-    reference = model.prefill(prompt[cached:], cached, src, kv)
-    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
-    async with AsyncOffloadingWorker(layout, num_cpu_chunks=80, backend="cuda",
-                                     options=WorkerOptions(layer_stalls=True)) as worker:
-        source = LayerwiseSource(worker, 80, "lru")
-        keys = list(range(1, 65))
-        await source.offload(keys, src[:64])
-        for layer in kv:
-            layer[:, dst] = 0
-        torch.cuda.synchronize()
-        got = await source.restore(keys, dst[:64])
-        token, _ = await Device("cuda").prefill(model, prompt[cached:], cached, dst, kv, gate=got.gate)
-        assert got.take_stalls is not None and len(got.take_stalls()) == 4 and not got.failed
-        assert got.end is not None and await got.end()
-    for layer in kv:
-        assert torch.equal(layer[:, dst[:64]], layer[:, src[:64]])
-    assert torch.equal(model.prefill(prompt[cached:], cached, dst, kv), reference)
-    assert token == int(reference.argmax())
+    kv = model.new_kv_cache(160)
+    timeline = await layerwise_prefill(model, kv, Device("cuda"), cached_blocks=64, new_tokens=100)
+    assert timeline.clock == "device"
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+@pytest.mark.anyio
+async def test_the_forward_starts_while_a_16k_prefix_is_still_arriving() -> None:
+    """Llama-3-8B's 32 layers, a 16,384-token prefix (1,024 blocks, 2 GiB) restored by one
+    layerwise load, 1,638 new tokens: the forward reaches its first gate before the last
+    layer's copy ends (device timestamps), every layer starts after its own copy ends, and
+    the logits are those of the KV as computed."""
+    model = LlamaModel(ModelConfig.llama3_8b(32), device="cuda", dtype=torch.bfloat16, seed=4)
+    kv = model.new_kv_cache(2 * table_blocks(16384 + 1638) + 8)
+    timeline = await layerwise_prefill(model, kv, Device("cuda"), cached_blocks=1024, new_tokens=1638)
+    first, last = timeline.first_reached, timeline.last_copy_done
+    assert first is not None and last is not None
+    assert first < last, f"the forward reached layer 0 at {first * 1e3:.2f} ms, after the last copy " \
+                         f"ended at {last * 1e3:.2f} ms: no overlap"
+    late = [i for i, (r, c) in enumerate(zip(timeline.reached, timeline.copy_done))
+            if r is not None and c is not None and r < c]
+    assert late, "every gate found its layer landed: the forward never ran beside the copy"
+    del model, kv
+    torch.cuda.empty_cache()
 
 
 def test_quick_serve_on_the_cuda_backend(tmp_path: Path) -> None:

@@ -118,3 +118,45 @@ async def test_awaited_layers_resolve_before_the_job() -> None:
                 got = as_bytes(tensors[layer][:, [9, 10]]).cpu()
                 assert torch.equal(got, as_bytes(before[layer].view(tensors[layer].dtype)[:, [1, 2]]).cpu())
             assert (await load).success
+
+
+@pytest.mark.parametrize("blocks", ["runs", "scattered"])
+def test_a_layers_copies_go_pitched_or_through_the_slot_and_land_byte_exact(blocks: str) -> None:
+    """Llama-8B pages (32 KiB K and V a layer), 192 blocks a job in 192 consecutive chunks:
+    blocks that run go as a few pitched ops a layer straight to their pages, scattered ones
+    (384 descriptors a layer) through the lane's device slot (a 2-D copy of the chunk run, a
+    kernel scatter). Both directions land byte for byte, and a gated read sees each layer
+    in place."""
+    gen = torch.Generator().manual_seed(5)
+    layers, nb, n = 8, 448, 192
+    tensors = [random_like((2, nb, 16, 8, 128), torch.bfloat16, "cuda", gen) for _ in range(layers)]
+    kv = CanonicalKVCaches.from_tensors(tensors, block_dim=1)
+    before = [as_bytes(t).clone() for t in tensors]
+    order = torch.randperm(nb, generator=gen).tolist()
+    src = list(range(8, 8 + n)) if blocks == "runs" else order[:n]
+    dst = list(range(240, 240 + n)) if blocks == "runs" else order[n : 2 * n]
+    chunks = list(range(4, 4 + n))
+    w = SyncOffloadingWorker(kv, num_cpu_chunks=4 + n)
+    try:
+        store = w.submit_store(1, GPULoadStoreSpec(src), CPULoadStoreSpec(chunks), layerwise=True)
+        for layer in range(layers):
+            assert store.push(layer)
+        w.wait([1])
+        load = w.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(dst), layerwise=True)
+        ops = load._run._ops  # type: ignore[attr-defined]
+        assert (ops.staged is not None) is (blocks == "scattered")
+        assert max(load._run.layer_descriptors(i) for i in range(layers)) <= 4  # type: ignore[attr-defined]
+        seen = []
+        for layer in range(layers):
+            assert load.gate(layer) is LayerStatus.READY
+            seen.append(as_bytes(tensors[layer][:, dst]).clone())
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            assert torch.equal(seen[layer], before[layer][:, src])
+        w.wait([2])
+        assert [r.success for r in w.get_finished()] == [True, True]
+        untouched = [b for b in range(nb) if b not in dst]
+        for layer in range(layers):
+            assert torch.equal(as_bytes(tensors[layer])[:, untouched], before[layer][:, untouched])
+    finally:
+        w.shutdown()

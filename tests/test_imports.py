@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle",
                     "aiokv.extras")),
     ("layout", ("aiokv.layout",)),
-    ("plan", ("aiokv.plan", "aiokv.layer_plan")),
-    ("backend interfaces", ("aiokv.backends.base",)),
+    ("plan", ("aiokv.plan", "aiokv.layer_plan", "aiokv.layer_timeline")),
+    ("backend interfaces", ("aiokv.backends.base", "aiokv.backends.shared_file")),
     ("backends", ("aiokv.backends.cpu", "aiokv.backends.cuda", "aiokv.backends.cuda.*")),
     ("backend selection", ("aiokv.backends",)),
     ("handler", ("aiokv.handler",)),
@@ -67,6 +67,11 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.pieces",
     "aiokv.backends.cuda.staged",
     "aiokv.backends.cuda.completion",
+    "aiokv.backends.cuda.layer_ops",  # a layerwise job's copies folded into few ops a layer
+    "aiokv.backends.cuda.layer_clock",  # a measured layerwise job's device timestamps
+    "aiokv.backends.cuda.layer_staging",  # layers through a device slot where blocks scatter
+    "aiokv.backends.cuda.layer_copies",  # a layer's ops, and the layers a load's submit enqueues
+    "aiokv.backends.cuda.layer_pushes",  # a layerwise store's pushes
     "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.lane",
     "aiokv.backends.cuda.backend",

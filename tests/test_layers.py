@@ -245,6 +245,34 @@ def test_a_gate_before_its_layer_is_done_blocks_until_it_is() -> None:
     w.shutdown()
 
 
+def test_the_timeline_places_each_layers_copy_before_its_start(slow_layer) -> None:
+    """A load gated layer by layer while its layer 1 copies late: the timeline (host clock
+    on the CPU) has every layer's copy end, and each gated layer's start after it; the gate
+    on layer 1 arrived before the copy ended and waited for it (the forward ran while the
+    prefix was still arriving: a positive overlap)."""
+    release, held = slow_layer
+    kv = make_layers(num_layers=3, num_blocks=16, seed=6)
+    w = sync_worker(kv, chunks=8)
+    w.submit_store(1, GPULoadStoreSpec([2, 3]), CPULoadStoreSpec([0, 1]))
+    w.wait([1])
+    held[0] = 3  # the third copy item: the store, the load's layer 0, its layer 1
+    load = w.submit_load(2, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([7, 8]), layerwise=True)
+    assert load.timeline() is None  # not done yet
+    assert load.gate(0) is READY
+    threading.Timer(0.05, release.set).start()
+    assert load.gate(1) is READY and load.gate(2) is READY
+    w.wait([2])
+    tl = load.timeline()
+    assert tl is not None and tl.clock == "host" and tl.num_layers == 3
+    assert all(t is not None for t in tl.copy_done + tl.reached + tl.started)
+    slack = tl.slack()
+    assert all(x is not None and x >= 0 for x in slack), "a layer started before its copy ended"
+    assert tl.reached[1] < tl.copy_done[1] <= tl.started[1]  # type: ignore[operator]
+    assert tl.stalls()[1] >= 0.03 and tl.overlap is not None and tl.overlap > 0
+    assert all(t is not None and t < 0.01 for t in tl.issued) and tl.blocked == (0.0,) * 3  # at submit
+    w.shutdown()
+
+
 def test_a_gate_on_a_store_layer_not_pushed_never_passes() -> None:
     kv = make_layers(num_layers=3, num_blocks=16)
     w = sync_worker(kv, chunks=8)

@@ -282,6 +282,30 @@ def test_wait_refuses_what_is_not_a_collection_of_ids_with_a_typed_error() -> No
     worker.shutdown()
 
 
+def test_wait_with_a_timeout_returns_false_and_leaves_the_jobs_in_flight() -> None:
+    """The trap: a plain store queued behind an open layerwise store waits for that store's
+    last push. ``wait(ids, timeout=)`` returns False instead of hanging, consumes nothing,
+    and the jobs are reported once they end; without a timeout it still blocks (True)."""
+    kv = make_layers(num_layers=2, num_blocks=16)
+    worker = SyncOffloadingWorker(kv.kv, num_cpu_chunks=8, backend="cpu")
+    layers = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([5]), layerwise=True)
+    layers.push(0)
+    assert worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([6])) is True
+    assert worker.wait({2}, timeout=0.05) is False
+    assert worker.wait([2], timeout=0) is False
+    assert worker.in_flight == 2 and worker.get_finished() == []
+    threading.Timer(0.05, layers.push, (1,)).start()
+    assert worker.wait({1, 2}) is True  # no timeout: blocks until the last push landed
+    assert worker.wait({2}, timeout=0) is True  # done, not reported: True at once
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
+    assert worker.wait({1, 2, 99}, timeout=1.5) is True  # reported or unknown: ignored
+    assert worker.wait(set(), timeout=float("inf")) is True
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(InvalidSpec, match="timeout"):
+            worker.wait({2}, timeout=bad)  # type: ignore[arg-type]
+    worker.shutdown()
+
+
 def test_unreported_job_id_cannot_be_reused() -> None:
     worker, _ = make_sync()
     worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))

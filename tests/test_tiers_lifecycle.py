@@ -103,7 +103,7 @@ async def test_lookup_needs_an_entered_cache_with_tiers() -> None:
             await cache.offload(["a"], [0])
             assert cache.lookup(["a", "b"]) == 1
         assert tier.closed
-        with pytest.raises(UsageError, match="async with cache"):
+        with pytest.raises(UsageError, match="is closed"):
             cache.lookup(["a"])  # its tiers are closed
 
 

@@ -29,6 +29,7 @@ def test_every_key_is_read() -> None:
     assert opts.worker_options.strategy == "dma"
     assert set(KEYS) == {
         "aiokv_policy", "aiokv_admission", "aiokv_strategy", "aiokv_backend", "aiokv_worker_options",
+        "aiokv_tiers",
     }
 
 

@@ -16,6 +16,7 @@ import torch
 from ..doorbell import Doorbell
 from ..errors import InvalidSpec
 from ..layer_plan import LayerPlan
+from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
@@ -243,6 +244,11 @@ class LayerRun(abc.ABC):
         """The worker closed without this job ending: waiters stop waiting."""
         self.abandoned = error
 
+    def timeline(self) -> LayerTimeline | None:
+        """When each layer moved and was used, once the job ended and its gates' marks
+        were read; None before, or where not measured (CUDA without ``layer_stalls``)."""
+        return None
+
 
 class HostPool(abc.ABC):
     """Host memory that holds the chunks, as one flat byte tensor."""
@@ -313,8 +319,9 @@ class Backend(abc.ABC):
         """Raise ``InvalidSpec`` when the KV tensors cannot be served by this backend."""
 
     @abc.abstractmethod
-    def allocate_pool(self, nbytes: int) -> HostPool:
-        """Allocate (and, on CUDA, pin) ``nbytes`` of host memory."""
+    def allocate_pool(self, nbytes: int, file: str | None = None) -> HostPool:
+        """Allocate (and, on CUDA, pin) ``nbytes`` of host memory; under the name ``file``,
+        mapped shared, when given (``WorkerOptions.host_pool_file``)."""
 
     @abc.abstractmethod
     def capture(self, after: Any) -> Any:

@@ -19,10 +19,12 @@ import torch
 from ..doorbell import Doorbell
 from ..errors import HostMemoryError, InvalidSpec
 from ..layer_plan import CopySlice, LayerPlan
+from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
 from ..plan import CopyPlan, HostLayout
 from ..specs import Direction
 from .base import Backend, Completion, HostPool, Lane, LayerRun, StallMeter
+from .shared_file import SharedFile
 
 __all__ = ["CpuBackend"]
 
@@ -64,7 +66,14 @@ class CpuCompletion(Completion):
 
 
 class CpuHostPool(HostPool):
-    def __init__(self, nbytes: int) -> None:
+    """The chunks in ordinary memory, or in a shared file (``file``, see ``shared_file``)."""
+
+    def __init__(self, nbytes: int, file: str | None = None) -> None:
+        self._shared: SharedFile | None = None
+        if file is not None:
+            self._shared = SharedFile(file, nbytes)
+            self.tensor = torch.from_numpy(np.frombuffer(self._shared.map, dtype=np.uint8, count=nbytes))
+            return
         try:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         except (RuntimeError, MemoryError) as exc:  # torch says "DefaultCPUAllocator: can't allocate"
@@ -75,6 +84,8 @@ class CpuHostPool(HostPool):
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self._shared is not None:
+            self._shared.close()
 
 
 def flat_bytes(view: torch.Tensor) -> np.ndarray:
@@ -96,7 +107,8 @@ _NO_COPIES = CopySlice(*(np.zeros(0, dtype=np.int64),) * 4)
 
 class _JobEnd(CpuCompletion):
     """A layerwise job's end: its last queue item, behind every layer it enqueued. Fails
-    with the first layer's error; its time runs from its first layer's start."""
+    with the first layer's error; its time is the sum of its layers' copy times, so a
+    store's time leaves out the gaps in which the forward computed the next layer."""
 
     __slots__ = ("_run",)
 
@@ -108,7 +120,7 @@ class _JobEnd(CpuCompletion):
         layers = self._run.layers
         error = error or next((c.error for c in layers if c.error is not None), None)
         starts = [c._started for c in layers if c._started is not None]
-        elapsed = time.perf_counter() - min(starts) if starts and error is None else None
+        elapsed = sum(c._elapsed or 0.0 for c in layers) if starts and error is None else None
         super()._finish(error, elapsed)
 
 
@@ -119,11 +131,17 @@ class CpuLayerRun(LayerRun):
     def __init__(self, lane: CpuLane, plan: LayerPlan) -> None:
         self._lane = lane
         self._plan = plan
-        self.num_layers = plan.num_layers
-        self.layers = [CpuCompletion() for _ in range(self.num_layers)]
+        self.num_layers = n = plan.num_layers
+        self.layers = [CpuCompletion() for _ in range(n)]
         self.completion: _JobEnd = _JobEnd(self)
-        self._queued = bytearray(self.num_layers)
+        self._queued = bytearray(n)
         self._finished = False
+        # Host clock marks for ``timeline``: each layer's enqueue, and each gate's
+        # arrival and return (the first gate of a layer).
+        self._submitted = time.perf_counter()
+        self._issued_at: list[float | None] = [None] * n
+        self._reached: list[float | None] = [None] * n
+        self._gone_on: list[float | None] = [None] * n
 
     def load(self, dependency: Any) -> None:
         for layer in range(self.num_layers):
@@ -133,6 +151,7 @@ class CpuLayerRun(LayerRun):
 
     def _put(self, layer: int, dependency: Any) -> None:
         self._queued[layer] = 1
+        self._issued_at[layer] = time.perf_counter() - self._submitted
         self._lane.put((self._plan.layer(layer), self.layers[layer], dependency))
 
     def push(self, layer: int, dependency: Any) -> bool:
@@ -177,13 +196,37 @@ class CpuLayerRun(LayerRun):
 
     def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
         done = self.layers[layer]
+        began = time.perf_counter()
         if done.query():
+            self._note_gate(layer, began, began)
             meter.add(0.0)
             return done.error is None
-        began = time.perf_counter()
         finished = self.wait(layer)
-        meter.add(time.perf_counter() - began)
+        now = time.perf_counter()
+        self._note_gate(layer, began, now)
+        meter.add(now - began)
         return finished and done.error is None
+
+    def _note_gate(self, layer: int, arrived: float, went_on: float) -> None:
+        if self._reached[layer] is None:
+            self._reached[layer], self._gone_on[layer] = arrived, went_on
+
+    def timeline(self) -> LayerTimeline | None:
+        if not self.completion.query():
+            return None
+        starts = [c._started for c in self.layers if c._started is not None]
+        if not starts:
+            return None
+        origin = min(starts)
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - origin
+
+        done = [since(c._started + c._elapsed) if c._started is not None and c._elapsed is not None else None
+                for c in self.layers]
+        return LayerTimeline(clock="host", copy_done=tuple(done), reached=tuple(map(since, self._reached)),
+                             started=tuple(map(since, self._gone_on)), issued=tuple(self._issued_at),
+                             blocked=(0.0,) * self.num_layers)
 
     def ring_when_done(self, layer: int, bell: Doorbell) -> bool:
         return self.layers[layer].ring_when_done(bell)
@@ -280,8 +323,8 @@ class CpuBackend(Backend):
                     "tensors; use backend='cuda' (or 'auto') for GPU tensors"
                 )
 
-    def allocate_pool(self, nbytes: int) -> HostPool:
-        return CpuHostPool(nbytes)
+    def allocate_pool(self, nbytes: int, file: str | None = None) -> HostPool:
+        return CpuHostPool(nbytes, file)
 
     def capture(self, after: Any) -> Any:
         """CPU writes are synchronous, so by default nothing is awaited. ``after`` may be a

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import datetime
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import __version__
 from .cuda_setup import Gemm
 from .report import BenchRow, format_table, write_json
 
@@ -31,9 +34,34 @@ def progress_printer(stream: Any = None) -> Callable[[str], None]:
     return say
 
 
+def source_commit() -> tuple[str | None, bool | None]:
+    """The git commit of the checkout aiokv runs from, and whether tracked files differ
+    from it; (None, None) where aiokv is not a git checkout (an installed wheel) or git
+    cannot say. A figure is tied to the code that produced it."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None, None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode != 0:
+        return None, None
+    return head.stdout.strip(), (bool(status.stdout.strip()) if status.returncode == 0 else None)
+
+
 def bench_meta(backend: str) -> dict[str, Any]:
+    """The run's ``meta`` block: when, what code (aiokv's version and git commit, null
+    outside a checkout; ``dirty`` when tracked files differ from it), on what."""
+    commit, dirty = source_commit()
     meta: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "aiokv": __version__,
+        "commit": commit,
+        "dirty": dirty,
         "backend": backend,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -53,6 +81,6 @@ def run_bench(backend: str, *, quick: bool, loop: str, progress: Callable[[str],
     from .transfer import run_transfer_bench
 
     rows = run_transfer_bench("cpu", quick=quick, progress=progress, backend=loop)
-    rows.append(BenchRow("submit path", "native beside python: skipped", 0.0, "", None,
-                         "the CPU backend makes no driver calls; these rows run on CUDA"))
+    rows.append(BenchRow.skipped("submit path", "native beside python: skipped",
+                                 "the CPU backend makes no driver calls; these rows run on CUDA"))
     return rows

@@ -28,7 +28,7 @@ from ..layout import CanonicalKVCaches
 from ..worker import AsyncOffloadingWorker
 from .replay import replay_cache
 from .report import BenchRow
-from .trace import Request, belady_hit_rate, load_trace, simulate
+from .trace import FULL_TRACES, Request, belady_hit_rate, load_trace, simulate
 
 __all__ = ["DEFAULT_CAPACITIES", "find_traces", "run_cache_bench"]
 
@@ -83,7 +83,8 @@ def find_traces(paths: Sequence[str | os.PathLike[str]] | None = None) -> list[P
     where = ", ".join(str(d) for d in searched)
     raise FileNotFoundError(
         f"no Mooncake traces found (looked in {where}); pass --trace PATH (repeatable) "
-        "or set AIOKV_TRACE_DIR to the folder holding conversation_trace.jsonl and synthetic_trace.jsonl"
+        "or set AIOKV_TRACE_DIR to the folder holding conversation_trace.jsonl and synthetic_trace.jsonl "
+        f"(download them from {FULL_TRACES})"
     )
 
 

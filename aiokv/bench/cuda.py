@@ -95,7 +95,7 @@ def run_cuda_bench(quick: bool = False, progress: Callable[[str], None] | None =
     try:
         rows += baselines(per_layer, reps, ceil)
     except Exception as exc:
-        rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", 0.0, "", None, repr(exc)[:200],
+        rows.append(BenchRow("baselines (32 KiB pages)", "FAILED", None, "", None, repr(exc)[:200],
                              failed=True))
     say("ceilings again")
     _raise_ceilings(rows, ceil, contig.rates(reps))

@@ -220,6 +220,7 @@ def strategy_rows(setup: BenchSetup, name: str, streams: int, threads: int | Non
         worker = setup.worker(name, streams, threads, issue_thread=issuer)
         rows = asyncio.run(_measure(worker, setup, name, sec, label, not streams, env))
     except Exception as exc:  # keep the rest of the run; the row says what broke
-        rows = [BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200], failed=True)]
-    say("\n".join(f"  {r.name}: {r.value:.2f} {r.unit} ratio={r.ratio} {r.note}" for r in rows))
+        rows = [BenchRow(sec, "FAILED", None, "", None, repr(exc)[:200], failed=True)]
+    say("\n".join(f"  {r.name}: {'-' if r.value is None else f'{r.value:.2f}'} {r.unit} ratio={r.ratio} "
+                  f"{r.note}" for r in rows))
     return rows

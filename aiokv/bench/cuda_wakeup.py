@@ -167,12 +167,12 @@ def wakeup_rows(per_layer: BenchSetup, big: BenchSetup, quick: bool) -> list[Ben
     for label, run in wake_runs:
         loop = next((name for name in OTHER_LOOPS if label.endswith(f" on {name}")), "asyncio")
         if not loop_available(loop):
-            rows.append(BenchRow(sec, f"{label}: skipped", 0.0, "", None, f"{loop} is not installed"))
+            rows.append(BenchRow.skipped(sec, f"{label}: skipped", f"{loop} is not installed"))
             continue
         try:
             w = run_on_loop(loop, run)
         except Exception as exc:
-            rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
+            rows.append(BenchRow(sec, f"{label}: FAILED", None, "", None, repr(exc)[:200], failed=True))
             continue
         rows += [
             BenchRow(sec, f"{label}: wake-up p50", w["wake50"] * 1e6, "us", None,
@@ -224,7 +224,7 @@ def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
     # explicit AIOKV_NATIVE=0 (or a helper that is not built) leaves the rows out.
     usable, why = native.status(None if os.environ.get(native.ENV) else True)
     if not usable:
-        return [BenchRow(sec, "native rows: skipped", 0.0, "", None, f"the native path is off here: {why}")]
+        return [BenchRow.skipped(sec, "native rows: skipped", f"the native path is off here: {why}")]
     rows: list[BenchRow] = []
     for busy in (False, True):
         where = ", a busy Python thread beside" if busy else ""
@@ -233,7 +233,7 @@ def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
             try:
                 f = asyncio.run(_submit_path_figures(per_layer, flag, busy, quick))
             except Exception as exc:
-                rows.append(BenchRow(sec, f"{label}: FAILED", 0.0, "", None, repr(exc)[:200], failed=True))
+                rows.append(BenchRow(sec, f"{label}: FAILED", None, "", None, repr(exc)[:200], failed=True))
                 continue
             transfer_us = f["transfer"] * 1e6
             rows += [

@@ -20,7 +20,8 @@ def plot_rows(rows: Sequence[BenchRow], path: str, title: str) -> None:
     for row in rows:
         page = row.extra.get("page_bytes")
         direction = row.extra.get("direction")
-        if row.unit != "GB/s" or page is None or direction not in ("store", "load") or row.extra.get("load"):
+        if (row.unit != "GB/s" or row.value is None or page is None or direction not in ("store", "load")
+                or row.extra.get("load")):
             continue
         points[(direction, row.extra.get("strategy", "worker"))].append((page, row.value))
         if row.ceiling is not None:

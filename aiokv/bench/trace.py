@@ -14,12 +14,20 @@ import json
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..cache.admission import AdmissionPolicy
 from ..cache.manager import ChunkManager
 from ..cache.policies import EvictionPolicy
 
-__all__ = ["Request", "SimResult", "belady_hit_rate", "load_trace", "replay", "simulate"]
+__all__ = ["FULL_TRACES", "PACKAGED_TRACE", "Request", "SimResult", "belady_hit_rate", "load_trace",
+           "replay", "simulate"]
+
+FULL_TRACES = "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces"
+"""Where the full Mooncake traces are published (Apache-2.0)."""
+PACKAGED_TRACE = Path(__file__).parent / "data" / "conversation_first400.jsonl"
+"""The first 400 requests of Mooncake's conversation trace, shipped in the package (with its
+licence and source in data/README.md) so ``aiokv bench serve --quick`` runs anywhere."""
 
 
 @dataclass(frozen=True)

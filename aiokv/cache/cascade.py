@@ -21,8 +21,6 @@ import anyio.abc
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
-from . import descend
-from .descend import StoreFn, Ticket
 from .links import Batch, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
@@ -30,7 +28,7 @@ from .staging import Staging, off_loop
 from .tiers.base import Tier
 from .tiers.codec import key_bytes
 
-__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "Ticket", "TierLink", "tier_list"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
 """Bytes of blocks one tier's write queue holds (reserved, being copied or written)."""
@@ -225,27 +223,6 @@ class Cascade:
     def wants_key(self, link: TierLink, tk: bytes) -> bool:
         """Whether ``link`` should get tier key ``tk``: not on its way there, nor held there."""
         return tk not in link.inflight and (link.tier.remote or not link.tier.holds(tk))
-
-    async def demote(self, keys: Sequence[Hashable], chunks: Sequence[int]) -> None:
-        """``descend.demote``: evicted blocks off the pool, part by part as room comes."""
-        await descend.demote(self, keys, chunks)
-
-    def spill_wanted(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> list[Hashable]:
-        """``descend.spill_wanted``: offered keys the host turned away that go down."""
-        return descend.spill_wanted(self, mgr, keys)
-
-    async def first_spill(self, spill: list[Hashable]) -> list[int]:
-        """``descend.first_spill``: staging chunks, with room, for the first spills."""
-        return await descend.first_spill(self, spill)
-
-    def ticket(self, keys: list[Hashable], chunks: list[int], spill: list[Hashable],
-               spill_chunks: list[int]) -> Ticket:
-        """``descend.ticket``: the copies down one store job hands on once it lands."""
-        return descend.ticket(self, keys, chunks, spill, spill_chunks)
-
-    async def spill(self, keys: list[Hashable], blocks: list[int], store: StoreFn) -> int:
-        """``descend.spill``: the rest of the spills, in rounds through the staging chunks."""
-        return await descend.spill(self, keys, blocks, store)
 
     def count_restored(self, sources: Sequence[TierLink | None]) -> None:
         """Count restored keys against the tier (or memory on its way to it) they came from."""

@@ -1,10 +1,12 @@
-"""The counters behind ``OffloadCache.stats()``."""
+"""The counters behind ``OffloadCache.stats()``, and the per-copy figures it feeds to an
+``OffloadMetrics``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from ..specs import TransferResult
+from ..specs import Direction, TransferResult
 from .manager import CacheStats
 from .records import OffloadCacheStats, TierCacheStats
 
@@ -17,7 +19,10 @@ FOLD_AT = 256
 class Counters:
     """What one cache counted since construction (see ``OffloadCacheStats`` for units)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Any = None) -> None:
+        # An ``OffloadMetrics`` (or None): each finished copy is observed there as it is
+        # folded, so its histograms trail the cache by at most the calls' entries.
+        self.metrics = metrics
         self.hits = self.misses = self.host_hits = 0
         self.offered = self.stored = self.skipped = self.failed_stores = 0
         self.restores = self.restored = self.restore_misses = self.failed_loads = 0
@@ -26,15 +31,26 @@ class Counters:
         # Results whose device time is not summed yet: reading it in the done callback
         # would put the CUDA timing read back before the awaiting task wakes (fold).
         self.untimed_stores: list[TransferResult] = []
-        self.untimed_loads: list[TransferResult] = []
+        self.untimed_loads: list[tuple[TransferResult, Direction]] = []
 
-    def fold(self, at_least: int = FOLD_AT) -> None:
+    def fold(self, at_least: int | None = None) -> None:
         """Sum the device times of finished copies once ``at_least`` wait (a new call's
-        entry, or ``stats()``: never a done callback, which runs before the wake-up)."""
-        if len(self.untimed_stores) >= at_least:
-            self.store_seconds += _device_seconds(self.untimed_stores)
-        if len(self.untimed_loads) >= at_least:
-            self.load_seconds += _device_seconds(self.untimed_loads)
+        entry, or ``stats()``: never a done callback, which runs before the wake-up); with
+        metrics, at every call's entry, where each copy is also observed."""
+        if at_least is None:
+            at_least = 1 if self.metrics is not None else FOLD_AT
+        if self.untimed_stores and len(self.untimed_stores) >= at_least:
+            self.store_seconds += self._seconds([(r, Direction.STORE) for r in self.untimed_stores])
+            self.untimed_stores.clear()
+        if self.untimed_loads and len(self.untimed_loads) >= at_least:
+            self.load_seconds += self._seconds(self.untimed_loads)
+            self.untimed_loads.clear()
+
+    def _seconds(self, results: list[tuple[TransferResult, Direction]]) -> float:
+        if self.metrics is not None:
+            for result, direction in results:
+                self.metrics.observe(result, direction)
+        return sum(r.transfer_time or 0.0 for r, _ in results)
 
     def count_hits(self, total: int, host: int, hits: int) -> None:
         self.hits += hits
@@ -60,9 +76,3 @@ class Counters:
             staging_free=staging[1],
         )
 
-
-def _device_seconds(results: list[TransferResult]) -> float:
-    """Sum and forget the results' device times."""
-    total = sum(r.transfer_time or 0.0 for r in results)
-    results.clear()
-    return total

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import anyio
 
 from ..errors import InvalidSpec, UsageError
 from ..future import TransferFuture
+from .cascade import Cascade
 from .links import Batch, TierLink
 from .manager import ChunkManager
 from .protocol import result_or_none
-
-if TYPE_CHECKING:
-    from .cascade import Cascade
 
 __all__ = ["StoreFn", "Ticket", "demote", "first_spill", "spill", "spill_wanted", "ticket"]
 

@@ -69,6 +69,7 @@ class TierLink:
     tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
     _calling: set[Batch] = field(default_factory=set)  # batches whose write call runs now
     _order: deque[Batch] = field(default_factory=deque)  # expected, write call not started
+    _started: anyio.Event | None = None  # set once the last write call dispatched has begun
     _calls: int = 0  # write calls started
     room: WriteRoom = field(init=False)
     hits: int = 0
@@ -169,7 +170,8 @@ class TierLink:
                 self._give_up(batch, dropped=True)
                 continue
             scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
-            self.tg.start_soon(self._write, batch, scope)
+            before, self._started = self._started, anyio.Event()
+            self.tg.start_soon(self._write, batch, scope, before, self._started)
 
     def find(self, key: bytes) -> tuple[Batch, int] | None:
         return self.inflight.get(key)
@@ -179,13 +181,20 @@ class TierLink:
             if (entry := self.inflight.get(key)) is not None and entry[0] is batch:
                 del self.inflight[key]
 
-    async def _write(self, batch: Batch, scope: anyio.CancelScope) -> None:
+    async def _write(self, batch: Batch, scope: anyio.CancelScope, before: anyio.Event | None,
+                     started: anyio.Event) -> None:
         """One batch's write call. Keys the tier refuses while other calls run (it may be
         removing the same key's old file for one of them) are tried again when those are
         over, so calls touching one key do not cost a block."""
         ok: int | None = None
         try:
             with scope:
+                # A tier plans a write (and orders its blocks) before its first await, and
+                # tasks may start in any order (trio shuffles them): each call waits for
+                # the one dispatched before it to have started.
+                if before is not None:
+                    await before.wait()
+                started.set()
                 rows = batch.rows
                 if rows is not None:  # always: a batch is written once its rows landed
                     views = [memoryview(r) for r in rows]
@@ -206,6 +215,7 @@ class TierLink:
         except Exception:  # a tier that broke its contract: its blocks are dropped
             ok = 0
         finally:
+            started.set()  # stopped before it began: the calls after it are not held
             self.writes.pop(batch, None)
             self._written(batch, self._landed(batch) if ok is None else ok)
 

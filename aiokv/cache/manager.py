@@ -192,19 +192,22 @@ class ChunkManager:
         if held:
             self._policy.on_access(held)
 
-    def prepare_store(self, keys: Iterable[Hashable]) -> StorePlan | None:
+    def prepare_store(self, keys: Iterable[Hashable], *, admit: bool = True) -> StorePlan | None:
         """Allocate chunks for the admitted keys not held yet, evicting if needed.
 
         Never evicts a key of this offer. Returns None, changing nothing, when the admitted
         keys cannot all fit; a plan with no keys when nothing needs storing.
+        ``admit=False`` takes every key without asking (or teaching) the admission policy:
+        a block read back from a lower tier was admitted once and is wanted again now.
         """
         offer = list(dict.fromkeys(keys))
         entries = self._entries
         new = [k for k in offer if k not in entries]
         if not new:
-            self._admission.observe(offer)
+            if admit:
+                self._admission.observe(offer)
             return StorePlan([], [], [])
-        flags = self._admission.admit_offer(offer, new, len(self._free))
+        flags = self._admission.admit_offer(offer, new, len(self._free)) if admit else [True] * len(new)
         to_store = [k for k, ok in zip(new, flags) if ok]
         need = len(to_store) - len(self._free)
         victims: list[Hashable] = []
@@ -221,8 +224,9 @@ class ChunkManager:
                 self._refused += 1
                 return None
             victims = found
-        self._admission.observe(offer)
-        self._admission.on_offer(new, flags)
+        if admit:
+            self._admission.observe(offer)
+            self._admission.on_offer(new, flags)
         self._rejected += len(new) - len(to_store)
         if victims:
             victim_chunks = [entries[key].chunk for key in victims]

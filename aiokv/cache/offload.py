@@ -13,7 +13,8 @@ keep KV correct:
   awaiting task cancels the wait, never the copy, and can never leak a pinned or pending
   chunk.
 - A cache owns its chunks of the pool (all of them unless ``chunks=`` says which); caches
-  sharing a worker must own disjoint ranges, and nothing else may write them.
+  sharing a worker must own disjoint ranges, and nothing else may write them. Closing the
+  cache gives them back once no copy of its own still writes them.
 - With lower tiers (``tiers=``) the cascade owns every copy between the host pool and the
   tiers (``cascade.py``): blocks the host evicts or turns away go down, restores read them
   back through staging chunks the host bookkeeping never hands out (``restore.py``).
@@ -24,23 +25,23 @@ changes between checkpoints, and each call re-reads what it needs after an await
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..specs import CPULoadStoreSpec, GPULoadStoreSpec
+from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, flag
+from . import descend
 from .admission import AdmissionPolicy
 from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, tier_list
 from .counters import Counters
 from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
 from .manager import ChunkManager
+from .owners import owners_of
 from .pages import page_map_of
 from .persist import persist_host
 from .policies import EvictionPolicy
@@ -50,22 +51,13 @@ from .restore import Outcome, restore_from_host, restore_through_tiers
 from .tiers.base import Tier
 from .tiers.codec import default_fingerprint
 
+if TYPE_CHECKING:
+    from ..metrics import OffloadMetrics
+
 __all__ = ["DEFAULT_POLICY", "OffloadCache", "OffloadCacheStats", "OffloadResult", "RestoreResult"]
 
 DEFAULT_POLICY = "adaptive"
 """The recommended policy: prefix-ordered LRU behind an adaptive admission filter."""
-
-
-class _Shared:
-    """What the caches on one worker share: who owns which chunks (entries go with their
-    caches), and one job id counter, so they never collide on ids."""
-
-    def __init__(self) -> None:
-        self.caches: weakref.WeakSet[OffloadCache] = weakref.WeakSet()
-        self.job_ids = itertools.count(1)
-
-
-_SHARED: weakref.WeakKeyDictionary[Any, _Shared] = weakref.WeakKeyDictionary()
 
 
 class OffloadCache:
@@ -99,10 +91,16 @@ class OffloadCache:
             meanwhile (backpressure: nothing is dropped while the tier writes).
         drain_timeout: seconds leaving the cache waits for copies and tier writes (and for
             ``persist_on_close``) before it drops what is left (counted) and closes the tiers,
-            whatever way it is left (``math.inf``: no bound).
+            whatever way it is left (``math.inf``: no bound). Once left (``async with`` or
+            ``aclose()``) the cache is closed: its chunks are free for a new cache (those a
+            copy still writes once it ends) and every later call raises ``UsageError``.
         persist_on_close: when the cache is left without an error, first write the blocks
             the host holds to the nearest tier, so a process opening the same directory and
             layout next finds them (docs/tiers.md, "Warm restarts").
+        metrics: an ``aiokv.metrics.OffloadMetrics``: each copy the cache makes is observed
+            in its transfer time and size histograms at the next ``offload``, ``restore``
+            or ``stats()`` (never in the wake-up path), all by the close.
+            ``CacheCollector`` exports the cache's own counters.
     """
 
     def __init__(
@@ -120,6 +118,7 @@ class OffloadCache:
         queue_wait: float = DEFAULT_QUEUE_WAIT,
         drain_timeout: float = 30.0,
         persist_on_close: bool = False,
+        metrics: OffloadMetrics | None = None,
     ) -> None:
         check_worker(worker)
         tiers = tier_list(tiers)
@@ -130,22 +129,21 @@ class OffloadCache:
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         cascade = Cascade(tiers, pages=page_map_of(worker), staging=staging, queue_bytes=queue_bytes,
                           queue_wait=queue_wait) if tiers else None
-        shared = _SHARED.setdefault(worker, _Shared())
-        for other in shared.caches:
-            both = range(max(chunks.start, other.chunks.start), min(chunks.stop, other.chunks.stop))
-            if both:
-                raise InvalidSpec(
-                    f"chunks {both.start}..{both.stop - 1} of this worker already belong to another "
-                    f"OffloadCache ({other.chunks!r}); give each cache its own chunks=range(...)"
-                )
-        # After every check: the manager adopts a policy object, which then serves no other.
-        self._mgr = ChunkManager(
-            len(host), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
-        )
-        self._worker = worker
+        if metrics is not None and not callable(getattr(metrics, "observe", None)):
+            raise InvalidSpec(f"metrics must be an aiokv.metrics.OffloadMetrics, "
+                              f"got {type(metrics).__name__}")
+        owners = owners_of(worker)
         self.chunks: range = chunks
+        owners.claim(self)
+        try:  # the manager adopts a policy object, which then serves no other
+            self._mgr = ChunkManager(
+                len(host), policy=DEFAULT_POLICY if policy is None else policy, admission=admission
+            )
+        except BaseException:
+            owners.release(self)
+            raise
+        self._worker = worker
         self._host = host
-        shared.caches.add(self)
         self._keep_events = keep_events
         self._cascade = cascade
         self._fingerprint = fingerprint or (
@@ -153,9 +151,10 @@ class OffloadCache:
         )
         self._drain_timeout = float(drain_timeout)
         self._persist = bool(persist_on_close)
-        self._entered = False
-        self._n = Counters()
-        self._jobs = Jobs(worker, shared.job_ids, self._n)
+        self._owners = owners
+        self._state = "new"  # "open" once entered, "closed" once left or aclose()d
+        self._n = Counters(metrics)
+        self._jobs = Jobs(worker, owners.job_ids, self._n)
 
     @property
     def manager(self) -> ChunkManager:
@@ -170,27 +169,40 @@ class OffloadCache:
     def tiers(self) -> list[Tier]:
         return [link.tier for link in self._cascade.links] if self._cascade else []
 
+    @property
+    def closed(self) -> bool:
+        """Whether the cache was left (or ``aclose()``d): its chunks are free for another."""
+        return self._state == "closed"
+
     def __len__(self) -> int:
+        """Keys the host pool holds now (loadable ones; pending stores not counted)."""
         return len(self._mgr)
+
+    def __bool__(self) -> bool:
+        # With __len__ alone an empty cache would be falsy, and `if cache:` would skip a
+        # cache that merely holds nothing yet.
+        return True
 
     def __repr__(self) -> str:
         st = self._mgr.stats()
+        state = " closed" if self.closed else ""
         return (
-            f"<OffloadCache {type(self._mgr.policy).__name__} keys={st.keys}/{st.num_chunks} "
+            f"<OffloadCache{state} {type(self._mgr.policy).__name__} keys={st.keys}/{st.num_chunks} "
             f"pending={st.pending_keys} pinned={st.pinned_keys} in_flight={len(self._jobs.in_flight)}"
             f" tiers={[t.name for t in self.tiers]}>"
         )
 
-    # -- lifecycle (needed only with tiers) ---------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------
 
     async def __aenter__(self) -> OffloadCache:
-        if self._entered:
+        if self._state == "closed":
+            raise UsageError("this OffloadCache is closed; build a new one (its chunks are free)")
+        if self._state == "open":
             raise UsageError("this OffloadCache is entered already")
-        if self._cascade is None:
-            return self
-        pool = np.asarray(self._worker.host_pool.numpy()).reshape(-1)
-        await self._cascade.open(self._fingerprint, pool)
-        self._entered = True
+        if self._cascade is not None:
+            pool = np.asarray(self._worker.host_pool.numpy()).reshape(-1)
+            await self._cascade.open(self._fingerprint, pool)
+        self._state = "open"
         return self
 
     async def __aexit__(self, exc_type: Any, *exc_info: Any) -> None:
@@ -198,28 +210,40 @@ class OffloadCache:
 
     async def aclose(self) -> None:
         """Leave the cache as ``async with`` does without an error (call it in the task
-        that entered it): wait for copies and tier writes in flight, within
-        ``drain_timeout``, then stop the writers and close the tiers."""
+        that entered it; a cache without tiers needs no ``async with`` and may be closed
+        from any task on the worker's loop): wait for copies and tier writes in flight,
+        within ``drain_timeout``, stop the writers, close the tiers and give the cache's
+        chunks back, so another ``OffloadCache`` may own them. Idempotent."""
         await self._close(graceful=True)
 
     async def _close(self, *, graceful: bool) -> None:
-        cascade = self._cascade
-        if not self._entered or cascade is None:
+        if self._state == "closed":
             return
-        self._entered = False  # calls from here on raise; copies already started finish
+        cascade = self._cascade if self._state == "open" else None
+        self._state = "closed"  # calls from here on raise; copies already started finish
         try:
             # Shielded, so any cancellation (the owner's, a timeout's) still drains, and
-            # bounded, so a tier that hangs cannot hold the exit.
+            # bounded, so a tier (or a copy) that hangs cannot hold the exit.
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._drain_timeout):
                 await self._jobs.wait()
-                if graceful and self._persist:
-                    await persist_host(cascade, self._mgr, self._host.start)
-                await cascade.drain()
+                if cascade is not None:
+                    if graceful and self._persist:
+                        await persist_host(cascade, self._mgr, self._host.start)
+                    await cascade.drain()
         finally:
-            await cascade.stop()
+            try:
+                if cascade is not None:
+                    await cascade.stop()
+            finally:
+                # A copy still running past the bound writes into these chunks: they go
+                # free when it ends, never before.
+                self._jobs.when_idle(lambda: self._owners.release(self))
+                self._n.fold(0)  # the last copies' figures, into stats() and the metrics
 
-    def _check_entered(self) -> None:
-        if self._cascade is not None and not self._entered:
+    def _check_open(self) -> None:
+        if self._state == "closed":
+            raise UsageError("this OffloadCache is closed (left or aclose()d); build a new one")
+        if self._cascade is not None and self._state != "open":
             raise UsageError("an OffloadCache with tiers must be entered: `async with cache:` "
                              "inside the worker's `async with`")
 
@@ -230,7 +254,7 @@ class OffloadCache:
         tier, or on their way down to one (no I/O). Pure query: it does not count as a use
         for eviction (``restore`` does), so schedulers may poll it."""
         keys = as_keys(keys)
-        self._check_entered()  # a closed or unopened tier cannot answer holds()
+        self._check_open()  # a closed or unopened tier cannot answer holds()
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
@@ -243,7 +267,7 @@ class OffloadCache:
         """``lookup`` that also asks the remote tiers (one batched round trip each) about
         the keys after the local run, so a server sees prefixes another server stored."""
         keys = as_keys(keys)
-        self._check_entered()
+        self._check_open()
         n = self._host_run(keys)
         total = n
         if self._cascade is not None and n < len(keys):
@@ -267,7 +291,7 @@ class OffloadCache:
         """
         keys = as_keys(keys)
         check_hashable_values(keys)
-        self._check_entered()
+        self._check_open()
         blocks = as_block_ids(keys, gpu_block_ids)
         block_of: dict[Hashable, int] = {}
         try:
@@ -303,9 +327,10 @@ class OffloadCache:
                     # Copied out before the store below reuses the evicted chunks (the
                     # stored keys are pending meanwhile, so nothing else touches those
                     # chunks), part by part as the tier's queue has room.
-                    await cascade.demote(plan.evicted, [self._host.start + c for c in plan.evicted_chunks])
-                spill = cascade.spill_wanted(mgr, list(block_of))
-                first = await cascade.first_spill(spill)
+                    await descend.demote(cascade, plan.evicted,
+                                         [self._host.start + c for c in plan.evicted_chunks])
+                spill = descend.spill_wanted(cascade, mgr, list(block_of))
+                first = await descend.first_spill(cascade, spill)
             except BaseException:  # cancelled waiting for room: the store never starts
                 mgr.complete_store(stored, success=False, counted=False)
                 if spill and cascade.demote_to is not None:
@@ -327,7 +352,7 @@ class OffloadCache:
         spilled = len(first)
         if cascade is not None and len(spill) > len(first):
             later = spill[len(first):]  # the rounds count their own drops
-            spilled += await cascade.spill(later, [block_of[k] for k in later],
+            spilled += await descend.spill(cascade, later, [block_of[k] for k in later],
                                            lambda b, c: self._jobs.store(b, c, after))
         elif not stored and not first:
             await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
@@ -339,7 +364,7 @@ class OffloadCache:
         """Submit the offer's store (its host keys and the first spills) and wait for it and
         the copies down it decided; whether the copy failed."""
         cascade, mgr = self._cascade, self._mgr
-        ticket = cascade.ticket(stored, host_chunks, spill, staging) if cascade is not None else None
+        ticket = descend.ticket(cascade, stored, host_chunks, spill, staging) if cascade is not None else None
         try:
             future = self._jobs.store([block_of[k] for k in [*stored, *spill]], host_chunks + staging, after)
         except BaseException:
@@ -392,8 +417,9 @@ class OffloadCache:
         closed.
         """
         keys = as_keys(keys)
-        self._check_entered()
+        self._check_open()
         blocks = as_block_ids(keys, gpu_block_ids)
+        expedited = flag("expedited", expedited)
         self._worker.check_submittable(after)
         self._n.fold()
         if not keys:
@@ -436,7 +462,9 @@ class OffloadCache:
         """Wait until every copy this cache had started when called is over (also those whose
         awaiting task was cancelled), e.g. before reusing GPU blocks of a cancelled request,
         and then until the tier writes queued by then are done. Copies started meanwhile
-        are not waited for, so a busy server does not hold it."""
+        are not waited for, so a busy server does not hold it. Raises ``UsageError`` on a
+        closed cache (its exit drained already)."""
+        self._check_open()
         await self._jobs.wait()
         if self._cascade is not None:
             await self._cascade.drain()

@@ -118,12 +118,23 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
         except Exception as exc:  # raised below as itself, not inside an exception group
             error = exc
             tg.cancel_scope.cancel()
+    error = error or next((slot.error for slot in slots if slot.error is not None), None)
     if error is not None:
+        # The loads already submitted write the caller's GPU blocks: they are over before
+        # the error reaches the caller, as a restore that returns waits for its loads.
+        with anyio.CancelScope(shield=True):
+            for slot in slots:
+                if slot.future is not None:
+                    await _landed(slot.future)
         raise error
-    for slot in slots:
-        if slot.error is not None:
-            raise slot.error
     return await _settle(slots, len(keys))
+
+
+async def _landed(future: TransferFuture) -> None:
+    try:
+        await future
+    except TransferFailed:
+        pass
 
 
 class _Run:
@@ -182,7 +193,7 @@ class _Slot:
         self.staged = staged
         self.sources: list[TierLink | None] = [None] * len(batch)
         self.future: TransferFuture | None = None
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.cut = False  # a key of it was found nowhere: nothing after it counts
         self._released = False
 

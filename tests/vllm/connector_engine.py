@@ -1,5 +1,6 @@
-"""vLLM's real Scheduler and AiokvConnector in both roles, driven in the model runner's
-order, with a forward pass that runs layer by layer (vLLM tests only).
+"""vLLM's real Scheduler and AiokvConnector (or vLLM's OffloadingConnector with the spec) in
+both roles, driven in the model runner's order, with a forward pass that runs layer by
+layer (vLLM tests only).
 
 The forward calls the connector's hooks around each attention layer as vLLM's attention
 wrapper does: ``wait_for_layer_load``, then the layer reads its context and writes its new
@@ -21,6 +22,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -47,6 +49,7 @@ def content(block_hash: bytes, layer: str, n: int) -> torch.Tensor:
 class Tally:
     steps: int = 0
     loads: int = 0
+    loaded_blocks: int = 0  # GPU blocks the loads filled (hits from host memory)
     sync_loads: int = 0
     steps_with_sync_loads: int = 0
     flushes: int = 0  # store jobs a step had to finish before reusing their blocks
@@ -61,11 +64,11 @@ class ConnectorEngine:
     """One engine: the scheduler, the worker-role connector over CPU tensors, the forward."""
 
     def __init__(self, model_dir: Path, *, extra: dict[str, Any], chunks: int = 24, gpu_blocks: int = 40,
-                 seed: int = 3, blocks_per_chunk: int = 2) -> None:
+                 seed: int = 3, blocks_per_chunk: int = 2, connector: str = "AiokvConnector") -> None:
         self.rng = np.random.default_rng(seed)
         extra = {"blocks_per_chunk": blocks_per_chunk, "aiokv_backend": "cpu", **extra}
         vc, kc = build_configs(model_dir, extra=extra, groups=[Group(LAYERS, pad_bytes=64)],
-                               num_gpu_blocks=gpu_blocks, connector="AiokvConnector")
+                               num_gpu_blocks=gpu_blocks, connector=connector)
         chunk = -(-(kc.kv_cache_tensors[0].size // kc.num_blocks // len(LAYERS) * len(LAYERS)
                     * blocks_per_chunk) // 512) * 512
         vc.kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"] = chunks * chunk
@@ -76,10 +79,12 @@ class ConnectorEngine:
             vllm_config=vc, kv_cache_config=kc, structured_output_manager=StructuredOutputManager(vc),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=True,
         )
-        self.worker = AiokvConnector(vc, KVConnectorRole.WORKER, kc)
+        kind = AiokvConnector if connector == "AiokvConnector" else OffloadingConnector
+        self.worker = kind(vc, KVConnectorRole.WORKER, kc)
         with set_current_vllm_config(vc):
             self.worker.register_kv_caches(self.caches)
-        assert isinstance(self.scheduler.connector, AiokvConnector)
+        assert type(self.scheduler.connector) is kind
+        self.vllm_config = vc
         self.manager = self.scheduler.connector.connector_scheduler.manager
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
@@ -95,9 +100,9 @@ class ConnectorEngine:
     def aiokv_worker(self) -> Any:
         return self.worker.connector_worker.worker.aiokv_worker
 
-    def add_request(self) -> None:
+    def add_request(self, doc_index: int | None = None) -> None:
         rng = self.rng
-        doc = self.docs[int(rng.integers(len(self.docs)))]
+        doc = self.docs[int(rng.integers(len(self.docs))) if doc_index is None else doc_index]
         prompt = doc[: int(rng.integers(2, len(doc) // BS + 1)) * BS] + rng.integers(10, 900, 5).tolist()
         self.scheduler.add_request(Request(
             request_id=f"q{self.added}", prompt_token_ids=prompt, pooling_params=None,
@@ -129,6 +134,7 @@ class ConnectorEngine:
         meta = out.kv_connector_metadata
         tally.steps += 1
         tally.loads += len(meta.load_jobs)
+        tally.loaded_blocks += sum(len(job.dst_spec.block_ids) for job in meta.load_jobs.values())
         tally.sync_loads += sum(job.sync for job in meta.load_jobs.values())
         tally.flushes += len(meta.jobs_to_flush or ())
         worker.handle_preemptions(meta)
@@ -198,3 +204,4 @@ class ConnectorEngine:
 
     def close(self) -> None:
         self.worker.shutdown()
+        self.scheduler.shutdown()

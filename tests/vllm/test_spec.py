@@ -84,6 +84,9 @@ def test_documented_config_builds_the_spec_through_vllms_factory(model_dir) -> N
         ({"cpu_bytes_to_use": "much"}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 100}, "holds no chunk"),
         ({"canonical_layout": True}, "canonical_layout"),
+        ({"aiokv_tiers": "file:///tmp/kv?capacity=1GiB"}, "a list of tier URLs"),
+        ({"aiokv_tiers": ["file:///tmp/kv"]}, "needs capacity="),
+        ({"aiokv_tiers": ["s3://bucket"]}, "no tier for the scheme"),
     ],
 )
 def test_bad_config_is_refused_at_construction(model_dir, extra, match) -> None:

@@ -89,8 +89,8 @@ class CudaBackend(Backend):
             if t.tensor.device != self.torch_device:
                 raise InvalidSpec(f"tensors[{i}] is on {t.tensor.device}, expected {self.torch_device}")
 
-    def allocate_pool(self, nbytes: int) -> HostPool:
-        return PinnedHostPool(nbytes, self.driver)
+    def allocate_pool(self, nbytes: int, file: str | None = None) -> HostPool:
+        return PinnedHostPool(nbytes, self.driver, file)
 
     def capture(self, after: Any) -> Any:
         """Record (or take) the event a copy waits on, on the submitting thread."""

@@ -186,6 +186,10 @@ class CudaCompletion(Completion):
                 return
         self._pool(events)
 
+    def _device_time(self, drv: Driver, events: JobEvents) -> float | None:
+        """Seconds the job's copies took on the device (a layerwise store sums its layers)."""
+        return drv.elapsed(events.start, events.stop)
+
     def settle(self) -> None:
         with self._lock:
             events, self._unsettled = self._unsettled, None
@@ -194,7 +198,7 @@ class CudaCompletion(Completion):
             drv = self._driver
             try:
                 drv.ensure_context()  # any thread may read a result's transfer_time
-                self._elapsed = drv.elapsed(events.start, events.stop)
+                self._elapsed = self._device_time(drv, events)
             except Exception:
                 self._elapsed = None  # the time is lost (a broken device), never the result
         self._pool(events)

@@ -7,7 +7,8 @@ part-way unregisters and unmaps what was done, and it is released only by ``clos
 which the worker calls after every copy that may touch it has completed. A pool whose
 worker was dropped unclosed, or whose context died, stays registered and mapped for the
 rest of the process. A mapping or a registration that fails for lack of memory raises
-``HostMemoryError``.
+``HostMemoryError``. With ``file`` the mapping is that shared file instead
+(``backends/shared_file.py``), which the driver pins the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ...errors import HostMemoryError, InvalidSpec
 from ..base import HostPool
+from ..shared_file import SharedFile
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -37,21 +39,27 @@ class PinnedHostPool(HostPool):
     """``tensor`` is a flat uint8 CPU tensor over the registered memory (tests inspect it);
     ``device_ptr`` is the same memory's device (UVA) address, which copies use."""
 
-    def __init__(self, nbytes: int, driver: Driver) -> None:
+    def __init__(self, nbytes: int, driver: Driver, file: str | None = None) -> None:
         if nbytes <= 0:
             raise InvalidSpec(f"the host pool needs a positive size, got {nbytes} bytes")
         self._driver = driver
         self.nbytes = nbytes
         mapped = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         driver.ensure_context()
+        self._shared: SharedFile | None = None
         with contextlib.ExitStack() as undo:
-            try:
-                self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            except (OSError, OverflowError) as exc:
-                raise HostMemoryError(
-                    f"could not map {nbytes} bytes of host memory ({exc}): ask for fewer chunks "
-                    "(num_cpu_chunks= or cpu_bytes=)"
-                ) from exc
+            if file is not None:
+                self._shared = SharedFile(file, nbytes)
+                self._map = self._shared.map
+                undo.callback(self._shared.unlink)
+            else:
+                try:
+                    self._map = mmap.mmap(-1, mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                except (OSError, OverflowError) as exc:
+                    raise HostMemoryError(
+                        f"could not map {nbytes} bytes of host memory ({exc}): ask for fewer chunks "
+                        "(num_cpu_chunks= or cpu_bytes=)"
+                    ) from exc
             undo.callback(self._close_map)
             array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
             self.address = int(array.ctypes.data)
@@ -71,6 +79,8 @@ class PinnedHostPool(HostPool):
         if not self._registered:
             return
         self._registered = False
+        if self._shared is not None:
+            self._shared.unlink()
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._driver.broken is None:
             self._driver.ensure_context()

@@ -19,7 +19,7 @@ from .issuer import Issuer
 from .layers import CudaLayerRun
 from .native import NativeWaiter
 from .program import Recorder
-from .strategy import CopyStrategy
+from .strategy import CopyContext, CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
 
@@ -90,6 +90,7 @@ class CudaLane(Lane):
         self.stream = strategy.main_stream
         self._recorder = recorder
         self.waiter: NativeWaiter | None = None
+        self._issue_thread = issue_thread
         self._issuer = Issuer(f"aiokv-issue-{direction.value}") if issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
@@ -98,6 +99,8 @@ class CudaLane(Lane):
         self.issue_cpu_seconds = 0.0
         # Host clock just before the latest job's copies were handed to the device.
         self.last_started_at: float | None = None
+        # The device slot of layerwise jobs whose blocks do not run (``layers.layer_ops``).
+        self.layer_staging: Any = None
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -119,7 +122,7 @@ class CudaLane(Lane):
         dep: Dependency | None = dependency
         events = None
         issuer = self._issuer
-        defer = issuer is not None and plan.total_bytes >= ISSUE_THREAD_BYTES
+        defer = self._issue_thread and plan.total_bytes >= ISSUE_THREAD_BYTES
         try:
             drv.ensure_context()
             drv.check_usable()
@@ -230,6 +233,20 @@ class CudaLane(Lane):
     def issuer(self) -> Issuer | None:
         return self._issuer
 
+    def layer_issuer(self) -> Issuer:
+        """The issuer a layerwise load hands its later layers to: the lane's own, made on
+        first use where ``issue_thread`` is off. Every launch after it then goes through it
+        (at once, on the caller's thread, while it holds nothing), so the lane's jobs stay
+        in submission order."""
+        if self._issuer is None:
+            self._issuer = Issuer(f"aiokv-issue-{self.direction.value}")
+        return self._issuer
+
+    @property
+    def context(self) -> CopyContext:
+        """The strategy's addresses of this lane's tensors and pool."""
+        return self._strategy.ctx
+
     def pointers(self, plan: CopyPlan | CopySlice) -> tuple[Any, Any, Any]:
         """The plan's (dst, src, sizes) tables in this lane's direction."""
         return self._strategy.ctx.pointers(plan)
@@ -247,9 +264,11 @@ class CudaLane(Lane):
         except BaseException:
             self._give_back(None, dep)
             raise
-        if issuer is None:
+        if issuer is None and run.head == run.num_layers:
             run.issue_load(dep, on_issuer=False)
             return run
+        if issuer is None:  # made now, idle: the first layers still go at once, from here
+            issuer = self.layer_issuer()
         ran = False
 
         def work() -> None:
@@ -301,6 +320,8 @@ class CudaLane(Lane):
         """Dropped unclosed: keep what queued copies may still read, and let the issuer
         and waiter threads end after their queues."""
         self._strategy.abandon()
+        if self.layer_staging is not None:
+            self.layer_staging.abandon()
         if self.waiter is not None:
             self.waiter.abandon()
         if self._issuer is not None:

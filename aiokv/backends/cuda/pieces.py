@@ -241,10 +241,12 @@ class PieceKernel:
         return wrapped
 
     def launch(self, table: int, pages: tuple[int, int], rows: np.ndarray, image: int, image_step: int,
-               longest: int, to_device: bool, stream: Any) -> None:
+               longest: int, to_device: bool, stream: Any, driver: Any = None) -> None:
         """Copy pages ``[pages[0], pages[1])`` of the blocks at device ``rows`` (uint32),
         block ``z``'s image at ``image + z * image_step``, on at most ``MAX_CTAS`` CTAs
-        (None: one CTA per tile)."""
+        (None: one CTA per tile). ``driver``: where the launches go (default the kernel's;
+        a lane's recorder records them into its open program)."""
+        launch_on = (driver if driver is not None else self.driver).launch
         tiles = max(1, -(-longest // TILE_BYTES))
         a_table, a_image, a_step, a_page, a_to_device, a_tiles, a_npages, a_total = self._args
         a_table.value, a_step.value, a_to_device.value, a_tiles.value = table, image_step, to_device, tiles
@@ -255,8 +257,7 @@ class PieceKernel:
             a_image.value, a_page.value, a_total.value = image, pages[0], total
             a_npages.value = pages[1] - pages[0]
             ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-            self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params,
-                               packed=self._packed)
+            launch_on(self.function, (ctas, 1, 1), THREADS, stream, self._params, packed=self._packed)
             return
         # Launches small enough that the rows fit the parameters and tile numbers 31 bits:
         # blocks, then pages, per launch.
@@ -271,8 +272,7 @@ class PieceKernel:
                 total = tiles * np_ * nb
                 a_page.value, a_npages.value, a_total.value = p, np_, total
                 ctas = total if MAX_CTAS is None else max(1, min(total, MAX_CTAS))
-                self.driver.launch(self.function, (ctas, 1, 1), THREADS, stream, self._params,
-                               packed=self._packed)
+                launch_on(self.function, (ctas, 1, 1), THREADS, stream, self._params, packed=self._packed)
 
     def close(self) -> None:
         """Drop the table buffers (the caller guarantees no kernel still reads them)."""

@@ -9,57 +9,80 @@ from typing import Any
 
 from ..report import BenchRow
 
-__all__ = ["SERVE_OPTIONS", "add_serve_arguments", "serve_rows"]
+__all__ = ["add_serve_arguments", "backend_of", "serve_rows"]
 
-SERVE_OPTIONS = (
-    ("--mode", "serve_mode"), ("--model", "serve_model"), ("--layers", "layers"),
-    ("--requests", "requests"), ("--warmup", "warmup"), ("--block-tokens", "block_tokens"),
-    ("--max-tokens", "max_tokens"), ("--prefixes", "prefixes"), ("--prefix-tokens", "prefix_tokens"),
-    ("--suffix-tokens", "suffix_tokens"), ("--compress", "compress"), ("--load", "load"),
-    ("--gpu-blocks", "gpu_blocks"), ("--host-blocks", "host_blocks"), ("--disk-blocks", "disk_blocks"),
-    ("--redis-blocks", "redis_blocks"), ("--redis-server", "redis_server"),
-    ("--arms", "arms"), ("--segments", "segments"), ("--decode-tokens", "decode_tokens"), ("--seed", "seed"),
-)
-"""(flag, attribute) of every option only ``aiokv bench serve`` reads."""
+def _defaults() -> tuple[Any, Any, Any]:
+    """The defaults of a GPU run, of a CPU (or ``--quick``) run and of a prefix-mode run."""
+    from .config import ServeConfig
+
+    return (ServeConfig.defaults(backend="cuda", quick=False),
+            ServeConfig.defaults(backend="cpu", quick=True),
+            ServeConfig.defaults(backend="cpu", quick=True, mode="prefix"))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("serve", "options of `aiokv bench serve` (see docs/serve.md)")
+    """The options only ``aiokv bench serve`` reads; each help says its default (both, where a
+    GPU run's and a CPU run's differ), read from ``ServeConfig.defaults``."""
+    gpu, cpu, prefix = _defaults()
+
+    def default(name: str) -> str:
+        a, b = getattr(gpu, name), getattr(cpu, name)
+        return f"default {a}" if a == b else f"default {a} on CUDA, {b} on the CPU and with --quick"
+
+    g = parser.add_argument_group("serve", "what the run serves (see docs/serve.md)")
     g.add_argument("--mode", dest="serve_mode", choices=["trace", "prefix", "correctness"],
-                   help="serve: replay the trace (default), prefix repetition, or only the "
-                        "greedy-decode correctness check")
+                   help="replay the trace (default), prefix repetition, or only the greedy-decode "
+                        "correctness check")
     g.add_argument("--model", dest="serve_model", choices=["llama3-8b", "tiny"],
-                   help="serve: model shape (default llama3-8b on CUDA, tiny on the CPU and with --quick)")
-    g.add_argument("--layers", type=int, help="serve: decoder layers (default 32 for llama3-8b, 2 for tiny)")
-    g.add_argument("--requests", type=int, help="serve: measured requests")
-    g.add_argument("--warmup", type=int, help="serve: requests before them that only warm the caches")
-    g.add_argument("--block-tokens", type=int,
-                   help="serve: tokens per 512-token trace block (scales prompts)")
-    g.add_argument("--max-tokens", type=int, help="serve: longest prompt (longer ones are cut)")
-    g.add_argument("--prefixes", type=int, help="serve --mode prefix: shared prefixes (default 4)")
-    g.add_argument("--prefix-tokens", type=int, help="serve --mode prefix: tokens of each prefix")
-    g.add_argument("--suffix-tokens", type=int, help="serve --mode prefix: tokens after the prefix")
+                   help=f"model shape ({default('model')})")
+    g.add_argument("--layers", type=int, metavar="N",
+                   help=f"decoder layers (default {gpu.model_config().layers} for llama3-8b, "
+                        f"{cpu.model_config().layers} for tiny)")
+    g.add_argument("--requests", type=int, metavar="N",
+                   help=f"measured requests ({default('requests')}; prefix mode {prefix.requests})")
+    g.add_argument("--warmup", type=int, metavar="N",
+                   help=f"requests before them that only warm the caches ({default('warmup')}; "
+                        f"prefix mode {prefix.warmup})")
+    g.add_argument("--block-tokens", type=int, metavar="N",
+                   help=f"tokens per 512-token trace block, which scales prompts ({default('block_tokens')})")
+    g.add_argument("--max-tokens", type=int, metavar="N",
+                   help=f"longest prompt; longer ones are cut ({default('max_tokens')})")
+    g.add_argument("--prefixes", type=int, metavar="N",
+                   help=f"--mode prefix: shared prefixes ({default('prefixes')})")
+    g.add_argument("--prefix-tokens", type=int, metavar="N",
+                   help=f"--mode prefix: tokens of each prefix ({default('prefix_tokens')})")
+    g.add_argument("--suffix-tokens", type=int, metavar="N",
+                   help=f"--mode prefix: tokens after the prefix ({default('suffix_tokens')})")
     g.add_argument("--compress", type=float, metavar="F",
-                   help="serve: divide trace timestamps by F (default: chosen for --load)")
-    g.add_argument("--load", type=float,
-                   help="serve: offered load of the recompute arm that picks the compression "
-                        "(default 0.5 on CUDA, 0.3 on the CPU)")
-    g.add_argument("--gpu-blocks", type=int, help="serve: GPU KV pool in 16-token blocks")
-    g.add_argument("--host-blocks", type=int, help="serve: host tier (OffloadCache) in blocks")
-    g.add_argument("--disk-blocks", type=int, help="serve: disk tier in blocks")
-    g.add_argument("--redis-blocks", type=int,
-                   help="serve: Redis tier in blocks (default: the disk tier's, at most an eighth of RAM)")
+                   help="divide trace timestamps by F (default: the factor that gives --load)")
+    g.add_argument("--load", type=float, metavar="R",
+                   help=f"offered load of the recompute arm that picks the compression ({default('load')})")
+    g.add_argument("--gpu-blocks", type=int, metavar="N",
+                   help="GPU KV pool in 16-token blocks (default: from the workload's reuse distances, "
+                        "at least the largest request)")
+    g.add_argument("--host-blocks", type=int, metavar="N",
+                   help="host tier (OffloadCache) in blocks (default: from the workload's reuse distances)")
+    g.add_argument("--disk-blocks", type=int, metavar="N",
+                   help="disk tier in blocks (default: from the workload's reuse distances)")
+    g.add_argument("--redis-blocks", type=int, metavar="N",
+                   help="Redis tier in blocks (default: the disk tier's, at most an eighth of the "
+                        "host's memory)")
+    g.add_argument("--redis-url", metavar="URL",
+                   help="the Redis/Valkey server of the redis arm, which then joins the default arms "
+                        "(the bench deletes what it wrote)")
     g.add_argument("--redis-server", metavar="PATH",
-                   help="serve: a redis-server binary the bench starts on loopback for the redis arm "
-                        "(or give --redis-url); either adds the redis arm to the default arms")
+                   help="a redis-server binary the bench starts on loopback for the redis arm, and "
+                        "stops (instead of --redis-url; see .ci/redis-bundle.sh for a host without one)")
     g.add_argument("--arms", metavar="A,B",
-                   help="serve: arms to run, of recompute,gpu,host,layerwise,disk,redis,oracle (default "
-                        "all but redis, which needs --redis-url or --redis-server)")
-    g.add_argument("--segments", type=int,
-                   help="serve: the measured requests are served in this many segments, every arm "
-                        "taking its turn on each (default: one per 25 requests)")
-    g.add_argument("--decode-tokens", type=int, help="serve: tokens the correctness check decodes")
-    g.add_argument("--seed", type=int, help="serve: seed of the weights and the tokens")
+                   help="arms to run, of recompute,gpu,host,layerwise,disk,redis,oracle (default: all "
+                        "but redis, which joins them with --redis-url or --redis-server)")
+    g.add_argument("--segments", type=int, metavar="N",
+                   help="the measured requests are served in this many segments, every arm taking "
+                        "its turn on each (default: one per 25 measured requests)")
+    g.add_argument("--decode-tokens", type=int, metavar="N",
+                   help=f"tokens the correctness check decodes ({default('decode_tokens')})")
+    g.add_argument("--seed", type=int, metavar="N",
+                   help=f"seed of the weights and the tokens ({default('seed')})")
 
 
 def backend_of(args: argparse.Namespace, cuda_usable: Callable[[], bool]) -> str:

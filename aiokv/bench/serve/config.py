@@ -138,6 +138,14 @@ class ServeConfig:
             raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold the largest request "
                              f"({need - 16} blocks of 16 tokens); give more or lower --max-tokens")
 
+    def check_pools(self, workload: Workload) -> None:
+        """Refuse a ``--gpu-blocks`` that cannot hold the largest request, before the model
+        is built (``resolve_pools`` sizes what was not given)."""
+        if self.gpu_blocks is not None and self.gpu_blocks < workload.max_blocks():
+            raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold the largest request "
+                             f"({workload.max_blocks()} blocks of 16 tokens); give more or lower "
+                             "--max-tokens")
+
     def _budgets(self, block_bytes: int) -> tuple[int, int, int]:
         """Bytes the GPU pools, the host pools and the disk tier may take by default, all
         arms together: half the device memory left after the weights, half the host's

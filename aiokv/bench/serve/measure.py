@@ -40,24 +40,28 @@ class Device:
             torch.cuda.empty_cache()
 
     def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                     kv: Sequence[torch.Tensor], gate: Gate | None = None) -> tuple[int, float]:
+                     kv: Sequence[torch.Tensor], gate: Gate | None = None,
+                     after_layer: Gate | None = None) -> tuple[int, float]:
         """Run one prefill to its first token: (greedy token, seconds the device spent,
-        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's)."""
+        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
+        ``after_layer``: ``LlamaModel.prefill``'s."""
         if self.kind == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            token = model.prefill(tokens, start, table, kv, gate=gate).argmax()
+            token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
             end.record()
             end.synchronize()
             return int(token.item()), begin.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
-        token = model.prefill(tokens, start, table, kv, gate=gate).argmax()
+        token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
         return int(token.item()), time.perf_counter() - t0
 
     async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                      kv: Sequence[torch.Tensor], *, gate: Gate | None = None) -> tuple[int, float]:
+                      kv: Sequence[torch.Tensor], *, gate: Gate | None = None,
+                      after_layer: Gate | None = None) -> tuple[int, float]:
         """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
-        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate)
+        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate,
+                                              after_layer)
 
 
 def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:

@@ -126,7 +126,8 @@ class LlamaModel:
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor | np.ndarray | Sequence[int], start: int,
                 block_table: Sequence[int], kv_cache: Sequence[torch.Tensor], *,
-                gate: Callable[[int], object] | None = None) -> torch.Tensor:
+                gate: Callable[[int], object] | None = None,
+                after_layer: Callable[[int], object] | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..`` and return the last position's logits
         (float32, on the device).
 
@@ -134,7 +135,9 @@ class LlamaModel:
         holds positions ``16*i .. 16*i+15``); the new tokens' K and V are written there too,
         so ``block_table`` must cover ``start + len(tokens)`` positions. ``gate(i)`` runs
         just before layer ``i`` first reads the cached prefix (a layerwise load's gate: the
-        new tokens' projections go ahead of it, the prefix read waits for the layer).
+        new tokens' projections go ahead of it, the prefix read waits for the layer);
+        ``after_layer(i)`` once layer ``i``'s new K and V are written (a layerwise store's
+        push: the copy runs beside the rest of the forward).
         """
         c = self.config
         ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
@@ -163,6 +166,8 @@ class LlamaModel:
             flat = pages.view(2, -1, c.kv_heads, c.head_dim)
             flat[0].index_copy_(0, slots, k)
             flat[1].index_copy_(0, slots, v)
+            if after_layer is not None:
+                after_layer(i)
             if start:  # the cached prefix, read back from its pages
                 if gate is not None:
                     gate(i)

@@ -22,6 +22,7 @@ from ..report import BenchRow
 from .arms import ArmResult
 from .config import ARM_TEXT
 from .model import BLOCK_TOKENS, ModelConfig
+from .overlap import overlap_rows, plot_timeline
 from .server import HIT_CLASSES, Served
 
 __all__ = ["BUCKETS", "Ceilings", "arm_bounds", "arm_rows", "bucket_of", "lower_bounds", "percentiles",
@@ -113,7 +114,7 @@ def _ttft_rows(section: str, label: str, group: Sequence[Served], bounds: dict[i
     p, b = percentiles(ttft), percentiles(bound)
     return [BenchRow(section, f"TTFT p{q} {label}".rstrip(), p[i], "ms", b[i],
                      note=f"n={len(group)}" if i == 0 else "",
-                     extra=(extra or {}) if i == 0 else {})
+                     extra=(extra or {}) if i == 0 else {}, bound=True)
             for i, q in enumerate((50, 90, 99))]
 
 
@@ -133,7 +134,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
         "segment": [s.segment for s in served], "arrival_ms": _ms([s.arrival for s in served]),
         "wall_s": [s.wall for s in served],
         "tokens": [[s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed] for s in served]})
-    rows[0].note = f"n={len(served)}; ceiling column: this arm's lower bound"
+    rows[0].note = f"n={len(served)}; beside each TTFT, this arm's lower bound (>=)"
     for cls in HIT_CLASSES:
         group = [s for s in served if s.hit == cls]
         if group:
@@ -167,6 +168,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     rows += _restore_rows(section, arm, arm_ceilings(arm, ceil))
     if arm.name == "layerwise":
         rows += _stall_rows(section, arm)
+        rows += overlap_rows(section, arm)
     return rows
 
 
@@ -203,7 +205,7 @@ def _class_row(section: str, label: str, group: Sequence[Served], bounds: dict[i
     return BenchRow(section, f"TTFT p50 {label}", p[0], "ms", b[0],
                     note=f"n={len(group)}; p90 {p[1]:.1f}, p99 {p[2]:.1f} ms",
                     extra={"n": len(group), "p90_ms": p[1], "p99_ms": p[2],
-                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]})
+                           "bound_p90_ms": b[1], "bound_p99_ms": b[2]}, bound=True)
 
 
 def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
@@ -236,13 +238,18 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
 
 
 def plot_cdfs(rows: Sequence[BenchRow], path: str, title: str) -> None:
-    """TTFT CDF per arm (log time axis); needs matplotlib."""
+    """TTFT CDF per arm (log time axis) and, with the layerwise arm, one load's layers
+    (``overlap.plot_timeline``); needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    timed = any(row.extra.get("timelines") for row in rows)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(15 if timed else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
+    if timed:
+        plot_timeline(axes[0][1], rows)
     for row in rows:
         values = row.extra.get("ttft_ms")
         if not values:

@@ -22,6 +22,7 @@ from .config import ServeConfig
 from .correctness import blocks_needed, decode_check
 from .measure import Device, PrefillFit, load_ceiling, peak_flops
 from .model import BLOCK_TOKENS, LlamaModel
+from .pushes import push_rows
 from .report import Ceilings, arm_rows
 from .tier_rows import tier_rows
 from .workload import Workload, describe, prefix_workload, trace_workload
@@ -41,25 +42,38 @@ def run_serve_bench(cfg: ServeConfig,
     """
     cfg.check()
     say = progress or (lambda _msg: None)
+    # The trace and the pool sizes given are checked before the model is built.
+    workload = None if cfg.mode == "correctness" else _workload(cfg, cfg.model_config().vocab, say)
+    if workload is not None:
+        cfg.check_pools(workload)
     threads = torch.get_num_threads()
     if cfg.backend == "cpu":
         torch.set_num_threads(1)
     try:
-        return anyio.run(_main, cfg, say, backend=cfg.loop)
+        return anyio.run(_main, cfg, say, workload, backend=cfg.loop)
     finally:
         torch.set_num_threads(threads)
+
+
+def _count(n: float) -> str:
+    """A count for a reader: 111k, 7.0M, 6.98B (never 0.000111 B)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
 
 
 def _correctness_blocks(cfg: ServeConfig) -> int:
     return 64 if cfg.model == "llama3-8b" else 8
 
 
-async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[str, Any]]:
+async def _main(cfg: ServeConfig, say: Progress,
+                workload: Workload | None) -> tuple[list[BenchRow], dict[str, Any]]:
     device = Device(cfg.backend)
     mc = cfg.model_config()
     block_bytes = mc.block_bytes(cfg.dtype)
     say(f"model {mc.name}, {mc.layers} layers, {str(cfg.dtype).removeprefix('torch.')} on {device.kind}: "
-        f"{mc.params_per_layer() * mc.layers / 1e9:.3g} B layer parameters, "
+        f"{_count(mc.params_per_layer() * mc.layers)} layer parameters, "
         f"{mc.page_bytes(cfg.dtype) >> 10} KiB K/V pages, {block_bytes / 2**20:.3g} MiB a block")
     model = LlamaModel(mc, device=device.kind, dtype=cfg.dtype, seed=cfg.seed)
     check_blocks = blocks_needed(_correctness_blocks(cfg), cfg.decode_tokens)
@@ -68,7 +82,7 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
     if cfg.mode == "correctness":
         say("correctness: greedy decode from restored KV against recomputed KV")
         return await _check(cfg, model, model.new_kv_cache(check_blocks), device, say), meta
-    workload = _workload(cfg, mc.vocab)
+    assert workload is not None
     say(describe(workload))
     cfg.resolve_pools(workload, block_bytes)
     assert cfg.gpu_blocks is not None
@@ -90,6 +104,11 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
         open_ = await open_arms(cfg, model, kv, device, stack, block_bytes=block_bytes, progress=say)
         await _serve_arms(cfg, workload, open_, mirrored, say)
         arms = {name: await arm.result(block_bytes) for name, arm in open_.items()}
+        pushes = []
+        if "layerwise" in arms:
+            cached, new = _push_shape(arms["layerwise"])
+            say(f"layerwise stores pushed from the forward: {new} tokens over {cached}, with and without")
+            pushes = await push_rows(model, kv["layerwise"], device, cached=cached, new=new, seed=cfg.seed)
     del open_, kv
     device.empty_cache()
     load_last, _ = load_ceiling(device, ceil_bytes, mc.page_bytes(cfg.dtype))
@@ -101,6 +120,7 @@ async def _main(cfg: ServeConfig, say: Progress) -> tuple[list[BenchRow], dict[s
                          mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
     rows += target_rows(arms, mirrored, ceil)
     rows += tier_rows(arms, ceil)
+    rows += pushes
     rows += noise_rows(arms, mirrored)
     rows += await _check(cfg, model, model.new_kv_cache(check_blocks), device, say)
     meta["workload"] = describe(workload)
@@ -142,7 +162,7 @@ async def _check(cfg: ServeConfig, model: LlamaModel, kv: list[torch.Tensor], de
     return rows
 
 
-def _workload(cfg: ServeConfig, vocab: int) -> Workload:
+def _workload(cfg: ServeConfig, vocab: int, say: Progress) -> Workload:
     assert cfg.requests is not None and cfg.warmup is not None
     if cfg.mode == "prefix":
         assert cfg.prefix_tokens is not None and cfg.suffix_tokens is not None
@@ -150,14 +170,38 @@ def _workload(cfg: ServeConfig, vocab: int) -> Workload:
                                suffix_tokens=cfg.suffix_tokens, requests=cfg.requests,
                                warmup=cfg.warmup, vocab=vocab, seed=cfg.seed)
     from ..cache import find_traces
+    from ..trace import FULL_TRACES, PACKAGED_TRACE
 
-    paths = find_traces(cfg.traces)
+    try:
+        paths = find_traces(cfg.traces)
+    except FileNotFoundError:
+        if cfg.traces:
+            raise
+        paths = [PACKAGED_TRACE]
+        say(f"no full Mooncake trace found: replaying the {PACKAGED_TRACE.name} slice shipped with aiokv "
+            f"(the first 400 requests of the conversation trace; the full ones: {FULL_TRACES})")
     if cfg.traces and len(paths) > 1:
         raise ValueError(f"serve replays one trace; --trace named {len(paths)} files")
     path = next((p for p in paths if Path(p).stem.startswith("conversation")), paths[0])
     assert cfg.block_tokens is not None and cfg.max_tokens is not None
-    return trace_workload(path, requests=cfg.requests, warmup=cfg.warmup, block_tokens=cfg.block_tokens,
-                          max_tokens=cfg.max_tokens, vocab=vocab, seed=cfg.seed)
+    workload = trace_workload(path, requests=cfg.requests, warmup=cfg.warmup, block_tokens=cfg.block_tokens,
+                              max_tokens=cfg.max_tokens, vocab=vocab, seed=cfg.seed)
+    if path == PACKAGED_TRACE and len(workload.requests) < cfg.warmup + cfg.requests:
+        raise ValueError(
+            f"the trace slice shipped with aiokv holds {len(workload.requests)} requests, and this run "
+            f"asks for {cfg.warmup + cfg.requests} (--warmup {cfg.warmup} + --requests {cfg.requests}); "
+            f"pass --trace with the full conversation_trace.jsonl from {FULL_TRACES}, or ask for fewer")
+    return workload
+
+
+def _push_shape(arm: ArmResult) -> tuple[int, int]:
+    """A typical request of the layerwise arm: (tokens it reused, tokens it computed), the
+    medians over its host hits (over every request where it had none)."""
+    hits = [s for s in arm.served if s.host_tokens] or arm.served
+    if not hits:
+        return 0, 16 * BLOCK_TOKENS
+    reused = int(np.median([s.gpu_tokens + s.host_tokens for s in hits]))
+    return reused, max(BLOCK_TOKENS, int(np.median([s.computed for s in hits])))
 
 
 def _compress(cfg: ServeConfig, workload: Workload, fit: PrefillFit) -> tuple[float, float]:
@@ -190,7 +234,7 @@ def _setup_rows(cfg: ServeConfig, workload: Workload, ceil: Ceilings, loads: tup
     for name, label in (("disk", "disk tier read ceiling"), ("redis", "Redis GET ceiling")):
         if name in arms:
             tiered = arms[name]
-            rows.append(BenchRow(section, label, tiered.disk_ceiling or 0.0, "GB/s",
+            rows.append(BenchRow(section, label, tiered.disk_ceiling, "GB/s",
                                  note=tiered.ceiling_name if tiered.disk_ceiling
                                  else f"not measured: {tiered.disk_ceiling_error}"))
     for name, blocks in (("GPU pool", cfg.gpu_blocks), ("host pool", cfg.host_blocks),

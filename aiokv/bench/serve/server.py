@@ -24,6 +24,7 @@ import anyio
 import anyio.abc
 import torch
 
+from ...layer_timeline import LayerTimeline
 from .loopwatch import LoopWatch
 from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
@@ -59,6 +60,8 @@ class Served:
     recomputed: int = 0  # tokens restored by a load that failed, then computed
     wall: float = 0.0  # when its service began, in seconds since the arms opened
     late_failure: bool = False  # a layerwise load failed after the forward had read it
+    submit_s: float = 0.0  # host seconds a layerwise load's submit took
+    timeline: LayerTimeline | None = None  # a layerwise load's, once it ended
 
     @property
     def compute_s(self) -> float:
@@ -199,7 +202,7 @@ class Server:
                         gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
                         disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
-                        wall=wall)
+                        wall=wall, submit_s=got.submit_s)
         if got.end is not None and not got.failed:
             tg.start_soon(self._end_load, got, served)
         return served
@@ -211,6 +214,8 @@ class Server:
         ok = await got.end()  # type: ignore[misc]
         served.load_s = got.load_s
         served.late_failure = not ok
+        if got.timeline is not None:  # the prefill ran past every gate: their marks are in
+            served.timeline = got.timeline()
 
     async def _offload(self, keys: list[int], blocks: list[int]) -> None:
         try:

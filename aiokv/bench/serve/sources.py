@@ -21,6 +21,7 @@ from ...cache import ChunkManager
 from ...cache.offload import DEFAULT_POLICY, OffloadCache
 from ...errors import KeyNotLoadable, TransferFailed
 from ...future import TransferFuture
+from ...layer_timeline import LayerTimeline
 from ...specs import CPULoadStoreSpec, GPULoadStoreSpec, LayerStatus
 from ...worker import AsyncOffloadingWorker
 
@@ -36,7 +37,8 @@ class Restored:
     A layerwise restore also has the prefill's ``gate``, which sets ``failed`` when a layer
     failed (the prefill then read wrong bytes); ``take_stalls``, called right after the
     prefill, gives the seconds the forward waited on each layer after it was due; ``end``
-    awaits the job and fills in ``load_s``: True if every layer landed."""
+    awaits the job and fills in ``load_s``: True if every layer landed; ``submit_s`` is the
+    host time its submit took, and ``timeline`` (once it ended) the job's ``LayerTimeline``."""
 
     host: int
     disk: int = 0
@@ -45,6 +47,8 @@ class Restored:
     failed: bool = False
     take_stalls: Callable[[], list[float]] | None = None
     end: Callable[[], Awaitable[bool]] | None = None
+    submit_s: float = 0.0
+    timeline: Callable[[], LayerTimeline | None] | None = None
 
 
 class Source:
@@ -123,10 +127,12 @@ class LayerwiseSource(Source):
         except BaseException:
             mgr.complete_load(pinned)
             raise
+        submitted = time.perf_counter() - t0
         mgr.touch(pinned)
         fut.add_done_callback(lambda _f: mgr.complete_load(pinned))
         self._track(fut)
-        restored = Restored(len(pinned), take_stalls=self.new_stalls)
+        restored = Restored(len(pinned), take_stalls=self.new_stalls, submit_s=submitted,
+                            timeline=fut.timeline)
 
         def gate(layer: int) -> bool:  # on the model's thread
             ready = fut.gate(layer) is LayerStatus.READY

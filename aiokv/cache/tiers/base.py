@@ -128,7 +128,11 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def holds(self, key: bytes) -> bool:
-        """Whether the key is held, answered without I/O; remote tiers return False."""
+        """Whether the key is held, answered without I/O; remote tiers return False.
+
+        The one call made off the cache's loop too (vLLM's scheduler asks it from its own
+        thread, ``integrations/vllm/tier_io.py``): it only reads, and a stale answer costs a
+        miss at most, since every read verifies."""
 
     @abc.abstractmethod
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:

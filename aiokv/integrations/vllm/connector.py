@@ -11,6 +11,7 @@ so the connector asks vLLM for piecewise CUDA graphs (docs/vllm.md, "The connect
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
@@ -62,6 +63,18 @@ class AiokvConnector(OffloadingConnector):
             self.connector_scheduler = OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = AiokvConnectorWorker(spec, vllm_config, kv_cache_config)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        """vLLM's offloading metrics, declared by aiokv's spec: vLLM finds the spec from the
+        configuration's ``spec_name``, which a user of this connector need not write, and
+        its stats would otherwise carry the tier counters under names never declared."""
+        config = copy.copy(vllm_config)
+        transfer = copy.copy(vllm_config.kv_transfer_config)
+        transfer.kv_connector_extra_config = connector_extra_config(transfer.kv_connector_extra_config)
+        config.kv_transfer_config = transfer
+        return super().build_prom_metrics(config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from ...core import available_host_memory
 from ...errors import HostMemoryError, InvalidSpec
 from ...options import STRATEGIES, WorkerOptions
 from ...plan import CHUNK_ALIGN
+from .tier_urls import TierURL, parse_tier_urls
 
 __all__ = ["CPU_SPEC_KEYS", "KEYS", "MAX_CHUNKS", "PluginOptions", "read_cpu_bytes", "size_host_pool"]
 
@@ -31,6 +32,7 @@ KEYS = {
     "aiokv_strategy": "CUDA copy strategy",
     "aiokv_backend": "where copies run: auto, cuda or cpu",
     "aiokv_worker_options": "further WorkerOptions fields, as a JSON object",
+    "aiokv_tiers": "tiers below host memory, nearest first, as URLs (file:///dir?capacity=64GiB, redis://...)",
 }
 
 # Keys only vLLM's CPUOffloadingSpec reads: with this spec they would do nothing, so a
@@ -52,6 +54,7 @@ class PluginOptions:
     strategy: str = "auto"
     backend: str = "auto"
     worker_options: WorkerOptions = field(default_factory=WorkerOptions)
+    tiers: tuple[TierURL, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginOptions:
@@ -60,6 +63,7 @@ class PluginOptions:
         Raises:
             InvalidSpec: an unknown ``aiokv_`` key or a bad value; the message names the
                 valid keys or values.
+            MissingExtra: a Redis tier in ``aiokv_tiers`` without the ``redis`` package.
         """
         unknown = sorted(k for k in extra if isinstance(k, str) and k not in KEYS and _looks_like_ours(k))
         if unknown:
@@ -85,8 +89,12 @@ class PluginOptions:
             raise InvalidSpec(f"aiokv_worker_options must be a JSON object, got {raw!r}")
         if "strategy" in raw:
             raise InvalidSpec("set the copy strategy with aiokv_strategy, not inside aiokv_worker_options")
+        if "host_pool_file" in raw:
+            raise InvalidSpec("aiokv_worker_options cannot set host_pool_file: with aiokv_tiers the "
+                              "workers share their pools with the scheduler by themselves")
         worker_options = WorkerOptions.coerce({**dict(raw), "strategy": strategy})
-        return cls(policy, admission, strategy, backend, worker_options)
+        tiers = parse_tier_urls(extra.get("aiokv_tiers"))
+        return cls(policy, admission, strategy, backend, worker_options, tiers)
 
 
 def _normal(key: str) -> str:

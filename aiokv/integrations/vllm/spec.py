@@ -4,21 +4,27 @@ vLLM constructs one spec in the scheduler process and one in each GPU worker pro
 from the same ``OffloadingConfig``. Each derives the same chunk count from
 ``cpu_bytes_to_use``, so the chunk ids the scheduler's manager hands out are valid in every
 rank's own host pool (tensor parallel ranks hold different heads, hence different bytes,
-under the same ids).
+under the same ids). With ``aiokv_tiers`` each worker's pool is a shared file the
+scheduler's manager maps (``shared_pool``), since the manager moves blocks between the
+pools and the tiers.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import vllm
-from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata, OffloadingSpec
 
+from ...cache.tiers.codec import layout_fingerprint
 from ...errors import InvalidSpec
 from ._compat import check_vllm_version
 from .manager import AiokvOffloadingManager
 from .options import PluginOptions, read_cpu_bytes, size_host_pool
+from .shared_pool import PoolView, pool_file
+from .tier_metrics import TIER_COUNTER_DOCS, TIER_COUNTERS, TIER_LABEL
 from .worker import AiokvOffloadingWorker
 
 __all__ = ["AiokvOffloadingSpec"]
@@ -32,12 +38,22 @@ class AiokvOffloadingSpec(OffloadingSpec):
 
     Raises (at construction):
         UsageError: the installed vLLM is outside the tested range.
-        InvalidSpec: an unknown or misspelled ``aiokv_`` key, a bad value, a missing,
-            too small or too large ``cpu_bytes_to_use``, or vLLM's canonical layout (not
-            supported).
+        InvalidSpec: an unknown or misspelled ``aiokv_`` key, a bad value (a tier URL
+            among them), a missing, too small or too large ``cpu_bytes_to_use``, or vLLM's
+            canonical layout (not supported).
         HostMemoryError: one rank's share of ``cpu_bytes_to_use`` exceeds this host's
             available memory.
+        MissingExtra: a Redis tier without the ``redis`` package installed.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The tier counters (``tier_metrics``), declared where ``aiokv_tiers`` is set."""
+        if not extra_config.get("aiokv_tiers"):
+            return {}
+        return {name: OffloadingCounterMetadata(documentation=TIER_COUNTER_DOCS[field],
+                                                labelnames=(TIER_LABEL,))
+                for name, field in TIER_COUNTERS.items()}
 
     def __init__(self, config: Any) -> None:
         check_vllm_version(vllm.__version__)
@@ -78,19 +94,46 @@ class AiokvOffloadingSpec(OffloadingSpec):
                 policy=self.options.policy,
                 admission=self.options.admission,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                tiers=self.options.tiers,
+                engine_id=str(self.config.engine_id),
+                world_size=self.world_size,
+                fingerprint=self._fingerprint,
             )
         return self._manager
+
+    def _fingerprint(self, view: PoolView) -> bytes:
+        """Names what a tier's bytes mean: the model, its dtype, the block and chunk sizes,
+        the parallel layout and every rank's and group's page sizes. Two servers agreeing
+        on all of it read each other's blocks (and a restart reads its own)."""
+        cfg = self.config
+        par = cfg.parallel
+        groups = ";".join(f"{g.tokens_per_block}:{','.join(g.layer_names)}" for g in cfg.groups)
+        extra = "|".join(str(x) for x in (
+            "vllm-aiokv-1", cfg.model.name, self.blocks_per_chunk, cfg.cache.tokens_per_hash,
+            par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
+            getattr(cfg, "kv_cache_layout", None), groups))
+        return layout_fingerprint(
+            block_bytes=view.block_bytes, page_sizes=view.describe(), dtypes=[cfg.model.dtype],
+            num_layers=sum(len(g.layer_names) for g in cfg.groups),
+            block_size=cfg.groups[0].tokens_per_block if cfg.groups else 0, extra=extra.encode())
 
     def get_worker(self, kv_caches: Any) -> AiokvOffloadingWorker:
         """This rank's worker over ``kv_caches`` (one per spec): CUDA copies where the
         tensors are on a usable CUDA device, else the CPU backend (``aiokv_backend``)."""
         if self._worker is None:
             self._check_sized()
+            options = self.options
+            shared = None
+            if options.tiers:  # the scheduler's manager maps this pool to reach the tiers
+                shared = pool_file(str(self.config.engine_id), int(self.config.parallel.rank))
+                options = replace(options, worker_options=replace(options.worker_options,
+                                                                  host_pool_file=shared))
             self._worker = AiokvOffloadingWorker(
                 kv_caches,
                 num_chunks=self.num_chunks,
                 blocks_per_chunk=self.blocks_per_chunk,
-                options=self.options,
+                options=options,
+                publish_rank=None if shared is None else int(self.config.parallel.rank),
             )
             actual = self._worker.aiokv_worker.statistics().chunk_bytes
             if actual > self.kv_bytes_per_chunk:

@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from ...sync import SyncOffloadingWorker
 from .options import PluginOptions
 from .pointers import PointerMap, is_device_pointers
+from .shared_pool import publish, unpublish
 
 __all__ = ["AiokvOffloadingWorker"]
 
@@ -31,10 +32,14 @@ class AiokvOffloadingWorker(OffloadingWorker):
     inside a stored chunk. Bad specs, and addresses that are not exactly a block of the
     registered tensors, raise ``aiokv.InvalidSpec`` before anything is enqueued; a transfer
     that fails on the device is reported with ``success=False``, never as a hit.
+
+    With ``publish_rank`` (and ``WorkerOptions.host_pool_file``) the pool is a shared file
+    whose layout is published beside it for the scheduler's manager (``shared_pool``).
     """
 
     def __init__(
-        self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions
+        self, kv_caches: Any, *, num_chunks: int, blocks_per_chunk: int, options: PluginOptions,
+        publish_rank: int | None = None,
     ) -> None:
         self._sync = SyncOffloadingWorker(
             kv_caches,
@@ -44,6 +49,12 @@ class AiokvOffloadingWorker(OffloadingWorker):
             options=options.worker_options,
         )
         self._pointers = PointerMap(kv_caches)
+        self._published = options.worker_options.host_pool_file if publish_rank is not None else None
+        if self._published is not None:
+            layout = self._sync.host_layout
+            publish(self._published, rank=int(publish_rank or 0), num_chunks=num_chunks,
+                    chunk_bytes=layout.chunk_bytes, blocks_per_chunk=blocks_per_chunk,
+                    page_sizes=layout.page_sizes, page_offsets=layout.page_offsets)
 
     @property
     def aiokv_worker(self) -> SyncOffloadingWorker:
@@ -75,4 +86,6 @@ class AiokvOffloadingWorker(OffloadingWorker):
         self._sync.wait(job_ids)
 
     def shutdown(self) -> None:
+        if self._published is not None:
+            unpublish(self._published)
         self._sync.shutdown()

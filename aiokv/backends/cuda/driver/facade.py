@@ -66,6 +66,7 @@ class Driver(BatchCopies):
         self._pool_lock = threading.Lock()
         self._event_pool: list[JobEvents] = []
         self._sync_pool: list[Any] = []
+        self._timing_pool: list[Any] = []
         self._all_events: list[Any] = []
         self._batch_fn, self.batch_kind = self._load_batch()
         self._batch3d_fn = self._load_batch3d()
@@ -179,6 +180,17 @@ class Driver(BatchCopies):
     def give_sync_event(self, event: Any) -> None:
         with self._pool_lock:
             self._sync_pool.append(event)
+
+    def take_timing_event(self) -> Any:
+        """A timing (non-blocking) event: a measured layer's end, or a timeline's origin."""
+        with self._pool_lock:
+            if self._timing_pool:
+                return self._timing_pool.pop()
+        return self.create_event(timing=True)
+
+    def give_timing_event(self, event: Any) -> None:
+        with self._pool_lock:
+            self._timing_pool.append(event)
 
     def record(self, event: Any, stream: Any) -> None:
         """Record ``event`` on ``stream`` (a ``CUstream`` or a raw handle)."""

@@ -1,0 +1,259 @@
+"""Layerwise jobs whose GPU blocks do not run: a layer at a time through a device slot.
+
+Why: pitched copies straight into the GPU pages (``layer_ops``) need runs where chunk ids
+and GPU block ids advance together. An engine's free GPU blocks scatter as it runs, while
+the cache hands chunks out lowest id first, so a job's chunks still run. Here each layer
+moves as 2-D copies of whole chunk runs between the host and a device slot (the layer's
+pages of each block side by side, the blocks in host order), and the piece kernel
+(``pieces.py``, 256 blocks a launch) scatters the slot into the blocks' rows (a load) or
+gathers them into it (a store): a few ops a layer whatever the block ids.
+
+Everything runs on the lane's main stream, so one slot serves every layer of every job in
+order; a layer larger than the slot goes in slices. Only one-group layouts of one block a
+chunk, 16-byte aligned, take this path (``LayerStaging.shape``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...layer_plan import LayerMap, LayerPlan
+from ...plan import HostLayout
+from .layer_ops import US_PER_CALL, US_PER_LAUNCH, US_PER_PITCHED_OP
+from .pieces import ROWS_PER_LAUNCH, fits
+
+__all__ = ["LayerShape", "LayerStaging", "StagedLayers", "TorchSlot"]
+
+_log = logging.getLogger("aiokv")
+
+# Slots of lanes whose worker was dropped unclosed (``LayerStaging.abandon``).
+_KEPT: list[Any] = []
+
+
+class TorchSlot:
+    """The slot's device memory from torch's caching allocator, on the lane's stream (its
+    blocks are reused only in that stream's order); a larger slot replaces a smaller one."""
+
+    def __init__(self, device: Any, stream_of: Callable[[Any], Any]) -> None:
+        self.device = device
+        self._stream_of = stream_of
+        self.tensor: Any = None
+
+    def __call__(self, nbytes: int, stream: Any) -> int | None:
+        import torch
+
+        try:
+            with torch.cuda.stream(self._stream_of(stream)):
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            _log.warning("no device memory for a %d-byte layer slot: layerwise jobs copy straight to "
+                         "their pages", nbytes)
+            return None
+        return int(self.tensor.data_ptr())
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the kernel and the 2-D copies need of a layout, per layer: its rows of the
+    lane's page table (``rows[l]:rows[l + 1]``), its bytes a block (``image``), and its
+    pages as stretches contiguous in a chunk (``segments[l]``: (offset in the chunk,
+    offset in the block's image, bytes))."""
+
+    table: np.ndarray  # (P, 4) uint64: device base, row stride, bytes, offset in the image
+    rows: np.ndarray
+    image: np.ndarray
+    segments: tuple[tuple[tuple[int, int, int], ...], ...]
+    longest: int
+
+
+@dataclass(frozen=True)
+class StagedLayers:
+    """One job through the slot: blocks (GPU rows, in host order) cut into slices that fit
+    it; per (layer, slice) its packed 2-D ops ``ops[bounds[k]:bounds[k + 1]]`` with
+    ``k = layer * slices + slice``."""
+
+    rows: np.ndarray  # uint32
+    cuts: list[int]  # slice s is blocks [cuts[s], cuts[s + 1])
+    ops: np.ndarray  # packed rows (``Driver.pitched_ops``)
+    bounds: np.ndarray
+    slot: int  # device address
+    table: int  # device address of the lane's page table
+    shape: LayerShape
+
+    @property
+    def slices(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches a layer takes (256 blocks a launch)."""
+        return sum(-(-(self.cuts[s + 1] - self.cuts[s]) // ROWS_PER_LAUNCH) for s in range(self.slices))
+
+    def layer_ops(self, layer: int) -> int:
+        """2-D ops and kernel launches of one layer."""
+        k = layer * self.slices
+        return int(self.bounds[k + self.slices] - self.bounds[k]) + self.launches
+
+    def cost_us(self, layer: int) -> float:
+        """Estimated host time of one layer's calls (its event's record aside)."""
+        k = layer * self.slices
+        ops = int(self.bounds[k + self.slices] - self.bounds[k])
+        return US_PER_CALL * self.slices + US_PER_PITCHED_OP * ops + US_PER_LAUNCH * self.launches
+
+
+class LayerStaging:
+    """A lane's slot and page table for staged layers (module doc). ``kernel``: the piece
+    kernel (``PieceKernel``: ``upload``, ``launch``), made on first use by ``make_kernel``;
+    ``allocate(nbytes, stream)`` returns a device address that stays valid until the next
+    call (None: no memory)."""
+
+    def __init__(self, layout: HostLayout, layer_map: LayerMap, device_base: np.ndarray, host_base: int,
+                 slot_bytes: int, make_kernel: Callable[[], Any],
+                 allocate: Callable[[int, Any], int | None]) -> None:
+        self.slot_bytes = slot_bytes // 512 * 512
+        self.host_base = host_base
+        self._make_kernel = make_kernel
+        self._allocate = allocate
+        self.kernel: Any = None
+        self.table: int | None = None
+        self.slot: int | None = None
+        self.slot_size = 0
+        self.shape = _shape(layout, layer_map, device_base, host_base) if self.slot_bytes else None
+        self.chunk_bytes = layout.chunk_bytes
+
+    def plan(self, plan: LayerPlan, stream: Any, pack: Callable[..., np.ndarray], to_host: bool,
+             ) -> StagedLayers | None:
+        """The job through the slot, or None where it cannot go (a layout or job it does
+        not fit, no device memory, the kernel unavailable)."""
+        shape = self.shape
+        mapping = plan.mapping
+        if shape is None or len(mapping.gpu_blocks) != 1 or not mapping.gpu_blocks[0].size:
+            return None
+        widest = int(shape.image.max())
+        need = min(self.slot_bytes, widest * int(mapping.gpu_blocks[0].size))
+        if widest > self.slot_bytes or not self._ready(stream, need):
+            return None
+        assert self.slot is not None and self.table is not None
+        per = self.slot_size // widest
+        order = np.argsort(mapping.host_slots[0], kind="stable")
+        chunks = mapping.host_slots[0][order].astype(np.int64)
+        rows = mapping.gpu_blocks[0][order]
+        n = int(chunks.size)
+        cuts = [*range(0, n, per), n]
+        # A chunk run starts at each slice and wherever a chunk does not follow the one before.
+        cut = np.ones(n, dtype=bool)
+        cut[1:] = chunks[1:] != chunks[:-1] + 1
+        cut[cuts[:-1]] = True
+        starts = np.flatnonzero(cut)
+        heights = np.diff(np.append(starts, n))
+        place = starts % per  # a run's first block's place in its slice
+        slice_of = np.searchsorted(np.asarray(cuts), starts, side="right") - 1
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in ("host", "slot", "hp", "sp", "w", "h")}
+        counts = []
+        nslices = len(cuts) - 1
+        for layer in range(len(shape.segments)):
+            step = int(shape.image[layer])
+            for s in range(nslices):
+                mine = slice_of == s
+                k = 0
+                for chunk_off, image_off, nbytes in shape.segments[layer]:
+                    m = int(mine.sum())
+                    cols["host"].append(self.host_base + chunks[starts[mine]] * self.chunk_bytes + chunk_off)
+                    cols["slot"].append(self.slot + place[mine] * step + image_off)
+                    cols["hp"].append(np.full(m, self.chunk_bytes, dtype=np.int64))
+                    cols["sp"].append(np.full(m, step, dtype=np.int64))
+                    cols["w"].append(np.full(m, nbytes, dtype=np.int64))
+                    cols["h"].append(heights[mine])
+                    k += m
+                counts.append(k)
+        host, slot = (np.concatenate(cols[c]).astype(np.int64) for c in ("host", "slot"))
+        hp, sp, w, h = (np.concatenate(cols[c]).astype(np.int64) for c in ("hp", "sp", "w", "h"))
+        if to_host:
+            ops = pack(host, hp, slot, sp, w, h)
+        else:
+            ops = pack(slot, sp, host, hp, w, h)
+        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        return StagedLayers(rows.astype(np.uint32), cuts, np.ascontiguousarray(ops, dtype=np.uint64), bounds,
+                            self.slot, self.table, shape)
+
+    def _ready(self, stream: Any, nbytes: int) -> bool:
+        """The kernel loaded, the page table uploaded and a slot of ``nbytes``."""
+        assert self.shape is not None
+        try:
+            if self.kernel is None:
+                self.kernel = self._make_kernel()
+            if self.table is None:
+                self.table = int(self.kernel.upload(self.shape.table, stream, keep=True))
+        except Exception as exc:  # e.g. the driver cannot compile the kernel for this GPU
+            _log.warning("staged layers unavailable (%s): layerwise jobs copy straight to their pages", exc)
+            self.shape = None
+            return False
+        nbytes = -(-nbytes // 512) * 512
+        if self.slot is None or self.slot_size < nbytes:
+            at = self._allocate(nbytes, stream)
+            if at is None:
+                return False
+            self.slot, self.slot_size = at, nbytes
+        return True
+
+    def abandon(self) -> None:
+        """The worker was dropped unclosed: copies may still use the slot and the table,
+        so both stay for the rest of the process."""
+        _KEPT.append(self._allocate)
+        if self.kernel is not None:
+            self.kernel.abandon()
+
+    def emit(self, target: Any, job: StagedLayers, layer: int, stream: Any, to_host: bool) -> None:
+        """Layer ``layer``'s copies through the slot, on ``stream`` through ``target``."""
+        shape, kernel = job.shape, self.kernel
+        pages = (int(shape.rows[layer]), int(shape.rows[layer + 1]))
+        step = int(shape.image[layer])
+        for s in range(job.slices):
+            k = layer * job.slices + s
+            ops = job.ops[int(job.bounds[k]) : int(job.bounds[k + 1])]
+            rows = job.rows[job.cuts[s] : job.cuts[s + 1]]
+            if not to_host:
+                target.memcpy_pitched(ops, stream)
+            kernel.launch(job.table, pages, rows, job.slot, step, shape.longest, not to_host, stream,
+                          driver=target)
+            if to_host:
+                target.memcpy_pitched(ops, stream)
+
+
+def _shape(layout: HostLayout, layer_map: LayerMap, device_base: np.ndarray, host_base: int,
+           ) -> LayerShape | None:
+    """The layout's per-layer shape, or None where staged layers cannot run on it."""
+    if layout.num_groups != 1 or layout.blocks_per_chunk != 1 or layout.num_gpu_blocks[0] >= 1 << 32:
+        return None
+    refs = [layer_map.order_ref[layer_map.order_layer == layer].tolist()
+            for layer in range(layer_map.num_layers)]
+    if not all(refs):
+        return None
+    tensors = layout.tensor_idx[0]
+    table, rows, image, segments = [], [0], [], []
+    for mine in refs:
+        mine = sorted(mine, key=lambda k: layout.page_offsets[0][k])  # host order in the chunk
+        offset, segs = 0, list[tuple[int, int, int]]()
+        for k in mine:
+            chunk_off, size = layout.page_offsets[0][k], layout.page_sizes[0][k]
+            t = tensors[k]
+            table.append((int(device_base[t]), layout.row_strides[t], size, offset))
+            if segs and segs[-1][0] + segs[-1][2] == chunk_off:  # contiguous in the chunk: one copy
+                segs[-1] = (segs[-1][0], segs[-1][1], segs[-1][2] + size)
+            else:
+                segs.append((chunk_off, offset, size))
+            offset += size
+        rows.append(len(table))
+        image.append(offset)
+        segments.append(tuple(segs))
+    pages = np.array(table, dtype=np.uint64)
+    if not fits(pages, layout.chunk_bytes, host_base, *image):
+        return None
+    return LayerShape(pages, np.array(rows, dtype=np.int64), np.array(image, dtype=np.int64), tuple(segments),
+                      int(pages[:, 2].max()))

@@ -1,0 +1,99 @@
+"""``aiokv_tiers``: tier URLs read into tiers, and every bad one refused at start with a
+message that names the URL and what to write instead (no vLLM needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aiokv.errors import InvalidSpec
+from aiokv.integrations.vllm import PluginOptions
+from aiokv.integrations.vllm.tier_urls import parse_size, parse_tier_urls
+
+
+def test_a_disk_url_builds_a_disk_tier_with_its_keywords(tmp_path: Path) -> None:
+    [tier] = parse_tier_urls([f"file://{tmp_path}/kv?capacity=2GiB&io_threads=2&fsync=1&direct=auto"])
+    assert tier.kind == "disk" and tier.target == str(tmp_path / "kv")
+    assert tier.options == {"capacity_bytes": 2 << 30, "io_threads": 2, "fsync": True, "direct": None}
+    built = tier.build()
+    assert type(built).__name__ == "DiskTier" and built.capacity_bytes == 2 << 30
+    assert not tier.write_through
+
+
+def test_a_redis_url_keeps_redis_py_options_and_takes_ours() -> None:
+    pytest.importorskip("redis")
+    [tier] = parse_tier_urls(["redis://:s3cret@127.0.0.1:6390/2?namespace=llama&capacity=1e9&ttl=60"
+                              "&write_through=1&socket_keepalive=true"])
+    assert tier.kind == "redis" and tier.write_through
+    assert tier.options == {"capacity_bytes": 10**9, "namespace": "llama", "ttl": 60.0, "write_through": True}
+    assert tier.target == "redis://:s3cret@127.0.0.1:6390/2?socket_keepalive=true"
+    assert "s3cret" not in tier.shown
+    built = tier.build()
+    assert built.remote and built.capacity_bytes == 10**9
+
+
+def test_plugin_options_read_the_tiers(tmp_path: Path) -> None:
+    opts = PluginOptions.from_extra_config({"aiokv_tiers": [f"file://{tmp_path}?capacity=64MiB"]})
+    assert [t.kind for t in opts.tiers] == ["disk"]
+    assert PluginOptions.from_extra_config({}).tiers == ()
+
+
+@pytest.mark.parametrize(("size", "value"), [("64GiB", 64 << 30), ("500MB", 500 * 10**6), ("1e9", 10**9),
+                                             ("4096", 4096), ("1.5KiB", 1536)])
+def test_sizes(size: str, value: int) -> None:
+    assert parse_size(size, "capacity") == value
+
+
+@pytest.mark.parametrize("size", ["64G", "-1", "0", "1.3", "lots", ""])
+def test_bad_sizes(size: str) -> None:
+    with pytest.raises(InvalidSpec, match="capacity"):
+        parse_size(size, "capacity")
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("file:///tmp/x?capacity=1GiB", "must be a list"),
+    ([3], "each aiokv_tiers entry is a URL"),
+    (["s3://bucket/kv"], "no tier for the scheme 's3'"),
+    (["file://host/kv?capacity=1GiB"], "three slashes"),
+    (["file://relative?capacity=1GiB"], "three slashes"),
+    (["file:///?capacity=1GiB"], "directory of its own"),
+    (["file:///tmp/kv"], "needs capacity="),
+    (["file:///tmp/kv?capacity=1GiB&colour=blue"], r"unknown parameter\(s\) \['colour'\]"),
+    (["file:///tmp/kv?capacity=1GiB&fsync=maybe"], "fsync='maybe' is not a valid value"),
+    (["file:///tmp/kv?capacity=1GiB&io_threads=0"], "io_threads='0'"),
+    (["file:///tmp/kv?capacity=1GiB&capacity=2GiB"], "given twice"),
+    (["file:///tmp/kv?capacity=1GiB", "file:///tmp/kv/?capacity=2GiB"], "one directory twice"),
+    (["file:///tmp/kv?capacity=1GiB&policy=nonsense"], "nonsense"),
+])
+def test_bad_tier_urls_are_refused_by_name(value: object, says: str) -> None:
+    with pytest.raises(InvalidSpec, match=says):
+        parse_tier_urls(value)
+
+
+def test_bad_redis_values_are_refused() -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(InvalidSpec, match="timeout='0'"):
+        parse_tier_urls(["redis://127.0.0.1:6379/0?timeout=0"])
+    with pytest.raises(InvalidSpec, match=r"redis://user:\*\*\*@"):
+        parse_tier_urls(["redis://user:pw@127.0.0.1:6379/0?ttl=never"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_directory_this_process_cannot_write_is_refused(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(InvalidSpec, match="cannot be written"):
+        parse_tier_urls([f"file://{locked}/kv?capacity=1GiB"])
+
+
+def test_a_file_where_the_directory_should_be_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InvalidSpec, match="is not a directory"):
+        parse_tier_urls([f"file://{tmp_path}/afile/kv?capacity=1GiB"])
+
+
+def test_the_worker_options_cannot_name_a_pool_file() -> None:
+    with pytest.raises(InvalidSpec, match="host_pool_file"):
+        PluginOptions.from_extra_config({"aiokv_worker_options": {"host_pool_file": "/dev/shm/x"}})

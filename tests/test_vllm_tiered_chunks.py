@@ -1,0 +1,331 @@
+"""The host chunks with tiers below them, as vLLM's manager drives them, without vLLM: real
+shared pools (``shared_pool``), the tiers' thread (``tier_io``) and real tiers (a directory,
+a redis-server on loopback). Every block read back up is compared byte for byte with what
+was stored; failures, resets and closes are driven on purpose."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokv.backends.shared_file import SharedFile
+from aiokv.cache.tiers import DiskTier
+from aiokv.cache.tiers.base import Tier
+from aiokv.integrations.vllm.shared_pool import PoolView, attach, pool_file, publish
+from aiokv.integrations.vllm.tier_io import TierIO
+from aiokv.integrations.vllm.tiered_chunks import TieredChunks, Where
+from tests.redis_server import RedisServer, need_redis, running
+
+pytestmark = pytest.mark.timeout(60)
+
+CHUNK = 512
+# Group 0: two pages kept in the chunk in reverse order (not the layout's), group 1 one
+# smaller page: values are padded to the widest block and pages rearranged both ways.
+SIZES = [[96, 160], [64]]
+OFFSETS = [[160, 0], [0]]
+
+
+def group_of(key: Any) -> int:
+    return int(key[1]) % 2
+
+
+class Rig:
+    """A pool of ``num_chunks`` per rank, published and mapped as vLLM's processes would,
+    the tiers' thread over ``tiers``, and the bookkeeping; ``store`` plays the worker."""
+
+    def __init__(self, root: Path, tiers: Sequence[Tier], *, num_chunks: int = 8, spare: int = 2,
+                 world: int = 1, engine: str = "engine") -> None:
+        self.files = []
+        for rank in range(world):
+            path = pool_file(engine, rank)
+            self.files.append(SharedFile(path, num_chunks * CHUNK))
+            publish(path, rank=rank, num_chunks=num_chunks, chunk_bytes=CHUNK, blocks_per_chunk=1,
+                    page_sizes=SIZES, page_offsets=OFFSETS)
+        view = attach(engine, world, num_chunks)
+        assert view is not None
+        self.view: PoolView = view
+        self.io = TierIO(tiers, drain_timeout=5.0)
+        self.io.start(view, b"f" * 16)
+        assert self.io.wait_ready(10)
+        self.host = TieredChunks(num_chunks, policy="lru", admission=None, io=self.io, group_of=group_of,
+                                 spare=spare)
+        self.written: dict[tuple[Any, int], bytes] = {}
+        self.rng = np.random.default_rng(7)
+
+    def store(self, keys: Sequence[Any]) -> list[Any]:
+        """Offer ``keys``; write fresh random bytes for each stored one (every rank); the
+        keys stored."""
+        plan = self.host.prepare_store(list(keys))
+        assert plan is not None
+        for key, chunk in zip(plan.keys_to_store, plan.chunk_ids):
+            for rank, pool in enumerate(self.view.ranks):
+                size = self.view.payload(rank, group_of(key))
+                row = self.rng.integers(0, 256, size, dtype=np.uint8)
+                pool.scatter(group_of(key), chunk, row)
+                self.written[(key, rank)] = row.tobytes()
+        self.host.complete_store(plan.keys_to_store, True)
+        return list(plan.keys_to_store)
+
+    def read(self, key: Any) -> None:
+        """Load ``key`` from its chunk and compare it with what was stored, on every rank."""
+        [chunk] = self.host.prepare_load([key])
+        try:
+            for rank, pool in enumerate(self.view.ranks):
+                row = np.zeros(self.view.block_bytes, dtype=np.uint8)
+                pool.gather(group_of(key), chunk, row)
+                size = self.view.payload(rank, group_of(key))
+                assert row[:size].tobytes() == self.written[(key, rank)], (key, rank)
+        finally:
+            self.host.chunks.complete_load([key])
+
+    def until(self, what: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.002)
+            self.host.poll()
+
+    def settle(self, key: Any) -> Where:
+        """Look ``key`` up until it is no longer on its way (what vLLM's next steps do)."""
+        answer = self.host.lookup(key)
+        deadline = time.monotonic() + 10
+        while answer in (Where.HIT_PENDING, Where.RETRY):
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.002)
+            answer = self.host.lookup(key)
+        return answer
+
+    def close(self) -> None:
+        self.io.close()
+        for f in self.files:
+            f.close()
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("AIOKV_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+def rig(shm: Path) -> Iterator[Rig]:
+    made = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)])
+    yield made
+    made.close()
+
+
+def keys(n: int, start: int = 0) -> list[tuple[str, int]]:
+    return [("k", i) for i in range(start, start + n)]
+
+
+def test_an_evicted_block_comes_back_from_disk_byte_exact(rig: Rig) -> None:
+    """Six slots (two of the eight chunks spare): eight keys evict two, which go to disk
+    and come back up, every byte as stored, through a lookup that never waits."""
+    assert rig.store(keys(6)) == keys(6)
+    assert rig.store(keys(2, 6)) == keys(2, 6)
+    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    assert len(evicted) == 2
+    rig.until(lambda: rig.host.counts[0].demoted == 2)
+    assert rig.host.spare_free == 2, "a chunk on its way down came back when its write ended"
+    for key in evicted:
+        assert rig.host.lookup(key) is Where.HIT_PENDING
+    for key in evicted:
+        assert rig.settle(key) is Where.HIT
+        rig.read(key)
+    counts = rig.host.counts[0]
+    assert (counts.found, counts.promoted, counts.promote_failed) == (2, 2, 0)
+    assert counts.read_bytes == sum(rig.view.payload(0, group_of(k)) for k in evicted)
+    # What came up evicted others, which went down in turn; the rest still read as stored.
+    rig.until(lambda: not rig.host.busy)
+    for key in keys(8):
+        assert rig.settle(key) is Where.HIT
+        rig.read(key)
+    rig.host.chunks.check_invariants()
+
+
+def test_a_block_on_its_way_down_is_retried_not_lost(shm: Path) -> None:
+    """While its write is in flight an evicted key answers RETRY (its chunk still holds it
+    and no store may take that chunk); once written it comes up from disk."""
+    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.3)])
+    try:
+        rig.store(keys(6))
+        rig.store(keys(1, 6))
+        [evicted] = [k for k in keys(7) if rig.host.chunks.lookup(k).value == "miss"]
+        assert rig.host.lookup(evicted) is Where.RETRY
+        assert rig.host.spare_free == 1
+        assert rig.settle(evicted) is Where.HIT
+        rig.read(evicted)
+    finally:
+        rig.close()
+
+
+def test_with_no_spare_chunk_an_eviction_is_dropped_and_counted(shm: Path) -> None:
+    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.5)], spare=1)
+    try:
+        rig.store(keys(7))
+        rig.store(keys(2, 7))  # two evictions, one spare chunk: one goes down, one is dropped
+        assert rig.host.counts[0].dropped == 1
+        rig.until(lambda: rig.host.counts[0].demoted == 1)
+        rig.host.chunks.check_invariants()
+    finally:
+        rig.close()
+
+
+class FailingReads(DiskTier):
+    """A disk tier whose reads fail half way once ``broken`` is set: the bytes have landed
+    in the chunk, then the call raises (the worst case for the chunk it filled)."""
+
+    broken = False
+
+    async def read(self, keys, out):  # type: ignore[no-untyped-def]
+        got = await super().read(keys, out)
+        if self.broken:
+            raise OSError("the disk went away")
+        return got
+
+
+def test_a_tier_failing_mid_promotion_is_a_miss_and_frees_the_chunk(shm: Path) -> None:
+    tier = FailingReads(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.2)
+    rig = Rig(shm, [tier])
+    try:
+        rig.store(keys(6))
+        rig.store(keys(2, 6))
+        evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        rig.until(lambda: rig.host.counts[0].demoted == 2)
+        tier.broken = True
+        assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING
+        assert rig.settle(evicted[0]) is Where.MISS
+        counts = rig.host.counts[0]
+        assert (counts.promoted, counts.promote_failed) == (0, 1)
+        assert rig.host.lookup(evicted[0]) is Where.MISS, "not asked again at once"
+        stats = rig.host.chunks.stats()
+        # Its slot was made by evicting one more block; the failed read freed it again.
+        assert (stats.keys, stats.chunks_free, stats.pending_keys) == (5, 1, 0)
+        events = [e for e in rig.host.events if not e.stored]
+        assert [e.keys for e in events] == [(evicted[0],)]
+        rig.host.chunks.check_invariants()
+    finally:
+        rig.close()
+
+
+def test_a_reset_keeps_chunks_a_read_still_fills_out_of_use(shm: Path) -> None:
+    tier = DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.3)
+    rig = Rig(shm, [tier])
+    try:
+        rig.store(keys(6))
+        rig.store(keys(2, 6))
+        rig.until(lambda: rig.host.counts[0].demoted == 2)
+        evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING
+        reading = rig.host._pending  # the op in flight
+        [busy] = [op.chunk for op in reading.values() if op.kind == "promote"]
+        rig.host.reset()
+        plan = rig.host.prepare_store(keys(5, 100))
+        assert plan is not None and busy not in plan.chunk_ids, "a chunk still being filled was handed out"
+        assert rig.host.prepare_store(keys(1, 200)) is None, "the sixth slot is fenced"
+        rig.until(lambda: not rig.host.busy)
+        assert rig.host.chunks.lookup(evicted[0]).value == "miss", "a read from before the reset is no hit"
+        plan = rig.host.prepare_store(keys(1, 200))
+        assert plan is not None and plan.chunk_ids == [busy]
+        rig.host.chunks.check_invariants()
+    finally:
+        rig.close()
+
+
+def test_two_ranks_each_get_their_own_block_and_a_hit_needs_both(shm: Path) -> None:
+    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)], world=2)
+    try:
+        rig.store(keys(6))
+        rig.store(keys(2, 6))
+        rig.until(lambda: rig.host.counts[0].demoted == 2)
+        evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        assert rig.settle(evicted[0]) is Where.HIT
+        rig.read(evicted[0])
+        # Rank 1's block of the other key is lost: the key is a miss, never half a hit.
+        tier = rig.io.tiers[0]
+        assert isinstance(tier, DiskTier)
+        for name in Path(tier.directory).iterdir():
+            name.unlink()
+        assert rig.settle(evicted[1]) is Where.MISS
+    finally:
+        rig.close()
+
+
+def test_write_through_pins_until_written_and_serves_after_eviction(shm: Path) -> None:
+    tier = DiskTier(shm / "disk", capacity_bytes=64 * 512, write_through=True)
+    rig = Rig(shm, [tier])
+    try:
+        rig.store(keys(3))
+        assert rig.host.chunks.stats().pinned_keys == 3
+        rig.until(lambda: rig.host.counts[0].written_through == 3)
+        assert rig.host.chunks.stats().pinned_keys == 0
+        rig.store(keys(6, 3))  # three of the first keys evicted: the tier already has them
+        for key in keys(3):
+            if rig.host.chunks.lookup(key).value == "miss":
+                assert rig.settle(key) is Where.HIT
+                rig.read(key)
+    finally:
+        rig.close()
+
+
+def test_a_remote_tier_is_asked_once_then_read_up(shm: Path) -> None:
+    need_redis()
+    from aiokv.cache.tiers import RedisTier
+
+    with running(RedisServer(shm / "redis")) as server:
+        rig = Rig(shm, [RedisTier(server.url, namespace="t", timeout=2.0)])
+        try:
+            rig.store(keys(6))
+            rig.store(keys(2, 6))
+            rig.until(lambda: rig.host.counts[0].demoted == 2)
+            evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+            asked: list[str] = []
+            submit = rig.io.submit
+            rig.io.submit = lambda ops: (asked.extend(op.kind for op in ops), submit(ops))  # type: ignore[method-assign]
+            assert rig.host.lookup(evicted[0]) is Where.RETRY
+            assert rig.host.lookup(evicted[0]) in (Where.RETRY, Where.HIT_PENDING)
+            assert rig.settle(evicted[0]) is Where.HIT
+            assert [k for k in asked if k != "write"] == ["locate", "promote"], "one question, one read"
+            rig.read(evicted[0])
+            never = ("k", 999)
+            assert rig.host.lookup(never) is Where.RETRY
+            assert rig.settle(never) is Where.MISS
+            assert rig.host.lookup(never) is Where.MISS, "an absence is remembered"
+        finally:
+            rig.close()
+
+
+def test_a_tier_that_cannot_open_is_left_out_and_the_host_still_serves(shm: Path) -> None:
+    class Broken(DiskTier):
+        async def open(self, fingerprint: bytes) -> None:
+            raise OSError("no such device")
+
+    rig = Rig(shm, [Broken(shm / "disk", capacity_bytes=64 * 512)])
+    try:
+        assert rig.io.disabled == {0} and "no such device" in rig.io.errors[0]
+        rig.store(keys(6))
+        rig.store(keys(2, 6))
+        assert rig.host.counts[0].dropped == 2
+        assert rig.settle(keys(1)[0]) is Where.MISS
+        rig.read(keys(1, 7)[0])
+    finally:
+        rig.close()
+
+
+def test_close_answers_everything_in_flight_within_its_bound(shm: Path) -> None:
+    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.5)])
+    rig.io.drain_timeout = 0.1
+    rig.store(keys(6))
+    rig.store(keys(2, 6))
+    started = time.monotonic()
+    rig.close()
+    assert time.monotonic() - started < 3
+    rig.host.poll()
+    assert not rig.host.busy and not rig.io.ready
+    assert rig.host.spare_free == 2
