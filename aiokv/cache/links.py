@@ -192,7 +192,7 @@ class TierLink:
                 # A tier plans a write (and orders its blocks) before its first await, and
                 # tasks may start in any order (trio shuffles them): each call waits for
                 # the one dispatched before it to have started.
-                if before is not None:
+                if before is not None and not before.is_set():  # no checkpoint otherwise
                     await before.wait()
                 started.set()
                 rows = batch.rows
