@@ -87,7 +87,7 @@ class Arm:
                         stalls=list(self.server.stalls), loop=self.server.loop)
         try:
             if isinstance(self.tier, DiskTier):
-                out.ceiling_name = "plain reads of its own files (DiskTier's mode, I/O size, threads)"
+                out.ceiling_name = "plain reads of its own files, with its mode, I/O size and threads"
                 out.disk_ceiling = float(await disk_read_ceiling(self.tier, CEILING_BLOCKS))
             elif self.tier is not None and self.redis_url is not None:
                 out.ceiling_name = "redis-py GETs of values of one block from its server"
