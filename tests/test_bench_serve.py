@@ -17,7 +17,7 @@ import torch
 
 from aiokv.__main__ import main
 from aiokv.bench.serve import correctness
-from aiokv.bench.serve.config import ARMS, ServeConfig
+from aiokv.bench.serve.config import DEFAULT_ARMS, ServeConfig
 from aiokv.bench.serve.correctness import blocks_needed, decode_check
 from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
@@ -254,7 +254,7 @@ def test_arms_take_turns_rotated_with_compared_arms_back_to_back() -> None:
     orders = [cfg.turns(k) for k in range(4)]
     assert orders[0] == ["recompute", "gpu", "host", "layerwise", "disk", "oracle"]
     for order in orders:
-        assert sorted(order) == sorted(ARMS)  # every arm once a segment
+        assert sorted(order) == sorted(DEFAULT_ARMS)  # every arm once a segment
         assert order[order.index("disk") + 1] == "oracle"  # right after the arm it mirrors
         assert order[order.index("host") + 1] == "layerwise"
     assert len({order[0] for order in orders}) == 4  # no arm always goes first
@@ -495,11 +495,11 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
     assert code == 0
     rows = payload["rows"]
     sections = {r["section"].split(",")[0] for r in rows}
-    for arm in ARMS:
+    for arm in DEFAULT_ARMS:
         assert f"serve arm: {arm}" in sections
         assert f"== serve arm: {arm}," in table
     overall = {r["extra"]["arm"]: r for r in rows if "ttft_ms" in r["extra"]}
-    assert set(overall) == set(ARMS)
+    assert set(overall) == set(DEFAULT_ARMS)
     for arm, row in overall.items():
         assert len(row["extra"]["ttft_ms"]) == 48 and row["ceiling"] > 0
         if arm in ("recompute", "gpu", "oracle"):  # nothing moved: the bound is the same queue

@@ -123,13 +123,14 @@ def test_serve_help_lists_its_own_options_and_their_defaults() -> None:
     text = _help(["bench", "serve", "--help"])
     assert text.startswith("usage: aiokv bench serve")
     for flag in ("--requests", "--warmup", "--segments", "--arms", "--mode", "--load", "--trace",
-                 "--tier-dir", "--loop", "--plot", "--json", "--quick"):
+                 "--tier-dir", "--loop", "--plot", "--json", "--quick", "--redis-url", "--redis-server",
+                 "--redis-blocks"):
         assert flag in text, flag
     assert "measured requests (default 400 on CUDA, 200 on the CPU and with --quick; prefix mode 100)" in text
     assert "(default: one per 25 measured requests)" in text
     assert "(default 0.5 on CUDA, 0.3 on the CPU and with --quick)" in text
     assert FULL_TRACES in text
-    for other in ("--capacity", "--tiers", "--redis-url"):  # bench cache's
+    for other in ("--capacity", "--tiers"):  # bench cache's
         assert other not in text
 
 

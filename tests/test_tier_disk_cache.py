@@ -6,6 +6,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +24,11 @@ PAGE = (16, 8, 64)  # bf16: 16 KiB per K or V page, 64 KiB per block over two la
 
 
 @asynccontextmanager
-async def cache_on(kv: KV, tier: DiskTier) -> AsyncIterator[OffloadCache]:
-    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + STAGING) as worker:
-        async with OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=STAGING) as cache:
+async def cache_on(kv: KV, tier: DiskTier, *, staging: int = STAGING,
+                   **options: Any) -> AsyncIterator[OffloadCache]:
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + staging) as worker:
+        async with OffloadCache(worker, policy="lru", tiers=[tier], staging_chunks=staging,
+                                **options) as cache:
             yield cache
 
 

@@ -225,17 +225,19 @@ async def test_a_stalled_tier_drops_demotions_and_never_stalls_the_cache(
                 assert cache.lookup(["k20", "k21", "k22", "k23"]) == 4
                 assert await cache.restore(["k20", "k23"], [40, 41])
             st = cache.stats().tiers[0]
-            # An empty queue takes one offer whole (four blocks); the next offer waits its
-            # turn for 0.2 s, after which the tier is behind and the rest drop at once.
-            assert st.queued_blocks == 4 and st.demotions_dropped == 16
+            # Room for one block: the first eviction takes it; the next waits its turn, first
+            # in line, for 0.2 s with no room coming back: the tier has stalled, and from
+            # then on what does not fit drops at once (one wait, not one per offer).
+            assert st.queued_blocks == 1 and st.demotions_dropped == 19
+            assert st.room_waits == 1 and 0.2 <= st.room_wait_seconds < 1
             assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 41), expected["k23"]))
             lines = [r for r in caplog.records if "dropped" in r.getMessage()]
             assert len(lines) == 1 and "mem tier" in lines[0].getMessage()  # once a minute
-            assert cache.lookup(["k0", "k1", "k2", "k3"]) == 4  # queued: still found, in memory
+            assert cache.lookup(["k0", "k1"]) == 1  # queued: still found, in memory
         finally:
             tier.write_gate.set()
         await cache.drain()
-        assert cache.stats().tiers[0].demoted == 4
+        assert cache.stats().tiers[0].demoted == 1
         settled(cache)
     assert tier.closed
 
@@ -350,10 +352,11 @@ async def test_a_disk_far_slower_than_the_traffic_drops_and_the_loop_stays_live(
             with anyio.fail_after(5):
                 expected = await store_generations(kv, cache, 40)  # 36 evictions, room for 2
             st = cache.stats().tiers[0]
-            # Every offload returned before the first (1 s) write did: one waited its turn
-            # for 0.1 s, and from then on the tier was behind and the rest dropped at once.
+            # Every offload returned before the first (1 s) write did: the first two evictions
+            # took the room, the next waited its turn for 0.1 s as the first in line with no
+            # room coming back, and from then on the tier had stalled: the rest dropped at once.
             assert st.demoted == 0 and st.tier.writes == 0
-            assert st.demotions_dropped == 32 and st.queued_blocks == 4  # one offer, whole
+            assert st.demotions_dropped == 34 and st.queued_blocks == 2 and st.room_waits == 1
             assert ticks > 0
             # Nothing is lost from the host tier: its four newest blocks are exact.
             result = await cache.restore(["k36", "k37", "k38", "k39"], [40, 41, 42, 43])

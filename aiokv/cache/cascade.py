@@ -6,43 +6,37 @@ end to end: blocks the host evicts, blocks it stores (for write-through tiers) a
 it turns away (spills) are copied off their chunks into rows and queued for the tiers'
 writers (``links.py``); restores read tier blocks, or rows still on their way down, into
 its staging chunks. Its task group runs the writers and the copies that finish after an
-``offload`` returns control (a cancelled caller does not stop them). Room in the write
-queues is reserved before an offer is planned, so the copies an offer decides never find
-the queue full (docs/tiers.md, "How blocks move").
+``offload`` returns control (a cancelled caller does not stop them). The copies down
+themselves (``descend.py``) take room in the write queues part by part, waiting their turn
+(docs/tiers.md, "How blocks move").
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from functools import partial
 
 import anyio
 import anyio.abc
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
-from ..future import TransferFuture
-from .links import Batch, Room, TierLink
+from .links import Batch, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
-from .protocol import result_or_none
 from .staging import Staging, off_loop
 from .tiers.base import Tier
 from .tiers.codec import key_bytes
 
-__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "Room", "Ticket", "TierLink", "tier_list"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
 
 DEFAULT_QUEUE_BYTES = 256 << 20
 """Bytes of blocks one tier's write queue holds (reserved, being copied or written)."""
 DEFAULT_QUEUE_WAIT = 1.0
-"""Seconds an offer waits for room in a full write queue before that tier counts as
-falling behind (docs/tiers.md, "Write-behind")."""
+"""Seconds the first offer in line waits for room in a full write queue, with no room
+coming back, before that tier counts as stalled (docs/tiers.md, "Write-behind")."""
 
 _log = logging.getLogger("aiokv")
-
-StoreFn = Callable[[list[int], list[int]], TransferFuture]
-"""Submits a store of GPU blocks into host chunks (absolute ids)."""
 
 
 class Cascade:
@@ -53,7 +47,8 @@ class Cascade:
         pages: where a block's pages sit in a host chunk and in the portable payload.
         staging: the chunks kept aside for restores and spills (absolute ids).
         queue_bytes: per tier, bytes of blocks its write queue holds.
-        queue_wait: seconds an offer waits for room in a full queue.
+        queue_wait: seconds a tier may free no room while an offer waits first in line,
+            before it counts as stalled.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, pages: PageMap, staging: range,
@@ -78,7 +73,7 @@ class Cascade:
         self.remote = [link for link in self.links if link.tier.remote]
         # Demotions go to the nearest tier that does not already get every block.
         self.demote_to = next((link for link in self.links if not link.tier.write_through), None)
-        self._through = [link for link in self.links if link.tier.write_through]
+        self.through = [link for link in self.links if link.tier.write_through]
         self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
@@ -221,102 +216,13 @@ class Cascade:
 
     # -- writing down ---------------------------------------------------------------------
 
-    async def reserve(self, n: int) -> Room:
-        """Room for the copies an offer of ``n`` keys new to the host may decide: at most
-        ``n`` demotions and spills, and ``n`` write-throughs per write-through tier. Waits
-        its turn (``queue_wait`` at most per tier); cancellable, holding nothing then."""
-        room = Room()
-        try:
-            for link in ([self.demote_to] if self.demote_to else []) + self._through:
-                room.held[link] = await link.reserve(n)
-        except BaseException:
-            room.release()
-            raise
-        return room
-
     def wants(self, link: TierLink, key: Hashable) -> bool:
         """Whether ``link`` should get ``key``: not on its way there, nor held there."""
-        return self._wants(link, self.tier_key(key))
+        return self.wants_key(link, self.tier_key(key))
 
-    def _wants(self, link: TierLink, tk: bytes) -> bool:
-        """Whether ``link`` should get ``tk``: not on its way there, nor held there."""
+    def wants_key(self, link: TierLink, tk: bytes) -> bool:
+        """Whether ``link`` should get tier key ``tk``: not on its way there, nor held there."""
         return tk not in link.inflight and (link.tier.remote or not link.tier.holds(tk))
-
-    async def demote(self, keys: Sequence[Hashable], chunks: Sequence[int], room: Room) -> None:
-        """Copy blocks the host evicted (absolute ``chunks``) off the pool and queue them for
-        the demotion tier; the caller reuses the chunks once this returns, so it shields it."""
-        link = self.demote_to
-        if link is None or not keys:
-            return
-        # A block the tier holds goes too: its write is a touch there (no I/O for a local
-        # tier), so the tier orders blocks by when the host let them go, as a victim cache.
-        pairs = [(tk, c) for k, c in zip(keys, chunks) if (tk := self.tier_key(k)) not in link.inflight]
-        pairs = pairs[: room.take(link, len(pairs))]
-        if pairs:
-            batch = Batch([tk for tk, _ in pairs], "demote")
-            link.expect(batch)
-            await self.land(link, batch, [c for _, c in pairs])
-
-    def spill_wanted(self, mgr: ChunkManager, keys: Sequence[Hashable]) -> list[Hashable]:
-        """Offered keys the host turned away that the demotion tier should get."""
-        link = self.demote_to
-        if link is None:
-            return []
-        return [k for k in keys if k not in mgr and self._wants(link, self.tier_key(k))]
-
-    def first_spill(self, spill: list[Hashable], room: Room) -> list[int]:
-        """Staging chunks free now for the first of ``spill``, which ride along with the
-        offer's own store (the rest go in rounds, ``spill``)."""
-        link = self.demote_to
-        if link is None or not spill:
-            return []
-        chunks = self.staging.take(min(len(spill), room.left(link)))
-        room.take(link, len(chunks))
-        return chunks
-
-    def ticket(self, keys: list[Hashable], chunks: list[int], spill: list[Hashable],
-               spill_chunks: list[int], room: Room) -> Ticket:
-        """What one store job hands down once it lands: its stored ``keys`` (in absolute
-        host ``chunks``) for each write-through tier, and its ``spill`` keys (in staging
-        ``spill_chunks``, room for them taken already) for the demotion tier."""
-        through: list[tuple[TierLink, Batch]] = []
-        for link in self._through:
-            wanted = [tk for k in keys if self._wants(link, tk := self.tier_key(k))]
-            wanted = wanted[: room.take(link, len(wanted))]
-            if wanted:
-                through.append((link, Batch(wanted, "through")))
-        down = None
-        if spill and self.demote_to is not None:
-            down = (self.demote_to, Batch([self.tier_key(k) for k in spill], "demote"))
-        return Ticket(self, keys, chunks, through, down, spill_chunks)
-
-    async def spill(self, keys: list[Hashable], blocks: list[int], room: Room, store: StoreFn) -> int:
-        """Spill ``keys`` (in GPU ``blocks``) to the demotion tier in rounds through the
-        staging chunks, each round waiting for free chunks; how many were copied. Blocks
-        not reached (cancelled, no room) are dropped and counted."""
-        link = self.demote_to
-        done = 0
-        todo = list(zip(keys, blocks))
-        try:
-            while todo and link is not None and (k := min(len(todo), room.left(link))):
-                chunks = await self.staging.take_some(k)
-                part, todo = todo[: len(chunks)], todo[len(chunks):]
-                room.take(link, len(part))
-                ticket = Ticket(self, [], [], [], (link, Batch([self.tier_key(key) for key, _ in part],
-                                                               "demote")), chunks)
-                try:
-                    future = store([b for _, b in part], chunks)
-                except BaseException:
-                    ticket.failed()
-                    raise
-                event = anyio.Event()
-                future.add_done_callback(partial(ticket.settle, mgr=None, done=event))
-                await event.wait()
-                done += len(part)
-        finally:
-            if link is not None:
-                link.drop(len(todo))
-        return done
 
     def count_restored(self, sources: Sequence[TierLink | None]) -> None:
         """Count restored keys against the tier (or memory on its way to it) they came from."""
@@ -412,67 +318,6 @@ class Cascade:
         await off_loop(len(pairs) * self.block_bytes, copy)
         for i, link, _ in pairs:
             found[i] = link
-
-
-class Ticket:
-    """The copies down that one store job decided, from its submit to their queueing."""
-
-    def __init__(self, cascade: Cascade, keys: list[Hashable], chunks: list[int],
-                 through: list[tuple[TierLink, Batch]], down: tuple[TierLink, Batch] | None,
-                 staging: list[int]) -> None:
-        self._cascade = cascade
-        self._at = dict(zip(keys, chunks))
-        self._keys = keys
-        self._through = through
-        self._down = down
-        self._staging = staging
-
-    def failed(self) -> None:
-        """The store did not land (refused or failed): nothing goes down."""
-        for link, batch in self._batches():
-            link.abandon(batch, dropped=False)
-        self._cascade.staging.give(self._staging)
-
-    def settle(self, future: TransferFuture, mgr: ChunkManager | None, done: anyio.Event) -> None:
-        """The store's done callback: copy what landed off the pool in the cascade's task
-        group (write-through keys pinned meanwhile); ``done`` is set once it is queued."""
-        if result_or_none(future) is None:
-            self.failed()
-            done.set()
-            return
-        cascade = self._cascade
-        for link, batch in self._batches():
-            link.expect(batch)
-        pinned = self._keys if self._through and mgr is not None else []
-        if mgr is not None:
-            mgr.prepare_load(pinned, touch=False)  # a copy to a tier is no reuse
-        tks = {cascade.tier_key(k): self._at[k] for k in self._keys}
-
-        async def copy() -> None:
-            todo = list(self._batches())
-            try:
-                while todo:
-                    link, batch = todo.pop(0)
-                    down = self._down is not None and batch is self._down[1]
-                    chunks = self._staging if down else [tks[tk] for tk in batch.keys]
-                    await cascade.land(link, batch, chunks)
-            finally:
-                for link, batch in todo:  # not reached: an earlier copy raised
-                    link.abandon(batch)
-                if mgr is not None:
-                    mgr.complete_load(pinned)
-                cascade.staging.give(self._staging)
-
-        if not cascade.start(copy, done):  # stopped meanwhile: the copies down are dropped
-            if mgr is not None:
-                mgr.complete_load(pinned)
-            for link, batch in self._batches():
-                link.abandon(batch)
-            cascade.staging.give(self._staging)
-            done.set()
-
-    def _batches(self) -> list[tuple[TierLink, Batch]]:
-        return [*self._through, *([self._down] if self._down is not None else [])]
 
 
 def _room(tier: Tier, limit: int, block_bytes: int) -> int:

@@ -8,11 +8,11 @@ waits for a write. Each batch's ``write`` call starts as soon as its rows are co
 tier bounds its own I/O), so the tier makes room for it then, in the order the cache
 decided, and how fast the writes land never changes what the cache finds.
 
-Room for blocks on their way down is bounded (``queue_bytes``) and reserved before a copy
-starts; an offer that finds it taken waits its turn, up to ``queue_wait`` seconds. A tier
-still full after such a wait is falling behind: from then on what does not fit is dropped
-at once (counted, and logged at most once a minute) until half its room is free again
-(docs/tiers.md, "Write-behind").
+Room for blocks on their way down is bounded (``queue_bytes``) and taken before a copy
+starts, in turns (``room.WriteRoom``): an offer that finds it taken waits, so the cache
+slows to the pace of the tier instead of dropping blocks; only a tier that stalls (frees
+no room for ``queue_wait`` seconds) has blocks dropped, counted and logged at most once a
+minute (docs/tiers.md, "Write-behind").
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,9 +29,10 @@ import anyio.abc
 import numpy as np
 
 from .records import TierCacheStats
+from .room import WriteRoom
 from .tiers.base import Tier
 
-__all__ = ["Batch", "Room", "TierLink"]
+__all__ = ["Batch", "TierLink"]
 
 _log = logging.getLogger("aiokv")
 
@@ -64,12 +66,12 @@ class TierLink:
     queue_wait: float = 1.0
     inflight: dict[bytes, tuple[Batch, int]] = field(default_factory=dict)
     writes: dict[Batch, anyio.CancelScope] = field(default_factory=dict)  # write calls running
-    pending: int = 0  # blocks reserved, being copied or being written
-    behind: bool = False  # a wait for room timed out: drop at once until half empty
     tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
     _calling: set[Batch] = field(default_factory=set)  # batches whose write call runs now
+    _order: deque[Batch] = field(default_factory=deque)  # expected, write call not started
+    _started: anyio.Event | None = None  # set once the last write call dispatched has begun
     _calls: int = 0  # write calls started
-    room: anyio.Event = field(default_factory=anyio.Event)
+    room: WriteRoom = field(init=False)
     hits: int = 0
     restored_keys: int = 0
     restored_bytes: int = 0
@@ -81,46 +83,33 @@ class TierLink:
     _unlogged: int = 0
     _logged_at: float = -math.inf
 
+    def __post_init__(self) -> None:
+        self.room = WriteRoom(self.limit_blocks, self.queue_wait)
+
+    @property
+    def pending(self) -> int:
+        """Blocks reserved, being copied or being written."""
+        return self.room.pending
+
     def stats(self) -> TierCacheStats:
         return TierCacheStats(
             name=self.tier.name, hits=self.hits, restored_keys=self.restored_keys,
             restored_bytes=self.restored_bytes, demoted=self.demoted,
             write_throughs=self.write_throughs, demotions_dropped=self.dropped,
             read_misses=self.read_misses, queued_blocks=self.pending, persisted=self.persisted,
-            tier=self.tier.statistics(),
+            tier=self.tier.statistics(), room_waits=self.room.waits,
+            room_wait_seconds=self.room.waited,
         )
 
     # -- room ----------------------------------------------------------------------------
 
-    def fits(self, n: int) -> bool:
-        """Whether ``n`` more blocks fit (when nothing is on its way, any one offer does)."""
-        return self.pending == 0 or self.pending + n <= self.limit_blocks
+    async def take_room(self, n: int, *, patient: bool = False) -> int:
+        """Room for up to ``room.step`` of ``n`` blocks, in turn (``WriteRoom.take``)."""
+        return await self.room.take(n, patient=patient)
 
-    async def reserve(self, n: int, *, patient: bool = False) -> int:
-        """Reserve room for ``n`` blocks, waiting up to ``queue_wait`` seconds for it unless
-        the tier is behind (``patient``: as long as it takes, for a caller with its own
-        bound); how many were reserved (``n``, or what fits when the wait ran out).
-        Cancellable: nothing is reserved then."""
-        if n <= 0:
-            return 0
-        if self.behind and self.pending <= self.limit_blocks // 2:
-            self.behind = False
-        if patient or not (self.behind or self.fits(n)):
-            with anyio.move_on_after(math.inf if patient else self.queue_wait):
-                while not self.fits(n):
-                    if self.room.is_set():
-                        self.room = anyio.Event()
-                    await self.room.wait()
-            self.behind = not patient and not self.fits(n)
-        got = n if self.fits(n) else max(0, min(n, self.limit_blocks - self.pending))
-        self.pending += got
-        return got
-
-    def unreserve(self, n: int) -> None:
-        """Give back room reserved and not used (or used by a batch now written)."""
-        if n > 0:
-            self.pending -= n
-            self.room.set()
+    def give_room(self, n: int) -> None:
+        """Give back room taken and not used (or used by a batch now answered for)."""
+        self.room.give(n)
 
     def drop(self, n: int) -> None:
         """Count ``n`` blocks that will not reach this tier; log now and then."""
@@ -131,9 +120,9 @@ class TierLink:
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY:
             _log.warning(
-                "aiokv: %d blocks for the %s tier were dropped (%d so far): it stayed full of "
-                "blocks on their way down (it cannot keep up), refused them, or the cache "
-                "closed first; see docs/tiers.md, Write-behind",
+                "aiokv: %d blocks for the %s tier were dropped (%d so far): it stalled (freed "
+                "no room for queue_wait seconds), refused them, or the cache closed first; "
+                "see docs/tiers.md, Write-behind",
                 self._unlogged, self.tier.name, self.dropped)
             self._unlogged, self._logged_at = 0, now
 
@@ -141,29 +130,48 @@ class TierLink:
 
     def expect(self, batch: Batch) -> None:
         """List ``batch``'s keys as on their way here (their copy is starting); room for
-        them was reserved."""
+        them was reserved. Write calls start in the order batches are expected."""
         for i, key in enumerate(batch.keys):
             self.inflight[key] = (batch, i)
+        self._order.append(batch)
 
     def push(self, batch: Batch, rows: np.ndarray) -> None:
-        """The batch's bytes landed: start its write (or drop it once closed)."""
+        """The batch's bytes landed: start its write once the batches expected before it
+        have started theirs (or drop it once closed)."""
         batch.rows = rows
         batch.landed.set()
-        if self.tg is None:
-            self.abandon(batch)
-            return
-        scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
-        self.tg.start_soon(self._write, batch, scope)
+        self._dispatch()
 
     def abandon(self, batch: Batch, *, dropped: bool = True) -> None:
         """The batch will not be written (its copy failed, or the cache closed; a store
         that never landed is no drop)."""
+        self._give_up(batch, dropped=dropped)
+        self._dispatch()
+
+    def _give_up(self, batch: Batch, *, dropped: bool) -> None:
         batch.landed.set()
         batch.written.set()
         self._forget(batch)
         if dropped:
             self.drop(len(batch.keys))
-        self.unreserve(len(batch.keys))
+        self.give_room(len(batch.keys))
+
+    def _dispatch(self) -> None:
+        """Start the write calls of the batches whose bytes have landed, in the order they
+        were expected: copies off the pool may end out of order (those on worker threads),
+        and a tier orders blocks for eviction when their write starts, so the order the
+        cache decided, not the threads' timing, decides what the tier keeps."""
+        order = self._order
+        while order and order[0].landed.is_set():
+            batch = order.popleft()
+            if batch.written.is_set():  # abandoned meanwhile
+                continue
+            if self.tg is None:
+                self._give_up(batch, dropped=True)
+                continue
+            scope = self.writes[batch] = anyio.CancelScope(shield=True)  # stop() cancels it
+            before, self._started = self._started, anyio.Event()
+            self.tg.start_soon(self._write, batch, scope, before, self._started)
 
     def find(self, key: bytes) -> tuple[Batch, int] | None:
         return self.inflight.get(key)
@@ -173,13 +181,20 @@ class TierLink:
             if (entry := self.inflight.get(key)) is not None and entry[0] is batch:
                 del self.inflight[key]
 
-    async def _write(self, batch: Batch, scope: anyio.CancelScope) -> None:
+    async def _write(self, batch: Batch, scope: anyio.CancelScope, before: anyio.Event | None,
+                     started: anyio.Event) -> None:
         """One batch's write call. Keys the tier refuses while other calls run (it may be
         removing the same key's old file for one of them) are tried again when those are
         over, so calls touching one key do not cost a block."""
         ok: int | None = None
         try:
             with scope:
+                # A tier plans a write (and orders its blocks) before its first await, and
+                # tasks may start in any order (trio shuffles them): each call waits for
+                # the one dispatched before it to have started.
+                if before is not None and not before.is_set():  # no checkpoint otherwise
+                    await before.wait()
+                started.set()
                 rows = batch.rows
                 if rows is not None:  # always: a batch is written once its rows landed
                     views = [memoryview(r) for r in rows]
@@ -200,6 +215,7 @@ class TierLink:
         except Exception:  # a tier that broke its contract: its blocks are dropped
             ok = 0
         finally:
+            started.set()  # stopped before it began: the calls after it are not held
             self.writes.pop(batch, None)
             self._written(batch, self._landed(batch) if ok is None else ok)
 
@@ -236,34 +252,12 @@ class TierLink:
             self.demoted += ok
         self.drop(len(batch.keys) - ok)
         self._forget(batch)  # after the write: the tier holds them now, or they are gone
-        self.unreserve(len(batch.keys))
+        self.give_room(len(batch.keys))
         batch.written.set()
 
     def stop(self) -> None:
         """Stop the write calls (each then counts what it did not write) and take no more."""
         self.tg = None
+        self.room.close()
         for scope in self.writes.values():
             scope.cancel()
-
-
-class Room:
-    """Room one offer reserved in the write queues, taken as its copies are decided."""
-
-    def __init__(self) -> None:
-        self.held: dict[TierLink, int] = {}
-
-    def left(self, link: TierLink | None) -> int:
-        return self.held.get(link, 0) if link is not None else 0
-
-    def take(self, link: TierLink, n: int) -> int:
-        """Up to ``n`` of the room held in ``link``; the rest of ``n`` is dropped, counted."""
-        got = min(n, self.held.get(link, 0))
-        if got:
-            self.held[link] -= got
-        link.drop(n - got)
-        return got
-
-    def release(self) -> None:
-        for link, n in self.held.items():
-            link.unreserve(n)
-        self.held.clear()

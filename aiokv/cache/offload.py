@@ -34,8 +34,9 @@ import numpy as np
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, flag
+from . import descend
 from .admission import AdmissionPolicy
-from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, Room, tier_list
+from .cascade import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_WAIT, Cascade, tier_list
 from .counters import Counters
 from .jobs import Jobs
 from .keys import as_block_ids, as_keys, check_hashable_values, unhashable
@@ -84,8 +85,10 @@ class OffloadCache:
             same layout share a tier (or give each model its own tier ``namespace=``).
         queue_bytes: per tier, bytes of blocks on their way down (queued or being written);
             never more than the tier's own ``capacity_bytes``.
-        queue_wait: seconds an offer waits for room in a full queue before that tier counts
-            as falling behind and what does not fit is dropped (counted and logged).
+        queue_wait: seconds a tier may free no room while an offer waits first in line for
+            it; then the tier counts as stalled and what does not fit is dropped (counted
+            and logged) until half its room is free. Offers wait their turn for room
+            meanwhile (backpressure: nothing is dropped while the tier writes).
         drain_timeout: seconds leaving the cache waits for copies and tier writes (and for
             ``persist_on_close``) before it drops what is left (counted) and closes the tiers,
             whatever way it is left (``math.inf``: no bound). Once left (``async with`` or
@@ -312,15 +315,9 @@ class OffloadCache:
             for key in block_of:
                 cascade.tier_key(key)
         self._n.fold()
-        room = None if cascade is None else await cascade.reserve(
-            sum(1 for k in block_of if k not in self._mgr))
-        try:
-            return await self._offload(block_of, after, room)
-        finally:
-            if room is not None:
-                room.release()
+        return await self._offload(block_of, after)
 
-    async def _offload(self, block_of: dict[Hashable, int], after: Any, room: Room | None) -> OffloadResult:
+    async def _offload(self, block_of: dict[Hashable, int], after: Any) -> OffloadResult:
         cascade, mgr = self._cascade, self._mgr
         plan = mgr.prepare_store(block_of)
         self._drop_events()
@@ -331,24 +328,25 @@ class OffloadCache:
         host_chunks = [self._host.start + c for c in plan.chunk_ids] if plan is not None else []
         spill: list[Hashable] = []
         first: list[int] = []
-        if cascade is not None and room is not None:
-            if plan is not None and plan.evicted:
-                # Copied out before the store below reuses the evicted chunks (the stored
-                # keys are pending meanwhile, so nothing else touches those chunks).
-                # Shielded: the store must follow its bookkeeping.
-                at = [self._host.start + c for c in plan.evicted_chunks]
-                try:
-                    with anyio.CancelScope(shield=True):
-                        await cascade.demote(plan.evicted, at, room)
-                except BaseException:
-                    mgr.complete_store(stored, success=False, counted=False)
-                    raise
-            spill = cascade.spill_wanted(mgr, list(block_of))
-            first = cascade.first_spill(spill, room)
+        if cascade is not None:
+            try:
+                if plan is not None and plan.evicted:
+                    # Copied out before the store below reuses the evicted chunks (the
+                    # stored keys are pending meanwhile, so nothing else touches those
+                    # chunks), part by part as the tier's queue has room.
+                    await descend.demote(cascade, plan.evicted,
+                                         [self._host.start + c for c in plan.evicted_chunks])
+                spill = descend.spill_wanted(cascade, mgr, list(block_of))
+                first = await descend.first_spill(cascade, spill)
+            except BaseException:  # cancelled waiting for room: the store never starts
+                mgr.complete_store(stored, success=False, counted=False)
+                if spill and cascade.demote_to is not None:
+                    cascade.demote_to.drop(len(spill))
+                raise
         landed = anyio.Event()
         if stored or first:
             try:
-                failed = await self._store(block_of, after, room, stored, host_chunks, spill[: len(first)],
+                failed = await self._store(block_of, after, stored, host_chunks, spill[: len(first)],
                                            first, skipped, landed)
             except BaseException:
                 if cascade is not None and cascade.demote_to is not None:
@@ -359,22 +357,21 @@ class OffloadCache:
         else:
             self._n.count_offer(len(block_of), skipped)
         spilled = len(first)
-        if cascade is not None and room is not None and len(spill) > len(first):
+        if cascade is not None and len(spill) > len(first):
             later = spill[len(first):]  # the rounds count their own drops
-            spilled += await cascade.spill(later, [block_of[k] for k in later], room,
+            spilled += await descend.spill(cascade, later, [block_of[k] for k in later],
                                            lambda b, c: self._jobs.store(b, c, after))
         elif not stored and not first:
             await anyio.lowlevel.checkpoint()  # as an awaited copy would: a loop stays cancellable
         return OffloadResult(len(stored), skipped, rest, evicted, spilled=spilled)
 
-    async def _store(self, block_of: dict[Hashable, int], after: Any, room: Room | None,
+    async def _store(self, block_of: dict[Hashable, int], after: Any,
                      stored: list[Hashable], host_chunks: list[int], spill: list[Hashable],
                      staging: list[int], skipped: int, landed: anyio.Event) -> bool:
         """Submit the offer's store (its host keys and the first spills) and wait for it and
         the copies down it decided; whether the copy failed."""
         cascade, mgr = self._cascade, self._mgr
-        ticket = cascade.ticket(stored, host_chunks, spill, staging, room) \
-            if cascade is not None and room is not None else None
+        ticket = descend.ticket(cascade, stored, host_chunks, spill, staging) if cascade is not None else None
         try:
             future = self._jobs.store([block_of[k] for k in [*stored, *spill]], host_chunks + staging, after)
         except BaseException:

@@ -31,12 +31,12 @@ async def persist_host(cascade: Cascade, mgr: ChunkManager, host_start: int) -> 
     link = cascade.links[0]
     keys = [k for k in mgr.keys_by_eviction() if cascade.wants(link, k)]
     total, done = len(keys), 0
-    per = max(1, BATCH_BYTES // cascade.block_bytes)
+    per = max(1, min(BATCH_BYTES // cascade.block_bytes, link.room.step))
     began = shown = time.monotonic()
     for start in range(0, total, per):
         part = [k for k in keys[start : start + per]  # as they are now: copies may have landed
                 if mgr.count_leading_hits((k,)) and cascade.wants(link, k)]
-        got = await link.reserve(len(part), patient=True)
+        got = await link.take_room(len(part), patient=True)
         part = part[:got]
         if not part:
             continue

@@ -63,10 +63,11 @@ class TierCacheStats:
     their way down to it); ``restored_keys`` and ``restored_bytes`` came back through it;
     ``demoted`` blocks were written after the host evicted them or turned them away
     (``write_throughs`` as they were stored, ``persisted`` as the cache closed);
-    ``demotions_dropped`` were not written: the tier fell behind (its queue stayed full
-    past ``queue_wait``), refused them, or the cache closed before they were written;
+    ``demotions_dropped`` were not written: the tier stalled (freed no room for
+    ``queue_wait`` seconds), refused them, or the cache closed before they were written;
     ``read_misses`` are reads of keys it was asked for that failed (absent, I/O, corrupt);
-    ``queued_blocks`` are on their way down now.
+    ``queued_blocks`` are on their way down now; ``room_waits`` copies down waited their
+    turn for room (backpressure), ``room_wait_seconds`` all together.
     """
 
     name: str
@@ -80,6 +81,8 @@ class TierCacheStats:
     queued_blocks: int
     tier: TierStatistics
     persisted: int = 0
+    room_waits: int = 0
+    room_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

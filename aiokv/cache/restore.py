@@ -1,10 +1,13 @@
-"""Restores: from the host alone (one load), or through the tiers in pipelined batches.
+"""Restores: from the host alone (one load), or through the tiers in concurrent batches.
 
 A restore through the tiers walks its keys in batches. Keys the host holds are pinned in
 place; the others are read into staging chunks from memory (blocks still on their way
-down) or from the nearest tier holding them. Each batch's load is submitted as soon as its
-reads are in and the next batch's reads start while it copies. The first key found nowhere
-ends the restore: the keys before it arrive, the rest are misses, never wrong bytes. Pins
+down) or from the nearest tier holding them. Every batch that has its staging chunks
+starts reading at once, so the tier sees the whole request as many reads in flight (its
+own I/O bound keeps them to its threads), and each batch's load to the GPU is submitted
+as soon as its reads are in, beside the reads of the batches after it. The first key found
+nowhere ends the restore: the keys before it arrive, the rest are misses, never wrong
+bytes (a batch past it that was read already is loaded and waited for, not counted). Pins
 and staging chunks go back in the load's done callback, or at once if the batch never
 reached a submit (cancelled, refused, or a miss). Nothing here counts: a restore returns
 its ``Outcome`` and ``OffloadCache`` counts it once.
@@ -81,17 +84,22 @@ async def restore_from_host(keys: Sequence[Hashable], blocks: list[int], *, mgr:
 async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, mgr: ChunkManager,
                                 cascade: Cascade, host_start: int, submit: Submit) -> Outcome:
     """Bring ``keys`` into ``blocks`` from the host, memory on its way down, and the tiers."""
-    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes))
     staging = cascade.staging
+    # At least four batches fit the staging chunks at once, so their reads overlap.
+    per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes, staging.total // 4))
     slots: list[_Slot] = []
+    run = _Run(len(keys))
     pos = 0
     error: Exception | None = None
     async with anyio.create_task_group() as tg:
         try:
-            while pos < len(keys):
-                batch = list(keys[pos : pos + per_batch])
+            while pos < run.end:
+                batch = list(keys[pos : min(pos + per_batch, run.end)])
                 need = sum(1 for k in batch if not mgr.count_leading_hits((k,)))
                 taken = await staging.take_some(need) if need else []
+                if pos >= run.end:  # a batch read meanwhile missed before this one
+                    staging.give(taken)
+                    break
                 # Others may have run while this waited: where each key is, now.
                 in_host = [mgr.count_leading_hits((k,)) == 1 for k in batch]
                 staged = [i for i, h in enumerate(in_host) if not h]
@@ -100,38 +108,82 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
                     staged = staged[: len(taken)]
                 staging.give(taken[len(staged):])
                 taken = taken[: len(staged)]
-                slot = _Slot(batch, in_host, blocks[pos : pos + len(batch)], host_start, mgr, taken)
-                try:
-                    found, rows = await _read(cascade, [batch[i] for i in staged], taken)
-                except BaseException:
-                    slot.release(mgr, staging)
-                    raise
-                end = slot.cut_at_miss(found, mgr, staging)
-                if end:
-                    slots.append(slot)
-                    if rows is None:
-                        slot.submit(mgr, staging, submit)
-                    else:  # pages into host order off the loop while the next batch reads
-                        tg.start_soon(_place_and_submit, slot, cascade, rows, mgr, staging, submit)
-                pos += end
-                if end < len(batch):
-                    break
+                slot = _Slot(pos, batch, in_host, blocks[pos : pos + len(batch)], host_start, mgr, taken)
+                slots.append(slot)
+                if staged:
+                    tg.start_soon(_fill, slot, cascade, [batch[i] for i in staged], run, mgr, submit)
+                else:
+                    slot.submit(mgr, staging, submit)
+                pos += len(batch)
         except Exception as exc:  # raised below as itself, not inside an exception group
             error = exc
             tg.cancel_scope.cancel()
+    error = error or next((slot.error for slot in slots if slot.error is not None), None)
     if error is not None:
+        # The loads already submitted write the caller's GPU blocks: they are over before
+        # the error reaches the caller, as a restore that returns waits for its loads.
+        with anyio.CancelScope(shield=True):
+            for slot in slots:
+                if slot.future is not None:
+                    await _landed(slot.future)
         raise error
-    for slot in slots:
-        if slot.error is not None:
-            raise slot.error
     return await _settle(slots, len(keys))
+
+
+async def _landed(future: TransferFuture) -> None:
+    try:
+        await future
+    except TransferFailed:
+        pass
+
+
+class _Run:
+    """What the batches of one restore share: where its leading run ends (``end``: the
+    first key known to be found nowhere, else the request's length)."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+
+
+async def _fill(slot: _Slot, cascade: Cascade, keys: list[Hashable], run: _Run, mgr: ChunkManager,
+                submit: Submit) -> None:
+    """Read one batch's staged keys into its chunks (or rows put in host order off the
+    loop), then submit its load, unless a batch before it missed. Errors are kept on the
+    slot (the restore raises the first), so they never end up in an exception group."""
+    staging = cascade.staging
+    try:
+        found, rows = await _read(cascade, keys, slot.staged)
+        end = slot.cut_at_miss(found, mgr, staging)
+        if slot.cut:
+            run.end = min(run.end, slot.pos + end)
+        if not end or slot.pos >= run.end:
+            slot.release(mgr, staging)
+            return
+        if rows is not None:
+            # Not abandoned on cancel: the copy writes staging chunks, which go back only after.
+            await off_loop(rows.nbytes, cascade.pages.scatter, cascade.pool, slot.staged,
+                           rows[: len(slot.staged)])
+    except Exception as exc:
+        slot.release(mgr, staging)
+        slot.error = exc
+        run.end = min(run.end, slot.pos)
+        return
+    except BaseException:
+        slot.release(mgr, staging)
+        raise
+    try:
+        slot.submit(mgr, staging, submit)
+    except Exception as exc:
+        slot.error = exc
+        run.end = min(run.end, slot.pos)
 
 
 class _Slot:
     """One batch on its way to the GPU: its chunks, pins and, once submitted, its load."""
 
-    def __init__(self, batch: list[Hashable], in_host: list[bool], blocks: list[int], host_start: int,
-                 mgr: ChunkManager, staged: list[int]) -> None:
+    def __init__(self, pos: int, batch: list[Hashable], in_host: list[bool], blocks: list[int],
+                 host_start: int, mgr: ChunkManager, staged: list[int]) -> None:
+        self.pos = pos
         self.pinned = [k for k, h in zip(batch, in_host) if h]
         host_chunks = iter(mgr.prepare_load(self.pinned))
         staged_chunks = iter(staged)
@@ -141,7 +193,9 @@ class _Slot:
         self.staged = staged
         self.sources: list[TierLink | None] = [None] * len(batch)
         self.future: TransferFuture | None = None
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
+        self.cut = False  # a key of it was found nowhere: nothing after it counts
+        self._released = False
 
     def cut_at_miss(self, found: list[TierLink | None], mgr: ChunkManager, staging: Staging) -> int:
         """Keep the batch up to its first miss; give back the pins and chunks after it."""
@@ -150,6 +204,7 @@ class _Slot:
         for i, link in zip(staged, found):
             if link is None:
                 end = i
+                self.cut = True
                 break
             self.sources[i] = link
         kept_staged = sum(1 for i in staged if i < end)
@@ -174,23 +229,11 @@ class _Slot:
         self.future = future
 
     def release(self, mgr: ChunkManager, staging: Staging) -> None:
+        if self._released:
+            return
+        self._released = True
         mgr.complete_load(self.pinned)
         staging.give(self.staged)
-
-
-async def _place_and_submit(slot: _Slot, cascade: Cascade, rows: np.ndarray, mgr: ChunkManager,
-                            staging: Staging, submit: Submit) -> None:
-    pool = cascade.pool
-    try:
-        # Not abandoned on cancel: the copy writes staging chunks, which return only after.
-        await off_loop(rows.nbytes, cascade.pages.scatter, pool, slot.staged, rows[: len(slot.staged)])
-    except BaseException:
-        slot.release(mgr, staging)
-        raise
-    try:
-        slot.submit(mgr, staging, submit)
-    except Exception as exc:  # raised by the restore, not as a task group's exception group
-        slot.error = exc
 
 
 async def _read(cascade: Cascade, keys: list[Hashable],
@@ -214,8 +257,8 @@ async def _settle(slots: list[_Slot], requested: int) -> Outcome:
     restored = failed = 0
     sources: list[TierLink | None] = []
     leading = True
-    for slot in slots:
-        if slot.future is None:  # its placing copy failed: nothing after it counts
+    for slot in slots:  # in key order
+        if slot.future is None:  # a miss, a failed read or placing copy: nothing after counts
             leading = False
             continue
         try:
@@ -228,6 +271,8 @@ async def _settle(slots: list[_Slot], requested: int) -> Outcome:
         if leading:
             restored += len(slot.src)
             sources += slot.sources
+        if slot.cut:
+            leading = False
     from_tiers = sum(1 for s in sources if s is not None)
     result = RestoreResult(restored, requested, from_host=restored - from_tiers, from_tiers=from_tiers)
     return Outcome(result, failed, tuple(sources))

@@ -19,8 +19,9 @@ __all__ = ["INLINE_COPY_BYTES", "Staging", "off_loop"]
 
 T = TypeVar("T")
 
-INLINE_COPY_BYTES = 1 << 20
-"""Bytes a copy may move on the loop thread; larger copies go to a worker thread."""
+INLINE_COPY_BYTES = 256 << 10
+"""Bytes a copy may move on the loop thread; larger copies go to a worker thread (a hop
+there costs the loop about as much as copying this much, fresh pages included)."""
 
 
 async def off_loop(nbytes: int, fn: Callable[..., T], *args: object) -> T:

@@ -64,8 +64,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="host tier (OffloadCache) in blocks (default: from the workload's reuse distances)")
     g.add_argument("--disk-blocks", type=int, metavar="N",
                    help="disk tier in blocks (default: from the workload's reuse distances)")
+    g.add_argument("--redis-blocks", type=int, metavar="N",
+                   help="Redis tier in blocks (default: the disk tier's, at most an eighth of the "
+                        "host's memory)")
+    g.add_argument("--redis-url", metavar="URL",
+                   help="the Redis/Valkey server of the redis arm, which then joins the default arms "
+                        "(the bench deletes what it wrote)")
+    g.add_argument("--redis-server", metavar="PATH",
+                   help="a redis-server binary the bench starts on loopback for the redis arm, and "
+                        "stops (instead of --redis-url; see .ci/redis-bundle.sh for a host without one)")
     g.add_argument("--arms", metavar="A,B",
-                   help="arms to run, of recompute,gpu,host,layerwise,disk,oracle (default: all six)")
+                   help="arms to run, of recompute,gpu,host,layerwise,disk,redis,oracle (default: all "
+                        "but redis, which joins them with --redis-url or --redis-server)")
     g.add_argument("--segments", type=int, metavar="N",
                    help="the measured requests are served in this many segments, every arm taking "
                         "its turn on each (default: one per 25 measured requests)")
@@ -95,6 +105,7 @@ def serve_rows(args: argparse.Namespace, backend: str,
         max_tokens=args.max_tokens, prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         suffix_tokens=args.suffix_tokens, compress=args.compress, load=args.load,
         gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
+        redis_blocks=args.redis_blocks, redis_url=args.redis_url, redis_server=args.redis_server,
         tier_dir=args.tier_dir, policy=args.policy, arms=arms, segments=args.segments,
         decode_tokens=args.decode_tokens,
         seed=args.seed, loop=args.loop,

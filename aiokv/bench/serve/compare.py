@@ -22,7 +22,7 @@ from .server import Served
 
 __all__ = ["noise_rows", "same_hits", "target_rows"]
 
-TIERED = ("host", "layerwise", "disk")
+TIERED = ("host", "layerwise", "disk", "redis")
 
 
 def _hits(s: Served) -> tuple[int, int, int]:

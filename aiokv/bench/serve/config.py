@@ -18,8 +18,14 @@ from .workload import Workload, reuse_distances
 
 __all__ = ["ARMS", "MODES", "ServeConfig"]
 
-ARMS = ("recompute", "gpu", "host", "layerwise", "disk", "oracle")
+ARMS = ("recompute", "gpu", "host", "layerwise", "disk", "redis", "oracle")
 """Every arm (the oracle mirrors the deepest caching arm of the run)."""
+DEFAULT_ARMS = tuple(a for a in ARMS if a != "redis")
+"""The arms of a run without ``--arms``; the Redis arm joins them when a server is given."""
+TIERED = ("host", "layerwise", "disk", "redis")
+"""Arms with a host pool (an ``OffloadCache``, or the layerwise arm's own)."""
+CACHING = ("gpu", *TIERED)
+"""Arms that keep blocks between requests."""
 MODES = ("trace", "prefix", "correctness")
 SEGMENT_REQUESTS = 25
 """Measured requests per segment by default: short turns pair the arms closely in time,
@@ -31,6 +37,7 @@ ARM_TEXT = {
     "host": "GPU prefix cache + host tier (OffloadCache)",
     "layerwise": "GPU prefix cache + host pool restored with layerwise loads (the forward gates each layer)",
     "disk": "GPU prefix cache + host tier + disk tier (OffloadCache, DiskTier)",
+    "redis": "GPU prefix cache + host tier + Redis tier (OffloadCache, RedisTier)",
     "oracle": "the same hits as the mirrored arm, moved in zero time",
 }
 
@@ -57,10 +64,13 @@ class ServeConfig:
     gpu_blocks: int | None = None
     host_blocks: int | None = None
     disk_blocks: int | None = None
+    redis_blocks: int | None = None
     staging_blocks: int | None = None
     tier_dir: str | None = None
+    redis_url: str | None = None  # a server the Redis arm uses (the bench deletes its keys after)
+    redis_server: str | None = None  # a redis-server binary the bench starts for the Redis arm
     policy: str | None = None
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     segments: int | None = None  # None: one per SEGMENT_REQUESTS measured requests
     decode_tokens: int = 16
     seed: int = 0
@@ -83,7 +93,10 @@ class ServeConfig:
             # A shared CPU host can run the model at half speed for a while: room for that.
             load=0.5 if backend == "cuda" else 0.3,
         )
-        return replace(base, **{k: v for k, v in given.items() if v is not None})
+        cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+        if given.get("arms") is None and (cfg.redis_url or cfg.redis_server):
+            cfg.arms = ARMS  # a Redis server given: its arm joins the default ones
+        return cfg
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,15 +118,20 @@ class ServeConfig:
         dist = reuse_distances(workload)
         q = np.percentile(dist, [15, 50, 95]) if dist.size else np.array([0.0, 0.0, 0.0])
         gpu_pools = len(self.kv_owners())
-        host_pools = max(1, sum(a in ("host", "layerwise", "disk") for a in self.arms))
+        host_pools = max(1, sum(a in TIERED for a in self.arms))
         gpu_cap, host_cap, disk_cap = (b // block_bytes // n for b, n in
                                        zip(self._budgets(block_bytes), (gpu_pools, host_pools, 1)))
+        # The Redis arm's server holds its blocks in this host's memory beside the pinned
+        # pools (half of it): an eighth of it at most.
+        redis_cap = self._budgets(block_bytes)[1] // 4 // block_bytes
         if self.gpu_blocks is None:
             self.gpu_blocks = max(need, min(gpu_cap, int(q[0]) + need))
         if self.host_blocks is None:
             self.host_blocks = min(host_cap, max(2 * self.gpu_blocks, int(q[1])))
         if self.disk_blocks is None:
             self.disk_blocks = min(disk_cap, max(2 * self.host_blocks, int(1.05 * q[2])))
+        if self.redis_blocks is None:
+            self.redis_blocks = max(1, min(redis_cap, self.disk_blocks))
         if self.staging_blocks is None:
             self.staging_blocks = max(1, min(64, self.host_blocks // 3))
         if self.gpu_blocks < need - 16:
@@ -155,8 +173,18 @@ class ServeConfig:
         if self.model == "llama3-8b" and self.backend != "cuda":
             raise ValueError("the llama3-8b shape runs on CUDA (its float32 weights alone would "
                              "take 30 GB here); the CPU backend runs --model tiny")
-        if "oracle" in self.arms and not {"gpu", "host", "layerwise", "disk"} & set(self.arms):
-            raise ValueError("the oracle mirrors a caching arm: add gpu, host, layerwise or disk to --arms")
+        if "oracle" in self.arms and not set(CACHING) & set(self.arms):
+            raise ValueError("the oracle mirrors a caching arm: add gpu, host, layerwise, disk or redis "
+                             "to --arms")
+        if self.redis_url and self.redis_server:
+            raise ValueError("give --redis-url (a server to use) or --redis-server (a binary the bench "
+                             "starts), not both")
+        if "redis" in self.arms and not (self.redis_url or self.redis_server):
+            raise ValueError("the redis arm needs a server: --redis-url redis://host:port, or "
+                             "--redis-server PATH to a redis-server binary the bench starts")
+        if self.redis_server is not None and not (os.path.isfile(self.redis_server)
+                                                  and os.access(self.redis_server, os.X_OK)):
+            raise ValueError(f"--redis-server {self.redis_server} is not an executable file")
         if self.segments is not None and self.segments < 1:
             raise ValueError(f"--segments must be >= 1, got {self.segments}")
         if self.compress is not None and not self.compress > 0:
@@ -166,7 +194,7 @@ class ServeConfig:
         if self.decode_tokens < 1:
             raise ValueError(f"--decode-tokens must be >= 1, got {self.decode_tokens}")
         for name in ("requests", "block_tokens", "max_tokens", "gpu_blocks", "host_blocks", "disk_blocks",
-                     "layers", "prefix_tokens", "suffix_tokens"):
+                     "redis_blocks", "layers", "prefix_tokens", "suffix_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -184,7 +212,7 @@ class ServeConfig:
     def kv_owners(self) -> list[str]:
         """The arms that get a GPU KV pool of their own: every caching arm, and recompute
         (or the oracle) for both of them, as neither keeps anything between requests."""
-        owners = [a for a in self.ordered_arms() if a in ("gpu", "host", "layerwise", "disk")]
+        owners = [a for a in self.ordered_arms() if a in CACHING]
         shared = [a for a in ("recompute", "oracle") if a in self.arms]
         return shared[:1] + owners
 
@@ -209,7 +237,7 @@ class ServeConfig:
 
     def mirrored_arm(self) -> str | None:
         """The arm whose hits the oracle takes: the deepest caching arm of the run."""
-        for name in ("disk", "host", "layerwise", "gpu"):
+        for name in ("disk", "redis", "host", "layerwise", "gpu"):
             if name in self.arms:
                 return name
         return None

@@ -14,7 +14,7 @@ from an empty queue as the arms serve it, so queueing is in the bound as in the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +32,19 @@ BUCKETS = ((0, 0, "0"), (1, 1023, "1-1023"), (1024, 4095, "1k-4k"), (4096, 16383
            (16384, 1 << 62, ">=16k"))
 """Prefix-length buckets (tokens some earlier request had computed: the reusable prefix)."""
 CLASS_LABELS = {"miss": "misses", "gpu": "GPU hits", "host": "host hits", "disk": "disk hits"}
+TIER_OF = {"redis": "redis"}
+"""The tier a tiered arm's lower-tier hits came from, where it is not the disk (the class
+``disk`` holds every request that read a lower tier)."""
+
+
+def class_label(arm: str, cls: str) -> str:
+    """A hit class as one arm's rows name it (the Redis arm's tier hits are Redis hits)."""
+    return f"{TIER_OF[arm]} hits" if cls == "disk" and arm in TIER_OF else CLASS_LABELS[cls]
+
+
+def arm_ceilings(arm: ArmResult, ceil: Ceilings) -> Ceilings:
+    """The run's ceilings with this arm's own tier ceiling where it has one (Redis)."""
+    return replace(ceil, disk_gbps=arm.disk_ceiling) if arm.name in TIER_OF else ceil
 
 
 @dataclass(frozen=True)
@@ -70,7 +83,8 @@ def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True
 
 def arm_bounds(arm: ArmResult, ceil: Ceilings) -> dict[int, float]:
     """``lower_bounds`` as the arm moves its blocks."""
-    return lower_bounds(arm.served, ceil, moves=arm.name != "oracle", overlap=arm.name == "layerwise")
+    return lower_bounds(arm.served, arm_ceilings(arm, ceil), moves=arm.name != "oracle",
+                        overlap=arm.name == "layerwise")
 
 
 def utilisation(served: Sequence[Served]) -> float:
@@ -124,7 +138,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     for cls in HIT_CLASSES:
         group = [s for s in served if s.hit == cls]
         if group:
-            rows.append(_class_row(section, CLASS_LABELS[cls], group, bounds))
+            rows.append(_class_row(section, class_label(arm.name, cls), group, bounds))
     for _, _, name in BUCKETS:
         group = [s for s in served if bucket_of(s.reusable) == name]
         if group:
@@ -135,7 +149,8 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
     reused = {k: sum(getattr(s, f"{k}_tokens") for s in served) for k in ("gpu", "host", "disk")}
     rows.append(BenchRow(section, "prefill tokens/s", computed / prefill if prefill else 0.0, "tok/s",
                          note=f"{computed:,} computed of {prompt:,} prompt tokens; reused: "
-                              + ", ".join(f"{k} {v / max(1, prompt):.1%}" for k, v in reused.items()),
+                              + ", ".join(f"{TIER_OF.get(arm.name, k) if k == 'disk' else k} "
+                                          f"{v / max(1, prompt):.1%}" for k, v in reused.items()),
                          extra={"computed_tokens": computed, "prompt_tokens": prompt, **reused}))
     busy = sum(s.busy for s in served)
     rows.append(BenchRow(section, "model utilisation", 100 * utilisation(served), "%",
@@ -150,7 +165,7 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
         rows.append(BenchRow(section, "model FLOP utilisation", 100 * achieved / ceil.peak_flops, "%",
                              note=f"{achieved / 1e12:.3g} TFLOP/s of {ceil.peak_flops / 1e12:.3g} "
                                   f"(peak: {ceil.peak_name})"))
-    rows += _restore_rows(section, arm, ceil)
+    rows += _restore_rows(section, arm, arm_ceilings(arm, ceil))
     if arm.name == "layerwise":
         rows += _stall_rows(section, arm)
         rows += overlap_rows(section, arm)
@@ -198,7 +213,7 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
     rows = []
     per_token = ceil.block_bytes / BLOCK_TOKENS
     for where, pick in (("host", lambda s: s.host_tokens and not s.disk_tokens),
-                        ("disk", lambda s: s.disk_tokens)):
+                        (TIER_OF.get(arm.name, "disk"), lambda s: s.disk_tokens)):
         loads = [s for s in arm.served if pick(s) and s.load_s > 0]
         if not loads:
             continue

@@ -24,6 +24,7 @@ from .measure import Device, PrefillFit, load_ceiling, peak_flops
 from .model import BLOCK_TOKENS, LlamaModel
 from .pushes import push_rows
 from .report import Ceilings, arm_rows
+from .tier_rows import tier_rows
 from .workload import Workload, describe, prefix_workload, trace_workload
 
 __all__ = ["run_serve_bench"]
@@ -86,7 +87,8 @@ async def _main(cfg: ServeConfig, say: Progress,
     cfg.resolve_pools(workload, block_bytes)
     assert cfg.gpu_blocks is not None
     say(f"pools (blocks of 16 tokens): GPU {cfg.gpu_blocks:,}, host {cfg.host_blocks:,}, "
-        f"disk {cfg.disk_blocks:,} (+{cfg.staging_blocks} staging)")
+        f"disk {cfg.disk_blocks:,}" + (f", Redis {cfg.redis_blocks:,}" if "redis" in cfg.arms else "")
+        + f" (+{cfg.staging_blocks} staging)")
     kv = new_kv_pools(cfg, model)
     say("calibrating prefill time (also warms the model up)")
     fit = PrefillFit.measure(model, kv[cfg.kv_owners()[0]], device,
@@ -101,7 +103,7 @@ async def _main(cfg: ServeConfig, say: Progress,
     async with AsyncExitStack() as stack:
         open_ = await open_arms(cfg, model, kv, device, stack, block_bytes=block_bytes, progress=say)
         await _serve_arms(cfg, workload, open_, mirrored, say)
-        arms = {name: await arm.result() for name, arm in open_.items()}
+        arms = {name: await arm.result(block_bytes) for name, arm in open_.items()}
         pushes = []
         if "layerwise" in arms:
             cached, new = _push_shape(arms["layerwise"])
@@ -117,6 +119,7 @@ async def _main(cfg: ServeConfig, say: Progress,
         rows += arm_rows(arm, ceil, mc, recompute=arms.get("recompute"),
                          mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
     rows += target_rows(arms, mirrored, ceil)
+    rows += tier_rows(arms, ceil)
     rows += pushes
     rows += noise_rows(arms, mirrored)
     rows += await _check(cfg, model, model.new_kv_cache(check_blocks), device, say)
@@ -228,14 +231,17 @@ def _setup_rows(cfg: ServeConfig, workload: Workload, ceil: Ceilings, loads: tup
                  note=f"offered load of the recompute arm ~{offered:.2f} (prefill calibration)"
                  if cfg.compress is None else "given with --compress"),
     ]
-    if "disk" in arms:
-        disk = arms["disk"]
-        rows.append(BenchRow(section, "disk tier read ceiling", disk.disk_ceiling, "GB/s",
-                             note="DiskTier.read_ceiling: plain reads of its own files"
-                             if disk.disk_ceiling else f"not measured: {disk.disk_ceiling_error}"))
+    for name, label in (("disk", "disk tier read ceiling"), ("redis", "Redis GET ceiling")):
+        if name in arms:
+            tiered = arms[name]
+            rows.append(BenchRow(section, label, tiered.disk_ceiling, "GB/s",
+                                 note=tiered.ceiling_name if tiered.disk_ceiling
+                                 else f"not measured: {tiered.disk_ceiling_error}"))
     for name, blocks in (("GPU pool", cfg.gpu_blocks), ("host pool", cfg.host_blocks),
-                         ("disk tier", cfg.disk_blocks)):
+                         ("disk tier", cfg.disk_blocks), ("Redis tier", cfg.redis_blocks)):
         assert blocks is not None
+        if name == "Redis tier" and "redis" not in arms:
+            continue
         rows.append(BenchRow(section, name, float(blocks), "blocks",
                              note=f"{blocks * mib:,.1f} MiB; {BLOCK_TOKENS} tokens a block"))
     return rows

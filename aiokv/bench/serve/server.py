@@ -25,6 +25,7 @@ import anyio.abc
 import torch
 
 from ...layer_timeline import LayerTimeline
+from .loopwatch import LoopWatch
 from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
 from .pool import BlockPool
@@ -107,6 +108,7 @@ class Server:
     progress: Callable[[str], None] = lambda _msg: None
     stalls: list[float] = field(default_factory=list)
     epoch: float = field(default_factory=time.perf_counter)
+    loop: LoopWatch = field(default_factory=LoopWatch)  # the loop's load in measured turns
     _offloads: int = field(default=0, init=False)
     _clock0: float = field(default=0.0, init=False)
 
@@ -126,7 +128,7 @@ class Server:
         out: list[Served] = []
         if not requests:
             return out
-        async with anyio.create_task_group() as tg:
+        async with self.loop.watching(), anyio.create_task_group() as tg:
             send, receive = anyio.create_memory_object_stream[tuple[ServeRequest, float]](math.inf)
             self._clock0 = time.perf_counter() - requests[0].arrival
             tg.start_soon(self._arrivals, list(requests), send)
@@ -169,7 +171,7 @@ class Server:
             reused = await pool.take_waiting(got.host + got.disk)
         elif self.source is not None and len(gpu) < n:
             rest = req.keys[len(gpu):n]
-            hits = self.source.lookup(rest)
+            hits = await self.source.alookup(rest)
             if hits:
                 reused = await pool.take_waiting(hits)
                 got = await self.source.restore(rest[:hits], reused)

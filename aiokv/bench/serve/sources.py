@@ -57,6 +57,10 @@ class Source:
     def lookup(self, keys: Sequence[int]) -> int:
         raise NotImplementedError
 
+    async def alookup(self, keys: Sequence[int]) -> int:
+        """``lookup``, and a round trip to any remote tier for the keys after the local run."""
+        return self.lookup(keys)
+
     async def restore(self, keys: Sequence[int], blocks: list[int]) -> Restored:
         raise NotImplementedError
 
@@ -74,6 +78,11 @@ class CacheSource(Source):
         self.cache = cache
 
     def lookup(self, keys: Sequence[int]) -> int:
+        return self.cache.lookup(keys)
+
+    async def alookup(self, keys: Sequence[int]) -> int:
+        if any(tier.remote for tier in self.cache.tiers):  # what another server stored counts too
+            return await self.cache.alookup(keys)
         return self.cache.lookup(keys)
 
     async def restore(self, keys: Sequence[int], blocks: list[int]) -> Restored:

@@ -151,6 +151,13 @@ class Tier(abc.ABC):
         (full, I/O error, timeout). The payload views are only read until this returns.
         Never raises for I/O problems."""
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count ``keys`` as used now, in order, where the tier holds them or is writing
+        them (no I/O, never raises for I/O). The cache calls it for blocks the host lets go
+        again while their first copy is still on its way down, so a tier with an order of
+        its own orders them as if that write had landed already. The default does nothing
+        (a remote tier, or one without an order)."""
+
     @abc.abstractmethod
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters."""

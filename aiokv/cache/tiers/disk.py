@@ -12,7 +12,8 @@ A crash therefore never leaves a half-written block that reads as whole: it is d
 the next ``open`` (bad header or length) or at its first read (bad checksum). With
 ``fsync=True`` each block is also on stable storage before ``write`` reports it stored.
 
-Threads: every file operation runs in a thread bounded by ``io_threads``; a call's blocks
+Threads: every file operation runs in a thread, reads and writes each bounded by ``io_threads``
+(so a restore never queues behind the writes of blocks on their way down); a call's blocks
 are shared out among them. Calls carry no timeout of their own and a cancelled call waits
 for its threads: a read thread writes into the caller's buffers, so abandoning it would let
 the caller reuse memory that is still being filled. A local disk answers or fails with an
@@ -50,6 +51,9 @@ __all__ = ["DiskTier"]
 T = TypeVar("T")
 _log = logging.getLogger("aiokv")
 
+SPREAD_BYTES = 1 << 20
+"""Bytes of one read call's blocks that earn it another I/O thread (up to ``io_threads``)."""
+
 
 class DiskTier(Tier):
     """Blocks in files under ``path``, bounded by ``capacity_bytes`` of KV payload.
@@ -61,7 +65,9 @@ class DiskTier(Tier):
         write_through: the cache writes every stored block here at once (see ``Tier``).
         policy: an eviction policy name from the registry (``"lru"``, ``"arc"``, ...) or
             an unused ``EvictionPolicy`` instance.
-        io_threads: worker threads doing file I/O at once (one batch is spread over them).
+        io_threads: blocks read at the device at once (by twice as many threads, which
+            checksum one block while the next is read), and threads writing at once (one
+            call's blocks are spread over them): reads never wait behind writes.
         direct: use ``O_DIRECT`` (bypass the page cache): None probes the filesystem at
             ``open`` and uses it where it works (tmpfs before Linux 6.6 refuses it; a full
             disk cannot tell, so the tier is buffered until a later write can), False
@@ -98,6 +104,7 @@ class DiskTier(Tier):
         self._files: BlockFiles | None = None
         self._closed = False
         self._limiter: anyio.CapacityLimiter | None = None
+        self._read_limiter: anyio.CapacityLimiter | None = None
         self._index = DiskIndex(self.capacity_bytes, policy)
         self.temp_files_removed = 0
         """Temporary files (writes a crash interrupted) removed by ``open``."""
@@ -138,6 +145,11 @@ class DiskTier(Tier):
             raise InvalidSpec("a tier fingerprint has at least 16 bytes "
                               "(make it with codec.layout_fingerprint)")
         self._limiter = anyio.CapacityLimiter(self.io_threads)
+        # Reads have threads of their own: a restore, which a request waits for, never
+        # queues behind the background writes of blocks on their way down. Twice as many
+        # as read at the device at once (``BlockFiles(read_slots=...)``), so a block's
+        # checksum runs beside the next block's read instead of holding the disk idle.
+        self._read_limiter = anyio.CapacityLimiter(2 * self.io_threads)
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
         locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
@@ -155,7 +167,7 @@ class DiskTier(Tier):
                 _log.warning("disk tier at %s: cannot tell whether O_DIRECT works (a full "
                              "disk?); buffered I/O until a write can tell", directory)
             files = BlockFiles(directory, fingerprint, direct=mode, fsync=self._fsync,
-                               delay=self._latency)
+                               delay=self._latency, read_slots=self.io_threads)
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
                                  f"{directory}; give each cache its own directory")
@@ -211,6 +223,11 @@ class DiskTier(Tier):
         self._opened()
         return codec.stored_keys([key])[0] in self._index.held
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Count keys held or being written as used now, for the eviction policy."""
+        self._opened()
+        self._index.touch(codec.stored_keys(keys))
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are held (the index answers; no I/O)."""
         self._opened()
@@ -242,7 +259,7 @@ class DiskTier(Tier):
         pinned = [keys[i] for i in todo]
         index.pin(pinned)
         try:
-            await self._spread(partial(files.read_many, keys, outs, status), todo)
+            await self._spread(partial(files.read_many, keys, outs, status), todo, reading=True)
         finally:
             index.unpin(pinned)
             self._note(index.after_read(keys, outs, status))
@@ -303,24 +320,33 @@ class DiskTier(Tier):
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+    async def _run(self, fn: Callable[..., T], *args: object, reading: bool = False) -> T:
         # Not abandoned on cancellation: a read thread writes into the caller's buffers,
         # so the call returns only once its threads are done with them.
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(fn, *args,
+                                              limiter=self._read_limiter if reading else self._limiter)
 
-    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int]) -> None:
+    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int], *,
+                      reading: bool = False) -> None:
         """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
-        ``todo`` (each thread takes the next index when it is free)."""
+        ``todo`` (each thread takes the next index when it is free). A read takes one
+        thread for each ``SPREAD_BYTES`` of it at most: a hop to a thread costs the event
+        loop tens of microseconds, more than a thread takes to read a few small blocks, and
+        a restore keeps the threads busy with several reads at once; a large read takes
+        up to twice ``io_threads`` (half of them checksumming at any time). A write takes them
+        all: how soon its blocks land decides what a block demoted again meanwhile counts
+        for (docs/tiers.md, "On their way down")."""
         if not todo:
             return
         queue = deque(todo)
-        parts = min(self.io_threads, len(todo))
+        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES)) if reading else 1
+        parts = min(2 * self.io_threads if reading else self.io_threads, -(-len(todo) // per))
         if parts == 1:
-            await self._run(work, queue)
+            await self._run(work, queue, reading=reading)
             return
         async with anyio.create_task_group() as tg:
             for _ in range(parts):
-                tg.start_soon(self._run, work, queue)
+                tg.start_soon(partial(self._run, work, queue, reading=reading))
 
     def _remove_files(self, keys: list[bytes]) -> None:
         assert self._files is not None

@@ -107,6 +107,13 @@ class DiskIndex:
             self.policy.on_access([k for k in hits if k in self.held])
         return failed
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Keys used again: held ones, and ones being written (ordered when their write
+        was planned), move up in the eviction order, as a write of a held key does."""
+        known = [k for k in keys if k in self.held or k in self.pending]
+        if known and self.policy is not None:
+            self.policy.on_access(known)
+
     # -- writes ----------------------------------------------------------------------------
 
     def plan_write(self, keys: Sequence[bytes], stored: list[bool | None]

@@ -16,10 +16,12 @@ or foreign file reads as a miss, never as a block.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,6 +31,8 @@ try:
     import fcntl
 except ImportError:  # Windows: no flock; one tier per directory is then up to the user
     fcntl = None  # type: ignore[assignment]
+
+import numpy as np
 
 from . import codec
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
@@ -95,10 +99,12 @@ class BlockFiles:
             block survives a power loss; without it a crash may lose recent blocks (they
             read as misses or are dropped at the next scan), never turn them into wrong bytes.
         delay: seconds to sleep before each batch, to model a slow device (tests, benches).
+        read_slots: block reads at the device at once, whatever the number of threads
+            reading (None: no bound): threads past it checksum what they read meanwhile.
     """
 
     def __init__(self, directory: str, fingerprint: bytes, *, direct: bool | DirectMode,
-                 fsync: bool, delay: float = 0.0) -> None:
+                 fsync: bool, delay: float = 0.0, read_slots: int | None = None) -> None:
         self.directory = directory
         self.fingerprint = bytes(fingerprint)
         self.mode = direct if isinstance(direct, DirectMode) else DirectMode(directory, bool(direct))
@@ -107,6 +113,8 @@ class BlockFiles:
         self.last_error: OSError | None = None
         """The latest I/O error a read or write met (for the tier's failure log)."""
         self._bounce = Bounce()
+        self._reading: contextlib.AbstractContextManager[object] = (
+            threading.BoundedSemaphore(read_slots) if read_slots else contextlib.nullcontext())
         self._lock_fd = -1
 
     @property
@@ -164,50 +172,52 @@ class BlockFiles:
             status[i] = self.read_one(keys[i], outs[i])
 
     def read_one(self, key: bytes, out: memoryview) -> int:
-        """Read and verify one block into ``out``; a ``ReadStatus``."""
+        """Read and verify one block into ``out``; a ``ReadStatus``. The file I/O takes one
+        of ``read_slots``; the checksum runs after it, beside other threads' reads."""
         path = self.path(key)
         span = header_span(key)
         length = out.nbytes
         size = file_size(key, length)
         direct = self.mode.on  # read once: another thread may decide it meanwhile
         flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if direct else 0)
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            return ReadStatus.ABSENT
-        except OSError as exc:
-            self.last_error = exc
-            return ReadStatus.ERROR
-        try:
-            if not direct:
-                head = bytearray(span)
-                got = os.preadv(fd, [head, out], 0)
-                head_view = memoryview(head)
-                payload = out
-            elif aligned(out):
-                # Direct into the caller's buffer: the header lands in the bounce buffer.
-                head_view = self._bounce.get(span)
-                got = os.preadv(fd, [head_view, out], 0)
-                payload = out
-            else:
-                whole = self._bounce.get(size)
-                got = os.preadv(fd, [whole], 0)
-                head_view = whole[:span]
-                payload = whole[span:span + length]
-            if got < span + length:  # truncated (a longer file still verifies below)
-                return self._drop(path)
-            header = codec.parse_header(head_view)
-            if (header is None or not header.matches(self.fingerprint) or header.key != key
-                    or header.payload_len != length or codec.checksum(payload) != header.crc):
-                return self._drop(path)
-            if payload is not out:
-                out[:] = payload
-            return ReadStatus.HIT
-        except OSError as exc:
-            self.last_error = exc
-            return ReadStatus.ERROR
-        finally:
-            os.close(fd)
+        with self._reading:
+            try:
+                fd = os.open(path, flags)
+            except FileNotFoundError:
+                return ReadStatus.ABSENT
+            except OSError as exc:
+                self.last_error = exc
+                return ReadStatus.ERROR
+            try:
+                if not direct:
+                    head = bytearray(span)
+                    got = os.preadv(fd, [head, out], 0)
+                    head_view = memoryview(head)
+                    payload = out
+                elif aligned(out):
+                    # Direct into the caller's buffer: the header lands in the bounce buffer.
+                    head_view = self._bounce.get(span)
+                    got = os.preadv(fd, [head_view, out], 0)
+                    payload = out
+                else:
+                    whole = self._bounce.get(size)
+                    got = os.preadv(fd, [whole], 0)
+                    head_view = whole[:span]
+                    payload = whole[span:span + length]
+            except OSError as exc:
+                self.last_error = exc
+                return ReadStatus.ERROR
+            finally:
+                os.close(fd)
+        if got < span + length:  # truncated (a longer file still verifies below)
+            return self._drop(path)
+        header = codec.parse_header(head_view)
+        if (header is None or not header.matches(self.fingerprint) or header.key != key
+                or header.payload_len != length or codec.checksum(payload) != header.crc):
+            return self._drop(path)
+        if payload is not out:
+            _copy(out, payload)
+        return ReadStatus.HIT
 
     @staticmethod
     def _drop(path: str) -> int:
@@ -258,7 +268,7 @@ class BlockFiles:
                 whole = self._bounce.get(size)
                 whole[: len(header)] = header
                 whole[len(header):span] = bytes(span - len(header))
-                whole[span:span + length] = payload
+                _copy(whole[span:span + length], payload)
                 whole[span + length:] = bytes(size - span - length)
                 _write_all(fd, [whole])
             else:
@@ -367,6 +377,12 @@ class BlockFiles:
         except OSError:
             return 0
         return 1
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` through numpy, which copies without the GIL (a memoryview slice
+    assignment holds it for the whole copy, stalling the loop and the model's thread)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:

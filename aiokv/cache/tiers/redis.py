@@ -75,7 +75,8 @@ class RedisTier(Tier):
             client: it restores faster than the asyncio client, whose parser copies each
             value several times on the loop thread; docs/tiers.md).
         threads: worker threads and connections, so up to this many round trips of one
-            batch run at once (the asyncio client checksums large values on them too).
+            batch run at once (the asyncio client checksums large values on them too); the
+            thread client has as many again for reads, so a restore never waits behind SETs.
         group_bytes: value bytes per round trip; larger blocks go one per round trip, which
             read fastest on loopback (batching 2 MiB values into one reply halved the rate).
         check: PING the server at ``open`` and raise ``TierError`` with its reason if that
@@ -299,7 +300,8 @@ class RedisTier(Tier):
         io = self._io
         if io is not None and io.threaded:
             thread_io = cast("ThreadRedis", io)
-            return int(await thread_io.run(lambda: self._read_blocking(keys, views, groups, status)))
+            return int(await thread_io.run(lambda: self._read_blocking(keys, views, groups, status),
+                                           reading=True))
         return await self._read_async(keys, views, groups, status)
 
     async def _write_stripe(self, keys: list[bytes], views: list[memoryview],

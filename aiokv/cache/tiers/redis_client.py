@@ -174,6 +174,9 @@ class ThreadRedis:
         else:
             self._client = redis.Redis.from_url(url, **options)  # at most one per thread
         self.limiter = anyio.CapacityLimiter(threads)
+        # GETs have threads (and so connections) of their own: a restore, which a request
+        # waits for, never queues behind the SETs of blocks on their way down.
+        self.read_limiter = anyio.CapacityLimiter(threads)
         self.cluster = cluster
 
     def round_trip_blocking(self, ops: Sequence[Op]) -> list[Any]:
@@ -226,10 +229,11 @@ class ThreadRedis:
             self._client.nodes_manager.initialize()
         return replies
 
-    async def run(self, work: Callable[[], Any]) -> Any:
-        """Run ``work`` on a worker thread. Not abandoned on cancellation: the socket
-        timeouts bound it, and no thread may write into a caller's buffer after it left."""
-        return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+    async def run(self, work: Callable[[], Any], *, reading: bool = False) -> Any:
+        """Run ``work`` on a worker thread (of the readers' own, ``reading``). Not abandoned
+        on cancellation: the socket timeouts bound it, and no thread may write into a
+        caller's buffer after it left."""
+        return await anyio.to_thread.run_sync(work, limiter=self.read_limiter if reading else self.limiter)
 
     async def ping(self) -> None:
         """One PING on a worker thread (every node of a cluster); raises what the client

@@ -1,0 +1,111 @@
+"""The tiers under a served model: what each costs the event loop, how fast it restores
+against its own ceiling, and whether it dropped blocks, all from the same run.
+
+- **Event loop busy**: the loop thread's CPU time over the wall time of the arm's measured
+  turns, and the wake-up lag of a 5 ms sleep on it (``loopwatch``), for every arm. The host
+  arm is the same server without a tier, so the disk and Redis arms' figures beside it
+  are what their tier's work costs the loop.
+- **Host hits against the host arm**: TTFT p50 of the requests that were host hits, with
+  the same hits, in both arms (target at most 1.1x): a tier's work must not slow the hits
+  the host serves.
+- **Restore against the tier's ceiling**: the bytes of the restores that read at least 1k
+  tokens from the tier over their wall time, beside the ceiling measured on the same tier
+  at the end of the run (disk: plain reads of its own files; Redis: redis-py GETs from its
+  server). Targets: 0.8 of the disk's, 0.7 of Redis's.
+- **Dropped on the way down**: blocks a tier never got (target 0), with how often and how
+  long offers waited for room in its write queue (backpressure) instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..report import BenchRow
+from .arms import ArmResult
+from .model import BLOCK_TOKENS
+from .report import Ceilings, arm_ceilings
+
+__all__ = ["TIER_TARGETS", "tier_rows"]
+
+TIER_TARGETS = {"disk": 0.8, "redis": 0.7}
+"""Restore rate of each tier's arm against its ceiling, at least."""
+HOST_HIT_TARGET = 1.1
+"""A tiered arm's host-hit TTFT p50 against the host arm's, at most."""
+
+
+def tier_rows(arms: dict[str, ArmResult], ceil: Ceilings) -> list[BenchRow]:
+    section = "serve tiers: the loop, restores against each tier's ceiling, drops"
+    rows = [_loop_row(section, arm) for arm in arms.values() if arm.loop.wall_s > 0]
+    host = arms.get("host")
+    for name in (n for n in TIER_TARGETS if n in arms):
+        arm = arms[name]
+        if host is not None:
+            rows += _host_hit_rows(section, arm, host)
+        rows += _restore_rows(section, arm, arm_ceilings(arm, ceil))
+        rows += _drop_rows(section, arm)
+    return rows
+
+
+def _loop_row(section: str, arm: ArmResult) -> BenchRow:
+    watch = arm.loop
+    return BenchRow(section, f"event loop busy, {arm.name} arm", 100 * watch.busy, "%",
+                    note=f"loop thread CPU over {watch.wall_s:.1f} s of measured turns; a 5 ms sleep "
+                         f"woke {watch.lag_ms(50):.2f} ms late at p50, {watch.lag_ms(99):.2f} ms at p99 "
+                         f"(n={len(watch.lags)})",
+                    extra={"arm": arm.name, "busy": watch.busy, "cpu_s": watch.cpu_s, "wall_s": watch.wall_s,
+                           "lag_p50_ms": watch.lag_ms(50), "lag_p99_ms": watch.lag_ms(99)})
+
+
+def _host_hit_rows(section: str, arm: ArmResult, host: ArmResult) -> list[BenchRow]:
+    theirs = {s.index: s for s in host.served}
+    same = [s for s in arm.served if s.hit == "host" and s.index in theirs and theirs[s.index].hit == "host"
+            and (s.gpu_tokens, s.host_tokens) == (theirs[s.index].gpu_tokens, theirs[s.index].host_tokens)]
+    if not same:
+        return []
+    mine = float(np.median([s.ttft for s in same]))
+    base = float(np.median([theirs[s.index].ttft for s in same]))
+    ratio = mine / base if base > 0 else float("nan")
+    return [BenchRow(section, f"host hits, {arm.name} arm / host arm", ratio, "x",
+                     note=f"TTFT p50 of n={len(same)} requests that were host hits with the same hits in "
+                          f"both; {mine * 1e3:.1f} vs {base * 1e3:.1f} ms",
+                     extra={"n": len(same), "p50_ms": mine * 1e3, "host_p50_ms": base * 1e3},
+                     target=("<=", HOST_HIT_TARGET))]
+
+
+def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
+    per_token = ceil.block_bytes / BLOCK_TOKENS
+    big = [s for s in arm.served if s.disk_tokens >= 1024 and s.load_s > 0]
+    label = ">= 1k tokens from the tier"
+    if not big:
+        big = [s for s in arm.served if s.disk_tokens and s.load_s > 0]
+        label = "any size (none read >= 1k tokens from the tier)"
+    if not big:
+        return []
+    tier_bytes = sum(s.disk_tokens * per_token for s in big)
+    nbytes = sum((s.host_tokens + s.disk_tokens) * per_token for s in big)
+    seconds = sum(s.load_s for s in big)
+    rate = nbytes / seconds / 1e9
+    target = TIER_TARGETS[arm.name]
+    name = f"restore / tier ceiling, {arm.name} arm"
+    extra = {"restores": len(big), "tier_bytes": tier_bytes, "bytes": nbytes, "seconds": seconds,
+             "gbps": rate, "ceiling_gbps": arm.disk_ceiling}
+    how = (f"{len(big)} restores of {label}, {tier_bytes / nbytes:.0%} of their bytes from the tier, "
+           "await to return")
+    if not arm.disk_ceiling:
+        return [BenchRow(section, name, None, "x", extra=extra,
+                         note=f"{rate:.2f} GB/s; {how}; no ceiling: {arm.disk_ceiling_error}")]
+    return [BenchRow(section, name, rate / arm.disk_ceiling, "x", extra=extra, target=(">=", target),
+                     note=f"{rate:.2f} GB/s of {arm.disk_ceiling:.2f} GB/s ({arm.ceiling_name}); {how}")]
+
+
+def _drop_rows(section: str, arm: ArmResult) -> list[BenchRow]:
+    if arm.cache is None or not arm.cache.tiers:
+        return []
+    st = arm.cache.tiers[0]
+    written = st.demoted + st.write_throughs + st.persisted
+    return [BenchRow(section, f"blocks dropped on the way down, {arm.name} arm", float(st.demotions_dropped),
+                     "blocks", note=f"of {written + st.demotions_dropped:,} sent down ({written:,} written); "
+                                    f"copies waited their turn for room {st.room_waits:,} times, "
+                                    f"{st.room_wait_seconds:.2f} s in all",
+                     extra={"dropped": st.demotions_dropped, "written": written, "room_waits": st.room_waits,
+                            "room_wait_s": st.room_wait_seconds}, target=("<=", 0))]

@@ -1,0 +1,154 @@
+"""``aiokv bench serve`` with its tiers: the Redis arm (a server the bench starts and
+stops), the event loop's load per arm, and the tier section (host hits against the host
+arm, restores against each tier's ceiling, blocks dropped)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aiokv.__main__ import main
+from aiokv.bench.redis_tools import local_server, ping
+from aiokv.bench.serve.config import ARMS, DEFAULT_ARMS, ServeConfig
+from aiokv.bench.serve.loopwatch import LoopWatch
+from tests.redis_server import MISSING
+from tests.test_bench_serve import conversation_trace
+
+SERVER = shutil.which("redis-server")
+
+
+def need_server() -> str:
+    if MISSING or SERVER is None:
+        pytest.skip(MISSING or "redis-server is not installed")
+    pytest.importorskip("redis", reason="the redis package is not installed: pip install -e '.[redis]'")
+    return SERVER
+
+
+# -- options ---------------------------------------------------------------------------
+
+
+def test_the_redis_arm_needs_one_server_and_joins_the_defaults_when_given(tmp_path: Path) -> None:
+    assert ServeConfig.defaults(backend="cpu", quick=True).arms == DEFAULT_ARMS
+    assert "redis" not in DEFAULT_ARMS
+    with pytest.raises(ValueError, match="redis arm needs a server"):
+        ServeConfig.defaults(backend="cpu", quick=True, arms=("host", "redis")).check()
+    both = ServeConfig.defaults(backend="cpu", quick=True, redis_url="redis://x", redis_server="/bin/true")
+    with pytest.raises(ValueError, match="not both"):
+        both.check()
+    text = tmp_path / "redis-server"
+    text.write_text("not a program")
+    with pytest.raises(ValueError, match="not an executable file"):
+        ServeConfig.defaults(backend="cpu", quick=True, redis_server=str(text)).check()
+    given = ServeConfig.defaults(backend="cpu", quick=True, redis_url="redis://127.0.0.1:1")
+    assert given.arms == ARMS and given.mirrored_arm() == "disk"
+    chosen = ServeConfig.defaults(backend="cpu", quick=True, redis_url="redis://x", arms=("host",))
+    assert chosen.arms == ("host",)
+    order = given.turns(0)
+    assert sorted(order) == sorted(ARMS) and order[order.index("disk") + 1] == "oracle"
+
+
+def test_misplaced_redis_options_are_refused_before_anything_runs() -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["bench", "transfer", "--redis-url", "redis://127.0.0.1:1"]) == 2
+        assert main(["bench", "serve", "--quick", "--arms", "host,redis"]) == 2
+    assert "redis arm needs a server" in err.getvalue()
+
+
+# -- the loop watch --------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_loop_watch_sees_a_busy_loop_and_a_late_one() -> None:
+    idle, busy = LoopWatch(), LoopWatch()
+    async with idle.watching():
+        await anyio.sleep(0.3)
+    async with busy.watching():
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:  # the loop's own work, in slices
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.02:
+                pass
+            await anyio.lowlevel.checkpoint()
+    assert idle.busy < 0.3 < busy.busy  # CPU time of the loop's thread over wall time
+    assert 0.25 < idle.wall_s < 1.0 and len(idle.lags) > 10
+    assert busy.lag_ms(99) > 5  # a 20 ms slice holds the probe's wake-up back
+    assert LoopWatch().lag_ms(50) != LoopWatch().lag_ms(50)  # nan before anything is watched
+
+
+# -- a server of the bench's own ----------------------------------------------------------
+
+
+def test_a_server_the_bench_starts_answers_and_is_gone_after(tmp_path: Path) -> None:
+    binary = need_server()
+    with local_server(binary, maxmemory=64 << 20) as url:
+        ping(url)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # stopped
+    broken = tmp_path / "redis-server"
+    broken.write_text("#!/bin/sh\necho no such server >&2\nexit 3\n")
+    broken.chmod(0o755)
+    with pytest.raises(ValueError, match="did not answer"), local_server(str(broken), maxmemory=1 << 20):
+        pass
+
+
+# -- the command -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tier_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
+    binary = need_server()
+    tmp = tmp_path_factory.mktemp("serve-tiers")
+    trace = conversation_trace(tmp / "conversation_trace.jsonl")
+    out = tmp / "serve.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", "serve", "--quick", "--trace", str(trace), "--requests", "48", "--warmup", "48",
+                     "--arms", "host,disk,redis,oracle", "--redis-server", binary, "--tier-dir", str(tmp),
+                     "--json", str(out)])
+    return code, json.loads(out.read_text()), stdout.getvalue()
+
+
+def test_the_tier_section_has_every_figure_the_targets_read(tier_run: tuple[int, dict, str]) -> None:
+    code, payload, table = tier_run
+    assert code == 0
+    rows = payload["rows"]
+    tiers = {r["name"]: r for r in rows if r["section"].startswith("serve tiers")}
+    for arm in ("host", "disk", "redis", "oracle"):
+        loop = tiers[f"event loop busy, {arm} arm"]
+        assert 0 < loop["value"] < 100 and loop["extra"]["wall_s"] > 0
+        assert loop["extra"]["lag_p99_ms"] >= loop["extra"]["lag_p50_ms"] >= 0
+    for arm in ("disk", "redis"):
+        dropped = tiers[f"blocks dropped on the way down, {arm} arm"]
+        assert dropped["value"] == 0 and dropped["extra"]["written"] > 0  # room at this pace
+        assert dropped["target"] == ["<=", 0] and dropped["target_met"]
+        assert tiers[f"host hits, {arm} arm / host arm"]["target"] == ["<=", 1.1]
+        restore = tiers[f"restore / tier ceiling, {arm} arm"]
+        assert restore["value"] > 0 and restore["extra"]["ceiling_gbps"] > 0
+        assert restore["extra"]["tier_bytes"] > 0
+        assert restore["value"] == pytest.approx(restore["extra"]["gbps"] / restore["extra"]["ceiling_gbps"])
+        assert restore["target"] == [">=", {"disk": 0.8, "redis": 0.7}[arm]]
+    setup = {r["name"]: r for r in rows if r["section"].startswith("serve setup")}
+    assert setup["disk tier read ceiling"]["value"] > 0 and setup["Redis GET ceiling"]["value"] > 0
+    assert setup["Redis tier"]["value"] > 0
+    assert "== serve tiers:" in table and "started" not in table  # progress goes to stderr
+
+
+def test_the_redis_arm_serves_hits_from_redis(tier_run: tuple[int, dict, str]) -> None:
+    _, payload, _ = tier_run
+    rows = payload["rows"]
+    arm = {r["name"]: r for r in rows if r["section"].startswith("serve arm: redis")}
+    assert "TTFT p50 redis hits" in arm and "TTFT p50 disk hits" not in arm
+    overall = next(r for r in rows if r["extra"].get("arm") == "redis" and "ttft_ms" in r["extra"])
+    assert "disk" in overall["extra"]["hit"]  # its class for any lower tier's hit
+    assert any("redis: demoted" in r["note"] for r in rows if r["name"] == "cache hit rate (keys, lookup)")
+    assert not any(r["failed"] for r in rows)
