@@ -238,6 +238,29 @@ def test_a_reset_keeps_chunks_a_read_still_fills_out_of_use(shm: Path) -> None:
         rig.close()
 
 
+def test_after_a_reset_nothing_is_read_up_until_the_workers_flushed(rig: Rig) -> None:
+    """vLLM's reset frees every chunk while a worker's copy from before it may still write
+    one (vLLM says when they have all ended: on_reset_flushed). A block read up into a
+    freed chunk meanwhile would be overwritten by that late copy and then served as the
+    key's bytes, so until then a key the host lacks is a miss and no read starts."""
+    rig.store(keys(6))
+    rig.store(keys(2, 6))
+    rig.until(lambda: rig.host.counts[0].demoted == 2)
+    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    asked: list[str] = []
+    submit = rig.io.submit
+    rig.io.submit = lambda ops: (asked.extend(op.kind for op in ops), submit(ops))  # type: ignore[method-assign]
+    rig.host.reset()
+    for key in evicted:
+        assert rig.host.lookup(key) is Where.MISS, "read up before the reset's copies ended"
+    assert "promote" not in asked and rig.host.promoting == 0
+    rig.host.reset_flushed()
+    assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING
+    assert rig.settle(evicted[0]) is Where.HIT
+    rig.read(evicted[0])
+    rig.host.chunks.check_invariants()
+
+
 def test_two_ranks_each_get_their_own_block_and_a_hit_needs_both(shm: Path) -> None:
     rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)], world=2)
     try:

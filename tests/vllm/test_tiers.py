@@ -269,3 +269,51 @@ def test_the_documented_tiers_build_through_vllms_factory(model_dir: Path, tmp_p
     assert [t.kind for t in tiers] == ["disk", "redis"]
     assert tiers[0].options["capacity_bytes"] == 64 << 30 and tiers[1].write_through
     assert tiers[1].options["namespace"] == "llama8b"
+
+
+def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM frees every host chunk at reset_cache while workers' copies from before it may
+    still write them, and calls on_reset_flushed once they have all been reported. A read
+    up in between could land in a chunk such a late copy then overwrites: the manager
+    answers MISS for blocks only a tier holds until vLLM's flush, then reads them up again."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+    manager = tiered.manager
+    io = manager.tier_io
+    assert io is not None
+    written: list[Any] = []
+    submit = io.submit
+    io.submit = lambda ops: (written.extend(op.key for op in ops if op.kind == "write"),  # type: ignore[method-assign]
+                             submit(ops))
+    serve(tiered, requests=20)
+    deadline = time.monotonic() + 10
+    while manager.tiers.busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+        manager.tiers.poll()
+    on_disk = [k for k in dict.fromkeys(written) if io.holds(k) >= 0]
+    assert len(on_disk) > 5
+    ctx = ReqContext(req_id="probe")
+    promoted = manager.tiers.counts[0].promoted
+    try:
+        with manager.lock:  # what vLLM's scheduler does first, its workers' copies still running
+            manager.reset_cache()
+            assert [manager.lookup(k, ctx) for k in on_disk] == [LookupResult.MISS] * len(on_disk)
+            manager.on_schedule_end(None)
+        assert manager.tiers.promoting == 0
+        # vLLM's own reset: it calls on_reset_flushed once the workers reported every job
+        # in flight (the engine steps meanwhile), and the block comes up again.
+        tiered.scheduler.connector.reset_cache()
+        deadline = time.monotonic() + 10
+        while True:
+            tiered.step()
+            with manager.lock:
+                got = manager.lookup(on_disk[0], ctx)
+            if got is LookupResult.HIT:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.005)
+        assert manager.tiers.counts[0].promoted == promoted + 1
+    finally:
+        tiered.close()

@@ -329,9 +329,15 @@ class AiokvOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Forget every host block (the tiers keep theirs). vLLM never completes jobs from
         before a reset, and keeps new stores away from chunks that in-flight jobs may still
-        touch until they report; chunks the tiers' thread still touches are fenced off."""
+        touch until they report; chunks the tiers' thread still touches are fenced off, and
+        reads up wait for ``on_reset_flushed`` (a late copy may still write a freed chunk)."""
         self._tiered.reset()
         self._failed_stores.clear()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM's workers reported every job in flight at the last reset: reads up from the
+        tiers, held since the reset, may fill freed chunks again."""
+        self._tiered.reset_flushed()
 
     # -- tiers ---------------------------------------------------------------------------
 

@@ -110,6 +110,7 @@ class TieredChunks:
         self._pending: dict[int, Op] = {}  # id(op) -> every op handed over, until answered
         self._fences: dict[int, list[Any]] = {}  # chunk -> [placeholder, ops] held since a reset
         self._fenced: set[int] = set()  # id(op) of the ops those fences wait for
+        self._held = False  # promotions held since a reset, until ``reset_flushed``
         self._ops: list[Op] = []
         self.events: list[TierEvent] = []
         self.sources: dict[Hashable, int] = {}  # host key -> the tier it was read up from
@@ -157,7 +158,7 @@ class TieredChunks:
         if held is HostLookup.HIT_PENDING:
             return Where.HIT_PENDING
         io = self.io
-        if io is None or not io.ready:
+        if io is None or not io.ready or self._held:
             return Where.MISS
         absent = self._absent.get(key)
         if absent is not None:
@@ -231,8 +232,13 @@ class TieredChunks:
 
     def reset(self) -> None:
         """Forget every host block (vLLM's ``reset_cache``). A chunk a tier read or write
-        still touches stays out of use until that ends, held by a placeholder."""
+        still touches stays out of use until that ends, held by a placeholder.
+
+        Reads up are held (a key the host lacks is a miss) until ``reset_flushed``: a
+        worker's copy in flight at the reset may still write a chunk the reset freed, and
+        vLLM's workers order only their own jobs after it, not the tiers' thread."""
         self.poll()
+        self._held = self.io is not None
         self.chunks = ChunkManager(len(self._phys), policy=self._policy, admission=self._admission)
         self.sources.clear()
         self._located.clear()
@@ -259,6 +265,11 @@ class TieredChunks:
                 fence = self._fences[op.chunk] = [placeholder, 0]
             fence[1] += 1
             self._fenced.add(ident)
+
+    def reset_flushed(self) -> None:
+        """Every worker job in flight at the last reset has ended (vLLM's
+        ``on_reset_flushed``): no late copy can write a freed chunk, so reads up resume."""
+        self._held = False
 
     def _unfence(self, op: Op) -> None:
         self._fenced.discard(id(op))
