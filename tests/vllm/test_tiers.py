@@ -317,3 +317,23 @@ def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) ->
         assert manager.tiers.counts[0].promoted == promoted + 1
     finally:
         tiered.close()
+
+
+def test_a_start_removes_the_pools_of_workers_that_died(model_dir: Path, tmp_path: Path) -> None:
+    """An engine that died after its workers made their shared pools, before its scheduler
+    mapped them (a failed start, a killed worker), left them on the memory filesystem,
+    holding that memory: the next engine's workers remove them when they start."""
+    from aiokv.integrations.vllm.shared_pool import pool_file
+    from tests.test_vllm_shared_pool import die_after
+
+    stale = [pool_file("died-at-start", 0), pool_file("died-at-start", 1)]
+    die_after("published", stale[0])
+    die_after("claimed", stale[1])
+    assert all(os.path.exists(p) for p in stale)
+    tiered = engine(model_dir, "AiokvConnector", [disk_url(tmp_path)])
+    try:
+        left = [p for p in stale for p in (p, f"{p}.json") if os.path.exists(p)]
+        assert left == [], "left behind"
+        serve(tiered, requests=6)
+    finally:
+        tiered.close()
