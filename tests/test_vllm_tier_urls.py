@@ -97,3 +97,13 @@ def test_a_file_where_the_directory_should_be_is_refused(tmp_path: Path) -> None
 def test_the_worker_options_cannot_name_a_pool_file() -> None:
     with pytest.raises(InvalidSpec, match="host_pool_file"):
         PluginOptions.from_extra_config({"aiokv_worker_options": {"host_pool_file": "/dev/shm/x"}})
+
+
+def test_a_unix_socket_url_reaches_redis_as_written() -> None:
+    """docs/vllm.md lists unix:///path: the URL handed to RedisTier keeps its empty host."""
+    pytest.importorskip("redis")
+    [tier] = parse_tier_urls(["unix:///run/redis/redis.sock?namespace=llama&db=2"])
+    assert tier.target == "unix:///run/redis/redis.sock?db=2"
+    assert tier.options == {"namespace": "llama"}
+    assert tier.build().remote
+

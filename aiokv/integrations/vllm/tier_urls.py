@@ -170,7 +170,8 @@ def _redis(parts: Any, scheme: str, shown: str) -> TierURL:
     _read(ours, options, shown, {"write_through": _flag, "ttl": _seconds, "timeout": _seconds,
                                  "threads": _count, "check": _flag})
     # Every other parameter (ssl_ca_certs=..., ...) is redis-py's; RedisTier checks them.
-    target = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(params), parts.fragment))
+    # Joined by hand: urlunsplit drops unix:///path's empty host, which redis-py needs.
+    target = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{urlencode(params)}" if params else "")
     return TierURL("redis", shown, target, options)
 
 
