@@ -107,3 +107,35 @@ def test_a_unix_socket_url_reaches_redis_as_written() -> None:
     assert tier.options == {"namespace": "llama"}
     assert tier.build().remote
 
+
+SECRET = "s3cr3t-value"
+
+
+@pytest.mark.parametrize("value", [
+    [f"redis://127.0.0.1:6379/0?password={SECRET}&ttl=never"],  # a bad value of ours
+    [f"redis://127.0.0.1:99999/0?password={SECRET}"],  # refused by RedisTier
+    [f"rediss://127.0.0.1:6379/0?ssl_password={SECRET}&colour=blue&ttl=0"],
+    f"redis://:{SECRET}@127.0.0.1:6379/0",  # a URL where a list was meant
+    [f"unix://:{SECRET}@/run/redis.sock?timeout=-1"],
+])
+def test_no_password_reaches_a_message(value: object) -> None:
+    """redis-py takes a password from the URL's user part or from its password= (and
+    ssl_password=) parameter; neither may appear in an error, a log label or a repr."""
+    pytest.importorskip("redis")
+    with pytest.raises(InvalidSpec) as caught:
+        parse_tier_urls(value)
+    assert SECRET not in str(caught.value), caught.value
+    assert "***" in str(caught.value)
+
+
+def test_a_parsed_redis_tier_keeps_its_password_out_of_sight() -> None:
+    pytest.importorskip("redis")
+    from aiokv.cache.tiers.redis_client import redacted
+
+    url = f"redis://user:{SECRET}@127.0.0.1:6379/0?password={SECRET}&namespace=a&ssl_password={SECRET}"
+    [tier] = parse_tier_urls([url])
+    assert SECRET in tier.target  # what redis-py is given
+    assert SECRET not in tier.shown and SECRET not in repr(tier)
+    assert SECRET not in repr(PluginOptions.from_extra_config({"aiokv_tiers": [url]}))
+    assert SECRET not in redacted(url)  # RedisTier's label in its failure log
+    assert redacted("unix:///run/redis.sock?password=x&db=1") == "unix:///run/redis.sock?password=***&db=1"

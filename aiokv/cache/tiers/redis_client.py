@@ -16,9 +16,10 @@ found the ``redis`` package, so ``import aiokv`` works without it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
@@ -71,13 +72,17 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, fit for messages and logs."""
+    """``url`` without its passwords, fit for messages and logs: the user part's and any
+    ``password=`` or ``ssl_password=`` parameter's, which redis-py reads too."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", *parts[2:]))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
+
+
+_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)
 
 
 def _check_url(url: str, shown: str) -> None:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ...cache import available_policies
 from ...cache.tiers.base import Tier
@@ -58,7 +58,7 @@ class TierURL:
 
     kind: str  # "disk" or "redis"
     shown: str  # the URL without its password, for messages
-    target: str  # the disk tier's directory, or the URL handed to RedisTier
+    target: str = field(repr=False)  # the disk tier's directory, or the URL handed to RedisTier
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -88,8 +88,9 @@ def parse_tier_urls(value: Any) -> tuple[TierURL, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        shown = _redacted(value) if isinstance(value, str) and "://" in value else value
         raise InvalidSpec(f"aiokv_tiers must be a list of tier URLs, nearest first (e.g. "
-                          f'["file:///var/cache/aiokv?capacity=64GiB"]), got {value!r}')
+                          f'["file:///var/cache/aiokv?capacity=64GiB"]), got {shown!r}')
     tiers = [_parse_one(url) for url in value]
     disks = [t.target for t in tiers if t.kind == "disk"]
     if len(set(disks)) != len(disks):
@@ -244,8 +245,14 @@ def _check_writable(path: str, shown: str) -> None:
 
 
 def _redacted(url: str) -> str:
+    """``url`` without the passwords redis-py reads from it: the user part's and any
+    ``password=`` or ``ssl_password=`` parameter's (each shown as ``***``)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", *parts[2:]))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
+
+
+_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)
