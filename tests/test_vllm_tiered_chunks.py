@@ -352,3 +352,31 @@ def test_close_answers_everything_in_flight_within_its_bound(shm: Path) -> None:
     rig.host.poll()
     assert not rig.host.busy and not rig.io.ready
     assert rig.host.spare_free == 2
+
+
+def test_a_batch_that_raises_fails_its_blocks_and_the_tiers_serve_on(rig: Rig, monkeypatch) -> None:
+    """Anything a batch raises outside the tier's own call (here rearranging a block's
+    pages into its chunk) fails that batch's blocks, each a miss; the tiers' thread serves
+    the next one (it did not: the first such error took every tier off until restart)."""
+    from aiokv.integrations.vllm.shared_pool import RankPool
+
+    rig.store(keys(6))
+    rig.store(keys(2, 6))
+    rig.until(lambda: rig.host.counts[0].demoted == 2)
+    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    real = RankPool.scatter
+    calls = [0]
+
+    def scatter_once_broken(self: RankPool, group: int, chunk: int, row: np.ndarray) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected: a bug while placing pages")
+        real(self, group, chunk, row)
+
+    monkeypatch.setattr(RankPool, "scatter", scatter_once_broken)
+    assert rig.settle(evicted[0]) is Where.MISS
+    assert rig.host.counts[0].promote_failed == 1 and rig.io.ready
+    assert rig.settle(evicted[1]) is Where.HIT
+    rig.read(evicted[1])
+    rig.host.chunks.check_invariants()
+

@@ -6,8 +6,9 @@ its next call (``results``); both only touch a queue. The loop takes whatever ha
 since it last looked as one batch per tier, so the blocks one scheduler step asks for
 travel together. Bytes go straight between the shared host pools and the tiers where a
 block's pages lie in the layout's order (else through one row each). A tier call that
-fails, times out or breaks its contract answers False for its blocks: the manager turns
-that into a miss or a dropped write, never into a hit. Kept free of vLLM imports.
+fails, times out or breaks its contract answers False for its blocks, as does anything
+else a batch raises (the thread serves on): the manager turns that into a miss or a
+dropped write, never into a hit. Kept free of vLLM imports.
 """
 
 from __future__ import annotations
@@ -258,6 +259,11 @@ class TierIO:
                 answered = await self._write(batch)
             else:
                 answered = await self._locate(batch)
+        except Exception:  # a bug or a broken mapping, outside the tier's call: these
+            # blocks fail (misses, drops); the thread and every other batch go on
+            _log.exception("aiokv: %d %s operation(s) on tier %d failed", len(batch.ops), batch.kind,
+                           batch.tier)
+            answered = [Done(op, False) for op in batch.ops]
         except BaseException:
             answered = answered or [Done(op, False) for op in batch.ops]
             raise
