@@ -380,3 +380,26 @@ def test_a_batch_that_raises_fails_its_blocks_and_the_tiers_serve_on(rig: Rig, m
     rig.read(evicted[1])
     rig.host.chunks.check_invariants()
 
+
+def test_work_handed_over_once_the_thread_has_ended_is_answered(shm: Path) -> None:
+    """The thread can end between a lookup seeing the tiers ready and its read being
+    handed over; that read is answered (failed) at once, never left in flight, which
+    would keep vLLM stepping (has_pending_work) and its slot pending for ever."""
+    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)])
+    rig.store(keys(6))
+    rig.store(keys(2, 6))
+    rig.until(lambda: rig.host.counts[0].demoted == 2)
+    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    close_first = rig.io.submit
+
+    def submit_after_the_end(ops: Any) -> None:
+        rig.io.close()
+        close_first(ops)
+
+    rig.io.submit = submit_after_the_end  # type: ignore[method-assign]
+    assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING  # ready when it looked
+    rig.until(lambda: not rig.host.busy, timeout=5)
+    assert rig.host.promoting == 0 and rig.host.counts[0].promote_failed == 1
+    assert rig.host.chunks.stats().pending_keys == 0
+    rig.host.chunks.check_invariants()
+    rig.close()
