@@ -271,14 +271,8 @@ def test_the_documented_tiers_build_through_vllms_factory(model_dir: Path, tmp_p
     assert tiers[1].options["namespace"] == "llama8b"
 
 
-def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) -> None:
-    """vLLM frees every host chunk at reset_cache while workers' copies from before it may
-    still write them, and calls on_reset_flushed once they have all been reported. A read
-    up in between could land in a chunk such a late copy then overwrites: the manager
-    answers MISS for blocks only a tier holds until vLLM's flush, then reads them up again."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-
-    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+def serve_to_disk(tiered: ConnectorEngine) -> list[Any]:
+    """Serve 20 requests; the keys the disk tier then holds (the tiers idle)."""
     manager = tiered.manager
     io = manager.tier_io
     assert io is not None
@@ -294,6 +288,19 @@ def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) ->
         manager.tiers.poll()
     on_disk = [k for k in dict.fromkeys(written) if io.holds(k) >= 0]
     assert len(on_disk) > 5
+    return on_disk
+
+
+def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM frees every host chunk at reset_cache while workers' copies from before it may
+    still write them, and calls on_reset_flushed once they have all been reported. A read
+    up in between could land in a chunk such a late copy then overwrites: the manager
+    answers MISS for blocks only a tier holds until vLLM's flush, then reads them up again."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+    manager = tiered.manager
+    on_disk = serve_to_disk(tiered)
     ctx = ReqContext(req_id="probe")
     promoted = manager.tiers.counts[0].promoted
     try:
@@ -335,5 +342,40 @@ def test_a_start_removes_the_pools_of_workers_that_died(model_dir: Path, tmp_pat
         left = [p for p in stale for p in (p, f"{p}.json") if os.path.exists(p)]
         assert left == [], "left behind"
         serve(tiered, requests=6)
+    finally:
+        tiered.close()
+
+
+def test_a_read_up_is_a_disk_hit_for_the_request_that_waited(model_dir: Path, tmp_path: Path) -> None:
+    """get_load_source (vLLM's hits by source) says DISK for the load a read up served;
+    the same block loaded later by another request is a host hit, as it was in host
+    memory when that request asked."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+    manager = tiered.manager
+    try:
+        key = serve_to_disk(tiered)[0]
+        first, later = ReqContext(req_id="first"), ReqContext(req_id="later")
+        deadline = time.monotonic() + 10
+        while True:
+            with manager.lock:
+                got = manager.lookup(key, first)
+                manager.on_schedule_end(None)
+            if got is LookupResult.HIT:
+                break
+            assert got is LookupResult.HIT_PENDING and time.monotonic() < deadline, got
+            time.sleep(0.005)
+        with manager.lock:
+            manager.prepare_load([key], first)
+            assert manager.get_load_source(key, first) is CacheHitSource.DISK
+            manager.complete_load([key], first)
+            assert manager.lookup(key, later) is LookupResult.HIT
+            manager.prepare_load([key], later)
+            assert manager.get_load_source(key, later) is CacheHitSource.HOST
+            manager.complete_load([key], later)
+            manager.on_request_finished(first)
+            manager.on_request_finished(later)
     finally:
         tiered.close()

@@ -113,7 +113,7 @@ class TieredChunks:
         self._held = False  # promotions held since a reset, until ``reset_flushed``
         self._ops: list[Op] = []
         self.events: list[TierEvent] = []
-        self.sources: dict[Hashable, int] = {}  # host key -> the tier it was read up from
+        self.sources: dict[Hashable, int] = {}  # key read up, not loaded yet -> its tier
         tiers = io.tiers if io is not None else []
         self.counts = [TierCounts() for _ in tiers]
         self._demote_to = next((i for i, t in enumerate(tiers) if not t.write_through), -1)
