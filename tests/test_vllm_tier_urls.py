@@ -139,3 +139,22 @@ def test_a_parsed_redis_tier_keeps_its_password_out_of_sight() -> None:
     assert SECRET not in repr(PluginOptions.from_extra_config({"aiokv_tiers": [url]}))
     assert SECRET not in redacted(url)  # RedisTier's label in its failure log
     assert redacted("unix:///run/redis.sock?password=x&db=1") == "unix:///run/redis.sock?password=***&db=1"
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0?namspace=llama",
+                                 "rediss://127.0.0.1:6379/0?ssl_ca_cert=/etc/ca.pem",
+                                 "unix:///run/redis.sock?socket_timout=3"])
+def test_a_misspelt_redis_parameter_is_refused_at_start(url: str) -> None:
+    """A parameter neither aiokv nor redis-py takes used to pass the start's check and then
+    fail every connection (redis-py's TypeError), leaving the tier dead: refused instead."""
+    pytest.importorskip("redis")
+    name = url.rpartition("?")[2].partition("=")[0]
+    with pytest.raises(InvalidSpec, match=f"unknown parameter.*{name}"):
+        parse_tier_urls([url])
+
+
+def test_redis_pys_own_parameters_still_pass() -> None:
+    pytest.importorskip("redis")
+    [tier] = parse_tier_urls(["rediss://127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
+                              "&socket_keepalive=1&health_check_interval=5&client_name=kv&namespace=a"])
+    assert "ssl_ca_certs=%2Fetc%2Fca.pem" in tier.target
