@@ -5,11 +5,13 @@ was stored; failures, resets and closes are driven on purpose."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -149,19 +151,43 @@ def test_an_evicted_block_comes_back_from_disk_byte_exact(rig: Rig) -> None:
     rig.host.chunks.check_invariants()
 
 
+class Gated(DiskTier):
+    """A disk tier whose reads and writes start only once the test opens ``gate``, so a
+    test sees them in flight however slow the machine is (never by a guessed delay)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+
+    async def _wait(self) -> None:
+        if not self.gate.is_set():
+            await anyio.to_thread.run_sync(self.gate.wait, abandon_on_cancel=True)
+
+    async def read(self, keys, out):  # type: ignore[no-untyped-def]
+        await self._wait()
+        return await super().read(keys, out)
+
+    async def write(self, keys, values):  # type: ignore[no-untyped-def]
+        await self._wait()
+        return await super().write(keys, values)
+
+
 def test_a_block_on_its_way_down_is_retried_not_lost(shm: Path) -> None:
     """While its write is in flight an evicted key answers RETRY (its chunk still holds it
     and no store may take that chunk); once written it comes up from disk."""
-    rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.3)])
+    tier = Gated(shm / "disk", capacity_bytes=64 * 512)
+    rig = Rig(shm, [tier])
     try:
         rig.store(keys(6))
         rig.store(keys(1, 6))
         [evicted] = [k for k in keys(7) if rig.host.chunks.lookup(k).value == "miss"]
         assert rig.host.lookup(evicted) is Where.RETRY
         assert rig.host.spare_free == 1
+        tier.gate.set()
         assert rig.settle(evicted) is Where.HIT
         rig.read(evicted)
     finally:
+        tier.gate.set()
         rig.close()
 
 
@@ -215,13 +241,15 @@ def test_a_tier_failing_mid_promotion_is_a_miss_and_frees_the_chunk(shm: Path) -
 
 
 def test_a_reset_keeps_chunks_a_read_still_fills_out_of_use(shm: Path) -> None:
-    tier = DiskTier(shm / "disk", capacity_bytes=64 * 512, simulated_latency=0.3)
+    tier = Gated(shm / "disk", capacity_bytes=64 * 512)
+    tier.gate.set()
     rig = Rig(shm, [tier])
     try:
         rig.store(keys(6))
         rig.store(keys(2, 6))
         rig.until(lambda: rig.host.counts[0].demoted == 2)
         evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        tier.gate.clear()  # the read below stays in flight until the gate opens
         assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING
         reading = rig.host._pending  # the op in flight
         [busy] = [op.chunk for op in reading.values() if op.kind == "promote"]
@@ -229,12 +257,14 @@ def test_a_reset_keeps_chunks_a_read_still_fills_out_of_use(shm: Path) -> None:
         plan = rig.host.prepare_store(keys(5, 100))
         assert plan is not None and busy not in plan.chunk_ids, "a chunk still being filled was handed out"
         assert rig.host.prepare_store(keys(1, 200)) is None, "the sixth slot is fenced"
+        tier.gate.set()
         rig.until(lambda: not rig.host.busy)
         assert rig.host.chunks.lookup(evicted[0]).value == "miss", "a read from before the reset is no hit"
         plan = rig.host.prepare_store(keys(1, 200))
         assert plan is not None and plan.chunk_ids == [busy]
         rig.host.chunks.check_invariants()
     finally:
+        tier.gate.set()
         rig.close()
 
 
