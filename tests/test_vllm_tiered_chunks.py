@@ -433,3 +433,73 @@ def test_work_handed_over_once_the_thread_has_ended_is_answered(shm: Path) -> No
     assert rig.host.chunks.stats().pending_keys == 0
     rig.host.chunks.check_invariants()
     rig.close()
+
+
+class EveryKeyOnDisk:
+    """A stand-in for the tiers' thread whose one local tier holds every key and never
+    answers: the bookkeeping of reads up alone."""
+
+    def __init__(self) -> None:
+        self.tiers = [type("T", (), {"remote": False, "write_through": False, "name": "disk"})()]
+        self.ready, self.in_flight = True, 0
+
+    def usable(self, index: int) -> bool:
+        return True
+
+    def holds(self, key: Any) -> int:
+        return 0
+
+    def submit(self, ops: Any) -> None:
+        pass
+
+    def results(self) -> list[Any]:
+        return []
+
+
+def test_a_read_up_never_evicts_what_the_same_request_found_before_it() -> None:
+    """A prefix longer than the host: its tail's reads up take the chunks of other keys,
+    never of the request's own head (which would then be read up again, for ever), and
+    end as a miss where nothing else is left to evict."""
+    host = TieredChunks(10, policy="lru", admission=None, io=EveryKeyOnDisk(), group_of=group_of,  # type: ignore[arg-type]
+                        spare=2)
+    others = keys(3, 100)
+    host.chunks.prepare_store(others)
+    host.chunks.complete_store(others, True)
+    head = keys(5)
+    host.chunks.prepare_store(head)
+    host.chunks.complete_store(head, True)  # the host's eight slots: three others, then the head
+    found = set(head)
+    for key in keys(3, 5):  # the tail: each read up evicts one of the others
+        assert host.lookup(key, found) is Where.HIT_PENDING
+        found.add(key)
+    assert all(host.chunks.lookup(k).value == "hit" for k in head)
+    assert all(host.chunks.lookup(k).value == "miss" for k in others)
+    assert host.lookup(("k", 8), found) is Where.MISS, "nothing left but the request's own keys"
+    host.chunks.check_invariants()
+
+
+def test_a_read_up_costs_the_same_however_long_the_prefix_before_it(monkeypatch) -> None:
+    """vLLM looks up a whole prompt under its scheduler lock; each key a tier holds starts
+    a read up that must not evict the keys the same request found before it. Handing
+    that whole prefix to the store plan each time made a prompt of n such keys cost
+    O(n^2) (8000 keys from disk after a restart: about 8 s in one step on this project's
+    CPU VM). Each read up's plan now offers its one key, the prefix kept by reference."""
+    from aiokv.cache import ChunkManager
+
+    offered: list[int] = []
+    real = ChunkManager.prepare_store
+
+    def spy(self: ChunkManager, keys: Any, **kw: Any) -> Any:
+        keys = list(keys)
+        offered.append(len(keys))
+        return real(self, keys, **kw)
+
+    monkeypatch.setattr(ChunkManager, "prepare_store", spy)
+    host = TieredChunks(40, policy="lru", admission=None, io=EveryKeyOnDisk(), group_of=group_of,  # type: ignore[arg-type]
+                        spare=4)
+    found: set[Any] = set()
+    for key in keys(30):
+        assert host.lookup(key, found) in (Where.HIT_PENDING, Where.RETRY)
+        found.add(key)
+    assert host.promoting == 18  # half the host's slots read up at once
+    assert offered == [1] * 18, offered

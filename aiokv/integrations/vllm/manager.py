@@ -129,7 +129,7 @@ class AiokvOffloadingManager(OffloadingManager):
         # The request whose prefix is being looked up, and the keys found held so far: a
         # read up for a later key must not evict them.
         self._scan_req: Any = None
-        self._scan: list[Any] = []
+        self._scan: set[Any] = set()
         # req_id -> {key: the tier it was read up from}: the loads reads up served, which
         # get_load_source reports for that request only (later loads are host hits).
         self._load_sources: dict[Any, dict[Any, int]] = {}
@@ -206,10 +206,10 @@ class AiokvOffloadingManager(OffloadingManager):
         self._attach()
         req = getattr(req_context, "req_id", None)
         if req != self._scan_req:
-            self._scan_req, self._scan = req, []
+            self._scan_req, self._scan = req, set()
         where = self._tiered.lookup(key, self._scan)
         if where is Where.HIT or where is Where.HIT_PENDING:
-            self._scan.append(key)
+            self._scan.add(key)
         return _LOOKUP[where]
 
     def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
@@ -356,7 +356,7 @@ class AiokvOffloadingManager(OffloadingManager):
         """Take the tiers' answers at the end of each step, so blocks read up meanwhile are
         hits at the next one."""
         self._attach()
-        self._scan_req, self._scan = None, []
+        self._scan_req, self._scan = None, set()
         self._tiered.poll()
 
     def has_pending_work(self) -> bool:

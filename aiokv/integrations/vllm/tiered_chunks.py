@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -144,12 +144,13 @@ class TieredChunks:
 
     # -- the host's own calls ---------------------------------------------------------------
 
-    def lookup(self, key: Hashable, protect: Sequence[Hashable] = ()) -> Where:
+    def lookup(self, key: Hashable, protect: Container[Hashable] = ()) -> Where:
         """Where ``key`` is; a key found below the host starts its way up (never waits).
 
-        ``protect``: keys the caller found held just before (the same request's prefix), which
-        the chunk a read up takes may not be made by evicting; without that, a prefix
-        longer than the host could evict its own head to bring up its tail, for ever.
+        ``protect``: keys the caller found held just before (the same request's prefix, a
+        set), which the chunk a read up takes may not be made by evicting; without that, a
+        prefix longer than the host could evict its own head to bring up its tail, for
+        ever. Kept by reference, so a read up costs the same however long that prefix.
         """
         self.poll()
         held = self.chunks.lookup(key)
@@ -292,11 +293,10 @@ class TieredChunks:
             ops, self._ops = self._ops, []
             self.io.submit(ops)
 
-    def _promote(self, key: Hashable, tier: int, protect: Sequence[Hashable]) -> Where:
+    def _promote(self, key: Hashable, tier: int, protect: Container[Hashable]) -> Where:
         if len(self._promoting) >= max(1, self.chunks.num_chunks // 2):
             return Where.RETRY  # half the host is being read up: let those land first
-        held = [k for k in protect if k in self.chunks]
-        plan = self.chunks.prepare_store([*held, key], admit=False)
+        plan = self.chunks.prepare_store([key], admit=False, keep=protect)
         if plan is None or not plan.chunk_ids:
             return Where.MISS  # no room: every other block is pinned, being written or protected
         self._evicted(plan)
