@@ -158,3 +158,29 @@ def test_redis_pys_own_parameters_still_pass() -> None:
     [tier] = parse_tier_urls(["rediss://127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
                               "&socket_keepalive=1&health_check_interval=5&client_name=kv&namespace=a"])
     assert "ssl_ca_certs=%2Fetc%2Fca.pem" in tier.target
+
+
+def test_data_parallel_engines_each_get_a_directory_of_their_own(tmp_path: Path) -> None:
+    """vLLM gives every data-parallel engine the same aiokv_tiers; a directory takes one
+    DiskTier at a time, so all but the first engine's disk tier were refused when they
+    opened (a log line) and served without it. Each engine now has its own subdirectory
+    and its share of the capacity; a Redis tier is shared as written."""
+    import anyio
+
+    pytest.importorskip("redis")
+    tiers = parse_tier_urls([f"file://{tmp_path}/kv?capacity=4MiB", "redis://127.0.0.1:6379/0?namespace=a"])
+    engines = [[t.for_data_parallel(index, 2) for t in tiers] for index in range(2)]
+    disks = [e[0] for e in engines]
+    assert [d.target for d in disks] == [str(tmp_path / "kv" / "dp0"), str(tmp_path / "kv" / "dp1")]
+    assert [d.options["capacity_bytes"] for d in disks] == [2 << 20, 2 << 20]
+    assert engines[0][1] == engines[1][1] == tiers[1]
+    assert [t.for_data_parallel(0, 1) for t in tiers] == list(tiers)
+
+    async def open_both() -> None:
+        built = [d.build() for d in disks]
+        for tier in built:
+            await tier.open(b"f" * 16)  # the second one was refused: the directory in use
+        for tier in built:
+            await tier.aclose()
+
+    anyio.run(open_both)

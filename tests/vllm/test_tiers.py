@@ -379,3 +379,33 @@ def test_a_read_up_is_a_disk_hit_for_the_request_that_waited(model_dir: Path, tm
             manager.on_request_finished(later)
     finally:
         tiered.close()
+
+
+def test_each_data_parallel_engine_gets_its_own_disk_directory(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM builds every data-parallel engine from one kv_transfer_config: the spec gives
+    each engine's manager a subdirectory of the disk tier's directory (one DiskTier per
+    directory) and its share of the capacity."""
+    from dataclasses import replace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    extra = {"spec_name": "AiokvOffloadingSpec", "spec_module_path": "aiokv.integrations.vllm",
+             "cpu_bytes_to_use": 1 << 24, "aiokv_backend": "cpu",
+             "aiokv_tiers": [f"file://{tmp_path}/kv?capacity=64MiB"]}
+    vc, kc = build_configs(model_dir, extra=extra, groups=[Group(("l0",))])
+    base = build_offloading_config(vc, kc)
+    paths, capacities = [], []
+    for index in range(2):
+        parallel = replace(base.parallel, data_parallel_index=index, data_parallel_size=2)
+        config = replace(base, parallel=parallel, engine_id=f"dp-engine-{index}")
+        manager = OffloadingSpecFactory.create_spec(config).get_manager()
+        io = manager.tier_io
+        assert io is not None
+        [disk] = io.tiers
+        assert isinstance(disk, DiskTier)
+        paths.append(disk.path)
+        capacities.append(disk.capacity_bytes)
+        manager.shutdown()
+    assert paths == [str(tmp_path / "kv" / "dp0"), str(tmp_path / "kv" / "dp1")]
+    assert capacities == [32 << 20, 32 << 20]

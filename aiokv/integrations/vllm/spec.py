@@ -90,12 +90,17 @@ class AiokvOffloadingSpec(OffloadingSpec):
         """The scheduler's manager (one per spec)."""
         if self._manager is None:
             self._check_sized()
+            par = self.config.parallel
             self._manager = AiokvOffloadingManager(
                 self.num_chunks,
                 policy=self.options.policy,
                 admission=self.options.admission,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                tiers=self.options.tiers,
+                # vLLM hands every data-parallel engine the same URLs; a directory serves
+                # one engine at a time, so each takes a subdirectory (``for_data_parallel``).
+                tiers=tuple(t.for_data_parallel(int(getattr(par, "data_parallel_index", 0)),
+                                                int(getattr(par, "data_parallel_size", 1)))
+                            for t in self.options.tiers),
                 engine_id=str(self.config.engine_id),
                 world_size=self.world_size,
                 fingerprint=self._fingerprint,

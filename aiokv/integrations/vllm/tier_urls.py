@@ -18,7 +18,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -64,6 +64,16 @@ class TierURL:
     @property
     def write_through(self) -> bool:
         return bool(self.options.get("write_through", False))
+
+    def for_data_parallel(self, index: int, size: int) -> TierURL:
+        """This tier for data-parallel engine ``index`` of ``size``: a disk tier takes the
+        subdirectory ``dp<index>`` and ``1/size`` of the capacity (a directory serves one
+        engine at a time, and ``capacity`` stays what the whole directory holds); a Redis
+        tier is shared by every engine as written."""
+        if self.kind != "disk" or size <= 1:
+            return self
+        options = {**self.options, "capacity_bytes": max(1, self.options["capacity_bytes"] // size)}
+        return replace(self, target=os.path.join(self.target, f"dp{int(index)}"), options=options)
 
     def build(self) -> Tier:
         """A new, unopened tier object (``MissingExtra`` for Redis without its package)."""
