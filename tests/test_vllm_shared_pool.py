@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from aiokv.backends.shared_file import SharedFile
 from aiokv.integrations.vllm.shared_pool import attach, claim, pool_file, publish, sweep
 
@@ -65,3 +67,19 @@ def test_a_claimed_pool_is_not_mapped_before_it_is_published(tmp_path: Path, mon
     path = pool_file("starting", 0)
     claim(path)
     assert attach("starting", 1, 4) is None
+
+
+def test_a_description_that_cannot_be_written_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import aiokv.integrations.vllm.shared_pool as shared_pool
+
+    def full(obj: object, f: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("AIOKV_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shared_pool.json, "dump", full)
+    path = pool_file("full", 0)
+    with pytest.raises(OSError, match="No space"):
+        claim(path)
+    assert list(tmp_path.iterdir()) == []

@@ -409,3 +409,21 @@ def test_each_data_parallel_engine_gets_its_own_disk_directory(model_dir: Path, 
         manager.shutdown()
     assert paths == [str(tmp_path / "kv" / "dp0"), str(tmp_path / "kv" / "dp1")]
     assert capacities == [32 << 20, 32 << 20]
+
+
+def test_a_worker_that_cannot_publish_its_pool_leaves_nothing_behind(model_dir: Path, tmp_path: Path,
+                                                                    shared_pools: Path, monkeypatch) -> None:
+    """A memory filesystem the pool just filled has no room for its description (ENOSPC):
+    the worker fails to start, and neither the pool nor its claim is left there (with no
+    description, nothing would ever remove a pool-sized file)."""
+    import errno
+
+    import aiokv.integrations.vllm.worker as worker_module
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(worker_module, "publish", full)
+    with pytest.raises(OSError, match="No space left"):
+        engine(model_dir, "AiokvConnector", [disk_url(tmp_path)])
+    assert sorted(p.name for p in shared_pools.iterdir()) == []

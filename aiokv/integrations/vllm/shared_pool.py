@@ -57,9 +57,14 @@ def _pid_namespace() -> str | None:
 
 def _write_description(path: str, info: dict[str, object]) -> None:
     temp = f"{path}.json.{os.getpid()}"
-    with open(temp, "w") as f:
-        json.dump({"version": _VERSION, "pid": os.getpid(), "pidns": _pid_namespace(), **info}, f)
-    os.replace(temp, f"{path}.json")
+    try:
+        with open(temp, "w") as f:
+            json.dump({"version": _VERSION, "pid": os.getpid(), "pidns": _pid_namespace(), **info}, f)
+        os.replace(temp, f"{path}.json")
+    except BaseException:  # a full filesystem, say: no half-written file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def claim(path: str) -> None:
