@@ -503,3 +503,37 @@ def test_a_read_up_costs_the_same_however_long_the_prefix_before_it(monkeypatch)
         found.add(key)
     assert host.promoting == 18  # half the host's slots read up at once
     assert offered == [1] * 18, offered
+
+
+def test_remote_answers_no_read_followed_are_not_kept_for_ever(monkeypatch) -> None:
+    """A key a remote tier holds is remembered until its read starts; vLLM stops a
+    prefix's lookups at its first miss (and requests end), so many such answers are never
+    followed by a read. They are kept up to a bound, oldest forgotten first (asked again
+    if ever wanted), not for the server's life."""
+    import aiokv.integrations.vllm.tiered_chunks as tiered_chunks
+    from aiokv.integrations.vllm.tier_io import Done
+
+    class RemoteHoldsAll(EveryKeyOnDisk):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tiers = [type("T", (), {"remote": True, "write_through": False, "name": "redis"})()]
+            self.answers: list[Done] = []
+
+        def holds(self, key: Any) -> int:
+            return -1
+
+        def submit(self, ops: Any) -> None:
+            self.answers.extend(Done(op, True, 0) for op in ops if op.kind == "locate")
+
+        def results(self) -> list[Done]:
+            out, self.answers = self.answers, []
+            return out
+
+    monkeypatch.setattr(tiered_chunks, "_LOCATED_LIMIT", 64, raising=False)
+    host = TieredChunks(8, policy="lru", admission=None, io=RemoteHoldsAll(), group_of=group_of,  # type: ignore[arg-type]
+                        spare=2)
+    for key in keys(1000):
+        assert host.lookup(key) is Where.RETRY  # located, never looked up again
+    host.poll()
+    assert len(host._located) <= 64
+    assert host.lookup(("k", 999)) is Where.HIT_PENDING, "the newest answers are kept"

@@ -31,6 +31,7 @@ __all__ = ["ABSENT_SECONDS", "TierCounts", "TierEvent", "TieredChunks", "Where",
 ABSENT_SECONDS = 5.0
 """How long a key no tier holds (or whose read failed) is a miss without asking again."""
 _ABSENT_LIMIT = 1 << 18  # keys remembered as absent at most (oldest forgotten first)
+_LOCATED_LIMIT = 1 << 18  # remote answers kept for a read not started yet, at most (same)
 
 
 class Where(enum.Enum):
@@ -227,7 +228,7 @@ class TieredChunks:
             else:
                 self._asking.discard(op.key)
                 if done.ok:
-                    self._located[op.key] = done.tier
+                    _remember(self._located, op.key, done.tier, _LOCATED_LIMIT)
                 else:
                     self._forget(op.key)
 
@@ -386,8 +387,13 @@ class TieredChunks:
 
     def _forget(self, key: Hashable) -> None:
         """Remember ``key`` as held by no tier for ``ABSENT_SECONDS``."""
-        absent = self._absent
-        if len(absent) >= _ABSENT_LIMIT:
-            for old in list(absent)[: _ABSENT_LIMIT // 4]:
-                del absent[old]
-        absent[key] = self._clock() + ABSENT_SECONDS
+        _remember(self._absent, key, self._clock() + ABSENT_SECONDS, _ABSENT_LIMIT)
+
+
+def _remember(memo: dict[Hashable, Any], key: Hashable, value: Any, limit: int) -> None:
+    """``memo[key] = value``, forgetting the oldest quarter first when ``limit`` is reached
+    (answers never used again, as for keys vLLM stopped looking up, must not pile up)."""
+    if len(memo) >= limit and key not in memo:
+        for old in list(memo)[: max(1, limit // 4)]:
+            del memo[old]
+    memo[key] = value
