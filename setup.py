@@ -9,7 +9,8 @@ setup(
     ext_modules=[
         Extension(
             "aiokv.backends.cuda._native",
-            sources=["aiokv/backends/cuda/_native.c", "aiokv/backends/cuda/_native_waiter.c"],
+            sources=["aiokv/backends/cuda/_native.c", "aiokv/backends/cuda/_native_waiter.c",
+                     "aiokv/backends/cuda/_native_issuer.c", "aiokv/backends/cuda/_native_plan.c"],
             depends=["aiokv/backends/cuda/_native.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],

@@ -30,7 +30,7 @@ from .layers import LayerStatistics, Layerwise, LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .options import WorkerOptions, chunk_count
-from .plan import CopyPlan, HostLayout, map_blocks, plan_copies
+from .plan import CopyPlan, HostLayout, map_blocks, plan_copies, plan_ids
 from .specs import Direction, as_count, as_job_id, side_of
 
 __all__ = ["Drain", "OffloadCore", "WorkerStatistics", "available_host_memory"]
@@ -96,6 +96,9 @@ class OffloadCore:
             raise
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
+        # The backend plans a job of one group from its ids itself (a native planner): hand
+        # it the ids, checked as it plans them (``plan.IdPlan``).
+        self._plans_ids = bool(getattr(self.backend, "plans_ids", False))
         self.layerwise = Layerwise(kv_caches, self.layout, self.backend, self._lock, self.lifecycle)
         # A worker dropped without shutdown()/aclose(): say so, let lane threads end, and
         # keep a pinned pool that copies may still write.
@@ -160,9 +163,10 @@ class OffloadCore:
         ``job_id=None`` checks the specs alone (callers that pick ids later)."""
         self.check_healthy()
         if job_id is None:
-            self._plan(direction, 0, src, dst)
+            self._plan(direction, 0, src, dst)[1].check()
         else:
-            job_id, _ = self._plan(direction, job_id, src, dst)
+            job_id, plan = self._plan(direction, job_id, src, dst)
+            plan.check()
             with self._lock:
                 self._check_new_id(job_id, ())
         self.check_ready(after)
@@ -191,9 +195,16 @@ class OffloadCore:
                     f"describes {side} blocks: are source and destination swapped? A store takes "
                     "(GPU spec, CPU spec), a load (CPU spec, GPU spec)"
                 )
+        group_sizes, block_indices = getattr(gpu, "group_sizes", None), getattr(gpu, "block_indices", None)
+        if self._plans_ids:
+            plan = plan_ids(gpu.block_ids, cpu.block_ids, layout=self.layout, num_chunks=self.num_cpu_chunks,
+                            group_sizes=group_sizes, block_indices=block_indices,
+                            unique_gpu=not direction.to_host, unique_host=direction.to_host)
+            if plan is not None:
+                return job_id, plan
         mapping = map_blocks(
             gpu.block_ids, cpu.block_ids, layout=self.layout, num_chunks=self.num_cpu_chunks,
-            group_sizes=getattr(gpu, "group_sizes", None), block_indices=getattr(gpu, "block_indices", None),
+            group_sizes=group_sizes, block_indices=block_indices,
             unique_gpu=not direction.to_host, unique_host=direction.to_host,
         )
         return job_id, plan_copies(mapping, self.layout)

@@ -228,7 +228,9 @@ class Handler:
 
     def _submit_held(self, job_id: int, plan: CopyPlan, dependency: Any) -> Job:
         """``submit`` while a layerwise store is open: the job waits in the FIFO, held, its
-        dependency pinned now (its launch comes from whichever thread completes the store)."""
+        dependency pinned now (its launch comes from whichever thread completes the store).
+        Its plan is checked now: bad input raises at submit, not when the job is launched."""
+        plan.check()
         self.lane.fix(dependency)
         job = Job(job_id, self.direction, plan.total_bytes, HeldCompletion(plan, dependency), plan=plan)
         self._fifo.append(job)

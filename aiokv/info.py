@@ -48,30 +48,40 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _submit_path() -> str:
-    """Which way a CUDA worker would issue its jobs here, and why (docs/native.md)."""
-    from .backends.cuda.native import status
+def _submit_path(cuda: bool) -> str:
+    """Which way a CUDA worker would issue its jobs here, and why (docs/native.md); and,
+    where this machine would run the CPU backend, that it never uses the helper."""
+    from .backends.cuda.native import env_choice, status
+    from .errors import InvalidSpec
 
-    usable, why = status()
-    return f"native, one call per job ({why})" if usable else f"python ({why})"
+    try:
+        usable, why = status()
+        asked = env_choice()
+    except InvalidSpec as exc:
+        return f"refused: {exc}"
+    path = f"native issuer thread, jobs planned in C ({why})" if usable else f"python ({why})"
+    if not cuda and (usable or asked):
+        path += "; not used here: the CPU backend this machine runs makes no driver calls"
+    return path
 
 
 def collect_info() -> dict[str, Any]:
     """Facts as a dict (also what the tests check)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cuda = cuda_usable()
     info: dict[str, Any] = {
         "aiokv": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda-python": _cuda_python_version(),
         "anyio": _version("anyio"),
-        "backend (auto)": "cuda" if cuda_usable() else "cpu",
-        "CUDA submit path": _submit_path(),
+        "backend (auto)": "cuda" if cuda else "cpu",
+        "CUDA submit path": _submit_path(cuda),
         "host memory available": _fmt_bytes(_mem_available()),
         "locked-memory limit (ulimit -l)": _fmt_bytes(soft if soft != resource.RLIM_INFINITY else -1),
         "cpu cores": os.cpu_count(),
     }
-    if cuda_usable():
+    if cuda:
         from .backends.cuda.device import device_facts
 
         info["device"] = torch.cuda.get_device_name(0)

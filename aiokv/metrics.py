@@ -178,32 +178,51 @@ class CacheCollector:
     """Exports an ``OffloadCache``'s own counters and occupancy (``cache.stats()``) at each
     scrape: hits and misses, offers, stores, restores, failures, evictions, bytes, keys
     held, pending and pinned, staging chunks, and blocks dropped on their way down. Keys
-    count blocks (one key per block). ``labels`` are constant labels, e.g. ``{"cache":
-    "a"}`` where one registry exports several caches (each its own collector)."""
+    count blocks (one key per block). ``labels`` are constant labels; where one registry
+    exports several caches (one per rank, say), they share this collector, each under its
+    own label values (``add``), since the registry refuses a second one of these names."""
 
     def __init__(self, cache: _HasCacheStats, *, namespace: str = "aiokv",
                  labels: Mapping[str, str] | None = None) -> None:
         _prometheus()
+        self._ns = namespace
+        self._label_names = list(labels or {})
+        self._caches: dict[tuple[str, ...], _HasCacheStats] = {}
+        self.add(cache, labels)
+
+    def add(self, cache: _HasCacheStats, labels: Mapping[str, str] | None = None) -> None:
+        """Export another cache under other values of the same label names."""
         if not callable(getattr(cache, "stats", None)):
             raise InvalidSpec(f"expected an OffloadCache, got {type(cache).__name__}")
-        self._cache = cache
-        self._ns = namespace
-        self._labels = {k: str(v) for k, v in (labels or {}).items()}
+        given = dict(labels or {})
+        if sorted(given) != sorted(self._label_names):
+            raise InvalidSpec(f"labels must name {self._label_names}, as this collector's others do; "
+                              f"got {list(given)}")
+        values = tuple(str(given[name]) for name in self._label_names)
+        if values in self._caches:
+            raise InvalidSpec(f"a cache with labels {given} is exported here already: give each its own")
+        self._caches[values] = cache
+
+    def discard(self, labels: Mapping[str, str] | None = None) -> bool:
+        """Stop exporting the cache of these label values (one closed for good); whether any
+        caches are left."""
+        given = dict(labels or {})
+        self._caches.pop(tuple(str(given.get(name, "")) for name in self._label_names), None)
+        return bool(self._caches)
 
     def describe(self) -> list[Metric]:
-        return list(self._families(None))
+        return list(self._families([]))
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(self._cache.stats())
+        yield from self._families([(values, c.stats()) for values, c in list(self._caches.items())])
 
-    def _families(self, stats: Any) -> Iterator[Metric]:
+    def _families(self, snapshots: list[tuple[tuple[str, ...], Any]]) -> Iterator[Metric]:
         core = _prometheus().metrics_core
-        names = list(self._labels)
         for name, doc, kind, read in _CACHE_SERIES:
             family_type = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
-            family = family_type(f"{self._ns}_{name}", doc, labels=names)
-            if stats is not None:
-                family.add_metric(list(self._labels.values()), read(stats))
+            family = family_type(f"{self._ns}_{name}", doc, labels=self._label_names)
+            for values, stats in snapshots:
+                family.add_metric(list(values), read(stats))
             yield family
 
 

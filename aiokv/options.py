@@ -62,10 +62,11 @@ class WorkerOptions:
     # in another Python thread slows more, and the round trip grows by the hand-off
     # (docs/performance.md, "Issue thread").
     issue_thread: bool = False
-    # CUDA: enqueue each job through the native helper, one call out of Python per job, and
-    # ring the doorbell from its waiter thread. None: where the helper is built, unless
-    # ``AIOKV_NATIVE=0``; True: require it (InvalidSpec where it is missing); False: issue
-    # the driver calls from Python (docs/native.md).
+    # CUDA: plan each job in C and hand it to each lane's native issuer thread, which makes
+    # the driver calls without the GIL; ring the doorbell from the native waiter thread.
+    # None: where the helper is built, unless ``AIOKV_NATIVE=0``; True: require it
+    # (InvalidSpec where it is missing, on the CPU backend too, which never uses it);
+    # False: issue the driver calls from Python (docs/native.md).
     native: bool | None = None
     # CUDA: bracket each layer gate with two timing events on the consumer's stream, so the
     # gate's stall (how long that stream waited for the layer after it was due) is read in

@@ -29,8 +29,10 @@ __all__ = [
     "BlockMapping",
     "CopyPlan",
     "HostLayout",
+    "IdPlan",
     "map_blocks",
     "plan_copies",
+    "plan_ids",
 ]
 
 CHUNK_ALIGN = 512
@@ -136,9 +138,9 @@ class HostLayout:
     def num_groups(self) -> int:
         return len(self.tensor_idx)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> tuple[int, ...]:
-        """Bytes one GPU block of each group moves."""
+        """Bytes one GPU block of each group moves (read in every submit: kept)."""
         return tuple(sum(s) for s in self.page_sizes)
 
 
@@ -202,6 +204,44 @@ class CopyPlan:
 
     def __len__(self) -> int:
         return int(self.nbytes.shape[0])
+
+    def check(self) -> None:
+        """Raise what planning raises for bad input (planned already: nothing to raise)."""
+
+
+class IdPlan(CopyPlan):
+    """A job of one group of one block per chunk, as the ids its caller passed: a lane with
+    a native planner builds the job's program from them in C, checking them as
+    ``map_blocks`` does; anything else reads ``mapping``, which checks and maps them then
+    (raising ``InvalidSpec`` for bad input, as planning always did). Read at submit only:
+    callers may reuse their id buffers once it returned."""
+
+    def __init__(self, block_ids: Any, chunk_ids: Any, count: int, layout: HostLayout, num_chunks: int,
+                 unique_gpu: bool, unique_host: bool) -> None:
+        self.block_ids = block_ids
+        self.chunk_ids = chunk_ids
+        self.layout = layout
+        self.total_bytes = count * layout.block_bytes[0]
+        self._count = count
+        self._num_chunks = num_chunks
+        self._unique = (unique_gpu, unique_host)
+
+    @functools.cached_property
+    def mapping(self) -> BlockMapping:  # type: ignore[override]
+        unique_gpu, unique_host = self._unique
+        return map_blocks(self.block_ids, self.chunk_ids, layout=self.layout, num_chunks=self._num_chunks,
+                          unique_gpu=unique_gpu, unique_host=unique_host)
+
+    @property
+    def num_pages(self) -> int:
+        return self._count * len(self.layout.tensor_idx[0])
+
+    def check(self) -> None:
+        """Check the ids now (raising ``InvalidSpec``), and keep copies of them: a job
+        planned later (held behind an open layerwise store) must not read ids its caller
+        has reused since."""
+        mapping = self.mapping
+        self.block_ids, self.chunk_ids = mapping.gpu_blocks[0], mapping.host_slots[0]
 
 
 def _as_ids(ids: Any, what: str) -> np.ndarray:
@@ -381,6 +421,28 @@ def _map_small(
     if (unique_gpu and len(set(gpu)) != n) or (unique_host and len(set(slots)) != n):
         return None
     return BlockMapping((np.array(gpu, dtype=np.int64),), (np.array(slots, dtype=np.int64),))
+
+
+def plan_ids(block_ids: Any, chunk_ids: Any, *, layout: HostLayout, num_chunks: int,
+             group_sizes: Any = None, block_indices: Any = None, unique_gpu: bool = False,
+             unique_host: bool = False) -> IdPlan | None:
+    """The job as an ``IdPlan`` (nothing checked yet) where it is one group of one block
+    per chunk with as many chunk ids as block ids; else None (plan it with ``map_blocks``).
+    ``group_sizes`` / ``block_indices`` pass when they say nothing more than that (vLLM's
+    specs carry them for every job)."""
+    if len(layout.tensor_idx) != 1 or layout.blocks_per_chunk != 1:
+        return None
+    try:
+        count = len(block_ids)
+        if count == 0 or count != len(chunk_ids):
+            return None
+        if group_sizes is not None and (len(group_sizes) != 1 or int(group_sizes[0]) != count):
+            return None
+        if block_indices is not None and (len(block_indices) != 1 or int(block_indices[0]) < 0):
+            return None
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return IdPlan(block_ids, chunk_ids, count, layout, num_chunks, unique_gpu, unique_host)
 
 
 def plan_copies(mapping: BlockMapping, layout: HostLayout) -> CopyPlan:

@@ -11,6 +11,7 @@ a waiter thread can be proven to ring without ever taking the GIL.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,8 @@ class FakeTable:
                  extra: dict[str, Callable[..., int]] | None = None) -> None:
         self.target = target
         self.calls: list[tuple[Any, ...]] = []
+        self.threads: list[tuple[str, str]] = []  # (thread name, call) of every call
+        self.contexts: list[tuple[str, int]] = []  # (thread name, context) made current
         self.fail: dict[str, tuple[int, int]] = {}
         self.hold: dict[str, tuple[int, Any]] = {}  # the nth call of name blocks until the event is set
         self._counts: dict[str, int] = {}
@@ -67,7 +70,7 @@ class FakeTable:
             "cuEventSynchronize": lambda ev: self._log("cuEventSynchronize", ev or 0),
             "cuEventCreate": self._create,
             "cuEventDestroy": lambda ev: self._log("cuEventDestroy", ev or 0),
-            "cuCtxSetCurrent": lambda ctx: self._log("cuCtxSetCurrent", ctx or 0),
+            "cuCtxSetCurrent": self._set_context,
         }
         impl.update(extra or {})
         self.callbacks = {name: PROTOS[name](impl[name]) for name in ORDER if name not in missing}
@@ -77,6 +80,7 @@ class FakeTable:
 
     def _log(self, name: str, *args: Any) -> int:
         self.calls.append((name, *args))
+        self.threads.append((threading.current_thread().name, name))
         n = self._counts[name] = self._counts.get(name, 0) + 1
         nth_held, release = self.hold.get(name, (0, None))
         if nth_held == n and release is not None:
@@ -86,6 +90,12 @@ class FakeTable:
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+    def _set_context(self, ctx: int | None) -> int:
+        """Kept apart from ``calls``: each waiter or issuer thread makes its context current
+        once as it starts, whenever that is."""
+        self.contexts.append((threading.current_thread().name, ctx or 0))
+        return 0
 
     def _wait(self, stream: int | None, event: int | None, flags: int) -> int:
         code = self._log("cuStreamWaitEvent", stream or 0, event or 0, flags)

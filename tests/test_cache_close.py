@@ -241,3 +241,37 @@ async def test_an_empty_cache_is_truthy_and_len_counts_held_keys() -> None:
         assert len(cache) == 0 and bool(cache)  # `if cache:` means "a cache", not "not empty"
         await fill(kv, cache)
         assert len(cache) == 2 and bool(cache)
+
+
+@pytest.mark.anyio
+async def test_a_second_aclose_while_the_first_drains_returns_once_the_cache_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two tasks close the cache at once (a shutdown path and the owner's exit): the later
+    ``aclose()`` waits for the exit under way as the first does, so neither returns while
+    the cache's copies still run or before its chunks are free."""
+    gate = Gate(monkeypatch, Direction.STORE)
+    kv = make_layers(num_layers=2, num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=NUM_CHUNKS) as worker:
+        cache = new_cache(worker, False)
+        returned: list[str] = []
+
+        async def close(name: str) -> None:
+            await cache.aclose()
+            returned.append(name)
+            assert cache.stats().in_flight == 0  # its copies are over when aclose returns
+            new_cache(worker, False)  # and its chunks free
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fill, kv, cache)
+                await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                tg.start_soon(close, "first")
+                await anyio.sleep(0.05)
+                tg.start_soon(close, "second")
+                await anyio.sleep(0.1)
+                assert returned == []  # the store is still held on the lane
+                gate.open.set()
+        finally:
+            gate.open.set()
+        assert sorted(returned) == ["first", "second"]

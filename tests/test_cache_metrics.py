@@ -155,3 +155,82 @@ def test_the_example_builds_a_server_with_metrics_from_its_flag() -> None:
     assert mod.build_server(cfg=small, device="cpu").metrics is None
     with pytest.raises(SystemExit):
         mod.main(["--metrics"])  # no /metrics without --serve
+
+
+async def test_a_scrape_from_its_own_thread_neither_loses_nor_doubles_a_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """prometheus_client's own server scrapes on a thread of its own, so ``stats()`` (and the
+    fold of finished copies into the histograms) runs there while the loop folds at each
+    call's entry and done callbacks add copies: every copy is observed exactly once."""
+    import threading
+    import time
+
+    from aiokv.metrics import CacheCollector, OffloadMetrics
+
+    real = OffloadMetrics.observe
+
+    def observe(self: Any, result: Any, direction: Any) -> None:
+        time.sleep(2e-4)  # on CUDA the read of a copy's device time lets other threads run
+        real(self, result, direction)
+
+    monkeypatch.setattr(OffloadMetrics, "observe", observe)
+    registry = prometheus_client.CollectorRegistry()
+    kv = make_layers(num_layers=2, num_blocks=64)
+    rounds = 150
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=32) as worker:
+        metrics = OffloadMetrics(worker, registry=registry)
+        cache = OffloadCache(worker, policy="lru", metrics=metrics)
+        registry.register(CacheCollector(cache))
+        stop = threading.Event()
+
+        def scrape() -> None:
+            while not stop.is_set():
+                prometheus_client.generate_latest(registry)
+
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        try:
+            for i in range(rounds):
+                assert (await cache.offload([f"k{i}"], [i % 32])).stored == 1
+                assert await cache.restore([f"k{i}"], [32 + i % 32])
+        finally:
+            stop.set()
+            scraper.join()
+        await cache.aclose()
+        st = cache.stats()
+    assert sample(registry, "aiokv_transfer_seconds_count", direction="store") == rounds
+    assert sample(registry, "aiokv_transfer_seconds_count", direction="load") == rounds
+    assert sample(registry, "aiokv_transfer_size_bytes_sum", direction="store") == st.store_bytes
+    seconds = {d: sample(registry, "aiokv_transfer_seconds_sum", direction=d) for d in ("store", "load")}
+    assert seconds == {"store": pytest.approx(st.store_seconds), "load": pytest.approx(st.load_seconds)}
+    metrics.unregister()
+
+
+async def test_one_registry_exports_several_caches_told_apart_by_labels() -> None:
+    """Two caches of one process (one per rank, per model) in one registry: prometheus_client
+    refuses a second collector of the same names, so the collector takes both, each under
+    its own label values, and drops one that is gone."""
+    from aiokv.metrics import CacheCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    kv = make_layers(num_layers=2, num_blocks=16)
+    async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+        a = OffloadCache(worker, policy="lru", chunks=range(0, 4))
+        b = OffloadCache(worker, policy="lru", chunks=range(4, 8))
+        collector = CacheCollector(a, labels={"cache": "a"})
+        registry.register(collector)
+        collector.add(b, {"cache": "b"})
+        await a.offload(["x"], [1])
+        await b.offload(["y", "z"], [2, 3])
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="a") == 1
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="b") == 2
+        with pytest.raises(InvalidSpec, match="exported here already"):
+            collector.add(b, {"cache": "a"})
+        with pytest.raises(InvalidSpec, match="labels must name"):
+            collector.add(b, {"rank": "1"})
+        with pytest.raises(InvalidSpec, match="OffloadCache"):
+            collector.add(object(), {"cache": "c"})  # type: ignore[arg-type]
+        assert collector.discard({"cache": "a"}) is True  # b is left
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="a") is None
+        assert sample(registry, "aiokv_cache_stored_keys_total", cache="b") == 2

@@ -2,7 +2,9 @@
 enqueued is never reported done, doorbells asked for meanwhile are armed once it is, and
 every failure path either raises at submit with the job's pooled events given back or
 fails the job, never both and never neither. Those tests run on both submit paths (the
-strategy's calls made from Python, or recorded and run as one native call)."""
+strategy's calls made from Python, with a Python issuer thread for long jobs, or recorded
+as a program the lane's native issuer thread runs: there every job but a tiny one on an
+idle lane goes to the thread)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from aiokv.backends.cuda import native
 from aiokv.backends.cuda.completion import CudaCompletion
 from aiokv.backends.cuda.driver import JobEvents
-from aiokv.backends.cuda.lane import CudaLane, Dependency
-from aiokv.errors import CudaCallFailed, InvalidSpec, WorkerBroken, WorkerClosed
+from aiokv.backends.cuda.lane import ISSUE_THREAD_BYTES, CudaLane, Dependency
+from aiokv.doorbell import Doorbell
+from aiokv.errors import WorkerBroken, WorkerClosed
 from aiokv.specs import Direction
 
 from .native_fakes import FakeTable, submit_paths
@@ -72,6 +74,9 @@ class FakeDriver:
     def record(self, event: Any, stream: Any) -> None:
         self.recorded.add(event)
 
+    def stream_wait(self, stream: Any, event: Any) -> None:
+        pass
+
     def query(self, event: Any) -> bool:
         return True
 
@@ -114,6 +119,9 @@ class FakeStrategy:
         self.driver.record(start, self.main_stream)
         if self.fail_enqueue is not None:
             raise self.fail_enqueue
+        if getattr(prepared, "total_bytes", 0) >= ISSUE_THREAD_BYTES:
+            for _ in range(8):  # a long job: a program too long to run at submit
+                self.driver.stream_wait(self.main_stream, start)
         self.driver.record(stop, self.main_stream)
 
     def close(self) -> None:
@@ -133,12 +141,14 @@ class Bell:
 
 def make_lane(issue_thread: bool = True, rings: bool = True) -> tuple[CudaLane, FakeDriver, FakeStrategy]:
     """A lane on the fake driver, on the submit path of the test (``path``): on the native
-    one the strategy's calls are recorded and run through a fake table forwarding to it."""
+    one the strategy's calls are recorded as programs that the lane's issuer thread runs
+    through a fake table forwarding to the driver (its waiter thread uses that table too)."""
     driver = FakeDriver(rings)
-    rec = FakeTable(target=driver).recorder(driver, 0, 0) if PATH == "native" else None
+    fake = FakeTable(target=driver) if PATH == "native" else None
+    rec = fake.recorder(driver, 0, 0) if fake is not None else None
     strategy = FakeStrategy(rec if rec is not None else driver)  # type: ignore[arg-type]
     lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread,  # type: ignore[arg-type]
-                    recorder=rec)
+                    recorder=rec, table=fake.table if fake is not None else None)
     return lane, driver, strategy
 
 
@@ -160,7 +170,25 @@ def plan(nbytes: int) -> Any:
 LONG = 1 << 30  # far above ISSUE_THREAD_BYTES: always deferred
 
 
-def hold(lane: CudaLane) -> threading.Event:
+class Resume:
+    """A held native issuer's gate: ``set`` lets it go on (a no-op once the lane closed)."""
+
+    def __init__(self, lane: CudaLane) -> None:
+        self.lane = lane
+
+    def set(self) -> None:
+        try:
+            assert self.lane.native is not None
+            self.lane.native.resume()
+        except WorkerClosed:
+            pass
+
+
+def hold(lane: CudaLane) -> Any:
+    """Keep the lane's issuer thread from issuing until the returned gate is set."""
+    if lane.native is not None:
+        lane.native.pause()
+        return Resume(lane)
     gate, held = threading.Event(), threading.Event()
 
     def work() -> None:
@@ -173,25 +201,46 @@ def hold(lane: CudaLane) -> threading.Event:
     return gate
 
 
+def python_only(test: Any) -> Any:
+    """A test of the Python path's issue logic alone (its issuer thread, its GIL choice)."""
+    return pytest.mark.parametrize("path", ["python"], indirect=True)(test)
+
+
 def test_a_job_not_yet_issued_is_not_done_and_its_bell_rings_once_it_is() -> None:
+    """The lane-level twin of the GPU suite's ``test_awaited_job_wakes_when_issued_late``: a
+    doorbell asked for while the job waits for its issuer rings once the job is issued and
+    over, armed by whoever issued it (on the native path, the issuer thread, through the
+    lane's waiter: ``armed`` counts its rings)."""
     lane, driver, _ = make_lane()
     gate = hold(lane)
+    bell = Doorbell()
     try:
-        c = lane.launch(plan(1024), Dependency("dep"))  # small, but queued behind the held work
+        c = lane.launch(plan(1024), Dependency(0xD0))  # small, but queued behind the held work
         assert isinstance(c, CudaCompletion)
         assert not c.query() and not c.wait(0.02)
-        bell = Bell()
         assert c.ring_when_done(bell) is True
-        assert bell.rung == 0 and driver.armed == []
+        time.sleep(0.02)
+        assert bell.drain() == 0 and driver.armed == []
+        if lane.waiter is not None:
+            assert lane.waiter.stats()["armed"] == 0
         gate.set()
         assert c.wait(10) and c.error is None
-        assert bell.rung == 1 and driver.armed, "the bell asked for before the enqueue was not armed"
-        assert driver.given_sync == ["dep"]  # the dependency's event went back once enqueued
+        deadline = time.monotonic() + 10
+        while not bell.drain():
+            assert time.monotonic() < deadline, "the bell asked for before the enqueue never rang"
+            time.sleep(0.001)
+        if lane.waiter is not None:
+            assert lane.waiter.stats()["armed"] == 1 and driver.armed == []
+        else:
+            assert driver.armed, "the bell asked for before the enqueue was not armed"
+        assert driver.given_sync == [0xD0]  # the dependency's event went back once enqueued
     finally:
         gate.set()
         lane.close()
+        bell.close()
 
 
+@python_only
 def test_no_bell_is_promised_where_the_driver_cannot_ring() -> None:
     lane, _, _ = make_lane(rings=False)
     gate = hold(lane)
@@ -206,12 +255,13 @@ def test_no_bell_is_promised_where_the_driver_cannot_ring() -> None:
 def test_small_job_on_an_idle_lane_is_enqueued_by_the_caller() -> None:
     lane, _, _ = make_lane()
     c = lane.launch(plan(1024), None)
-    assert c.query() and lane.issued_later == 0
+    assert c.query() and lane.statistics().issued_later == 0
     c2 = lane.launch(plan(LONG), None)
-    assert c2.wait(10) and lane.issued_later == 1
+    assert c2.wait(10) and lane.statistics().issued_later == 1
     lane.close()
 
 
+@python_only
 def test_only_the_issuer_thread_keeps_the_gil_through_its_batched_copies() -> None:
     lane, _, strategy = make_lane()
     rec = lane._recorder
@@ -249,6 +299,9 @@ def test_statistics_report_the_strategy_and_the_issuer_threads_work() -> None:
     assert stats.issued_later == 1 and stats.issue_seconds > 0 and stats.issue_cpu_seconds >= 0
     assert stats.last_started_at is not None and lo <= stats.last_started_at <= time.perf_counter()
     assert first.issued_later == 0  # a snapshot: frozen, never updated in place
+    if PATH == "native":  # the thread's own lag, submit return to its first call, per job
+        assert len(stats.issue_lags) == 2 and stats.issue_lags[0] == 0.0  # the first ran at submit
+        assert 0 < stats.issue_lags[1] < 10
     lane.close()
 
 
@@ -262,6 +315,7 @@ def test_a_plan_that_fails_on_the_callers_thread_raises_and_gives_everything_bac
     lane.close()
 
 
+@python_only
 def test_a_plan_that_fails_on_the_issuer_thread_fails_the_job_in_order() -> None:
     lane, driver, strategy = make_lane()
     strategy.fail_prepare = ValueError("no plan")
@@ -316,6 +370,7 @@ def test_launch_on_a_closed_lane_raises_worker_closed_and_gives_events_back() ->
     assert len(driver.given_jobs) == 1 and driver.given_sync == ["dep"]
 
 
+@python_only
 def test_an_issuer_thread_that_cannot_start_gives_the_events_back_once() -> None:
     lane, driver, _ = make_lane()
 
@@ -366,9 +421,19 @@ def test_a_failed_query_reports_the_job_only_after_its_copies_are_waited_out(cas
 
 
 def test_an_abandoned_lane_keeps_its_strategys_buffers_and_lets_the_issuer_end() -> None:
-    lane, _, strategy = make_lane()
+    """The Python issuer runs what it holds; the native one drops what is still queued
+    (nobody waits for it: the job fails ``WorkerClosed``, nothing of it ran) and ends."""
+    lane, driver, strategy = make_lane()
     gate = hold(lane)  # the issuer thread holds work
     c = lane.launch(plan(LONG), None)
+    if lane.native is not None:
+        native_issuer = lane.native
+        lane.abandon()
+        assert getattr(strategy, "abandoned", False)
+        assert c.wait(10) and isinstance(c.error, WorkerClosed)
+        assert not (c._events and c._events.stop in driver.recorded)  # never issued
+        assert native_issuer.stats() == {"running": False}
+        return
     assert lane._issuer is not None
     thread = lane._issuer._thread
     assert thread is not None
@@ -390,106 +455,3 @@ def test_close_waits_for_what_an_interrupted_enqueue_left_on_the_stream() -> Non
     driver.stream_synchronize = synced.append  # type: ignore[method-assign]
     lane.close()
     assert lane.stream in synced
-
-
-# -- the native path: the strategy's calls, recorded, go as one native call per job ---------
-
-def native_only(test: Any) -> Any:
-    """A test of the native path alone: run once, where the helper is built."""
-    test = pytest.mark.parametrize("path", ["native"], indirect=True)(test)
-    return pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")(test)
-
-
-def make_native_lane(issue_thread: bool = False,
-                     waiter: bool = False) -> tuple[CudaLane, FakeDriver, Any, Any]:
-    driver = FakeDriver()
-    fake = FakeTable()
-    rec = fake.recorder(driver, 0, 0)
-    strategy = FakeStrategy(rec)  # type: ignore[arg-type]
-    strategy.main_stream = 0x40
-    lane = CudaLane(driver, Direction.STORE, strategy, issue_thread=issue_thread,  # type: ignore[arg-type]
-                    recorder=rec, table=fake.table if waiter else None)
-    return lane, driver, fake, rec
-
-
-@native_only
-def test_a_native_job_is_one_call_with_its_dependencys_record_first() -> None:
-    lane, driver, fake, rec = make_native_lane()
-    c = lane.launch(plan(1024), Dependency(0xD1, stream=0x5))  # the caller's stream, not recorded yet
-    events = c._events
-    assert events is not None
-    assert rec.calls == 1 and driver.recorded == set(), "a driver call was made outside the one call"
-    assert fake.calls == [("cuEventRecord", 0xD1, 0x5), ("cuEventRecord", events.start, 0x40),
-                          ("cuEventRecord", events.stop, 0x40)]
-    assert c.query() and c.error is None and driver.given_sync == [0xD1]
-    lane.close()
-
-
-@native_only
-def test_with_an_issuer_the_dependency_is_recorded_at_submit_on_the_callers_thread() -> None:
-    lane, driver, fake, rec = make_native_lane(issue_thread=True)
-    gate = hold(lane)
-    c = lane.launch(plan(LONG), Dependency(0xD1, stream=0x5))
-    assert 0xD1 in driver.recorded and fake.calls == []  # recorded now; the job waits its turn
-    gate.set()
-    assert c.wait(10) and rec.calls == 1
-    assert ("cuEventRecord", 0xD1, 0x5) not in fake.calls
-    lane.close()
-
-
-@native_only
-def test_a_native_call_refused_as_bad_input_raises_at_submit_and_gives_everything_back() -> None:
-    lane, driver, fake, _ = make_native_lane()
-    lane._strategy.main_stream = 0x40
-    orig = lane._strategy.enqueue
-
-    def null_event(prepared: Any, dependency: Any, start: Any, stop: Any, **kw: Any) -> None:
-        orig(prepared, dependency, 0, stop, **kw)  # a null event: the helper refuses it
-
-    lane._strategy.enqueue = null_event  # type: ignore[method-assign]
-    with pytest.raises(InvalidSpec, match="null event"):
-        lane.launch(plan(1024), Dependency(0xD1, stream=0x5))
-    assert fake.calls == [] and len(driver.given_jobs) == 1 and driver.given_sync == [0xD1]
-    lane.close()
-
-
-@native_only
-@pytest.mark.parametrize("how", ["driver", "strategy"])
-def test_a_native_job_that_fails_part_way_fails_once_its_end_is_recorded(how: str) -> None:
-    """A driver call failing inside the one call, or the strategy raising while it was
-    recorded (what it recorded is enqueued, as the Python path would have): the job is
-    failed, not raised, and its end is recorded on the main stream behind that part."""
-    lane, driver, fake, _ = make_native_lane()
-    if how == "driver":
-        fake.fail["cuEventRecord"] = (2, 2)  # the stop record
-    else:
-        lane._strategy.fail_enqueue = RuntimeError("strategy broke")
-    c = lane.launch(plan(1024), None)
-    events = c._events
-    assert events is not None
-    assert ("cuEventRecord", events.start, 0x40) in fake.calls
-    assert events.stop in driver.recorded, "the failed job's end was not recorded behind it"
-    assert c.wait(10) and c.error is not None
-    assert isinstance(c.error, CudaCallFailed if how == "driver" else RuntimeError)
-    lane.close()
-
-
-@native_only
-def test_a_native_lanes_doorbells_are_rung_by_its_waiter_thread() -> None:
-    from aiokv.doorbell import Doorbell
-
-    lane, driver, _, _ = make_native_lane(waiter=True)
-    bell = Doorbell()
-    try:
-        c = lane.launch(plan(1024), None)
-        assert c.ring_when_done(bell) is True
-        assert driver.armed == [], "the host-function ring was used instead of the waiter"
-        deadline = time.monotonic() + 10
-        while not bell.drain():
-            assert time.monotonic() < deadline, "the waiter never rang"
-            time.sleep(0.001)
-        assert lane.waiter is not None and lane.waiter.stats()["rung"] == 1
-    finally:
-        lane.close()
-        bell.close()
-    assert lane.waiter.stats()["running"] is False

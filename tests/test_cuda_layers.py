@@ -183,7 +183,7 @@ def make_lane(direction: Direction, driver: Any, *, recorded: bool, issue_thread
     rec = fake.recorder(driver, MAIN, 0) if recorded else None
     strategy = Strategy(direction.to_host, bases, driver=rec if rec is not None else driver)
     lane = CudaLane(driver, direction, strategy, issue_thread=issue_thread, recorder=rec,  # type: ignore[arg-type]
-                    measure_stalls=measure)
+                    table=fake.table if recorded else None, measure_stalls=measure)
     return lane, fake
 
 
@@ -203,12 +203,14 @@ def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
     events = layer_events(run)
     job = run.completion._events
     assert lane.recorder is not None and lane.recorder.calls == 1, "more than one native call"
-    assert drv.calls == [] and len(set(events)) == LAYERS
-    names = [(c[0], c[1] if c[0] == "cuEventRecord" else c[-1]) for c in fake.calls]
-    assert names == [("cuEventRecord", 0xD1), ("cuStreamWaitEvent", 0), ("cuEventRecord", job.start)] + [
+    # The dependency is recorded on the caller's stream at submit, on the caller's thread.
+    assert drv.calls == [("record", 0xD1, 0x5)] and len(set(events)) == LAYERS
+    calls = fake.calls
+    names = [(c[0], c[1] if c[0] == "cuEventRecord" else c[-1]) for c in calls]
+    assert names == [("cuStreamWaitEvent", 0), ("cuEventRecord", job.start)] + [
         step for ev in events for step in (("cuMemcpyBatchAsync", MAIN), ("cuEventRecord", ev))
     ] + [("cuEventRecord", job.stop)]
-    assert fake.calls[1][1:3] == (MAIN, 0xD1)
+    assert calls[0][1:3] == (MAIN, 0xD1)
     # Each layer's batch is exactly that layer's copies (device side: K and V pages).
     dst, _, _ = lane.pointers(plan)
     batches = [[d for d, _, _ in c[1]] for c in fake.calls if c[0] == "cuMemcpyBatchAsync"]

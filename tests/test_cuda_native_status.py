@@ -1,8 +1,9 @@
-"""Which submit path a CUDA worker takes, and why, without a GPU: the native helper where
-it is built and asked for (``AIOKV_NATIVE=1`` or ``WorkerOptions(native=True)``; opt-in
-until proven on a GPU), the
-Python path where it is missing or refuses the driver (``native=True`` then raises), and
-``aiokv info`` says which. A fresh interpreter that cannot import the helper falls back."""
+"""Which submit path a CUDA worker takes, and why, without a GPU: the native helper by
+default where it is built (``AIOKV_NATIVE=0`` or ``WorkerOptions(native=False)`` turn it
+off), the Python path where it is missing or refuses the driver (``native=True`` then
+raises, on the CPU backend too), a value of ``AIOKV_NATIVE`` nobody understands refused or
+warned about, and ``aiokv info`` says which path and why, and that the CPU backend never
+uses the helper. A fresh interpreter that cannot import the helper falls back."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _fake_procs() -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
 
 
 @pytest.mark.parametrize(("env", "option", "used"), [
-    (None, None, False), ("1", None, True), ("on", None, True), ("0", None, False),
+    (None, None, True), ("", None, True), ("1", None, True), ("on", None, True), ("0", None, False),
     ("off", None, False), (None, False, False), ("0", True, True), (None, True, True),
 ])
 def test_the_option_and_the_environment_pick_the_path(monkeypatch: pytest.MonkeyPatch, env: str | None,
@@ -54,7 +55,7 @@ def test_the_option_and_the_environment_pick_the_path(monkeypatch: pytest.Monkey
     assert why in backend.native_why
     if not used:
         assert native.ENV in why or "native=False" in why
-        assert "disabled" in why or "opt in" in why
+        assert "disabled" in why
 
 
 def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
@@ -66,7 +67,7 @@ def test_without_the_helper_the_python_path_is_taken_and_native_true_refused(
     assert _backend(None, _fake_procs).native_table is None
     with pytest.raises(InvalidSpec, match=r"native=True.*not built"):
         _backend(True, _fake_procs)
-    assert collect_info()["CUDA submit path"] == "python (native helper not built)"
+    assert collect_info()["CUDA submit path"].startswith("python (native helper not built)")
 
 
 def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required(
@@ -85,14 +86,79 @@ def test_a_driver_the_helper_refuses_falls_back_unless_native_is_required(
 
 
 def test_info_says_which_path_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.info import _submit_path
+
+    gpu = True  # as on a GPU machine: what ``aiokv info`` prints there
     monkeypatch.setenv(native.ENV, "0")
-    assert collect_info()["CUDA submit path"] == "python (disabled by AIOKV_NATIVE=0)"
+    assert _submit_path(gpu) == "python (disabled by AIOKV_NATIVE=0)"
     monkeypatch.delenv(native.ENV)
-    want = "python (native helper built; opt in" if native.helper() else "python (native helper"
-    assert collect_info()["CUDA submit path"].startswith(want)
+    want = ("native issuer thread, jobs planned in C (native helper built; the default where it is)"
+            if native.helper() else "python (native helper not built)")
+    assert _submit_path(gpu) == want
     monkeypatch.setenv(native.ENV, "1")
-    want = "native, one call per job (native helper built)" if native.helper() else "python (native helper"
-    assert collect_info()["CUDA submit path"].startswith(want)
+    want = ("native issuer thread, jobs planned in C (native helper built; AIOKV_NATIVE=1)"
+            if native.helper() else "python (native helper not built)")
+    assert _submit_path(gpu) == want
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_info_on_a_machine_without_a_gpu_says_the_cpu_backend_never_uses_the_helper(
+        monkeypatch: pytest.MonkeyPatch, built: bool) -> None:
+    import aiokv.info
+
+    monkeypatch.setattr(aiokv.info, "cuda_usable", lambda: False)
+    if not built:
+        monkeypatch.setattr(native, "_ext", None)
+        monkeypatch.setattr(native, "_WHY", "not built")
+    elif native.helper() is None:
+        pytest.skip("the native helper is not built here")
+    monkeypatch.setenv(native.ENV, "1")
+    info = collect_info()
+    assert info["backend (auto)"] == "cpu"
+    assert info["CUDA submit path"].endswith(
+        "; not used here: the CPU backend this machine runs makes no driver calls")
+    monkeypatch.setenv(native.ENV, "0")
+    assert "not used here" not in collect_info()["CUDA submit path"]
+
+
+@pytest.mark.parametrize("value", ["2", "garbage", "yes please"])
+def test_a_value_of_the_variable_nobody_understands_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                              value: str) -> None:
+    """A CUDA worker refuses to start (the variable picks its path); ``aiokv info`` says
+    why; a CPU worker, which the variable does not concern, starts with a warning."""
+    import torch
+
+    from aiokv import CanonicalKVCaches, SyncOffloadingWorker
+
+    monkeypatch.setenv(native.ENV, value)
+    with pytest.raises(InvalidSpec, match=f"AIOKV_NATIVE={value!r} is not understood"):
+        native.status()
+    with pytest.raises(InvalidSpec, match="not understood"):
+        _backend(None, _fake_procs)
+    assert native.status(False)[0] is False  # an explicit choice does not read it
+    assert collect_info()["CUDA submit path"].startswith("refused: AIOKV_NATIVE=")
+    kv = CanonicalKVCaches.from_tensors([torch.zeros(4, 64, dtype=torch.uint8)])
+    with pytest.warns(RuntimeWarning, match="not understood.*CPU backend never uses"):
+        SyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu").shutdown()
+
+
+def test_native_true_on_the_cpu_backend_needs_the_helper_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/native.md: ``native=True`` raises ``InvalidSpec`` where the helper is missing,
+    whatever the backend; where it is built the CPU backend takes the option (and makes no
+    driver calls)."""
+    import torch
+
+    from aiokv import CanonicalKVCaches, SyncOffloadingWorker
+
+    monkeypatch.delenv(native.ENV, raising=False)
+    kv = CanonicalKVCaches.from_tensors([torch.zeros(4, 64, dtype=torch.uint8)])
+    if native.helper() is not None:
+        SyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu", options={"native": True}).shutdown()
+    monkeypatch.setattr(native, "_ext", None)
+    monkeypatch.setattr(native, "_WHY", "not built")
+    with pytest.raises(InvalidSpec, match=r"native=True.*not built.*CPU backend never uses it"):
+        SyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu", options={"native": True})
+    SyncOffloadingWorker(kv, num_cpu_chunks=4, backend="cpu").shutdown()  # the default: fine
 
 
 def test_native_must_be_none_or_a_bool() -> None:

@@ -66,6 +66,7 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.kernel",
     "aiokv.backends.cuda.pieces",
     "aiokv.backends.cuda.staged",
+    "aiokv.backends.cuda.planner",  # a lane's jobs planned in C (the native helper's planner)
     "aiokv.backends.cuda.completion",
     "aiokv.backends.cuda.layer_ops",  # a layerwise job's copies folded into few ops a layer
     "aiokv.backends.cuda.layer_clock",  # a measured layerwise job's device timestamps
@@ -73,6 +74,7 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.layer_copies",  # a layer's ops, and the layers a load's submit enqueues
     "aiokv.backends.cuda.layer_pushes",  # a layerwise store's pushes
     "aiokv.backends.cuda.layers",
+    "aiokv.backends.cuda.native_submit",  # the native path's submit (the caller only plans)
     "aiokv.backends.cuda.lane",
     "aiokv.backends.cuda.backend",
 ]

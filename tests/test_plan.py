@@ -222,3 +222,46 @@ def test_one_block_per_chunk_pairs_come_sorted_by_host_too(seed: int, how: str) 
     order = np.argsort(chunks, kind="stable")
     assert rows.tolist() == blocks[order].tolist() and slots.tolist() == chunks[order].tolist()
     assert m.gpu_blocks[0].tolist() == blocks.tolist() and m.host_slots[0].tolist() == chunks.tolist()
+
+
+# -- IdPlan: a job handed to a native planner as its ids ---------------------------------------
+
+
+def _one_group_layout(blocks: int = 8) -> HostLayout:
+    kv = CanonicalKVCaches.from_tensors([torch.zeros(blocks, 64, dtype=torch.uint8)])
+    return HostLayout.build(kv, 1)
+
+
+def test_plan_ids_takes_only_plain_one_group_jobs() -> None:
+    from aiokv.plan import IdPlan, plan_ids
+
+    layout = _one_group_layout()
+    plan = plan_ids([1, 2], [3, 4], layout=layout, num_chunks=8, unique_host=True)
+    assert isinstance(plan, IdPlan) and plan.total_bytes == 2 * 64 and plan.num_pages == 2
+    assert plan_ids([1, 2], [3, 4], layout=layout, num_chunks=8, group_sizes=(2,), block_indices=[5])
+    for kwargs in ({"group_sizes": [1]}, {"block_indices": [-1]}, {"block_indices": [0, 1]}):
+        assert plan_ids([1, 2], [3, 4], layout=layout, num_chunks=8, **kwargs) is None
+    assert plan_ids([1, 2], [3], layout=layout, num_chunks=8) is None  # map_blocks says why
+    assert plan_ids([], [], layout=layout, num_chunks=8) is None
+    two = CanonicalKVCaches.from_tensors([torch.zeros(8, 64, dtype=torch.uint8)])
+    assert plan_ids([1], [1], layout=HostLayout.build(two, 2), num_chunks=8) is None  # 2 blocks a chunk
+
+
+def test_an_id_plan_checks_as_map_blocks_does_and_then_keeps_its_own_ids() -> None:
+    """Checked, the plan no longer reads the caller's ids: a job planned later (held
+    behind an open layerwise store) sees them as they were at submit."""
+    from aiokv.plan import plan_ids
+
+    layout = _one_group_layout()
+    bad = plan_ids([1, 99], [3, 4], layout=layout, num_chunks=8)
+    assert bad is not None
+    with pytest.raises(InvalidSpec, match="GPU block ids must lie in"):
+        bad.check()
+    blocks, chunks = [1, 2], np.array([3, 4])
+    plan = plan_ids(blocks, chunks, layout=layout, num_chunks=8, unique_host=True)
+    assert plan is not None
+    plan.check()
+    blocks[0], chunks[0] = 7, 7  # the caller reuses its buffers
+    assert list(plan.block_ids) == [1, 2] and list(plan.chunk_ids) == [3, 4]
+    assert plan.tensor_idx.tolist() == [0, 0] and plan.host_offset.tolist() == [3 * layout.chunk_bytes,
+                                                                                  4 * layout.chunk_bytes]

@@ -37,9 +37,28 @@ def resolve_backend(name: str, kv: CanonicalKVCaches, options: Any = None) -> Ba
     if name == "cpu":
         from .cpu import CpuBackend
 
+        _check_native_for_cpu(options)
         return CpuBackend()
     if not cuda_usable():
         raise InvalidSpec("backend='cuda' needs a usable CUDA device and cuda-python")
     from .cuda.backend import CudaBackend
 
     return CudaBackend(kv, options)
+
+
+def _check_native_for_cpu(options: Any) -> None:
+    """The CPU backend makes no driver calls, so the native helper does nothing for it; but
+    ``native=True`` still requires the helper (docs/native.md), and a value of
+    ``AIOKV_NATIVE`` nobody understands is said out loud rather than ignored."""
+    import warnings
+
+    from .cuda import native
+
+    if getattr(options, "native", None) is True and native.helper() is None:
+        _, why = native.status(True)
+        raise InvalidSpec(f"WorkerOptions(native=True), but {why}; install with a C compiler (pip "
+                          "reinstalls build it), or leave native at None (the CPU backend never uses it)")
+    try:
+        native.env_choice()
+    except InvalidSpec as exc:
+        warnings.warn(f"{exc} (the CPU backend never uses the native helper)", RuntimeWarning, stacklevel=3)

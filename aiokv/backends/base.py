@@ -42,6 +42,9 @@ class LaneStatistics:
         issue_cpu_seconds: CPU seconds the issuer thread spent doing so.
         last_started_at: ``time.perf_counter()`` just before the latest job's copies were
             handed to the device (None before the first, or where unknown).
+        issue_lags: for the latest jobs of a native lane (up to 4096, oldest first), seconds
+            from ``submit`` returning to its issuer thread's first driver call for the job,
+            timed by that thread (0 for a job run at submit); empty elsewhere.
     """
 
     strategy: str | None = None
@@ -52,6 +55,7 @@ class LaneStatistics:
     issue_seconds: float = 0.0
     issue_cpu_seconds: float = 0.0
     last_started_at: float | None = None
+    issue_lags: tuple[float, ...] = ()
 
 
 class Completion(abc.ABC):

@@ -81,6 +81,31 @@ def run_bench(backend: str, *, quick: bool, loop: str, progress: Callable[[str],
     from .transfer import run_transfer_bench
 
     rows = run_transfer_bench("cpu", quick=quick, progress=progress, backend=loop)
-    rows.append(BenchRow.skipped("submit path", "native beside python: skipped",
-                                 "the CPU backend makes no driver calls; these rows run on CUDA"))
+    progress("host side of a CUDA submit (every driver call a C no-op)")
+    rows += hostside_rows(quick)
+    return rows
+
+
+def hostside_rows(quick: bool) -> list[BenchRow]:
+    """What a CUDA submit costs the host on each path, measured here with every driver
+    entry point a C no-op (``hostside``): no device figure, only aiokv's own work."""
+    from ..backends.cuda import native
+    from .hostside import host_figures
+
+    sec = "host side of a CUDA submit (driver calls are C no-ops; no device involved)"
+    if native.helper() is None:  # its no-op entry points are the helper's
+        return [BenchRow.skipped(sec, "host side: skipped", "the native helper is not built here; its C "
+                                 "no-ops stand in for the driver")]
+    try:
+        figures = host_figures(100 if quick else 400)
+    except Exception as exc:
+        return [BenchRow(sec, "FAILED", 0.0, "", None, repr(exc)[:200], failed=True)]
+    rows = []
+    for path, values in figures.items():
+        for key, value in values.items():
+            unit = "us" if key.endswith(" us") else "per submit"
+            note = ("counted by an LD_PRELOAD shim on PyEval_SaveThread" if unit == "per submit"
+                    else "per-layer: 128 blocks x 64 pages of 32 KiB, staged" if key.startswith("per-layer")
+                    else "")
+            rows.append(BenchRow(sec, f"{path}: {key.removesuffix(' us')}", value, unit, None, note))
     return rows

@@ -213,7 +213,7 @@ def strategy_rows(setup: BenchSetup, name: str, streams: int, threads: int | Non
     if name == "dma" and threads is not None:
         label += f", {threads} submit threads" if threads else ", no submit threads"
     if issuer:
-        label += ", issuer thread"
+        label += ", Python issuer thread"
     say(f"{setup.name}: {label}")
     sec = f"{setup.name}, {label}"
     try:  # building the worker too: an explicit strategy may refuse this machine

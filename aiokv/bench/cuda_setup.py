@@ -56,10 +56,14 @@ class BenchSetup:
         self, strategy: str, streams: int = 0, threads: int | None = None, doorbell: bool = True,
         issue_thread: bool = False,
     ) -> AsyncOffloadingWorker:
+        """A worker of the defaults but these; ``issue_thread`` is the Python path's issuer
+        thread (a native lane has its own whatever the option says), so it takes that path."""
         options: dict[str, Any] = {
             "strategy": strategy, "streams_per_direction": streams, "doorbell": doorbell,
             "issue_thread": issue_thread,
         }
+        if issue_thread:
+            options["native"] = False
         if threads is not None:
             options["submit_threads"] = threads
         return AsyncOffloadingWorker(self.kv, num_cpu_chunks=self.chunks, backend="cuda", options=options)

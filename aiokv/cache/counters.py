@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,10 @@ class Counters:
         # would put the CUDA timing read back before the awaiting task wakes (fold).
         self.untimed_stores: list[TransferResult] = []
         self.untimed_loads: list[tuple[TransferResult, Direction]] = []
+        # A collector scraping on its own thread calls stats() while the loop folds at a
+        # call's entry: each result is taken by one fold only (done callbacks append
+        # without it, past what a fold takes).
+        self._folding = threading.Lock()
 
     def fold(self, at_least: int | None = None) -> None:
         """Sum the device times of finished copies once ``at_least`` wait (a new call's
@@ -39,12 +44,16 @@ class Counters:
         metrics, at every call's entry, where each copy is also observed."""
         if at_least is None:
             at_least = 1 if self.metrics is not None else FOLD_AT
-        if self.untimed_stores and len(self.untimed_stores) >= at_least:
-            self.store_seconds += self._seconds([(r, Direction.STORE) for r in self.untimed_stores])
-            self.untimed_stores.clear()
-        if self.untimed_loads and len(self.untimed_loads) >= at_least:
-            self.load_seconds += self._seconds(self.untimed_loads)
-            self.untimed_loads.clear()
+        # A call's entry never waits for a fold on another thread (that one takes these).
+        if not self._folding.acquire(blocking=at_least == 0):
+            return
+        try:
+            if stores := _take(self.untimed_stores, at_least):
+                self.store_seconds += self._seconds([(r, Direction.STORE) for r in stores])
+            if loads := _take(self.untimed_loads, at_least):
+                self.load_seconds += self._seconds(loads)
+        finally:
+            self._folding.release()
 
     def _seconds(self, results: list[tuple[TransferResult, Direction]]) -> float:
         if self.metrics is not None:
@@ -76,3 +85,13 @@ class Counters:
             staging_free=staging[1],
         )
 
+
+def _take(results: list[Any], at_least: int) -> list[Any]:
+    """The results listed now, removed from ``results`` (an append meanwhile stays), if
+    at least ``at_least``; else none."""
+    n = len(results)
+    if not n or n < at_least:
+        return []
+    taken = results[:n]
+    del results[:n]
+    return taken

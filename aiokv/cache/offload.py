@@ -150,6 +150,7 @@ class OffloadCache:
         self._persist = bool(persist_on_close)
         self._owners = owners
         self._state = "new"  # "open" once entered, "closed" once left or aclose()d
+        self._closing: anyio.Event | None = None  # set once the close under way is over
         self._n = Counters(metrics)
         self._jobs = Jobs(worker, owners.job_ids, self._n)
 
@@ -210,14 +211,19 @@ class OffloadCache:
         that entered it; a cache without tiers needs no ``async with`` and may be closed
         from any task on the worker's loop): wait for copies and tier writes in flight,
         within ``drain_timeout``, stop the writers, close the tiers and give the cache's
-        chunks back, so another ``OffloadCache`` may own them. Idempotent."""
+        chunks back, so another ``OffloadCache`` may own them. Idempotent: called while
+        another task closes it, it returns once that close is over."""
         await self._close(graceful=True)
 
     async def _close(self, *, graceful: bool) -> None:
         if self._state == "closed":
+            # A close from another task may still drain: return when it does, as it will.
+            if self._closing is not None:
+                await self._closing.wait()
             return
         cascade = self._cascade if self._state == "open" else None
         self._state = "closed"  # calls from here on raise; copies already started finish
+        closing = self._closing = anyio.Event()
         try:
             # Shielded, so any cancellation (the owner's, a timeout's) still drains, and
             # bounded, so a tier (or a copy) that hangs cannot hold the exit.
@@ -235,6 +241,7 @@ class OffloadCache:
                 # A copy still running past the bound writes into these chunks: they go
                 # free when it ends, never before.
                 self._jobs.when_idle(lambda: self._owners.release(self))
+                closing.set()  # wakes a concurrent aclose() once this task next yields
                 self._n.fold(0)  # the last copies' figures, into stats() and the metrics
 
     def _check_open(self) -> None:

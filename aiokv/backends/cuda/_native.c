@@ -1,9 +1,46 @@
-/* aiokv's native helper, its first half: the driver table and the one call per job
- * (``Table.enqueue``), and the module. The waiter thread is in _native_waiter.c; what
- * both share, and the helper's contract, in _native.h. */
+/* aiokv's native helper, its core: the driver table, the rows and their checks, the one
+ * synchronous call per program (``Table.enqueue``), and the module. The waiter thread is in
+ * _native_waiter.c, the issuer thread in _native_issuer.c, the planner in _native_plan.c;
+ * what they share, and the helper's contract, in _native.h. */
 #include "_native.h"
 
+#include <time.h>
+
+double
+aiokv_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Stand-ins for the driver, to measure and test the host side of a submit without a
+ * device (``FAKES``): an entry point that does nothing and succeeds (called with whatever
+ * arguments: the caller cleans up), an event creation that hands out a non-null handle,
+ * and a host-function launch that runs the function at once. */
+static int
+aiokv_noop(void)
+{
+    return 0;
+}
+
+static int
+aiokv_fake_event_create(CUevent *out, unsigned int flags)
+{
+    static uintptr_t next = 0x10000;
+    *out = (CUevent)__atomic_add_fetch(&next, 16, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int
+aiokv_fake_host_func_now(CUstream stream, void (*fn)(void *), void *data)
+{
+    fn(data);
+    return 0;
+}
+
 PyObject *aiokv_invalid_error;
+PyObject *aiokv_closed_error;
 
 PyObject *
 aiokv_bad_input(const char *fmt, ...)
@@ -55,19 +92,19 @@ Table_init(TableObject *self, PyObject *args, PyObject *kw)
     unsigned long long context;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OiOK", kwlist, &procs, &version, &attrs, &context))
         return -1;
-    if (read_addresses(procs, self->procs, N_PROCS, "procs") < 0 ||
-        read_addresses(attrs, self->attrs, 4, "attrs") < 0)
+    if (read_addresses(procs, self->d.procs, N_PROCS, "procs") < 0 ||
+        read_addresses(attrs, self->d.attrs, 4, "attrs") < 0)
         return -1;
-    self->version = version;
-    self->context = (void *)(uintptr_t)context;
+    self->d.version = version;
+    self->d.context = (void *)(uintptr_t)context;
     return 0;
 }
 
 /* A buffer of 8-byte integers in this machine's byte order (numpy int64/uint64,
  * array('Q'), ...), C-contiguous. A byte-swapped one ('>Q' here) would be read as other
  * addresses and sizes, so it is refused like any other wrong format. */
-static int
-is_words(const Py_buffer *b)
+int
+aiokv_is_words(const Py_buffer *b)
 {
 #if PY_BIG_ENDIAN
     static const char swapped[] = "<";
@@ -85,7 +122,7 @@ is_words(const Py_buffer *b)
 }
 
 int
-aiokv_need_proc(TableObject *t, int p)
+aiokv_need_proc(const DriverTable *t, int p)
 {
     if (t->procs[p] == NULL) {
         aiokv_bad_input("the driver table has no %s", PROC_NAMES[p]);
@@ -103,7 +140,7 @@ need_words(Py_buffer *views, Py_ssize_t nbuf, uint64_t id, uint64_t count, Py_ss
                   (unsigned long long)id, nbuf);
         return -1;
     }
-    if (!is_words(&views[id])) {
+    if (!aiokv_is_words(&views[id])) {
         aiokv_bad_input("op %zd: %s buffer %llu must hold 8-byte integers (int64/uint64), not '%s' "
                   "of %zd bytes", row, what, (unsigned long long)id,
                   views[id].format ? views[id].format : "B", views[id].itemsize);
@@ -118,8 +155,9 @@ need_words(Py_buffer *views, Py_ssize_t nbuf, uint64_t id, uint64_t count, Py_ss
 }
 
 /* Every row is checked before any call is made: nothing is enqueued on bad input. */
-static int
-check_program(TableObject *t, const uint64_t *w, Py_ssize_t rows, Py_buffer *views, Py_ssize_t nbuf)
+int
+aiokv_check_program(const DriverTable *t, const uint64_t *w, Py_ssize_t rows, Py_buffer *views,
+                    Py_ssize_t nbuf)
 {
     for (Py_ssize_t r = 0; r < rows; r++) {
         const uint64_t *o = w + r * WORDS;
@@ -199,8 +237,8 @@ check_program(TableObject *t, const uint64_t *w, Py_ssize_t rows, Py_buffer *vie
     return 0;
 }
 
-static CUresult
-run_op(TableObject *t, const uint64_t *o, Py_buffer *views)
+CUresult
+aiokv_run_op(const DriverTable *t, const uint64_t *o, void *const *bufs)
 {
     CUstream s;
     switch (o[0]) {
@@ -212,8 +250,8 @@ run_op(TableObject *t, const uint64_t *o, Py_buffer *views)
         return ((copy_fn)t->procs[P_COPY])(o[2], o[3], (size_t)o[4], (CUstream)(uintptr_t)o[1]);
     case OP_BATCH: {
         s = (CUstream)(uintptr_t)o[1];
-        CUdeviceptr *dst = (CUdeviceptr *)views[o[2]].buf + o[7], *src = (CUdeviceptr *)views[o[3]].buf + o[7];
-        size_t *sizes = (size_t *)views[o[4]].buf + o[7], n = (size_t)o[5], first_attr = 0, failed = 0;
+        CUdeviceptr *dst = (CUdeviceptr *)bufs[o[2]] + o[7], *src = (CUdeviceptr *)bufs[o[3]] + o[7];
+        size_t *sizes = (size_t *)bufs[o[4]] + o[7], n = (size_t)o[5], first_attr = 0, failed = 0;
         if (t->procs[P_BATCH] == NULL) {
             for (size_t i = 0; i < n; i++) {
                 CUresult r = ((copy_fn)t->procs[P_COPY])(dst[i], src[i], sizes[i], s);
@@ -233,13 +271,13 @@ run_op(TableObject *t, const uint64_t *o, Py_buffer *views)
         if (t->procs[P_PITCHED] == NULL)
             return CUDA_ERROR_NOT_SUPPORTED;
         if (t->version >= 13000)
-            return ((pitched13_fn)t->procs[P_PITCHED])((size_t)o[3], views[o[2]].buf, 0, s);
-        return ((pitched12_fn)t->procs[P_PITCHED])((size_t)o[3], views[o[2]].buf, &failed, 0, s);
+            return ((pitched13_fn)t->procs[P_PITCHED])((size_t)o[3], bufs[o[2]], 0, s);
+        return ((pitched12_fn)t->procs[P_PITCHED])((size_t)o[3], bufs[o[2]], &failed, 0, s);
     }
     case OP_LAUNCH: {
         void *params[MAX_PARAMS];
-        char *blob = views[o[5]].buf;
-        const uint64_t *offs = views[o[6]].buf;
+        char *blob = bufs[o[5]];
+        const uint64_t *offs = bufs[o[6]];
         for (uint64_t i = 0; i < o[7]; i++)
             params[i] = blob + offs[i];
         return ((launch_fn)t->procs[P_LAUNCH])((CUfunction)(uintptr_t)o[2], (unsigned int)o[3], 1, 1,
@@ -256,9 +294,8 @@ stream_of(const uint64_t *o)
     return o[0] == OP_RECORD ? o[2] : o[1];
 }
 
-/* After a failure at row ``failed``: join every stream rows 0..failed touched into main. */
-static void
-rescue_streams(TableObject *t, const uint64_t *w, Py_ssize_t failed, uint64_t main, uint64_t rescue)
+void
+aiokv_rescue(const DriverTable *t, const uint64_t *w, Py_ssize_t failed, uint64_t main, uint64_t rescue)
 {
     uint64_t seen[MAX_RESCUE_STREAMS];
     int nseen = 0;
@@ -279,8 +316,8 @@ rescue_streams(TableObject *t, const uint64_t *w, Py_ssize_t failed, uint64_t ma
 }
 
 /* A C-contiguous view of ``obj``; anything else (a strided array, no buffer) is bad input. */
-static int
-get_view(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t index)
+int
+aiokv_get_view(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t index)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0)
         return 0;
@@ -331,9 +368,9 @@ Table_enqueue(TableObject *self, PyObject *args, PyObject *kw)
     if (rescue == 0)
         return aiokv_bad_input("the rescue event must not be null");
     Py_buffer ops;
-    if (get_view(ops_obj, &ops, "ops", -1) < 0)
+    if (aiokv_get_view(ops_obj, &ops, "ops", -1) < 0)
         return NULL;
-    if (!is_words(&ops) || (ops.len / 8) % WORDS != 0) {
+    if (!aiokv_is_words(&ops) || (ops.len / 8) % WORDS != 0) {
         PyBuffer_Release(&ops);
         return aiokv_bad_input("ops must be rows of %d 8-byte integers", WORDS);
     }
@@ -344,14 +381,23 @@ Table_enqueue(TableObject *self, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < nbuf; i++) {
-        if (get_view(PyTuple_GET_ITEM(buffers, i), &views[i], "buffer", i) < 0) {
+        if (aiokv_get_view(PyTuple_GET_ITEM(buffers, i), &views[i], "buffer", i) < 0) {
             release_views(views, i);
             PyBuffer_Release(&ops);
             return NULL;
         }
     }
     const uint64_t *w = ops.buf;
-    if (check_program(self, w, rows, views, nbuf) < 0) {
+    void **bufs = PyMem_Calloc(nbuf ? nbuf : 1, sizeof(void *));
+    if (bufs == NULL) {
+        release_views(views, nbuf);
+        PyBuffer_Release(&ops);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        bufs[i] = views[i].buf;
+    if (aiokv_check_program(&self->d, w, rows, views, nbuf) < 0) {
+        PyMem_Free(bufs);
         release_views(views, nbuf);
         PyBuffer_Release(&ops);
         return NULL;
@@ -360,14 +406,15 @@ Table_enqueue(TableObject *self, PyObject *args, PyObject *kw)
     CUresult code = 0;
     PyThreadState *saved = hold_gil ? NULL : PyEval_SaveThread();
     for (; done < rows; done++) {
-        code = run_op(self, w + done * WORDS, views);
+        code = aiokv_run_op(&self->d, w + done * WORDS, bufs);
         if (code != 0)
             break;
     }
     if (code != 0)
-        rescue_streams(self, w, done, main_stream, rescue);
+        aiokv_rescue(&self->d, w, done, main_stream, rescue);
     if (saved != NULL)
         PyEval_RestoreThread(saved);
+    PyMem_Free(bufs);
     release_views(views, nbuf);
     PyBuffer_Release(&ops);
     return Py_BuildValue("(ni)", done, code);
@@ -400,21 +447,32 @@ PyTypeObject aiokv_TableType = {
 
 /* ------------------------------------------------------------------------ module */
 
-static PyObject *
-set_error_class(PyObject *module, PyObject *cls)
+static int
+is_exception_class(PyObject *cls)
 {
-    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
-        PyErr_SetString(PyExc_TypeError, "set_error_class takes an exception class");
+    return PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception);
+}
+
+static PyObject *
+set_error_class(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2 || !is_exception_class(args[0]) || (nargs == 2 && !is_exception_class(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "set_error_class takes one or two exception classes");
         return NULL;
     }
-    Py_INCREF(cls);
-    Py_XSETREF(aiokv_invalid_error, cls);
+    Py_INCREF(args[0]);
+    Py_XSETREF(aiokv_invalid_error, args[0]);
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        Py_XSETREF(aiokv_closed_error, args[1]);
+    }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
-    {"set_error_class", set_error_class, METH_O,
-     "set_error_class(cls)\n\nThe exception raised for bad input (aiokv.errors.InvalidSpec)."},
+    {"set_error_class", (PyCFunction)(void (*)(void))set_error_class, METH_FASTCALL,
+     "set_error_class(invalid, closed=None)\n\nThe exceptions raised for bad input\n"
+     "(aiokv.errors.InvalidSpec) and for a closed issuer (aiokv.errors.WorkerClosed)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -427,17 +485,30 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&aiokv_TableType) < 0 || PyType_Ready(&aiokv_WaiterType) < 0)
-        return NULL;
+    PyTypeObject *types[] = {&aiokv_TableType, &aiokv_WaiterType, &aiokv_IssuerType, &aiokv_TicketType,
+                             &aiokv_PlannerType};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (PyType_Ready(types[i]) < 0)
+            return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&aiokv_TableType);
-    Py_INCREF(&aiokv_WaiterType);
-    if (PyModule_AddObject(m, "Table", (PyObject *)&aiokv_TableType) < 0 ||
-        PyModule_AddObject(m, "Waiter", (PyObject *)&aiokv_WaiterType) < 0 ||
-        PyModule_AddIntConstant(m, "WORDS", WORDS) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 1) < 0) { /* native.py's _ABI: raise both together */
+    static const char *names[] = {"Table", "Waiter", "Issuer", "Ticket", "Planner"};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    if (PyModule_AddIntConstant(m, "WORDS", WORDS) < 0 ||
+        PyModule_AddIntConstant(m, "CANCELLED", AIOKV_CANCELLED) < 0 ||
+        PyModule_AddObject(m, "FAKES", Py_BuildValue(
+            "{s:N,s:N,s:N}", "noop", PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_noop), "event_create",
+            PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_event_create), "host_func_now",
+            PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_host_func_now))) < 0 ||
+        PyModule_AddIntConstant(m, "ABI", 2) < 0) { /* native.py's _ABI: raise both together */
         Py_DECREF(m);
         return NULL;
     }

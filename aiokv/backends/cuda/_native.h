@@ -16,6 +16,12 @@
  * ``Waiter`` is one thread per lane that waits on job end events in order (blocking-sync
  * events of its own, recorded on a side stream behind the job's) and writes one byte to a
  * doorbell pipe for each: the event loop wakes without any Python thread being involved.
+ *
+ * ``Issuer`` is one thread per lane that runs programs handed to it (``Issuer.submit``
+ * copies a checked program into C memory and returns a ``Ticket`` at once), in order,
+ * without the GIL, and then arms the doorbells asked for meanwhile through the lane's
+ * waiter. ``Planner`` (_native_plan.c) builds a whole job's program from its block and
+ * chunk ids, with no Python in between.
  */
 #ifndef AIOKV_NATIVE_H
 #define AIOKV_NATIVE_H
@@ -86,19 +92,80 @@ enum { OP_WAIT = 1, OP_RECORD, OP_BATCH, OP_COPY, OP_PITCHED, OP_LAUNCH };
 #define MAX_PARAMS 64
 #define MAX_RESCUE_STREAMS 256
 
+/* The driver's entry points and what the batched calls take: plain C, so the issuer and
+ * waiter threads keep a copy of their own and never read a Python object. */
 typedef struct {
-    PyObject_HEAD
     void *procs[N_PROCS];
     int version; /* 13000 or 12080: which signature the batched calls have */
     void *attrs[4];
     void *context;
+} DriverTable;
+
+typedef struct {
+    PyObject_HEAD
+    DriverTable d;
 } TableObject;
 
-/* Shared by the two halves of the module (_native.c, _native_waiter.c). */
+/* A CUresult no driver returns: the program was never run (its issuer closed first). */
+#define AIOKV_CANCELLED (-1)
+
+/* Shared by the parts of the module (_native.c, _native_waiter.c, _native_issuer.c,
+ * _native_plan.c). */
 extern PyObject *aiokv_invalid_error; /* aiokv.errors.InvalidSpec, set by set_error_class */
+extern PyObject *aiokv_closed_error;  /* aiokv.errors.WorkerClosed, likewise */
 extern PyTypeObject aiokv_TableType;
 extern PyTypeObject aiokv_WaiterType;
+extern PyTypeObject aiokv_IssuerType;
+extern PyTypeObject aiokv_TicketType;
+extern PyTypeObject aiokv_PlannerType;
 PyObject *aiokv_bad_input(const char *fmt, ...);
-int aiokv_need_proc(TableObject *t, int p);
+int aiokv_need_proc(const DriverTable *t, int p);
+
+/* One row's driver call; ``bufs`` are the addresses of the buffers rows name by index. */
+CUresult aiokv_run_op(const DriverTable *t, const uint64_t *o, void *const *bufs);
+/* After a failure at row ``failed``: join every stream rows 0..failed touched into main. */
+void aiokv_rescue(const DriverTable *t, const uint64_t *w, Py_ssize_t failed, uint64_t main, uint64_t rescue);
+/* Check rows against the buffers' views (see ``check_program`` in _native.c). */
+int aiokv_check_program(const DriverTable *t, const uint64_t *w, Py_ssize_t rows, Py_buffer *views,
+                        Py_ssize_t nbuf);
+int aiokv_get_view(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t index);
+int aiokv_is_words(const Py_buffer *b);
+double aiokv_now(void); /* CLOCK_MONOTONIC seconds: time.perf_counter()'s clock on Linux */
+
+/* The waiter's shared state, for the issuer thread to arm rings through (no Python). */
+typedef struct WaiterState WaiterState;
+void aiokv_waiter_retain(WaiterState *st);
+void aiokv_waiter_release(WaiterState *st);
+/* Arm a ring of ``fd`` (owned: kept and closed by the waiter once rung) behind ``event``:
+ * 0 armed; -1 cannot (stopped, or every slot busy); else the CUresult of the call that
+ * failed. On anything but 0 the caller still owns ``fd``. */
+int aiokv_waiter_arm(WaiterState *st, CUevent event, int fd);
+WaiterState *aiokv_waiter_state(PyObject *waiter); /* NULL (TypeError set) if not a Waiter */
+
+/* A program in C memory: what the issuer thread runs. Rows and buffers live in the same
+ * allocation (``data``), so nothing of it belongs to Python. */
+typedef struct TicketState TicketState;
+typedef struct Program {
+    struct Program *next;
+    TicketState *ticket;
+    uint64_t main, rescue, end; /* end: recorded on main after a failure (0: none) */
+    Py_ssize_t nrows, nbuf;
+    uint64_t *rows;
+    void **bufs;
+    size_t cap, used; /* bytes of ``data``, and how many hold this program */
+    int spare;        /* index in the issuer's spare list, or -1 */
+    _Alignas(16) unsigned char data[];
+} Program;
+
+/* The planner hands finished programs to an issuer. */
+typedef struct IssuerState IssuerState;
+IssuerState *aiokv_issuer_state(PyObject *issuer); /* NULL (TypeError set) if not an Issuer */
+Program *aiokv_program_new(IssuerState *st, Py_ssize_t rows, Py_ssize_t nbuf, size_t data);
+void *aiokv_program_alloc(Program *p, Py_ssize_t buf, size_t nbytes);
+void aiokv_program_drop(IssuerState *st, Program *p);
+/* Queue ``p``: a new Ticket, or NULL (``p`` dropped). ``run_here``: run it on this thread now,
+ * holding the GIL, if the issuer is idle. */
+PyObject *aiokv_issuer_queue(IssuerState *st, Program *p, int run_here);
+const DriverTable *aiokv_issuer_table(IssuerState *st);
 
 #endif

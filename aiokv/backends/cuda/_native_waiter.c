@@ -9,14 +9,14 @@ typedef struct {
     int fd;
 } Entry;
 
-/* Shared by the Python object and the thread; freed by whichever lets go last. */
-typedef struct {
+/* Shared by the Python object, the thread and any issuer arming rings through it; freed
+ * by whichever lets go last. */
+struct WaiterState {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int refs, stop, abandoned, ready, running;
     pthread_t thread;
-    void *procs[N_PROCS];
-    void *context;
+    DriverTable d;
     CUstream stream;
     int nslots, created, nfree, head, count;
     CUevent *events;
@@ -24,7 +24,7 @@ typedef struct {
     Entry *queue;
     unsigned long long armed, rung, errors;
     CUresult last_error;
-} WaiterState;
+};
 
 static void
 state_free(WaiterState *st)
@@ -47,6 +47,20 @@ state_release(WaiterState *st)
         state_free(st);
 }
 
+void
+aiokv_waiter_retain(WaiterState *st)
+{
+    pthread_mutex_lock(&st->mu);
+    st->refs++;
+    pthread_mutex_unlock(&st->mu);
+}
+
+void
+aiokv_waiter_release(WaiterState *st)
+{
+    state_release(st);
+}
+
 static void *
 waiter_main(void *arg)
 {
@@ -55,8 +69,8 @@ waiter_main(void *arg)
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals stay with Python's threads */
     CUresult r = 0;
-    if (st->procs[P_CTX_SET] != NULL)
-        r = ((ctx_set_fn)st->procs[P_CTX_SET])(st->context);
+    if (st->d.procs[P_CTX_SET] != NULL)
+        r = ((ctx_set_fn)st->d.procs[P_CTX_SET])(st->d.context);
     pthread_mutex_lock(&st->mu);
     if (r != 0) {
         st->errors++;
@@ -74,7 +88,7 @@ waiter_main(void *arg)
         st->count--;
         CUevent ev = st->events[e.slot];
         pthread_mutex_unlock(&st->mu);
-        r = ((sync_fn)st->procs[P_SYNC])(ev); /* a blocking-sync event: the thread sleeps */
+        r = ((sync_fn)st->d.procs[P_SYNC])(ev); /* a blocking-sync event: the thread sleeps */
         pthread_mutex_lock(&st->mu);
         if (!st->abandoned) {
             ssize_t wrote = write(e.fd, "!", 1); /* a full pipe has a ring pending already */
@@ -122,7 +136,7 @@ Waiter_init(WaiterObject *self, PyObject *args, PyObject *kw)
     }
     static const int needed[] = {P_WAIT, P_RECORD, P_SYNC, P_EVENT_CREATE, P_EVENT_DESTROY};
     for (size_t i = 0; i < sizeof needed / sizeof needed[0]; i++)
-        if (aiokv_need_proc(table, needed[i]) < 0)
+        if (aiokv_need_proc(&table->d, needed[i]) < 0)
             return -1;
     WaiterState *st = PyMem_RawCalloc(1, sizeof(WaiterState));
     if (st == NULL) {
@@ -139,8 +153,7 @@ Waiter_init(WaiterObject *self, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(st->procs, table->procs, sizeof st->procs);
-    st->context = table->context;
+    st->d = table->d;
     st->stream = (CUstream)(uintptr_t)stream;
     st->nslots = slots;
     st->refs = 2; /* this object and the thread */
@@ -169,7 +182,7 @@ static void
 destroy_events(WaiterState *st)
 {
     for (int i = 0; i < st->created; i++)
-        ((event_destroy_fn)st->procs[P_EVENT_DESTROY])(st->events[i]);
+        ((event_destroy_fn)st->d.procs[P_EVENT_DESTROY])(st->events[i]);
     st->created = 0;
 }
 
@@ -180,6 +193,46 @@ PyDoc_STRVAR(watch_doc,
 "a wait on ``event``, so ``event`` may be recorded again at once. Rings come in the order\n"
 "they were asked for. Returns 0 when armed, -1 when it cannot be (closed, or every slot\n"
 "busy), or the CUresult of the driver call that failed (nothing armed then).");
+
+int
+aiokv_waiter_arm(WaiterState *st, CUevent event, int fd)
+{
+    pthread_mutex_lock(&st->mu);
+    int slot = -1;
+    CUresult r = 0;
+    if (st->stop) {
+        pthread_mutex_unlock(&st->mu);
+        return -1;
+    }
+    if (st->nfree > 0) {
+        slot = st->free_slots[--st->nfree];
+    } else if (st->created < st->nslots) {
+        CUevent ev = NULL;
+        r = ((event_create_fn)st->d.procs[P_EVENT_CREATE])(&ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
+        if (r == 0 && ev != NULL) {
+            slot = st->created;
+            st->events[st->created++] = ev;
+        }
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&st->mu);
+        return r != 0 ? r : -1;
+    }
+    r = ((wait_fn)st->d.procs[P_WAIT])(st->stream, event, 0);
+    if (r == 0)
+        r = ((record_fn)st->d.procs[P_RECORD])(st->events[slot], st->stream);
+    if (r != 0) {
+        st->free_slots[st->nfree++] = slot;
+        pthread_mutex_unlock(&st->mu);
+        return r;
+    }
+    st->queue[(st->head + st->count) % st->nslots] = (Entry){slot, fd};
+    st->count++;
+    st->armed++;
+    pthread_cond_broadcast(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+    return 0;
+}
 
 static PyObject *
 Waiter_watch(WaiterObject *self, PyObject *args)
@@ -195,50 +248,28 @@ Waiter_watch(WaiterObject *self, PyObject *args)
     WaiterState *st = self->st;
     if (st == NULL || self->closed)
         return PyLong_FromLong(-1);
-    pthread_mutex_lock(&st->mu);
-    int slot = -1;
-    CUresult r = 0;
-    if (st->stop) {
-        pthread_mutex_unlock(&st->mu);
-        return PyLong_FromLong(-1);
-    }
-    if (st->nfree > 0) {
-        slot = st->free_slots[--st->nfree];
-    } else if (st->created < st->nslots) {
-        CUevent ev = NULL;
-        r = ((event_create_fn)st->procs[P_EVENT_CREATE])(&ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING);
-        if (r == 0 && ev != NULL) {
-            slot = st->created;
-            st->events[st->created++] = ev;
-        }
-    }
-    if (slot < 0) {
-        pthread_mutex_unlock(&st->mu);
-        return PyLong_FromLong(r != 0 ? r : -1);
-    }
     int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (dup < 0) {
-        int saved = errno;
-        st->free_slots[st->nfree++] = slot;
-        pthread_mutex_unlock(&st->mu);
-        errno = saved;
+    if (dup < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    r = ((wait_fn)st->procs[P_WAIT])(st->stream, (CUevent)(uintptr_t)event, 0);
-    if (r == 0)
-        r = ((record_fn)st->procs[P_RECORD])(st->events[slot], st->stream);
-    if (r != 0) {
+    int r = aiokv_waiter_arm(st, (CUevent)(uintptr_t)event, dup);
+    if (r != 0)
         close(dup);
-        st->free_slots[st->nfree++] = slot;
-        pthread_mutex_unlock(&st->mu);
-        return PyLong_FromLong(r);
+    return PyLong_FromLong(r);
+}
+
+WaiterState *
+aiokv_waiter_state(PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, &aiokv_WaiterType)) {
+        PyErr_SetString(PyExc_TypeError, "expected a _native.Waiter");
+        return NULL;
     }
-    st->queue[(st->head + st->count) % st->nslots] = (Entry){slot, dup};
-    st->count++;
-    st->armed++;
-    pthread_cond_broadcast(&st->cv);
-    pthread_mutex_unlock(&st->mu);
-    return PyLong_FromLong(0);
+    WaiterObject *w = (WaiterObject *)obj;
+    if (w->st == NULL || w->closed) {
+        PyErr_SetString(PyExc_ValueError, "the waiter is closed");
+        return NULL;
+    }
+    return w->st;
 }
 
 PyDoc_STRVAR(close_doc,

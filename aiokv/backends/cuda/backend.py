@@ -4,6 +4,7 @@ dedicated streams, with the copy strategy ``WorkerOptions.strategy`` picks."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ class CudaBackend(Backend):
         # The native helper's driver table (None: every driver call is made from Python).
         self.native_table: Any = None
         self.native_why = ""
+        self.plans_ids = False
         try:
             self._open_native()
         except BaseException:
@@ -81,7 +83,10 @@ class CudaBackend(Backend):
         if wanted and not usable:
             raise InvalidSpec(f"WorkerOptions(native=True), but {why}; install with a C compiler "
                               "(pip reinstalls build it), or leave native at None")
-        if not usable:
+        if not usable and wanted is None and native.env_choice():
+            _log.warning("aiokv: %s=%s asks for the native helper, but %s: CUDA jobs are issued from "
+                         "Python", native.ENV, os.environ.get(native.ENV), why)
+        elif not usable:
             _log.debug("aiokv: CUDA jobs are issued from Python (%s)", why)
 
     def check_caches(self, kv: CanonicalKVCaches) -> None:
@@ -179,6 +184,8 @@ class CudaBackend(Backend):
                         issue_thread=self.options.issue_thread, recorder=recorder, table=table,
                         measure_stalls=self.options.layer_stalls)
         self._lanes.append(lane)
+        # The core hands a lane with a planner the job's ids to plan in C (``plan.IdPlan``).
+        self.plans_ids = self.plans_ids or lane.planner is not None
         return lane
 
     def close(self) -> None:

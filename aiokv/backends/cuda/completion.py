@@ -2,6 +2,9 @@
 
 A job's timing pair comes from the driver's pool and goes back once the job is observed
 done and its device time read (``settle``), or once the last thread blocked on it is out.
+On the native path the job is a program its lane's issuer thread runs after ``submit``
+returned (a ``Ticket``): until the ticket is issued the job is not done, waits block on
+the ticket, and doorbells are armed by the issuer thread once it has issued the program.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import time
 from typing import Any
 
 from ...doorbell import Doorbell
+from ...errors import WorkerClosed
 from ..base import Completion
 from .driver import Driver, JobEvents
 
@@ -21,20 +25,29 @@ class CudaCompletion(Completion):
     """The completion event of one job; its events go back to the pool once observed."""
 
     __slots__ = (
-        "_bell_stream", "_bells", "_done", "_driver", "_elapsed", "_error", "_events", "_issued",
-        "_lock", "_orphan", "_started", "_unsettled", "_waiter", "_waiting",
+        "_bell_stream", "_bells", "_dependency", "_done", "_driver", "_elapsed", "_error", "_events",
+        "_issued", "_lock", "_orphan", "_recorder", "_started", "_stream", "_ticket", "_unsettled",
+        "_waiter", "_waiting",
     )
 
     def __init__(
         self, driver: Driver, events: JobEvents, error: BaseException | None = None,
         bell_stream: Any = None, started: float | None = None, issued_later: bool = False,
-        waiter: Any = None,
+        waiter: Any = None, ticket: Any = None, recorder: Any = None, dependency: Any = None,
+        stream: Any = None,
     ) -> None:
-        """``issued_later``: the lane has an issuer thread, so the job counts as not yet
-        enqueued until ``mark_issued`` (whichever thread ends up enqueueing it).
+        """``issued_later``: the lane has a Python issuer thread, so the job counts as not
+        yet enqueued until ``mark_issued`` (whichever thread ends up enqueueing it).
         ``waiter``: the lane's native waiter thread, which rings doorbells (else the
-        driver's host functions do)."""
+        driver's host functions do). ``ticket``: the native path's program, not done before
+        it is issued; ``recorder`` turns its failure into the job's error; ``dependency`` is
+        the pooled event its program waits on (given back once the job is over);
+        ``stream``: the lane's main stream (waited out if a failure's end went unrecorded)."""
         self._waiter = waiter
+        self._ticket = ticket
+        self._recorder = recorder
+        self._dependency = dependency
+        self._stream = stream
         self._driver = driver
         self._started = started
         self._bell_stream = bell_stream
@@ -69,9 +82,41 @@ class CudaCompletion(Completion):
             if not self.ring_when_done(bell):
                 bell.ring()  # cannot arm it: wake the waiter now, it falls back to polling
 
+    def attach(self, ticket: Any, started: float, error: BaseException | None) -> None:
+        """A job planned after its submit (behind a Python issuer's work) reached the native
+        issuer as ``ticket`` (None: it never did, and fails with ``error``)."""
+        with self._lock:
+            self._ticket = ticket
+        self.mark_issued(started, error)
+
     def _pending_issue(self) -> bool:
+        if self._ticket is not None:
+            return self._ticket_pending()
         issued = self._issued
         return issued is not None and not issued.is_set()
+
+    def _ticket_pending(self) -> bool:
+        """Whether the issuer has yet to issue the job's program; once it has, take its
+        result (the job's error, when it started) and forget the ticket."""
+        ticket = self._ticket
+        if ticket is None:
+            return False
+        result = ticket.result()
+        if result is None:
+            return True
+        self._ticket = None
+        self._started = ticket.started_at
+        error = self._recorder.error_of(result) if result[1] else None
+        if error is not None:
+            if self._error is None:
+                self._error = error
+            if not result[3] and self._driver.broken is None and not isinstance(error, WorkerClosed):
+                # Nothing recorded the end behind what the program enqueued: wait that out.
+                try:
+                    self._driver.stream_synchronize(self._stream)
+                except Exception:
+                    pass  # a broken context fails every job anyway
+        return False
 
     def query(self) -> bool:
         if self._done:
@@ -82,6 +127,9 @@ class CudaCompletion(Completion):
             return True
         if self._pending_issue():
             return False
+        if drv.broken is not None:  # the program's own failure may have been the sticky one
+            self._finish(drv.broken)
+            return True
         events = self._events
         if events is None:
             return self._done
@@ -117,6 +165,10 @@ class CudaCompletion(Completion):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._issued is not None and not self._issued.wait(timeout):
+            return self.query()
+        ticket = self._ticket  # (set by then, for a job planned after its submit)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if ticket is not None and not ticket.wait(left):
             return self.query()
         if timeout is None:
             with self._lock:
@@ -155,6 +207,9 @@ class CudaCompletion(Completion):
             if events is not None and not self._done:
                 if self._bell_stream is None:
                     return False
+                ticket = self._ticket
+                if ticket is not None and bell.ring_fd() >= 0 and ticket.ring_fd(bell.ring_fd()):
+                    return True  # the issuer thread arms it once it issued the program
                 if self._pending_issue():
                     if self._waiter is None and not self._driver.can_ring():
                         return False
@@ -181,6 +236,10 @@ class CudaCompletion(Completion):
             if self._error is None:
                 self._error = error
             self._done = True
+            dependency, self._dependency = self._dependency, None
+            if dependency is not None and self._ticket is None and self._driver.broken is None:
+                # Its program was issued (its wait on the event enqueued): the event is free.
+                self._driver.give_sync_event(dependency)
             if self._error is None:
                 self._unsettled = events  # timed and pooled by ``settle``
                 return

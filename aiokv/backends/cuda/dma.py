@@ -112,6 +112,8 @@ class MultiStreamDma:
     ) -> None:
         if isinstance(batch, PitchedBatch):
             self.driver.memcpy_pitched(batch.ops[lo:hi], stream, hold_gil=hold_gil)
+        elif hi - lo == 1:  # one copy: cheaper to enqueue plain than as a batch of one
+            self.driver.memcpy(int(batch.dst[lo]), int(batch.src[lo]), int(batch.sizes[lo]), stream)
         else:
             self.driver.memcpy_batch(batch.dst[lo:hi], batch.src[lo:hi], batch.sizes[lo:hi], stream,
                                      stream_ordered=stream_ordered, to_host=self.to_host, hold_gil=hold_gil)

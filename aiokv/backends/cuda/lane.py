@@ -1,7 +1,13 @@
 """One direction's ordered lane on the device: a strategy's main stream, whose job end
-events mark completion in order, and optionally an issuer thread that enqueues long jobs
-after ``submit`` has returned (``WorkerOptions.issue_thread``). Layerwise jobs run on the
-same main stream (``layers.CudaLayerRun``)."""
+events mark completion in order. Layerwise jobs run on the same main stream
+(``layers.CudaLayerRun``).
+
+Two ways to issue: on the native path (a ``program.Recorder``) the caller only plans: it
+records the strategy's calls as a program and hands it to the lane's native issuer thread,
+which makes every driver call without the GIL and arms the completion's doorbells
+(program.py, "Issuing"); a tiny job on an idle lane runs at once instead. On the Python
+path the caller makes the calls, or, with ``WorkerOptions.issue_thread``, a Python issuer
+thread makes those of long jobs after ``submit`` has returned."""
 
 from __future__ import annotations
 
@@ -15,10 +21,14 @@ from ...specs import Direction
 from ..base import Completion, Lane, LaneStatistics, LayerRun
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
+from .driver.codes import STICKY
 from .issuer import Issuer
 from .layers import CudaLayerRun
-from .native import NativeWaiter
+from .native import NativeIssuer, NativeWaiter
+from .native_submit import NativeSubmit
+from .planner import make_planner
 from .program import Recorder
+from .staged import StagedCopy
 from .strategy import CopyContext, CopyStrategy
 
 __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
@@ -28,6 +38,9 @@ __all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependen
 # ones, whose issue is short and whose latency a thread hand-off would add to, are enqueued
 # by the caller when the lane is idle.
 ISSUE_THREAD_BYTES = 8 << 20
+# How long the native issuer thread looks for the next program before it sleeps: a submit
+# right behind another is picked up without a wake-up.
+NATIVE_SPIN_US = 20.0
 # An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
 # job, not once per call: each retake waits for the loop thread or the other lanes' issuers
 # to let go (beside a pure-Python thread, for a switch interval). Dropping it there made
@@ -67,7 +80,7 @@ class Dependency:
         self.stream = self.source = None
 
 
-class CudaLane(Lane):
+class CudaLane(NativeSubmit, Lane):
     """One direction: a main stream whose job end events mark completion, in order.
 
     With ``issue_thread``, jobs of ``ISSUE_THREAD_BYTES`` or more (and any job behind one)
@@ -78,10 +91,14 @@ class CudaLane(Lane):
     def __init__(self, driver: Driver, direction: Direction, strategy: CopyStrategy, *,
                  issue_thread: bool = False, recorder: Recorder | None = None,
                  table: Any = None, measure_stalls: bool = False) -> None:
-        """``recorder``: the strategy's stand-in driver, whose jobs run as one native call
-        each; ``table``: the native helper's driver table, for the lane's waiter thread
-        (None: the Python path, and host-function doorbells); ``measure_stalls``: layer
+        """``recorder``: the strategy's stand-in driver, whose jobs become programs run by
+        the lane's native issuer thread (needs ``table``); ``table``: the native helper's
+        driver table, for the lane's waiter and issuer threads (None: the Python path, and
+        host-function doorbells); ``issue_thread``: a Python issuer thread for long jobs
+        (the Python path only: the native path has its own); ``measure_stalls``: layer
         gates time their consumer's wait on the device (``WorkerOptions.layer_stalls``)."""
+        if recorder is not None and table is None:
+            raise ValueError("a native lane (recorder) needs the helper's table for its threads")
         self.direction = direction
         self.measure_stalls = measure_stalls
         self._driver = driver
@@ -90,8 +107,14 @@ class CudaLane(Lane):
         self.stream = strategy.main_stream
         self._recorder = recorder
         self.waiter: NativeWaiter | None = None
-        self._issue_thread = issue_thread
-        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if issue_thread else None
+        self.native: NativeIssuer | None = None
+        self.planner: Any = None  # ``_native.Planner``: jobs planned in C from their ids
+        self._staging_shared = False
+        self._last_ticket: Any = None
+        # A Python issuer thread: ``issue_thread`` on the Python path; on the native path
+        # only one a layerwise load made for its later layers (``layer_issuer``).
+        self._issue_thread = issue_thread and recorder is None
+        self._issuer = Issuer(f"aiokv-issue-{direction.value}") if self._issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
         # seconds doing so (the bench reports them beside the caller's submit time).
         self.issued_later = 0
@@ -108,16 +131,30 @@ class CudaLane(Lane):
             strategy.close()
             raise
         try:
-            if recorder is not None:
-                recorder.bind(self.stream, self._driver.create_event())
             if table is not None:
                 self.waiter = NativeWaiter(table, self.bell_stream)
+            if recorder is not None:
+                recorder.bind(self.stream, self._driver.create_event())
+                self.native = NativeIssuer(table, self.waiter, STICKY, NATIVE_SPIN_US)
+                recorder.attach(self.native)
+                ctx = getattr(strategy, "ctx", None)
+                pool = getattr(ctx, "pool", None)
+                if pool is not None:
+                    chunks = pool.tensor.numel() // ctx.layout.chunk_bytes  # type: ignore[union-attr]
+                    self.planner = make_planner(strategy, ctx, self.native.handle, recorder.main,  # type: ignore[arg-type]
+                                                recorder.rescue, chunks)
+                    if self.planner is not None and isinstance(strategy, StagedCopy):
+                        strategy.planner = self.planner
         except BaseException:
+            if self.waiter is not None:
+                self.waiter.close()
             self._driver.destroy_stream(self.bell_stream)
             strategy.close()
             raise
 
     def launch(self, plan: CopyPlan, dependency: Any) -> Completion:
+        if self.native is not None:
+            return self._submit(plan, dependency)
         drv = self._driver
         dep: Dependency | None = dependency
         events = None
@@ -126,8 +163,8 @@ class CudaLane(Lane):
         try:
             drv.ensure_context()
             drv.check_usable()
-            if dep is not None and dep.pending and (issuer is not None or self._recorder is None):
-                dep.resolve(drv)  # else a row of the job's program (``_issue``)
+            if dep is not None and dep.pending:
+                dep.resolve(drv)
             events = drv.take_job_events()
         except BaseException:
             self._give_back(events, dep)
@@ -172,25 +209,9 @@ class CudaLane(Lane):
             prepared = self._strategy.prepare(plan)
             started = time.perf_counter()  # the start event is recorded after this
             # The strategy records ``stop`` behind every copy: that is the job's end.
-            dep_event = dep.event if dep is not None else None
-            rec = self._recorder
-            if rec is None:
-                enqueuing = True
-                self._strategy.enqueue(prepared, dep_event, events.start, events.stop, hold_gil=hold_gil)
-            else:  # the job, its dependency's record first, as one native call
-                rec.open()
-                try:
-                    if dep is not None:
-                        dep.resolve(rec)
-                    self._strategy.enqueue(prepared, dep_event, events.start, events.stop)
-                except BaseException:
-                    rec.abort()  # enqueues what was recorded, as the Python path would have
-                    enqueuing = rec.ran
-                    raise
-                try:
-                    rec.commit(hold_gil)
-                finally:
-                    enqueuing = rec.ran  # False: refused before anything was enqueued
+            enqueuing = True
+            self._strategy.enqueue(prepared, dep.event if dep is not None else None, events.start,
+                                   events.stop, hold_gil=hold_gil)
         except BaseException as exc:
             if not later and (not enqueuing or drv.broken is not None):
                 self._give_back(events if drv.broken is None else None, dep)
@@ -236,8 +257,9 @@ class CudaLane(Lane):
     def layer_issuer(self) -> Issuer:
         """The issuer a layerwise load hands its later layers to: the lane's own, made on
         first use where ``issue_thread`` is off. Every launch after it then goes through it
-        (at once, on the caller's thread, while it holds nothing), so the lane's jobs stay
-        in submission order."""
+        (at once, on the caller's thread, while it holds nothing; on the native path only
+        while it holds work, see ``native_submit``), so the lane's jobs stay in submission
+        order."""
         if self._issuer is None:
             self._issuer = Issuer(f"aiokv-issue-{self.direction.value}")
         return self._issuer
@@ -258,8 +280,8 @@ class CudaLane(Lane):
         try:
             drv.ensure_context()
             drv.check_usable()
-            if dep is not None and dep.pending and (issuer is not None or self._recorder is None):
-                dep.resolve(drv)  # else the first rows of the job's one call
+            if dep is not None and dep.pending:
+                dep.resolve(drv)  # on the caller's thread, at submit (DESIGN.md section 1)
             run = CudaLayerRun(self, plan, store=False)
         except BaseException:
             self._give_back(None, dep)
@@ -298,15 +320,30 @@ class CudaLane(Lane):
 
     def statistics(self) -> LaneStatistics:
         strategy = self._strategy
+        issued_later, seconds, cpu = self.issued_later, self.issue_seconds, self.issue_cpu_seconds
+        started = self.last_started_at
+        lags: tuple[float, ...] = ()
+        if self.native is not None:
+            stats = self.native.stats()
+            if "issued" in stats:
+                issued_later = int(stats["issued"]) - int(stats["inline"])
+                seconds, cpu = float(stats["busy_seconds"]), float(stats["cpu_seconds"])
+            lags = tuple(self.native.lags())
+            ticket = self._last_ticket
+            if ticket is not None:  # a layerwise job since (``last_started_at``) may be later
+                began = ticket.started_at
+                began = ticket.queued_at if began is None else began  # not begun before that
+                started = began if started is None else max(started, began)
         return LaneStatistics(
             strategy=self.strategy_name,
             pitched_jobs=strategy.pitched_jobs,
             pitched_heights=tuple(sorted({len(run.refs) for run in strategy.ctx.runs})),
             staged_jobs=strategy.staged_jobs,
-            issued_later=self.issued_later,
-            issue_seconds=self.issue_seconds,
-            issue_cpu_seconds=self.issue_cpu_seconds,
-            last_started_at=self.last_started_at,
+            issued_later=issued_later,
+            issue_seconds=seconds,
+            issue_cpu_seconds=cpu,
+            last_started_at=started,
+            issue_lags=lags,
         )
 
     def _give_back(self, events: JobEvents | None, dep: Dependency | None) -> None:
@@ -320,6 +357,8 @@ class CudaLane(Lane):
         """Dropped unclosed: keep what queued copies may still read, and let the issuer
         and waiter threads end after their queues."""
         self._strategy.abandon()
+        if self.native is not None:
+            self.native.abandon()
         if self.layer_staging is not None:
             self.layer_staging.abandon()
         if self.waiter is not None:
@@ -332,6 +371,8 @@ class CudaLane(Lane):
         # dead context runs no host functions: their FILEs and descriptors are leaked.
         if self._issuer is not None:
             self._issuer.close()
+        if self.native is not None:
+            self.native.close()  # what is queued is issued first (or, past its bound, cancelled)
         try:
             try:
                 self._driver.stream_synchronize(self.bell_stream)
@@ -348,4 +389,8 @@ class CudaLane(Lane):
                     self.waiter.abandon()
             self._driver.destroy_stream(self.bell_stream)
         finally:
-            self._strategy.close()
+            try:
+                if self.layer_staging is not None:  # its slot: the main stream was synchronised
+                    self.layer_staging.close()
+            finally:
+                self._strategy.close()

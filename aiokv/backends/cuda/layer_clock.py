@@ -26,18 +26,23 @@ class Held:
         self._lock = threading.Lock()
         self.origin: Any = None
         self._events: list[Any] = []
+        self._recorded: bytes = b""  # per layer, whether this job recorded its event
+        self._kept = False  # the job's end handed its layer events over (``keep``)
         self._landed = False
         self._gates_open = 0  # gates whose marks are not read yet
         self._copy_done: list[float | None] | None = None
         self._reached: dict[int, float | None] = {}
         self._started: dict[int, float | None] = {}
 
-    def keep(self, events: list[Any], landed: bool) -> None:
+    def keep(self, events: list[Any], landed: bool, recorded: bytes) -> None:
         """The job ended: its layer events are kept for ``copy_done`` where it landed (else
-        no time of theirs can be read, and they go back now)."""
+        no time of theirs can be read, and they go back now). ``recorded[i]``: layer ``i``'s
+        event was recorded by this job; one that was not (a load that failed part way)
+        holds another job's time, or none, and is never read."""
         with self._lock:
+            self._kept = True
             if landed and self.origin is not None:
-                self._events, self._landed = events, True
+                self._events, self._landed, self._recorded = events, True, recorded
                 return
         self._give(events)
 
@@ -60,14 +65,17 @@ class Held:
 
     def copy_done(self, layers: int) -> list[float | None] | None:
         """Each layer's end from the origin (None where unknown), or None while a gate's
-        marks are still to run."""
+        marks are still to run or the job's end has not handed its events over (``keep``:
+        read before that, the answer would stay without copy ends)."""
         with self._lock:
-            if self._gates_open > 0:
+            if self._gates_open > 0 or not self._kept:
                 return None
             if self._copy_done is None:
                 origin = self.origin
                 if self._landed and origin is not None and len(self._events) == layers:
-                    self._copy_done = [self._drv.elapsed(origin, ev) for ev in self._events]
+                    marks = self._recorded
+                    self._copy_done = [self._drv.elapsed(origin, ev) if marks[i] else None
+                                       for i, ev in enumerate(self._events)]
                 else:
                     self._copy_done = [None] * layers
             return list(self._copy_done)

@@ -37,7 +37,7 @@ _KEPT: list[Any] = []
 
 class TorchSlot:
     """The slot's device memory from torch's caching allocator, on the lane's stream (its
-    blocks are reused only in that stream's order); a larger slot replaces a smaller one."""
+    blocks are reused only in that stream's order)."""
 
     def __init__(self, device: Any, stream_of: Callable[[Any], Any]) -> None:
         self.device = device
@@ -55,6 +55,10 @@ class TorchSlot:
                          "their pages", nbytes)
             return None
         return int(self.tensor.data_ptr())
+
+    def release(self) -> None:
+        """Let the memory go (nothing on the lane's stream uses it any more)."""
+        self.tensor = None
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,10 @@ class StagedLayers:
 class LayerStaging:
     """A lane's slot and page table for staged layers (module doc). ``kernel``: the piece
     kernel (``PieceKernel``: ``upload``, ``launch``), made on first use by ``make_kernel``;
-    ``allocate(nbytes, stream)`` returns a device address that stays valid until the next
-    call (None: no memory)."""
+    ``allocate(nbytes, stream)`` returns a device address (None: no memory), called once:
+    the slot is taken whole on first use and kept until ``close``, because a job's layers
+    may wait on the issuer thread long after it was planned on the slot, and memory let go
+    meanwhile could be handed to another tensor, or freed, before they are enqueued."""
 
     def __init__(self, layout: HostLayout, layer_map: LayerMap, device_base: np.ndarray, host_base: int,
                  slot_bytes: int, make_kernel: Callable[[], Any],
@@ -135,8 +141,7 @@ class LayerStaging:
         if shape is None or len(mapping.gpu_blocks) != 1 or not mapping.gpu_blocks[0].size:
             return None
         widest = int(shape.image.max())
-        need = min(self.slot_bytes, widest * int(mapping.gpu_blocks[0].size))
-        if widest > self.slot_bytes or not self._ready(stream, need):
+        if widest > self.slot_bytes or not self._ready(stream):
             return None
         assert self.slot is not None and self.table is not None
         per = self.slot_size // widest
@@ -182,8 +187,8 @@ class LayerStaging:
         return StagedLayers(rows.astype(np.uint32), cuts, np.ascontiguousarray(ops, dtype=np.uint64), bounds,
                             self.slot, self.table, shape)
 
-    def _ready(self, stream: Any, nbytes: int) -> bool:
-        """The kernel loaded, the page table uploaded and a slot of ``nbytes``."""
+    def _ready(self, stream: Any) -> bool:
+        """The kernel loaded, the page table uploaded and the slot taken."""
         assert self.shape is not None
         try:
             if self.kernel is None:
@@ -194,13 +199,24 @@ class LayerStaging:
             _log.warning("staged layers unavailable (%s): layerwise jobs copy straight to their pages", exc)
             self.shape = None
             return False
-        nbytes = -(-nbytes // 512) * 512
-        if self.slot is None or self.slot_size < nbytes:
-            at = self._allocate(nbytes, stream)
+        if self.slot is None:
+            at = self._allocate(self.slot_bytes, stream)
             if at is None:
                 return False
-            self.slot, self.slot_size = at, nbytes
+            self.slot, self.slot_size = at, self.slot_bytes
         return True
+
+    def close(self) -> None:
+        """The lane closed and its stream is synchronised: the slot and the page table go
+        (``allocate``'s ``release``, where it has one), and nothing goes through it again."""
+        self.shape = None
+        self.slot, self.table, self.slot_size = None, None, 0
+        release = getattr(self._allocate, "release", None)
+        if release is not None:
+            release()
+        kernel, self.kernel = self.kernel, None
+        if kernel is not None:
+            kernel.close()
 
     def abandon(self) -> None:
         """The worker was dropped unclosed: copies may still use the slot and the table,

@@ -174,14 +174,16 @@ class CudaLayerRun(StorePushes, LayerRun):
             self._changed.notify_all()
 
     def issue_load(self, dep: Dependency | None, on_issuer: bool) -> None:
-        """Enqueue the first layers (all of them on the issuer thread) as one native call
-        where the lane has the helper, and hand the rest to the issuer thread. Raises
-        (nothing enqueued, or a sticky error) on the caller's thread; otherwise a failure is
-        the job's and the layers whose records were not reached."""
+        """Enqueue the first layers as one native call where the lane has the helper, then
+        the rest a layer at a time from the issuer thread: handed to it from the caller's
+        thread, or right here on it (a job queued behind other work), so each layer is
+        marked as it is enqueued rather than once the whole job is. Raises (nothing
+        enqueued, or a sticky error) on the caller's thread; otherwise a failure is the
+        job's and the layers whose records were not reached."""
         lane, drv = self._lane, self._drv
         assert self._job is not None
         ev, main, rec = self._job, lane.stream, lane.recorder
-        count = self.num_layers if on_issuer else self._head
+        count = self._head
         last = count == self.num_layers
         error: BaseException | None = None
         recorded: list[int] = []
@@ -244,6 +246,9 @@ class CudaLayerRun(StorePushes, LayerRun):
         lane.last_started_at = started
         if error is not None or last:
             self._settle_issue(started, error)
+            return
+        if on_issuer:  # in the lane's order already: nothing queued after it may go first
+            self._issue_tail(count, started)
             return
         tail = functools.partial(self._issue_tail, count, started)
         try:
@@ -321,12 +326,12 @@ class CudaLayerRun(StorePushes, LayerRun):
             return  # copies may still run: nothing goes back to the pools
         if self._spans:  # a store's layer events are its timing pairs' (``copy_time``)
             if self._held is not None:
-                self._held.keep([], landed=False)
+                self._held.keep([], landed=False, recorded=b"")
             if not timed:
                 self._give_spans()  # no time to read (a timed store's: ``copy_time``)
             return
         if self._held is not None:
-            self._held.keep(events, landed)
+            self._held.keep(events, landed, bytes(self._recorded))
             return
         for event in events:
             self._drv.give_sync_event(event)

@@ -1,11 +1,12 @@
-"""Whether the native helper (``_native``, built from ``_native.c`` at install time) is in
-use, and why; and the thin Python side of its waiter.
+"""Whether the native helper (``_native``, built from ``_native*.c`` at install time) is in
+use, and why; and the thin Python side of its waiter and issuer threads.
 
-The helper is optional and, for now, opt-in (``AIOKV_NATIVE=1`` or
-``WorkerOptions(native=True)``): otherwise, and where it was installed without a C compiler,
-the CUDA backend issues each job's driver calls from Python, with the same results
-(docs/native.md). It needs no
-cuda-python: the driver facade hands it the driver's entry points as addresses.
+Where the helper is built a CUDA worker uses it by default (``AIOKV_NATIVE=0`` or
+``WorkerOptions(native=False)`` turn it off): each lane's jobs are planned in C and issued
+by its native issuer thread. Where it was installed without a C compiler the CUDA backend
+issues each job's driver calls from Python, with the same results (docs/native.md). It
+needs no cuda-python: the driver facade hands it the driver's entry points as addresses.
+The CPU backend makes no driver calls, so it never uses the helper.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import importlib
 import os
 from typing import Any
 
-from ...errors import InvalidSpec
+from ...errors import InvalidSpec, WorkerClosed
 
-__all__ = ["ENV", "NativeWaiter", "helper", "status"]
+__all__ = ["ENV", "NativeIssuer", "NativeWaiter", "env_choice", "helper", "status"]
 
 ENV = "AIOKV_NATIVE"
 # The contract of the rows and calls this Python side speaks; ``_native.c`` exports its own
 # (``ABI``): raise both together whenever an opcode, a row's words or a call changes.
-_ABI, _WORDS = 1, 8
+_ABI, _WORDS = 2, 8
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._native")
@@ -36,7 +37,7 @@ else:
                 f"{_ABI}): rebuild it (python3 setup.py build_ext --inplace, or reinstall)")
         _ext = None
     else:
-        _ext.set_error_class(InvalidSpec)
+        _ext.set_error_class(InvalidSpec, WorkerClosed)
         _WHY = "built"
 
 
@@ -45,21 +46,41 @@ def helper() -> Any:
     return _ext
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_choice() -> bool | None:
+    """What ``AIOKV_NATIVE`` asks for: True, False, or None where it is unset or empty.
+    Any other value raises ``InvalidSpec``: a typo must not silently pick a path."""
+    raw = os.environ.get(ENV)
+    value = (raw or "").strip().lower()
+    if not value:
+        return None
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise InvalidSpec(f"{ENV}={raw!r} is not understood: set it to 1 (use the native helper) or 0 "
+                      "(issue from Python), or unset it (native where built)")
+
+
 def status(requested: bool | None = None) -> tuple[bool, str]:
-    """(whether a worker uses the native submit path, why), for ``requested`` as in
-    ``WorkerOptions.native``: None follows ``AIOKV_NATIVE``. Unset, the path is off: it
-    stays opt-in until its GPU suite and bench figures are recorded (docs/native.md,
-    "Status")."""
+    """(whether a CUDA worker uses the native path, why), for ``requested`` as in
+    ``WorkerOptions.native``: None follows ``AIOKV_NATIVE``, and with it unset takes the
+    native path where the helper is built. Raises ``InvalidSpec`` for a value of
+    ``AIOKV_NATIVE`` it does not understand."""
     if requested is False:
         return False, "disabled by WorkerOptions(native=False)"
-    env = os.environ.get(ENV, "").strip().lower()
-    if requested is None and env in ("0", "false", "no", "off"):
+    env = env_choice() if requested is None else None
+    if env is False:
         return False, f"disabled by {ENV}={os.environ[ENV]}"
     if _ext is None:
         return False, f"native helper {_WHY}"
-    if requested is None and env not in ("1", "true", "yes", "on"):
-        return False, f"native helper built; opt in with {ENV}=1 or WorkerOptions(native=True)"
-    return True, "native helper built"
+    if requested:
+        return True, "native helper built; WorkerOptions(native=True)"
+    if env:
+        return True, f"native helper built; {ENV}={os.environ[ENV]}"
+    return True, "native helper built; the default where it is"
 
 
 class NativeWaiter:
@@ -84,3 +105,53 @@ class NativeWaiter:
 
     def abandon(self) -> None:
         self._waiter.abandon()
+
+
+class NativeIssuer:
+    """One lane's issuer thread (``_native.Issuer``): runs the programs handed to it in
+    order, without the GIL, and arms the doorbells asked for meanwhile through the lane's
+    waiter. ``submit`` never waits for a driver call (program.py, "Issuing")."""
+
+    def __init__(self, table: Any, waiter: NativeWaiter | None = None, sticky: Any = (),
+                 spin_us: float = 0.0) -> None:
+        if _ext is None:
+            raise InvalidSpec(f"the native helper is {_WHY}")
+        self.cancelled = int(_ext.CANCELLED)
+        self._issuer = _ext.Issuer(table, waiter._waiter if waiter is not None else None,
+                                   tuple(int(c) for c in sticky), float(spin_us))
+        self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here) -> Ticket
+
+    @property
+    def handle(self) -> Any:
+        """The ``_native.Issuer`` itself (what a ``_native.Planner`` queues on)."""
+        return self._issuer
+
+    def pause(self) -> None:
+        """Pick up no program until ``resume`` (tests that need a job to stay queued)."""
+        self._issuer.pause()
+
+    def resume(self) -> None:
+        self._issuer.resume()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or running; False if ``timeout`` passed first."""
+        return bool(self._issuer.drain(timeout))
+
+    def set_broken(self, code: int) -> None:
+        """A sticky error seen elsewhere: every program not yet run fails with it, uncalled."""
+        self._issuer.set_broken(int(code))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._issuer.stats())
+
+    def lags(self) -> list[float]:
+        """Seconds from each recent submit's return to the thread's first driver call for it."""
+        return list(self._issuer.lags())
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Issue what is queued (for at most ``timeout`` seconds, then cancel the rest) and
+        join the thread; False if it did not end (left to end by itself)."""
+        return bool(self._issuer.close(timeout))
+
+    def abandon(self) -> None:
+        self._issuer.abandon()

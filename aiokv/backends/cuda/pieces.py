@@ -170,6 +170,15 @@ class _TableSlot:
     host: torch.Tensor  # pinned
     device: torch.Tensor
     copied: Any  # event recorded once the device copy of ``host`` is done
+    # The program whose rows copy out of ``host`` and record ``copied`` (a native lane's),
+    # until its issuer has issued it: before that ``copied`` says nothing of this copy.
+    program: Any = None
+
+    def free(self, driver: Any) -> bool:
+        program = self.program
+        if program is not None and not program.settled:
+            return False
+        return bool(driver.query(self.copied))
 
 
 # Table slots of kernels whose worker was dropped unclosed (``PieceKernel.abandon``).
@@ -216,7 +225,7 @@ class PieceKernel:
         nbytes = pages.size * 8
         drv = self.driver
         slot = None if keep else next(
-            (t for t in self._tables if t.host.numel() >= nbytes and drv.query(t.copied)), None)
+            (t for t in self._tables if t.host.numel() >= nbytes and t.free(drv)), None)
         if slot is None:  # one per job in flight at most (and a kept one), until close
             size = max(MIN_TABLE_BYTES, 1 << (nbytes - 1).bit_length())
             # On ``stream``, where it is used: from another stream the caching allocator
@@ -228,6 +237,7 @@ class PieceKernel:
             # A kept table's pinned buffer stays too: the copy out of it is still queued.
             (self._kept if keep else self._tables).append(slot)
         slot.host.numpy()[:nbytes] = pages.view(np.uint8).reshape(-1)
+        slot.program = getattr(drv, "program", None)  # a ``program.Recorder``'s open program
         drv.memcpy(slot.device.data_ptr(), slot.host.data_ptr(), nbytes, stream)
         drv.record(slot.copied, stream)
         return int(slot.device.data_ptr())

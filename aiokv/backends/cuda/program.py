@@ -30,6 +30,35 @@ enqueued); a failing call stops the program and every stream it used is joined i
 
 Layerwise jobs: ``Program.layers`` (or ``issue_layers`` on either path) enqueues each
 layer's copies and records that layer's event behind them, all in the same one call.
+
+Issuing
+-------
+A lane on the native path has an issuer thread (``native.NativeIssuer``, a pthread in the
+helper) that makes every driver call of its programs without the GIL. The contract other
+parts build on:
+
+- ``Recorder.submit(end=0, run_here=False) -> Ticket`` hands the open program to the
+  lane's issuer and returns at once. The rows are checked first (bad input raises
+  ``InvalidSpec``, nothing is queued) and copied, with every buffer they name, into C
+  memory: the caller may reuse its arrays as soon as it returns. Programs run in the order
+  they were submitted, behind every program of the lane submitted before. ``end``: an event
+  the thread records on ``main`` behind what a failed program enqueued (its streams joined
+  into ``main`` first), and the event doorbells asked for before the issue wait on.
+- The ``Ticket`` (``_native.Ticket``): ``rows_done`` is how many rows the issuer has made so
+  far (an atomic read of C memory: never blocks, any thread); ``wait_rows(n, timeout=None)``
+  blocks, the GIL released, until ``rows_done >= n`` (False on timeout, or when the program
+  ended short of ``n`` rows: a failure); ``wait(timeout=None)`` until it has been issued;
+  ``result()`` is None until then, and afterwards ``(rows_done, cuda_result, failed_op,
+  end_recorded)``: ``cuda_result`` 0, the CUresult of the row that failed (opcode
+  ``failed_op``), or ``native.NativeIssuer.cancelled`` (the lane closed first, nothing ran);
+  ``Recorder.error_of(result)`` turns it into the aiokv error the Python path raises.
+  ``ring_fd(fd)`` has the thread arm a doorbell ring once the program is issued (False: it
+  is issued already, arm it yourself). ``queued_at`` / ``started_at`` / ``finished_at``:
+  CLOCK_MONOTONIC seconds (``time.perf_counter``'s clock on Linux).
+- A layerwise load records all its layers into one program and marks layer ``i`` issued
+  once ``rows_done`` passes the row of its record (``Program.layers`` returns those rows).
+- ``Recorder.commit`` stays synchronous: on a lane with an issuer it submits and waits for
+  the ticket (so it stays in order behind the lane's queued jobs), then raises as before.
 """
 
 from __future__ import annotations
@@ -41,11 +70,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidSpec
+from ...errors import InvalidSpec, WorkerClosed
 
 __all__ = [
     "CALL_NAMES", "NATIVE_GIL_HELD_US", "OP_BATCH", "OP_COPY", "OP_LAUNCH", "OP_PITCHED",
-    "OP_RECORD", "OP_WAIT", "WORDS", "Program", "Recorder", "batch_flags", "issue_layers",
+    "OP_RECORD", "OP_WAIT", "RUN_HERE_US", "WORDS", "Program", "Recorder", "batch_flags",
+    "issue_layers",
 ]
 
 OP_WAIT, OP_RECORD, OP_BATCH, OP_COPY, OP_PITCHED, OP_LAUNCH = range(1, 7)
@@ -60,6 +90,11 @@ CALL_NAMES = {
 # (docs/native.md, "The call").
 NATIVE_GIL_HELD_US = 200.0
 _US_PER_CALL, _US_PER_DESCRIPTOR, _US_PER_PITCHED_OP = 1.5, 0.8, 3.0
+# A program whose driver calls should take at most this long (a job of a few blocks: its
+# record, one copy, its end) runs on the submitting thread when the lane's issuer is idle,
+# holding the GIL: that costs about what handing it over does, and saves the thread's
+# wake-up from the job's round trip (docs/native.md, "The issuer").
+RUN_HERE_US = 8.0
 
 
 def batch_flags(stream_ordered: bool = True, to_host: bool | None = None) -> int:
@@ -70,12 +105,20 @@ def batch_flags(stream_ordered: bool = True, to_host: bool | None = None) -> int
 class Program:
     """Rows of driver calls and the buffers they name, built in order (see module doc)."""
 
-    __slots__ = ("buffers", "cost", "words")
+    __slots__ = ("buffers", "cost", "ticket", "words")
 
     def __init__(self) -> None:
         self.words: list[int] = []
         self.buffers: list[Any] = []
         self.cost = 0.0  # estimated host microseconds of its driver calls
+        self.ticket: Any = None  # its issuer's ticket, once submitted (``Recorder.submit``)
+
+    @property
+    def settled(self) -> bool:
+        """Whether nothing of it can still reach the device later: issued, refused, or never
+        submitted. A buffer its rows read may be rewritten then (``PieceKernel.upload``)."""
+        ticket = self.ticket
+        return ticket is None or ticket is _REFUSED or ticket.issued
 
     def __len__(self) -> int:
         return len(self.words) // WORDS
@@ -173,6 +216,8 @@ class Recorder:
         self.main = int(main)
         self.rescue = int(rescue)
         self.program: Program | None = None
+        self.issuer: Any = None  # the lane's ``native.NativeIssuer`` (``attach``), if any
+        self._aborted: Any = None
         self.calls = 0  # native calls made: one per job
         self.ran = False  # the last commit reached the driver (so may have enqueued part)
         self.failed_row: int | None = None  # the row the last commit stopped at, if it failed
@@ -183,6 +228,11 @@ class Recorder:
     def bind(self, main: Any, rescue: Any) -> None:
         """Set the lane's main stream and rescue event (known once the strategy exists)."""
         self.main, self.rescue = int(main), int(rescue)
+
+    def attach(self, issuer: Any) -> None:
+        """Run programs on the lane's issuer thread from now on (``submit``; ``commit`` too,
+        waiting for it, so that every program stays in submission order)."""
+        self.issuer = issuer
 
     # -- recording ------------------------------------------------------------------------
 
@@ -226,11 +276,11 @@ class Recorder:
                                                 to_host=to_host, hold_gil=hold_gil)
         if n <= 0:
             return
-        tables = np.empty((3, n), dtype=np.uint64)
-        at = tables.ctypes.data
-        for row, address in enumerate((dst, src, sizes)):
-            ctypes.memmove(at + 8 * n * row, address, 8 * n)
-        self.program.batch(tables[0], tables[1], tables[2], stream, batch_flags(stream_ordered, to_host), n)
+        # ``string_at`` keeps the GIL (``memmove`` through ctypes drops it: beside a busy
+        # Python thread each drop may cost a switch interval).
+        dst_t, src_t, sizes_t = (np.frombuffer(ctypes.string_at(address, 8 * n), dtype=np.uint64)
+                                 for address in (dst, src, sizes))
+        self.program.batch(dst_t, src_t, sizes_t, stream, batch_flags(stream_ordered, to_host), n)
 
     def memcpy_pitched(self, ops: np.ndarray, stream: Any, *, hold_gil: bool | None = None) -> None:
         if self.program is None:
@@ -252,15 +302,55 @@ class Recorder:
 
     # -- running --------------------------------------------------------------------------
 
-    def commit(self, hold_gil: bool | None = None) -> None:
-        """Run the open program in one native call. Raises ``InvalidSpec`` (nothing
-        enqueued, ``ran`` False) on bad input, or the translated driver error of the call
-        that failed (``ran`` True: what came before it is enqueued, and joined into main)."""
+    def submit(self, end: Any = 0, run_here: bool = False) -> Any:
+        """Hand the open program to the lane's issuer; its ``Ticket`` at once (module doc,
+        "Issuing"). Raises ``InvalidSpec`` with nothing queued on bad rows. ``run_here``:
+        a tiny program runs on this thread now if the issuer is idle."""
         program, self.program = self.program, None
+        if program is None:
+            raise InvalidSpec("no program is open to submit")
+        try:
+            ticket = self.issuer.submit(program.words, tuple(program.buffers), self.main, self.rescue,
+                                        int(end), run_here)
+        except BaseException:
+            program.ticket = _REFUSED
+            raise
+        program.ticket = ticket
+        self.calls += 1
+        return ticket
+
+    def error_of(self, result: tuple[int, int, int, bool]) -> Exception | None:
+        """The aiokv error of a ticket's ``result()`` (None: every row ran), as the Python
+        path raises it; a sticky code marks the backend broken (``fail``)."""
+        code, op = int(result[1]), int(result[2])
+        if not code:
+            return None
+        if self.issuer is not None and code == self.issuer.cancelled:
+            return WorkerClosed("the worker closed before this job's copies were issued; none ran")
+        return self._fail(code, CALL_NAMES.get(op, "a driver call"))
+
+    def commit(self, hold_gil: bool | None = None) -> None:
+        """Run the open program now, in one native call (or, on a lane with an issuer, on
+        its thread, waiting for it). Raises ``InvalidSpec`` (nothing enqueued, ``ran``
+        False) on bad input, or the translated driver error of the call that failed
+        (``ran`` True: what came before it is enqueued, and joined into main)."""
+        program = self.program
         self.ran = False
         self.failed_row = None
         if program is None or not program.words:
+            self.program = None
             return
+        if self.issuer is not None:
+            ticket = self.submit()
+            ticket.wait()
+            self.ran = True
+            result = ticket.result()
+            error = self.error_of(result)
+            if error is not None:
+                self.failed_row = int(result[0])
+                raise error
+            return
+        self.program = None
         if hold_gil is None:
             hold_gil = program.cost <= NATIVE_GIL_HELD_US
         done, code = self._table.enqueue(array("Q", program.words), tuple(program.buffers),
@@ -276,20 +366,39 @@ class Recorder:
         Python path would have enqueued) and join every stream it used into main, as the
         strategies' own cleanup does there. Driver errors here are dropped: the caller
         raises the strategy's error."""
+        self.abort_later()
+        ticket = self._aborted
+        if ticket is not None:
+            ticket.wait()
+
+    def abort_later(self, end: Any = 0) -> Any:
+        """``abort`` without waiting on a lane with an issuer: the ticket of what it queued
+        (None where nothing was, or it ran at once). ``end`` is recorded on main behind it."""
         program, self.program = self.program, None
         self.ran = False
-        if program is None or not program.words:
-            return
+        self._aborted = None
+        if program is None or (not program.words and not end):
+            return None
         for stream in program.streams():
             if stream != self.main:
                 program.record(self.rescue, stream)
                 program.wait(self.main, self.rescue)
+        if end:
+            program.record(end, self.main)
         try:
-            self._table.enqueue(array("Q", program.words), tuple(program.buffers), self.main,
-                                self.rescue, True)
+            if self.issuer is not None:
+                self.program = program
+                self._aborted = self.submit()
+            else:
+                self._table.enqueue(array("Q", program.words), tuple(program.buffers), self.main,
+                                    self.rescue, True)
         except Exception:
-            pass
+            self.program = None
         self.ran = True
+        return self._aborted
+
+
+_REFUSED: Any = object()  # ``Program.ticket`` of a program its issuer refused (never runs)
 
 
 def issue_layers(drv: Any, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,

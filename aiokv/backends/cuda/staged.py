@@ -173,6 +173,9 @@ class StagedCopy(CopyStrategy):
 
     def __init__(self, ctx: CopyContext, only_where_it_gains: bool = False) -> None:
         self.ctx = ctx
+        # A native lane's planner (``planner.make_planner``) plans most jobs in C: the
+        # ring's state is then its, shared with the jobs planned here.
+        self.planner: Any = None
         # ``auto``: jobs of few or large pieces go straight to DMA. ``staged``: every job
         # that fits the ring goes through it.
         self.only_where_it_gains = only_where_it_gains
@@ -203,6 +206,30 @@ class StagedCopy(CopyStrategy):
         # Where a slice's batched call finds its runs' slot addresses (see ``_move``).
         self._slot_at = np.empty(0, dtype=np.int64)
         self._slot_at_ptr = 0
+
+    @property
+    def next_slot(self) -> int:
+        """The slot the next job through the ring starts in."""
+        return self._next_slot if self.planner is None else int(self.planner.next_slot)
+
+    @next_slot.setter
+    def next_slot(self, slot: int) -> None:
+        if self.planner is None:
+            self._next_slot = slot
+        else:
+            self.planner.next_slot = slot
+
+    @property
+    def staged_jobs(self) -> int:
+        """Jobs that went through the ring (``Lane.statistics``)."""
+        return self._staged_jobs if self.planner is None else int(self.planner.staged_jobs)
+
+    @staged_jobs.setter
+    def staged_jobs(self, jobs: int) -> None:
+        if self.planner is None:
+            self._staged_jobs = jobs
+        else:
+            self.planner.staged_jobs = jobs
 
     def _block_shape(self) -> tuple[np.ndarray, int, int] | None:
         """The page table of a layout whose jobs plan by block (one group, one block per
@@ -349,6 +376,11 @@ class StagedCopy(CopyStrategy):
             chunk, in_slot = int(runs[0, lo]), at + int(runs[1, lo])
             dst, src = (chunk, in_slot) if to_host else (in_slot, chunk)
             drv.memcpy(dst, src, int(runs[2, lo]), stream)
+            return
+        if getattr(drv, "program", None) is not None:  # recorded: the row takes its own tables
+            chunks, slots = runs[0, lo:hi], runs[1, lo:hi] + at
+            dst_t, src_t = (chunks, slots) if to_host else (slots, chunks)
+            drv.memcpy_batch(dst_t, src_t, runs[2, lo:hi], stream, to_host=to_host)
             return
         n = hi - lo
         if self._slot_at.size < n:

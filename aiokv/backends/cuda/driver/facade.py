@@ -26,6 +26,9 @@ from .codes import NOT_READY, OK, OUT_OF_MEMORY, driver_error, translate
 
 __all__ = ["Driver", "JobEvents"]
 
+# The copy attributes handed to the native helper (see ``native_procs``): a few per worker.
+_KEPT_ATTRS: list[Any] = []
+
 
 @dataclass
 class JobEvents:
@@ -364,6 +367,9 @@ class Driver(BatchCopies):
                  proc(b"cuEventCreate"), proc(b"cuEventDestroy"), proc(b"cuCtxSetCurrent"))
         batched = self._batch_fn is not None
         attrs = tuple(self._attr_at(bool(f & 1), bool(f & 2)) if batched else 0 for f in range(4))
+        # An issuer thread of a worker dropped unclosed may still be in a batched call that
+        # reads them after this driver is gone: they are kept for the process's life.
+        _KEPT_ATTRS.extend(self._attrs.values())
         version = 13000 if self.batch_kind == "batch13" else 12080
         return procs, version, attrs, int(self.context)
 

@@ -1,0 +1,1149 @@
+/* aiokv's native helper: the issuer thread, which makes a lane's driver calls after the
+ * submit that planned them has returned, and the tickets that say how far it got.
+ *
+ * ``Issuer.submit`` checks a program's rows (bad input raises InvalidSpec, nothing is
+ * queued), copies them and every buffer they name into one C allocation, queues it and
+ * returns a ``Ticket``: the caller's thread never waits for a driver call, and the thread
+ * never reads a Python object or takes the GIL. Programs run in submission order; a
+ * failing call stops its program, every stream it used is joined into its main stream
+ * (``rescue``) and its end event is recorded there behind them, as ``Table.enqueue`` does.
+ * A sticky CUresult (a dead context) fails every later program without a call. Doorbells
+ * asked for before a program ran (``Ticket.ring_fd``) are armed by the thread through the
+ * lane's waiter once it has run, so an await that began before the issue still wakes.
+ * See _native.h. */
+#include "_native.h"
+
+#include <stdatomic.h>
+#include <time.h>
+
+#define SPARES 8        /* program allocations kept for reuse */
+#define LAGS 4096       /* issue lags kept for statistics */
+#define MAX_BELLS 4     /* doorbells one ticket arms once run */
+#define MAX_STICKY 32
+
+enum { T_QUEUED, T_ISSUING, T_DONE };
+
+struct TicketState {
+    atomic_int refs;
+    atomic_llong rows_done;
+    atomic_int state;
+    IssuerState *issuer; /* retained: its lock and condition serve the waits */
+    Py_ssize_t nrows;
+    CUresult code;      /* of the row that failed (0: none), or AIOKV_CANCELLED */
+    int failed_op;      /* that row's opcode */
+    int end_failed;     /* the end was not recorded behind a failure (nothing covers it) */
+    int inline_run;     /* run on the submitting thread (the issuer was idle) */
+    uint64_t end;       /* the event the doorbells wait on */
+    double queued_at, started_at, finished_at;
+    int bells[MAX_BELLS];
+    int nbells;
+};
+
+struct IssuerState {
+    pthread_mutex_t mu;
+    pthread_cond_t work;     /* the thread waits here for programs */
+    pthread_cond_t progress; /* tickets' waiters wait here */
+    int refs, stop, cancel, paused, running, ready, sleeping, waiters, busy;
+    atomic_int queued, row_waiters;
+    pthread_t thread;
+    DriverTable d;
+    WaiterState *waiter;
+    Program *head, *tail;
+    Program *spares[SPARES];
+    int nspares;
+    int sticky[MAX_STICKY];
+    int nsticky;
+    CUresult broken; /* a sticky code seen: later programs fail with it, uncalled */
+    CUresult ctx_error;
+    long spin_ns;
+    unsigned long long issued, inlined, failed, cancelled, nlags;
+    double busy_seconds, cpu_seconds;
+    double lags[LAGS];
+};
+
+/* ---------------------------------------------------------------- program memory */
+
+static size_t
+align16(size_t n)
+{
+    return (n + 15) & ~(size_t)15;
+}
+
+/* An allocation for ``rows`` rows, ``nbuf`` buffer slots and ``data`` bytes of buffers:
+ * a spare one large enough, else a new one. NULL when out of memory. */
+Program *
+aiokv_program_new(IssuerState *st, Py_ssize_t rows, Py_ssize_t nbuf, size_t data)
+{
+    size_t need = align16((size_t)rows * WORDS * 8) + align16((size_t)(nbuf ? nbuf : 1) * sizeof(void *)) + data;
+    Program *p = NULL;
+    pthread_mutex_lock(&st->mu);
+    for (int i = 0; i < st->nspares; i++) {
+        if (st->spares[i]->cap >= need) {
+            p = st->spares[i];
+            st->spares[i] = st->spares[--st->nspares];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (p == NULL) {
+        size_t cap = need < 4096 ? 4096 : need;
+        p = malloc(sizeof(Program) + cap);
+        if (p == NULL)
+            return NULL;
+        p->cap = cap;
+    }
+    p->next = NULL;
+    p->ticket = NULL;
+    p->main = p->rescue = p->end = 0;
+    p->nrows = rows;
+    p->nbuf = nbuf;
+    p->rows = (uint64_t *)p->data;
+    p->bufs = (void **)(p->data + align16((size_t)rows * WORDS * 8));
+    p->used = align16((size_t)rows * WORDS * 8) + align16((size_t)(nbuf ? nbuf : 1) * sizeof(void *));
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        p->bufs[i] = NULL;
+    return p;
+}
+
+/* ``nbytes`` of the program's memory for buffer ``buf`` (16-byte aligned). */
+void *
+aiokv_program_alloc(Program *p, Py_ssize_t buf, size_t nbytes)
+{
+    void *at = p->data + p->used;
+    p->used += align16(nbytes ? nbytes : 1);
+    p->bufs[buf] = at;
+    return at;
+}
+
+/* Give a program's memory back: kept as a spare, or freed. Any thread. */
+void
+aiokv_program_drop(IssuerState *st, Program *p)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->nspares < SPARES) {
+        st->spares[st->nspares++] = p;
+        p = NULL;
+    } else { /* keep the larger ones: replace the smallest spare if this beats it */
+        int small = 0;
+        for (int i = 1; i < st->nspares; i++)
+            if (st->spares[i]->cap < st->spares[small]->cap)
+                small = i;
+        if (st->spares[small]->cap < p->cap) {
+            Program *q = st->spares[small];
+            st->spares[small] = p;
+            p = q;
+        }
+    }
+    pthread_mutex_unlock(&st->mu);
+    free(p);
+}
+
+/* ------------------------------------------------------------------ shared state */
+
+static void
+issuer_free(IssuerState *st)
+{
+    for (int i = 0; i < st->nspares; i++)
+        free(st->spares[i]);
+    if (st->waiter != NULL)
+        aiokv_waiter_release(st->waiter);
+    pthread_mutex_destroy(&st->mu);
+    pthread_cond_destroy(&st->work);
+    pthread_cond_destroy(&st->progress);
+    free(st);
+}
+
+static void
+issuer_release(IssuerState *st)
+{
+    pthread_mutex_lock(&st->mu);
+    int last = --st->refs == 0;
+    pthread_mutex_unlock(&st->mu);
+    if (last)
+        issuer_free(st);
+}
+
+static void
+ticket_release(TicketState *t)
+{
+    if (atomic_fetch_sub(&t->refs, 1) != 1)
+        return;
+    for (int i = 0; i < t->nbells; i++)
+        close(t->bells[i]);
+    issuer_release(t->issuer);
+    free(t);
+}
+
+static void
+deadline_after(double seconds, struct timespec *ts)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    double whole = (double)(long)seconds;
+    ts->tv_sec += (time_t)whole;
+    ts->tv_nsec += (long)((seconds - whole) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static int
+is_sticky(const IssuerState *st, CUresult code)
+{
+    for (int i = 0; i < st->nsticky; i++)
+        if (st->sticky[i] == code)
+            return 1;
+    return 0;
+}
+
+/* Ring a doorbell now: the poller wakes and looks for itself. */
+static void
+ring_now(int fd)
+{
+    ssize_t wrote = write(fd, "!", 1); /* a full pipe has a ring pending already */
+    (void)wrote;
+    close(fd);
+}
+
+/* ------------------------------------------------------------------ running one */
+
+static double
+thread_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Run ``p``'s rows (or none: ``refuse`` is the code it fails with), publishing progress.
+ * Called without the lock, by the thread or by a submit that found the issuer idle
+ * (``here``: no ticket of it can be waited on yet, so no broadcast is due). */
+static void
+run_program(IssuerState *st, Program *p, CUresult refuse, int here)
+{
+    TicketState *t = p->ticket;
+    t->started_at = aiokv_now();
+    atomic_store_explicit(&t->state, T_ISSUING, memory_order_release);
+    Py_ssize_t done = 0;
+    CUresult code = refuse;
+    if (refuse == 0) {
+        for (; done < p->nrows; done++) {
+            code = aiokv_run_op(&st->d, p->rows + done * WORDS, p->bufs);
+            if (code != 0)
+                break;
+            atomic_store_explicit(&t->rows_done, done + 1, memory_order_release);
+            if (!here && atomic_load_explicit(&st->row_waiters, memory_order_acquire) > 0) {
+                pthread_mutex_lock(&st->mu);
+                pthread_cond_broadcast(&st->progress);
+                pthread_mutex_unlock(&st->mu);
+            }
+        }
+        if (code != 0) {
+            t->failed_op = (int)p->rows[done * WORDS];
+            aiokv_rescue(&st->d, p->rows, done, p->main, p->rescue);
+            t->end_failed = 1;
+            if (p->end != 0 && st->d.procs[P_RECORD] != NULL)
+                t->end_failed = ((record_fn)st->d.procs[P_RECORD])((CUevent)(uintptr_t)p->end,
+                                                                   (CUstream)(uintptr_t)p->main) != 0;
+        }
+    } else {
+        t->end_failed = 1; /* nothing enqueued, nothing to wait for */
+    }
+    t->code = code;
+    t->finished_at = aiokv_now();
+}
+
+/* Under the lock: the ticket is final; its bells are handed back for arming (outside). */
+static int
+finish_program(IssuerState *st, Program *p, int *bells)
+{
+    TicketState *t = p->ticket;
+    if (t->code != 0 && t->code != AIOKV_CANCELLED && is_sticky(st, t->code) && st->broken == 0)
+        st->broken = t->code;
+    if (t->code == AIOKV_CANCELLED)
+        st->cancelled++;
+    else if (t->code != 0)
+        st->failed++;
+    st->issued++;
+    if (!t->inline_run) /* a program run at submit cost the thread nothing, and waited for nothing */
+        st->busy_seconds += t->finished_at - t->started_at;
+    st->lags[st->nlags++ % LAGS] = t->inline_run ? 0.0 : t->started_at - t->queued_at;
+    int n = t->nbells;
+    memcpy(bells, t->bells, sizeof t->bells);
+    t->nbells = 0;
+    atomic_store_explicit(&t->state, T_DONE, memory_order_release);
+    if (st->waiters > 0)
+        pthread_cond_broadcast(&st->progress);
+    return n;
+}
+
+/* Outside any lock: arm the bells asked for before the program ran behind its end event
+ * (ringing at once where that cannot be done: the poller then polls). */
+static void
+arm_bells(IssuerState *st, const TicketState *t, const int *bells, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int fd = bells[i];
+        if (st->waiter != NULL && t->end != 0 && !t->end_failed &&
+            aiokv_waiter_arm(st->waiter, (CUevent)(uintptr_t)t->end, fd) == 0)
+            continue;
+        ring_now(fd);
+    }
+}
+
+static void *
+issuer_main(void *arg)
+{
+    IssuerState *st = arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals stay with Python's threads */
+    CUresult r = 0;
+    if (st->d.procs[P_CTX_SET] != NULL)
+        r = ((ctx_set_fn)st->d.procs[P_CTX_SET])(st->d.context);
+    pthread_mutex_lock(&st->mu);
+    st->ctx_error = r;
+    st->ready = 1;
+    pthread_cond_broadcast(&st->progress);
+    int bells[MAX_BELLS];
+    for (;;) {
+        int spun = 0;
+        while (!((st->head != NULL && !st->paused && !st->busy) || (st->stop && st->head == NULL && !st->busy))) {
+            if (!spun && st->spin_ns > 0 && !st->paused && !st->stop) {
+                /* A short spin before sleeping: a submit right behind the last one is
+                 * picked up without a futex wake-up. The condition is looked at again
+                 * under the lock after it. */
+                spun = 1;
+                pthread_mutex_unlock(&st->mu);
+                double until = aiokv_now() + (double)st->spin_ns * 1e-9;
+                while (atomic_load_explicit(&st->queued, memory_order_acquire) == 0 && aiokv_now() < until)
+                    ;
+                pthread_mutex_lock(&st->mu);
+                continue;
+            }
+            st->sleeping = 1;
+            pthread_cond_wait(&st->work, &st->mu);
+            st->sleeping = 0;
+        }
+        if (st->head == NULL)
+            break; /* stopped, and everything queued has run */
+        Program *p = st->head;
+        st->head = p->next;
+        if (st->head == NULL)
+            st->tail = NULL;
+        atomic_fetch_sub(&st->queued, 1);
+        CUresult refuse = st->cancel ? AIOKV_CANCELLED : st->broken;
+        st->busy = 1;
+        pthread_mutex_unlock(&st->mu);
+        double cpu = thread_cpu();
+        run_program(st, p, refuse, 0);
+        cpu = thread_cpu() - cpu;
+        pthread_mutex_lock(&st->mu);
+        st->cpu_seconds += cpu;
+        st->busy = 0;
+        int n = finish_program(st, p, bells);
+        TicketState *t = p->ticket;
+        pthread_mutex_unlock(&st->mu);
+        arm_bells(st, t, bells, n);
+        ticket_release(t);
+        aiokv_program_drop(st, p);
+        pthread_mutex_lock(&st->mu);
+    }
+    st->running = 0;
+    pthread_cond_broadcast(&st->progress);
+    int last = --st->refs == 0;
+    pthread_mutex_unlock(&st->mu);
+    if (last)
+        issuer_free(st);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------ ticket */
+
+typedef struct {
+    PyObject_HEAD
+    TicketState *t;
+} TicketObject;
+
+/* Queue ``p`` (ticket made here): a new Ticket, or NULL with an error set (``p`` dropped).
+ * With ``run_here`` and nothing queued or running, the program runs on this thread now,
+ * holding the GIL (a tiny job: cheaper than handing it over). */
+static PyObject *
+queue_program(IssuerState *st, Program *p, int run_here)
+{
+    TicketState *t = calloc(1, sizeof(TicketState));
+    TicketObject *obj = t == NULL ? NULL : PyObject_New(TicketObject, &aiokv_TicketType);
+    if (obj == NULL) {
+        free(t);
+        aiokv_program_drop(st, p);
+        return t == NULL ? PyErr_NoMemory() : NULL;
+    }
+    atomic_init(&t->refs, 2); /* the Python object and the program */
+    atomic_init(&t->rows_done, 0);
+    atomic_init(&t->state, T_QUEUED);
+    t->nrows = p->nrows;
+    t->end = p->end;
+    t->issuer = st;
+    obj->t = t;
+    p->ticket = t;
+    pthread_mutex_lock(&st->mu);
+    st->refs++; /* the ticket's */
+    if (st->stop) {
+        pthread_mutex_unlock(&st->mu);
+        Py_DECREF(obj); /* releases the ticket's ref of the issuer too */
+        ticket_release(t);
+        aiokv_program_drop(st, p);
+        PyErr_SetString(aiokv_closed_error ? aiokv_closed_error : PyExc_ValueError,
+                        "this lane is closed; create a new worker to transfer more");
+        return NULL;
+    }
+    if (run_here && st->head == NULL && !st->busy && !st->paused) {
+        /* ``busy`` keeps the thread from starting anything queued meanwhile; the lock is
+         * not held across the driver calls. */
+        CUresult refuse = st->cancel ? AIOKV_CANCELLED : st->broken;
+        st->busy = 1;
+        t->queued_at = aiokv_now();
+        t->inline_run = 1;
+        pthread_mutex_unlock(&st->mu);
+        run_program(st, p, refuse, 1);
+        pthread_mutex_lock(&st->mu);
+        st->busy = 0;
+        int bells[MAX_BELLS];
+        int n = finish_program(st, p, bells); /* none: nobody held the ticket yet */
+        st->inlined++;
+        if ((st->head != NULL || st->stop) && st->sleeping) /* what waited for this run */
+            pthread_cond_signal(&st->work);
+        pthread_mutex_unlock(&st->mu);
+        for (int i = 0; i < n; i++)
+            ring_now(bells[i]);
+        ticket_release(t);
+        aiokv_program_drop(st, p);
+        return (PyObject *)obj;
+    }
+    if (st->tail != NULL)
+        st->tail->next = p;
+    else
+        st->head = p;
+    st->tail = p;
+    atomic_fetch_add(&st->queued, 1);
+    t->queued_at = aiokv_now();
+    if (st->sleeping)
+        pthread_cond_signal(&st->work);
+    pthread_mutex_unlock(&st->mu);
+    return (PyObject *)obj;
+}
+
+PyObject *
+aiokv_issuer_queue(IssuerState *st, Program *p, int run_here)
+{
+    return queue_program(st, p, run_here);
+}
+
+const DriverTable *
+aiokv_issuer_table(IssuerState *st)
+{
+    return &st->d;
+}
+
+/* Block (GIL released) until ``n`` rows ran (n < 0: the program is over) or it is over,
+ * or ``timeout`` seconds (< 0: none) passed. True once the condition holds. */
+static int
+ticket_wait(TicketState *t, long long n, double timeout)
+{
+    IssuerState *st = t->issuer;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec deadline;
+    if (timeout >= 0)
+        deadline_after(timeout, &deadline);
+    pthread_mutex_lock(&st->mu);
+    st->waiters++;
+    if (n >= 0)
+        atomic_fetch_add(&st->row_waiters, 1);
+    for (;;) {
+        int over = atomic_load_explicit(&t->state, memory_order_acquire) == T_DONE;
+        ok = over || (n >= 0 && atomic_load_explicit(&t->rows_done, memory_order_acquire) >= n);
+        if (ok)
+            break;
+        if (timeout < 0)
+            pthread_cond_wait(&st->progress, &st->mu);
+        else if (pthread_cond_timedwait(&st->progress, &st->mu, &deadline) == ETIMEDOUT)
+            break;
+    }
+    if (n >= 0)
+        atomic_fetch_sub(&st->row_waiters, 1);
+    st->waiters--;
+    pthread_mutex_unlock(&st->mu);
+    Py_END_ALLOW_THREADS
+    if (ok && n >= 0)
+        ok = atomic_load_explicit(&t->rows_done, memory_order_acquire) >= n;
+    return ok;
+}
+
+static int
+parse_timeout(PyObject *arg, double *timeout)
+{
+    *timeout = -1.0;
+    if (arg == NULL || arg == Py_None)
+        return 0;
+    *timeout = PyFloat_AsDouble(arg);
+    if (*timeout == -1.0 && PyErr_Occurred())
+        return -1;
+    if (*timeout < 0)
+        *timeout = 0;
+    return 0;
+}
+
+PyDoc_STRVAR(ticket_wait_doc,
+"wait(timeout=None) -> bool\n\nBlock, the GIL released, until the program has been issued (every\n"
+"row ran, or one failed, or it was refused); False if ``timeout`` seconds passed first.");
+
+static PyObject *
+Ticket_wait(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double timeout;
+    if (nargs > 1)
+        return PyErr_Format(PyExc_TypeError, "wait takes at most one argument");
+    if (parse_timeout(nargs ? args[0] : NULL, &timeout) < 0)
+        return NULL;
+    if (atomic_load_explicit(&self->t->state, memory_order_acquire) == T_DONE)
+        Py_RETURN_TRUE;
+    return PyBool_FromLong(ticket_wait(self->t, -1, timeout));
+}
+
+PyDoc_STRVAR(ticket_wait_rows_doc,
+"wait_rows(n, timeout=None) -> bool\n\nBlock, the GIL released, until at least ``n`` rows have run;\n"
+"False if ``timeout`` seconds passed first or the program ended short of them (a failure).");
+
+static PyObject *
+Ticket_wait_rows(TicketObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double timeout;
+    if (nargs < 1 || nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "wait_rows takes n and an optional timeout");
+    long long n = PyLong_AsLongLong(args[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (parse_timeout(nargs > 1 ? args[1] : NULL, &timeout) < 0)
+        return NULL;
+    if (n <= 0 || atomic_load_explicit(&self->t->rows_done, memory_order_acquire) >= n)
+        Py_RETURN_TRUE;
+    return PyBool_FromLong(ticket_wait(self->t, n, timeout));
+}
+
+PyDoc_STRVAR(ticket_result_doc,
+"result() -> (rows_done, cuda_result, failed_op, end_recorded) | None\n\nNone until the program\n"
+"has been issued. ``cuda_result`` is 0, the CUresult of the row that failed (its opcode is\n"
+"``failed_op``), or CANCELLED (the issuer closed before it ran). ``end_recorded``: after a\n"
+"failure, whether the end event was recorded behind what was enqueued.");
+
+static PyObject *
+Ticket_result(TicketObject *self, PyObject *unused)
+{
+    TicketState *t = self->t;
+    if (atomic_load_explicit(&t->state, memory_order_acquire) != T_DONE)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(LiiO)", (long long)atomic_load(&t->rows_done), t->code, t->failed_op,
+                         t->code != 0 && t->end_failed ? Py_False : Py_True);
+}
+
+PyDoc_STRVAR(ticket_ring_doc,
+"ring_fd(fd) -> bool\n\nTrue: the program has not been issued yet, and the issuer thread will arm a\n"
+"ring of ``fd`` (a dup of it, taken now) behind the ticket's end event once it has, or ring it\n"
+"at once if it cannot. False: it has been issued already; the caller arms the ring itself.");
+
+static PyObject *
+Ticket_ring_fd(TicketObject *self, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0)
+        return aiokv_bad_input("ring_fd: a negative file descriptor");
+    TicketState *t = self->t;
+    IssuerState *st = t->issuer;
+    if (atomic_load_explicit(&t->state, memory_order_acquire) == T_DONE)
+        Py_RETURN_FALSE;
+    pthread_mutex_lock(&st->mu);
+    int stashed = 0;
+    if (atomic_load_explicit(&t->state, memory_order_acquire) != T_DONE && t->nbells < MAX_BELLS) {
+        int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (dup < 0) {
+            pthread_mutex_unlock(&st->mu);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        t->bells[t->nbells++] = dup;
+        stashed = 1;
+    }
+    int done = atomic_load_explicit(&t->state, memory_order_acquire) == T_DONE;
+    pthread_mutex_unlock(&st->mu);
+    if (!stashed && !done)
+        return aiokv_bad_input("ring_fd: %d doorbells already wait on this ticket", MAX_BELLS);
+    return PyBool_FromLong(stashed);
+}
+
+static PyObject *
+Ticket_get_rows_done(TicketObject *self, void *unused)
+{
+    return PyLong_FromLongLong(atomic_load_explicit(&self->t->rows_done, memory_order_acquire));
+}
+
+static PyObject *
+Ticket_get_issued(TicketObject *self, void *unused)
+{
+    return PyBool_FromLong(atomic_load_explicit(&self->t->state, memory_order_acquire) == T_DONE);
+}
+
+static PyObject *
+Ticket_get_rows(TicketObject *self, void *unused)
+{
+    return PyLong_FromSsize_t(self->t->nrows);
+}
+
+static PyObject *
+Ticket_get_queued_at(TicketObject *self, void *unused)
+{
+    return PyFloat_FromDouble(self->t->queued_at);
+}
+
+static PyObject *
+Ticket_get_started_at(TicketObject *self, void *unused)
+{
+    if (atomic_load_explicit(&self->t->state, memory_order_acquire) == T_QUEUED)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->t->started_at);
+}
+
+static PyObject *
+Ticket_get_finished_at(TicketObject *self, void *unused)
+{
+    if (atomic_load_explicit(&self->t->state, memory_order_acquire) != T_DONE)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->t->finished_at);
+}
+
+static PyObject *
+Ticket_get_inline(TicketObject *self, void *unused)
+{
+    return PyBool_FromLong(self->t->inline_run);
+}
+
+static void
+Ticket_dealloc(TicketObject *self)
+{
+    if (self->t != NULL)
+        ticket_release(self->t);
+    PyObject_Free(self);
+}
+
+static PyMethodDef Ticket_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))Ticket_wait, METH_FASTCALL, ticket_wait_doc},
+    {"wait_rows", (PyCFunction)(void (*)(void))Ticket_wait_rows, METH_FASTCALL, ticket_wait_rows_doc},
+    {"result", (PyCFunction)Ticket_result, METH_NOARGS, ticket_result_doc},
+    {"ring_fd", (PyCFunction)Ticket_ring_fd, METH_O, ticket_ring_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ticket_getset[] = {
+    {"rows_done", (getter)Ticket_get_rows_done, NULL, "rows run so far (an atomic read: never blocks)", NULL},
+    {"issued", (getter)Ticket_get_issued, NULL, "whether the program is over on the issuer", NULL},
+    {"rows", (getter)Ticket_get_rows, NULL, "the program's rows", NULL},
+    {"queued_at", (getter)Ticket_get_queued_at, NULL, "CLOCK_MONOTONIC seconds the submit returned at", NULL},
+    {"started_at", (getter)Ticket_get_started_at, NULL,
+     "CLOCK_MONOTONIC seconds just before its first driver call (None: not started)", NULL},
+    {"finished_at", (getter)Ticket_get_finished_at, NULL, "CLOCK_MONOTONIC seconds it ended at", NULL},
+    {"inline", (getter)Ticket_get_inline, NULL, "run on the submitting thread (the issuer was idle)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject aiokv_TicketType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "aiokv.backends.cuda._native.Ticket",
+    .tp_basicsize = sizeof(TicketObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One program handed to an issuer: how far it got, and its result once issued.",
+    .tp_dealloc = (destructor)Ticket_dealloc,
+    .tp_methods = Ticket_methods,
+    .tp_getset = Ticket_getset,
+};
+
+/* ------------------------------------------------------------------------ issuer */
+
+typedef struct {
+    PyObject_HEAD
+    IssuerState *st;
+    int closed;
+} IssuerObject;
+
+IssuerState *
+aiokv_issuer_state(PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, &aiokv_IssuerType)) {
+        PyErr_SetString(PyExc_TypeError, "expected a _native.Issuer");
+        return NULL;
+    }
+    IssuerObject *is = (IssuerObject *)obj;
+    if (is->st == NULL || is->closed) {
+        PyErr_SetString(aiokv_closed_error ? aiokv_closed_error : PyExc_ValueError,
+                        "this lane is closed; create a new worker to transfer more");
+        return NULL;
+    }
+    return is->st;
+}
+
+static int
+Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"table", "waiter", "sticky", "spin_us", NULL};
+    TableObject *table;
+    PyObject *waiter = Py_None, *sticky = NULL;
+    double spin_us = 0;
+    if (self->st != NULL || self->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "an Issuer is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOd", kwlist, &aiokv_TableType, &table, &waiter, &sticky,
+                                     &spin_us))
+        return -1;
+    if (spin_us < 0 || spin_us > 10000) {
+        aiokv_bad_input("spin_us must be 0-10000, got %d", (int)spin_us);
+        return -1;
+    }
+    WaiterState *ws = NULL;
+    if (waiter != Py_None && (ws = aiokv_waiter_state(waiter)) == NULL)
+        return -1;
+    IssuerState *st = calloc(1, sizeof(IssuerState));
+    if (st == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (sticky != NULL && sticky != Py_None) {
+        PyObject *fast = PySequence_Fast(sticky, "sticky must be a sequence of CUresult codes");
+        if (fast == NULL) {
+            free(st);
+            return -1;
+        }
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+        for (Py_ssize_t i = 0; i < n && st->nsticky < MAX_STICKY; i++) {
+            long c = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+            if (c == -1 && PyErr_Occurred()) {
+                Py_DECREF(fast);
+                free(st);
+                return -1;
+            }
+            st->sticky[st->nsticky++] = (int)c;
+        }
+        Py_DECREF(fast);
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&st->mu, NULL);
+    pthread_cond_init(&st->work, NULL);
+    pthread_cond_init(&st->progress, &ca);
+    pthread_condattr_destroy(&ca);
+    atomic_init(&st->queued, 0);
+    atomic_init(&st->row_waiters, 0);
+    st->d = table->d;
+    st->spin_ns = (long)(spin_us * 1000);
+    st->refs = 2; /* this object and the thread */
+    st->running = 1;
+    if (ws != NULL) {
+        aiokv_waiter_retain(ws);
+        st->waiter = ws;
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = pthread_create(&st->thread, NULL, issuer_main, st);
+    if (err == 0) { /* wait until the thread has its context (or failed to get it) */
+        pthread_mutex_lock(&st->mu);
+        while (!st->ready)
+            pthread_cond_wait(&st->progress, &st->mu);
+        pthread_mutex_unlock(&st->mu);
+    }
+    Py_END_ALLOW_THREADS
+    if (err != 0) {
+        issuer_free(st);
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->st = st;
+    return 0;
+}
+
+/* The program's rows: a list of ints (Program.words) or a buffer of 8-byte ints. */
+static Py_ssize_t
+count_rows(PyObject *ops)
+{
+    if (PyList_Check(ops)) {
+        Py_ssize_t n = PyList_GET_SIZE(ops);
+        if (n % WORDS != 0) {
+            aiokv_bad_input("ops must be rows of %d 8-byte integers", WORDS);
+            return -1;
+        }
+        return n / WORDS;
+    }
+    Py_buffer v;
+    if (aiokv_get_view(ops, &v, "ops", -1) < 0)
+        return -1;
+    Py_ssize_t n = -1;
+    if (aiokv_is_words(&v) && (v.len / 8) % WORDS == 0)
+        n = v.len / 8 / WORDS;
+    else
+        aiokv_bad_input("ops must be rows of %d 8-byte integers", WORDS);
+    PyBuffer_Release(&v);
+    return n;
+}
+
+static int
+fill_rows(PyObject *ops, uint64_t *rows, Py_ssize_t n)
+{
+    if (PyList_Check(ops)) {
+        for (Py_ssize_t i = 0; i < n * WORDS; i++) {
+            PyObject *item = PyList_GET_ITEM(ops, i);
+            unsigned long long v = PyLong_AsUnsignedLongLong(item);
+            if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_OverflowError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+                    return -1;
+                PyErr_Clear();
+                aiokv_bad_input("ops word %zd is not an unsigned 64-bit integer", i);
+                return -1;
+            }
+            rows[i] = v;
+        }
+        return 0;
+    }
+    Py_buffer v;
+    if (aiokv_get_view(ops, &v, "ops", -1) < 0)
+        return -1;
+    memcpy(rows, v.buf, (size_t)n * WORDS * 8);
+    PyBuffer_Release(&v);
+    return 0;
+}
+
+PyDoc_STRVAR(submit_doc,
+"submit(ops, buffers, main, rescue, end, run_here=False) -> Ticket\n\n"
+"Check a program (as ``Table.enqueue`` does: bad input raises InvalidSpec and queues\n"
+"nothing), copy its rows (a list of ints or a buffer of 8-byte ints, 8 per row) and every\n"
+"buffer of the tuple ``buffers`` into C memory, and queue it; returns at once, never\n"
+"waiting for a driver call. After a failing row the thread joins the program's streams into\n"
+"``main`` through ``rescue`` and records ``end`` (non-zero) on ``main``. ``run_here``: run it\n"
+"on this thread now, holding the GIL, if nothing is queued or running (a tiny job).");
+
+static PyObject *
+Issuer_submit(IssuerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"ops", "buffers", "main", "rescue", "end", "run_here", NULL};
+    PyObject *ops, *buffers;
+    unsigned long long main_stream, rescue, end;
+    int run_here = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!KKK|p", kwlist, &ops, &PyTuple_Type, &buffers,
+                                     &main_stream, &rescue, &end, &run_here))
+        return NULL;
+    IssuerState *st = aiokv_issuer_state((PyObject *)self);
+    if (st == NULL)
+        return NULL;
+    if (rescue == 0)
+        return aiokv_bad_input("the rescue event must not be null");
+    Py_ssize_t rows = count_rows(ops);
+    if (rows < 0)
+        return NULL;
+    Py_ssize_t nbuf = PyTuple_GET_SIZE(buffers);
+    Py_buffer small[8];
+    Py_buffer *views = nbuf <= 8 ? small : PyMem_Calloc(nbuf, sizeof(Py_buffer));
+    if (views == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t got = 0;
+    size_t data = 0;
+    Program *p = NULL;
+    PyObject *ticket = NULL;
+    for (; got < nbuf; got++) {
+        if (aiokv_get_view(PyTuple_GET_ITEM(buffers, got), &views[got], "buffer", got) < 0)
+            goto done;
+        data += align16(views[got].len ? (size_t)views[got].len : 1);
+    }
+    p = aiokv_program_new(st, rows, nbuf, data);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (fill_rows(ops, p->rows, rows) < 0 || aiokv_check_program(&st->d, p->rows, rows, views, nbuf) < 0) {
+        aiokv_program_drop(st, p);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        memcpy(aiokv_program_alloc(p, i, (size_t)views[i].len), views[i].buf, (size_t)views[i].len);
+    p->main = main_stream;
+    p->rescue = rescue;
+    p->end = end;
+    ticket = queue_program(st, p, run_here);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    if (views != small)
+        PyMem_Free(views);
+    return ticket;
+}
+
+PyDoc_STRVAR(pause_doc,
+"pause()\n\nStop picking up programs (one already running ends first); submits still queue. For\n"
+"tests that need a program to stay queued.");
+
+static PyObject *
+Issuer_pause(IssuerObject *self, PyObject *unused)
+{
+    IssuerState *st = aiokv_issuer_state((PyObject *)self);
+    if (st == NULL)
+        return NULL;
+    pthread_mutex_lock(&st->mu);
+    st->paused = 1;
+    pthread_mutex_unlock(&st->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Issuer_resume(IssuerObject *self, PyObject *unused)
+{
+    IssuerState *st = aiokv_issuer_state((PyObject *)self);
+    if (st == NULL)
+        return NULL;
+    pthread_mutex_lock(&st->mu);
+    st->paused = 0;
+    pthread_cond_signal(&st->work);
+    pthread_mutex_unlock(&st->mu);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(drain_doc,
+"drain(timeout=None) -> bool\n\nBlock, the GIL released, until nothing is queued or running;\n"
+"False if ``timeout`` seconds passed first.");
+
+static PyObject *
+Issuer_drain(IssuerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double timeout;
+    if (nargs > 1)
+        return PyErr_Format(PyExc_TypeError, "drain takes at most one argument");
+    if (parse_timeout(nargs ? args[0] : NULL, &timeout) < 0)
+        return NULL;
+    IssuerState *st = aiokv_issuer_state((PyObject *)self);
+    if (st == NULL)
+        return NULL;
+    int idle;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec deadline;
+    if (timeout >= 0)
+        deadline_after(timeout, &deadline);
+    pthread_mutex_lock(&st->mu);
+    st->waiters++;
+    for (;;) {
+        idle = st->head == NULL && !st->busy;
+        if (idle || !st->running)
+            break;
+        if (timeout < 0)
+            pthread_cond_wait(&st->progress, &st->mu);
+        else if (pthread_cond_timedwait(&st->progress, &st->mu, &deadline) == ETIMEDOUT)
+            break;
+    }
+    st->waiters--;
+    pthread_mutex_unlock(&st->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(idle);
+}
+
+PyDoc_STRVAR(close_doc,
+"close(timeout=10.0) -> bool\n\nLet the thread issue what is queued (for at most ``timeout``\n"
+"seconds; what is still queued then fails with CANCELLED, uncalled) and join it. False if\n"
+"the thread did not end within a second after that (it is left to end by itself).\n"
+"Idempotent.");
+
+static PyObject *
+Issuer_close(IssuerObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double timeout = 10.0;
+    if (nargs > 1)
+        return PyErr_Format(PyExc_TypeError, "close takes at most one argument");
+    if (nargs && parse_timeout(args[0], &timeout) < 0)
+        return NULL;
+    if (timeout < 0)
+        timeout = 10.0;
+    IssuerState *st = self->st;
+    if (st == NULL || self->closed)
+        Py_RETURN_TRUE;
+    self->closed = 1;
+    int ended = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&st->mu);
+    st->stop = 1;
+    st->paused = 0;
+    pthread_cond_signal(&st->work);
+    struct timespec deadline;
+    deadline_after(timeout, &deadline);
+    st->waiters++;
+    while (st->running && pthread_cond_timedwait(&st->progress, &st->mu, &deadline) != ETIMEDOUT)
+        ;
+    if (st->running) { /* past the bound: what is still queued fails, uncalled */
+        st->cancel = 1;
+        pthread_cond_signal(&st->work);
+        deadline_after(1.0, &deadline);
+        while (st->running && pthread_cond_timedwait(&st->progress, &st->mu, &deadline) != ETIMEDOUT)
+            ;
+    }
+    st->waiters--;
+    ended = !st->running;
+    pthread_mutex_unlock(&st->mu);
+    if (ended)
+        pthread_join(st->thread, NULL);
+    else
+        pthread_detach(st->thread); /* stuck in a driver call: it lets go of its share itself */
+    Py_END_ALLOW_THREADS
+    self->st = NULL;
+    issuer_release(st);
+    return PyBool_FromLong(ended);
+}
+
+static void
+issuer_abandon(IssuerObject *self)
+{
+    IssuerState *st = self->st;
+    if (st == NULL || self->closed)
+        return;
+    self->closed = 1;
+    pthread_mutex_lock(&st->mu);
+    st->stop = 1;
+    st->cancel = 1; /* nobody waits for them: queued programs are not run */
+    st->paused = 0;
+    pthread_cond_signal(&st->work);
+    pthread_mutex_unlock(&st->mu);
+    pthread_detach(st->thread);
+    self->st = NULL;
+    issuer_release(st);
+}
+
+PyDoc_STRVAR(abandon_doc,
+"abandon()\n\nStop without waiting (a worker dropped unclosed): a program running ends, what is\n"
+"queued fails with CANCELLED, uncalled, and the thread ends by itself.");
+
+static PyObject *
+Issuer_abandon(IssuerObject *self, PyObject *unused)
+{
+    issuer_abandon(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_broken_doc,
+"set_broken(code)\n\nA sticky CUresult seen elsewhere: every program not yet run fails with it,\n"
+"uncalled.");
+
+static PyObject *
+Issuer_set_broken(IssuerObject *self, PyObject *arg)
+{
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred())
+        return NULL;
+    IssuerState *st = self->st;
+    if (st != NULL && code != 0) {
+        pthread_mutex_lock(&st->mu);
+        if (st->broken == 0)
+            st->broken = (CUresult)code;
+        pthread_mutex_unlock(&st->mu);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(stats_doc,
+"stats() -> dict\n\nPrograms issued (by the thread, or run at submit: ``inline``), failed and\n"
+"cancelled, queued now, seconds spent issuing and the thread's CPU seconds, the sticky\n"
+"code seen (``broken``), the context error at start, and whether the thread runs.");
+
+static PyObject *
+Issuer_stats(IssuerObject *self, PyObject *unused)
+{
+    IssuerState *st = self->st;
+    if (st == NULL)
+        return Py_BuildValue("{s:O}", "running", Py_False);
+    pthread_mutex_lock(&st->mu);
+    unsigned long long issued = st->issued, inlined = st->inlined, failed = st->failed,
+                       cancelled = st->cancelled;
+    double busy = st->busy_seconds, cpu = st->cpu_seconds;
+    int queued = atomic_load(&st->queued), running = st->running, broken = st->broken, ctx = st->ctx_error;
+    pthread_mutex_unlock(&st->mu);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:i,s:d,s:d,s:i,s:i,s:O}", "issued", issued, "inline", inlined,
+                         "failed", failed, "cancelled", cancelled, "queued", queued, "busy_seconds", busy,
+                         "cpu_seconds", cpu, "broken", broken, "context_error", ctx, "running",
+                         running ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(lags_doc,
+"lags() -> list[float]\n\nFor the latest programs (up to 4096, oldest first): seconds from the\n"
+"submit's return to the thread's first driver call for it, by the thread's monotonic clock\n"
+"(0 for a program run at submit).");
+
+static PyObject *
+Issuer_lags(IssuerObject *self, PyObject *unused)
+{
+    IssuerState *st = self->st;
+    if (st == NULL)
+        return PyList_New(0);
+    pthread_mutex_lock(&st->mu);
+    unsigned long long n = st->nlags < LAGS ? st->nlags : LAGS, first = st->nlags - n;
+    double *copy = malloc((n ? n : 1) * sizeof(double));
+    if (copy != NULL)
+        for (unsigned long long i = 0; i < n; i++)
+            copy[i] = st->lags[(first + i) % LAGS];
+    pthread_mutex_unlock(&st->mu);
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (unsigned long long i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyFloat_FromDouble(copy[i] < 0 ? 0 : copy[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    free(copy);
+    return out;
+}
+
+static void
+Issuer_dealloc(IssuerObject *self)
+{
+    issuer_abandon(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Issuer_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))Issuer_submit, METH_VARARGS | METH_KEYWORDS, submit_doc},
+    {"pause", (PyCFunction)Issuer_pause, METH_NOARGS, pause_doc},
+    {"resume", (PyCFunction)Issuer_resume, METH_NOARGS, "resume()\n\nUndo ``pause``."},
+    {"drain", (PyCFunction)(void (*)(void))Issuer_drain, METH_FASTCALL, drain_doc},
+    {"close", (PyCFunction)(void (*)(void))Issuer_close, METH_FASTCALL, close_doc},
+    {"abandon", (PyCFunction)Issuer_abandon, METH_NOARGS, abandon_doc},
+    {"set_broken", (PyCFunction)Issuer_set_broken, METH_O, set_broken_doc},
+    {"stats", (PyCFunction)Issuer_stats, METH_NOARGS, stats_doc},
+    {"lags", (PyCFunction)Issuer_lags, METH_NOARGS, lags_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Issuer_doc,
+"Issuer(table, waiter=None, sticky=(), spin_us=0)\n\n"
+"A thread that runs submitted programs in order without the GIL (see ``submit``). It makes\n"
+"the table's context current first. ``waiter``: the lane's ``Waiter``, through which it arms\n"
+"the doorbells asked for before a program ran. ``sticky``: CUresults after which every\n"
+"later program fails uncalled. ``spin_us``: how long the idle thread looks for a next\n"
+"program before it sleeps.");
+
+PyTypeObject aiokv_IssuerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "aiokv.backends.cuda._native.Issuer",
+    .tp_basicsize = sizeof(IssuerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Issuer_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Issuer_init,
+    .tp_dealloc = (destructor)Issuer_dealloc,
+    .tp_methods = Issuer_methods,
+};

@@ -1,0 +1,70 @@
+"""A layerwise load whose enqueue goes from the lane's issuer thread (``CudaLayerRun``):
+each layer is marked enqueued as soon as its record is, on the native path too, so a gate
+on an early layer never waits for the job's later layers to be handed to the device."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from aiokv.backends.base import StallMeter
+from aiokv.backends.cuda import layer_copies as copies_mod
+from aiokv.specs import Direction
+
+from .test_cuda_lane import hold
+from .test_cuda_layers import CONSUMER, LAYERS, MAIN, LogDriver, kv_plan, layer_events, make_lane, native_only
+
+
+def until(check: object, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_a_load_queued_behind_other_work_marks_each_layer_as_it_is_enqueued(
+        recorded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issuer is busy when the load is submitted, so all of it goes from the issuer
+    thread. Layer 2's copies then take long in the driver: layers 0 and 1 are marked
+    before that, and a gate on layer 0 goes through, waiting on layer 0's event alone.
+    (Several loads submitted in one engine step: every one after the first is such a load,
+    and on a driver without 2-D batches a layer is thousands of descriptors.)"""
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded, issue_thread=True)
+    if recorded:
+        fake.hold["cuMemcpyBatchAsync"] = (3, drv.release)
+    else:
+        drv.hold_batch = 3
+    busy = hold(lane)
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+        assert not run.enqueued(0)
+        busy.set()
+        assert until(lambda: run.enqueued(1)), "layers 0 and 1 unmarked while layer 2 is enqueued"
+        assert not run.enqueued(2)
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(0, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(5)
+        assert result == [True], "a gate on layer 0 waited for the job's later layers"
+        assert ("wait", CONSUMER, layer_events(run)[0]) in drv.calls
+        drv.release.set()
+        assert lane.issuer is not None and lane.issuer.drain(10)
+        assert all(run.enqueued(i) for i in range(LAYERS))
+        if recorded:
+            records = [c[1] for c in fake.calls if c[0] == "cuEventRecord"]
+        else:
+            records = [c[1] for c in drv.calls if c[0] == "record" and c[2] == MAIN]
+        job = run.completion._events
+        assert records[-1] == job.stop and records.index(job.start) < records.index(layer_events(run)[0])
+    finally:
+        busy.set()
+        drv.release.set()
+        lane.close()

@@ -1,0 +1,147 @@
+"""A CUDA lane on the native path, on a fake driver (no GPU): the caller records the
+dependency and the job's program, the lane's issuer thread makes the calls; bad rows raise
+at submit with everything given back; a failure part way fails the job once its end is
+recorded behind what was enqueued; doorbells are rung by the waiter thread; and a job
+submitted while a layerwise load's later layers are still with a Python issuer thread
+reaches the native issuer behind them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from aiokv.backends.cuda import native
+from aiokv.backends.cuda.lane import CudaLane, Dependency
+from aiokv.doorbell import Doorbell
+from aiokv.errors import CudaCallFailed, InvalidSpec
+from aiokv.specs import Direction
+
+from .native_fakes import FakeTable
+from .test_cuda_lane import LONG, FakeDriver, FakeStrategy, hold, plan
+
+pytestmark = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
+
+
+def make_native_lane() -> tuple[CudaLane, FakeDriver, Any, Any]:
+    driver = FakeDriver()
+    fake = FakeTable(target=driver)
+    rec = fake.recorder(driver, 0, 0)
+    strategy = FakeStrategy(rec)  # type: ignore[arg-type]
+    strategy.main_stream = 0x40
+    lane = CudaLane(driver, Direction.STORE, strategy, recorder=rec, table=fake.table)  # type: ignore[arg-type]
+    return lane, driver, fake, rec
+
+
+def test_the_dependency_is_recorded_at_submit_and_the_program_runs_on_the_issuer() -> None:
+    """The caller's stream records the dependency on the caller's thread, at submit (the
+    caller may go on to enqueue more work there at once); the job's own calls wait for the
+    issuer thread."""
+    lane, driver, fake, rec = make_native_lane()
+    gate = hold(lane)
+    try:
+        c = lane.launch(plan(1024), Dependency(0xD1, stream=0x5))  # not recorded yet
+        events = c._events
+        assert events is not None
+        assert 0xD1 in driver.recorded and fake.calls == [], "a call of the job was made at submit"
+        assert not c.query()
+        gate.set()
+        assert c.wait(10) and c.error is None
+        assert fake.calls == [("cuEventRecord", events.start, 0x40), ("cuEventRecord", events.stop, 0x40)]
+        assert rec.calls == 1 and driver.given_sync == [0xD1]
+        assert threading.current_thread().name not in {c[0] for c in fake.threads}
+    finally:
+        gate.set()
+        lane.close()
+
+
+def test_a_program_refused_as_bad_input_raises_at_submit_and_gives_everything_back() -> None:
+    lane, driver, fake, _ = make_native_lane()
+    orig = lane._strategy.enqueue
+
+    def null_event(prepared: Any, dependency: Any, start: Any, stop: Any, **kw: Any) -> None:
+        orig(prepared, dependency, 0, stop, **kw)  # a null event: the helper refuses it
+
+    lane._strategy.enqueue = null_event  # type: ignore[method-assign]
+    with pytest.raises(InvalidSpec, match="null event"):
+        lane.launch(plan(1024), Dependency(0xD1, stream=0x5))
+    assert fake.calls == [] and len(driver.given_jobs) == 1 and driver.given_sync == [0xD1]
+    lane.close()
+
+
+@pytest.mark.parametrize("how", ["driver", "strategy"])
+@pytest.mark.parametrize("size", [1024, LONG])
+def test_a_native_job_that_fails_part_way_fails_once_its_end_is_recorded(how: str, size: int) -> None:
+    """A driver call failing on the issuer thread, or the strategy raising while it was
+    recorded (what it recorded is enqueued, as the Python path would have): the job is
+    failed, not raised, and its end is recorded on the main stream behind that part."""
+    lane, driver, fake, _ = make_native_lane()
+    if how == "driver":
+        fake.fail["cuEventRecord"] = (2, 2)  # the stop record
+    else:
+        lane._strategy.fail_enqueue = RuntimeError("strategy broke")
+    c = lane.launch(plan(size), None)
+    events = c._events
+    assert events is not None
+    assert c.wait(10) and c.error is not None
+    assert isinstance(c.error, CudaCallFailed if how == "driver" else RuntimeError)
+    assert ("cuEventRecord", events.start, 0x40) in fake.calls
+    assert events.stop in driver.recorded, "the failed job's end was not recorded behind it"
+    lane.close()
+
+
+def test_a_native_lanes_doorbells_are_rung_by_its_waiter_thread() -> None:
+    lane, driver, _, _ = make_native_lane()
+    bell = Doorbell()
+    try:
+        c = lane.launch(plan(1024), None)
+        assert c.ring_when_done(bell) is True
+        assert driver.armed == [], "the host-function ring was used instead of the waiter"
+        deadline = time.monotonic() + 10
+        while not bell.drain():
+            assert time.monotonic() < deadline, "the waiter never rang"
+            time.sleep(0.001)
+        assert lane.waiter is not None and lane.waiter.stats()["rung"] == 1
+    finally:
+        lane.close()
+        bell.close()
+    assert lane.waiter.stats()["running"] is False
+
+
+def test_a_job_behind_a_python_issuers_work_is_handed_over_from_there_in_order() -> None:
+    """A layerwise load handed its later layers to a Python issuer thread (``layer_issuer``):
+    a job submitted while that thread still holds them records its dependency now, but its
+    program reaches the native issuer only after them; a bell asked for meanwhile rings."""
+    lane, driver, fake, _ = make_native_lane()
+    issuer = lane.layer_issuer()
+    gate, held = threading.Event(), threading.Event()
+
+    def tail() -> None:  # what a load's later layers would be
+        held.set()
+        gate.wait(10)
+        driver.record(0xAA, 0x40)
+
+    issuer.run(tail, defer=True)
+    assert held.wait(10)
+    bell = Doorbell()
+    try:
+        c = lane.launch(plan(1024), Dependency(0xD1, stream=0x5))
+        events = c._events
+        assert 0xD1 in driver.recorded and fake.calls == []  # the dependency now, nothing else
+        assert not c.query() and c.ring_when_done(bell) is True
+        gate.set()
+        assert c.wait(10) and c.error is None
+        assert events is not None and 0xAA in driver.recorded
+        assert fake.calls[:2] == [("cuEventRecord", events.start, 0x40), ("cuEventRecord", events.stop, 0x40)]
+        deadline = time.monotonic() + 10
+        while not bell.drain():
+            assert time.monotonic() < deadline, "the bell asked for meanwhile never rang"
+            time.sleep(0.001)
+        assert driver.given_sync == [0xD1]
+        assert lane.launch(plan(1024), None).wait(10)  # idle again: straight to the native issuer
+    finally:
+        gate.set()
+        lane.close()
+        bell.close()
