@@ -169,6 +169,21 @@ def test_a_store_taken_without_admission_neither_asks_nor_teaches_it() -> None:
     mgr.check_invariants()
 
 
+def test_keys_to_keep_are_not_evicted_without_being_offered() -> None:
+    """``keep`` protects keys from this plan's evictions as the offer does, without being
+    offered (nothing is touched or observed): the next victim is taken instead, and no
+    plan is made when only kept keys could be evicted."""
+    mgr = ChunkManager(3, policy="lru")
+    for key in "abc":
+        mgr.prepare_store([key])
+        mgr.complete_store([key])
+    plan = mgr.prepare_store(["d"], keep={"a"})
+    assert plan is not None and plan.evicted == ["b"]
+    mgr.complete_store(["d"])
+    assert mgr.prepare_store(["e"], keep={"a", "c", "d"}) is None
+    mgr.check_invariants()
+
+
 def test_unknown_names_raise() -> None:
     with pytest.raises(ValueError):
         ChunkManager(4, policy="nope")

@@ -97,3 +97,90 @@ def test_a_file_where_the_directory_should_be_is_refused(tmp_path: Path) -> None
 def test_the_worker_options_cannot_name_a_pool_file() -> None:
     with pytest.raises(InvalidSpec, match="host_pool_file"):
         PluginOptions.from_extra_config({"aiokv_worker_options": {"host_pool_file": "/dev/shm/x"}})
+
+
+def test_a_unix_socket_url_reaches_redis_as_written() -> None:
+    """docs/vllm.md lists unix:///path: the URL handed to RedisTier keeps its empty host."""
+    pytest.importorskip("redis")
+    [tier] = parse_tier_urls(["unix:///run/redis/redis.sock?namespace=llama&db=2"])
+    assert tier.target == "unix:///run/redis/redis.sock?db=2"
+    assert tier.options == {"namespace": "llama"}
+    assert tier.build().remote
+
+
+SECRET = "s3cr3t-value"
+
+
+@pytest.mark.parametrize("value", [
+    [f"redis://127.0.0.1:6379/0?password={SECRET}&ttl=never"],  # a bad value of ours
+    [f"redis://127.0.0.1:99999/0?password={SECRET}"],  # refused by RedisTier
+    [f"rediss://127.0.0.1:6379/0?ssl_password={SECRET}&colour=blue&ttl=0"],
+    f"redis://:{SECRET}@127.0.0.1:6379/0",  # a URL where a list was meant
+    [f"unix://:{SECRET}@/run/redis.sock?timeout=-1"],
+])
+def test_no_password_reaches_a_message(value: object) -> None:
+    """redis-py takes a password from the URL's user part or from its password= (and
+    ssl_password=) parameter; neither may appear in an error, a log label or a repr."""
+    pytest.importorskip("redis")
+    with pytest.raises(InvalidSpec) as caught:
+        parse_tier_urls(value)
+    assert SECRET not in str(caught.value), caught.value
+    assert "***" in str(caught.value)
+
+
+def test_a_parsed_redis_tier_keeps_its_password_out_of_sight() -> None:
+    pytest.importorskip("redis")
+    from aiokv.cache.tiers.redis_client import redacted
+
+    url = f"redis://user:{SECRET}@127.0.0.1:6379/0?password={SECRET}&namespace=a&ssl_password={SECRET}"
+    [tier] = parse_tier_urls([url])
+    assert SECRET in tier.target  # what redis-py is given
+    assert SECRET not in tier.shown and SECRET not in repr(tier)
+    assert SECRET not in repr(PluginOptions.from_extra_config({"aiokv_tiers": [url]}))
+    assert SECRET not in redacted(url)  # RedisTier's label in its failure log
+    assert redacted("unix:///run/redis.sock?password=x&db=1") == "unix:///run/redis.sock?password=***&db=1"
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0?namspace=llama",
+                                 "rediss://127.0.0.1:6379/0?ssl_ca_cert=/etc/ca.pem",
+                                 "unix:///run/redis.sock?socket_timout=3"])
+def test_a_misspelt_redis_parameter_is_refused_at_start(url: str) -> None:
+    """A parameter neither aiokv nor redis-py takes used to pass the start's check and then
+    fail every connection (redis-py's TypeError), leaving the tier dead: refused instead."""
+    pytest.importorskip("redis")
+    name = url.rpartition("?")[2].partition("=")[0]
+    with pytest.raises(InvalidSpec, match=f"unknown parameter.*{name}"):
+        parse_tier_urls([url])
+
+
+def test_redis_pys_own_parameters_still_pass() -> None:
+    pytest.importorskip("redis")
+    [tier] = parse_tier_urls(["rediss://127.0.0.1:6379/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
+                              "&socket_keepalive=1&health_check_interval=5&client_name=kv&namespace=a"])
+    assert "ssl_ca_certs=%2Fetc%2Fca.pem" in tier.target
+
+
+def test_data_parallel_engines_each_get_a_directory_of_their_own(tmp_path: Path) -> None:
+    """vLLM gives every data-parallel engine the same aiokv_tiers; a directory takes one
+    DiskTier at a time, so all but the first engine's disk tier were refused when they
+    opened (a log line) and served without it. Each engine now has its own subdirectory
+    and its share of the capacity; a Redis tier is shared as written."""
+    import anyio
+
+    pytest.importorskip("redis")
+    tiers = parse_tier_urls([f"file://{tmp_path}/kv?capacity=4MiB", "redis://127.0.0.1:6379/0?namespace=a"])
+    engines = [[t.for_data_parallel(index, 2) for t in tiers] for index in range(2)]
+    disks = [e[0] for e in engines]
+    assert [d.target for d in disks] == [str(tmp_path / "kv" / "dp0"), str(tmp_path / "kv" / "dp1")]
+    assert [d.options["capacity_bytes"] for d in disks] == [2 << 20, 2 << 20]
+    assert engines[0][1] == engines[1][1] == tiers[1]
+    assert [t.for_data_parallel(0, 1) for t in tiers] == list(tiers)
+
+    async def open_both() -> None:
+        built = [d.build() for d in disks]
+        for tier in built:
+            await tier.open(b"f" * 16)  # the second one was refused: the directory in use
+        for tier in built:
+            await tier.aclose()
+
+    anyio.run(open_both)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidSpec, KeyNotLoadable
@@ -192,13 +192,16 @@ class ChunkManager:
         if held:
             self._policy.on_access(held)
 
-    def prepare_store(self, keys: Iterable[Hashable], *, admit: bool = True) -> StorePlan | None:
+    def prepare_store(self, keys: Iterable[Hashable], *, admit: bool = True,
+                      keep: Container[Hashable] = ()) -> StorePlan | None:
         """Allocate chunks for the admitted keys not held yet, evicting if needed.
 
-        Never evicts a key of this offer. Returns None, changing nothing, when the admitted
-        keys cannot all fit; a plan with no keys when nothing needs storing.
-        ``admit=False`` takes every key without asking (or teaching) the admission policy:
-        a block read back from a lower tier was admitted once and is wanted again now.
+        Never evicts a key of this offer, nor one in ``keep`` (a set, looked up per
+        candidate: keys the caller needs kept without offering them again). Returns None,
+        changing nothing, when the admitted keys cannot all fit; a plan with no keys when
+        nothing needs storing. ``admit=False`` takes every key without asking (or teaching)
+        the admission policy: a block read back from a lower tier was admitted once and is
+        wanted again now.
         """
         offer = list(dict.fromkeys(keys))
         entries = self._entries
@@ -217,7 +220,7 @@ class ChunkManager:
 
             def evictable(key: Hashable) -> bool:
                 entry = entries[key]
-                return entry.ready and entry.pins == 0 and key not in protected
+                return entry.ready and entry.pins == 0 and key not in protected and key not in keep
 
             found = self._policy.victims(need, evictable)
             if found is None:

@@ -269,3 +269,161 @@ def test_the_documented_tiers_build_through_vllms_factory(model_dir: Path, tmp_p
     assert [t.kind for t in tiers] == ["disk", "redis"]
     assert tiers[0].options["capacity_bytes"] == 64 << 30 and tiers[1].write_through
     assert tiers[1].options["namespace"] == "llama8b"
+
+
+def serve_to_disk(tiered: ConnectorEngine) -> list[Any]:
+    """Serve 20 requests; the keys the disk tier then holds (the tiers idle)."""
+    manager = tiered.manager
+    io = manager.tier_io
+    assert io is not None
+    written: list[Any] = []
+    submit = io.submit
+    io.submit = lambda ops: (written.extend(op.key for op in ops if op.kind == "write"),  # type: ignore[method-assign]
+                             submit(ops))
+    serve(tiered, requests=20)
+    deadline = time.monotonic() + 10
+    while manager.tiers.busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+        manager.tiers.poll()
+    on_disk = [k for k in dict.fromkeys(written) if io.holds(k) >= 0]
+    assert len(on_disk) > 5
+    return on_disk
+
+
+def test_reads_up_wait_for_vllms_reset_flush(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM frees every host chunk at reset_cache while workers' copies from before it may
+    still write them, and calls on_reset_flushed once they have all been reported. A read
+    up in between could land in a chunk such a late copy then overwrites: the manager
+    answers MISS for blocks only a tier holds until vLLM's flush, then reads them up again."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+    manager = tiered.manager
+    on_disk = serve_to_disk(tiered)
+    ctx = ReqContext(req_id="probe")
+    promoted = manager.tiers.counts[0].promoted
+    try:
+        with manager.lock:  # what vLLM's scheduler does first, its workers' copies still running
+            manager.reset_cache()
+            assert [manager.lookup(k, ctx) for k in on_disk] == [LookupResult.MISS] * len(on_disk)
+            manager.on_schedule_end(None)
+        assert manager.tiers.promoting == 0
+        # vLLM's own reset: it calls on_reset_flushed once the workers reported every job
+        # in flight (the engine steps meanwhile), and the block comes up again.
+        tiered.scheduler.connector.reset_cache()
+        deadline = time.monotonic() + 10
+        while True:
+            tiered.step()
+            with manager.lock:
+                got = manager.lookup(on_disk[0], ctx)
+            if got is LookupResult.HIT:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.005)
+        assert manager.tiers.counts[0].promoted == promoted + 1
+    finally:
+        tiered.close()
+
+
+def test_a_start_removes_the_pools_of_workers_that_died(model_dir: Path, tmp_path: Path) -> None:
+    """An engine that died after its workers made their shared pools, before its scheduler
+    mapped them (a failed start, a killed worker), left them on the memory filesystem,
+    holding that memory: the next engine's workers remove them when they start."""
+    from aiokv.integrations.vllm.shared_pool import pool_file
+    from tests.test_vllm_shared_pool import die_after
+
+    stale = [pool_file("died-at-start", 0), pool_file("died-at-start", 1)]
+    die_after("published", stale[0])
+    die_after("claimed", stale[1])
+    assert all(os.path.exists(p) for p in stale)
+    tiered = engine(model_dir, "AiokvConnector", [disk_url(tmp_path)])
+    try:
+        left = [p for p in stale for p in (p, f"{p}.json") if os.path.exists(p)]
+        assert left == [], "left behind"
+        serve(tiered, requests=6)
+    finally:
+        tiered.close()
+
+
+def test_a_read_up_is_a_disk_hit_for_the_request_that_waited(model_dir: Path, tmp_path: Path) -> None:
+    """get_load_source (vLLM's hits by source) says DISK for the load a read up served;
+    the same block loaded later by another request is a host hit, as it was in host
+    memory when that request asked."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    tiered = engine(model_dir, "OffloadingConnector", [disk_url(tmp_path)])
+    manager = tiered.manager
+    try:
+        key = serve_to_disk(tiered)[0]
+        first, later = ReqContext(req_id="first"), ReqContext(req_id="later")
+        deadline = time.monotonic() + 10
+        while True:
+            with manager.lock:
+                got = manager.lookup(key, first)
+                manager.on_schedule_end(None)
+            if got is LookupResult.HIT:
+                break
+            assert got is LookupResult.HIT_PENDING and time.monotonic() < deadline, got
+            time.sleep(0.005)
+        with manager.lock:
+            manager.prepare_load([key], first)
+            assert manager.get_load_source(key, first) is CacheHitSource.DISK
+            manager.complete_load([key], first)
+            assert manager.lookup(key, later) is LookupResult.HIT
+            manager.prepare_load([key], later)
+            assert manager.get_load_source(key, later) is CacheHitSource.HOST
+            manager.complete_load([key], later)
+            manager.on_request_finished(first)
+            manager.on_request_finished(later)
+    finally:
+        tiered.close()
+
+
+def test_each_data_parallel_engine_gets_its_own_disk_directory(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM builds every data-parallel engine from one kv_transfer_config: the spec gives
+    each engine's manager a subdirectory of the disk tier's directory (one DiskTier per
+    directory) and its share of the capacity."""
+    from dataclasses import replace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    extra = {"spec_name": "AiokvOffloadingSpec", "spec_module_path": "aiokv.integrations.vllm",
+             "cpu_bytes_to_use": 1 << 24, "aiokv_backend": "cpu",
+             "aiokv_tiers": [f"file://{tmp_path}/kv?capacity=64MiB"]}
+    vc, kc = build_configs(model_dir, extra=extra, groups=[Group(("l0",))])
+    base = build_offloading_config(vc, kc)
+    paths, capacities = [], []
+    for index in range(2):
+        parallel = replace(base.parallel, data_parallel_index=index, data_parallel_size=2)
+        config = replace(base, parallel=parallel, engine_id=f"dp-engine-{index}")
+        manager = OffloadingSpecFactory.create_spec(config).get_manager()
+        io = manager.tier_io
+        assert io is not None
+        [disk] = io.tiers
+        assert isinstance(disk, DiskTier)
+        paths.append(disk.path)
+        capacities.append(disk.capacity_bytes)
+        manager.shutdown()
+    assert paths == [str(tmp_path / "kv" / "dp0"), str(tmp_path / "kv" / "dp1")]
+    assert capacities == [32 << 20, 32 << 20]
+
+
+def test_a_worker_that_cannot_publish_its_pool_leaves_nothing_behind(model_dir: Path, tmp_path: Path,
+                                                                    shared_pools: Path, monkeypatch) -> None:
+    """A memory filesystem the pool just filled has no room for its description (ENOSPC):
+    the worker fails to start, and neither the pool nor its claim is left there (with no
+    description, nothing would ever remove a pool-sized file)."""
+    import errno
+
+    import aiokv.integrations.vllm.worker as worker_module
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(worker_module, "publish", full)
+    with pytest.raises(OSError, match="No space left"):
+        engine(model_dir, "AiokvConnector", [disk_url(tmp_path)])
+    assert sorted(p.name for p in shared_pools.iterdir()) == []

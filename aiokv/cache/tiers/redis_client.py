@@ -16,15 +16,20 @@ found the ``redis`` package, so ``import aiokv`` works without it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
+import redis.asyncio.connection
 import redis.cluster
 import redis.connection
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -71,13 +76,17 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, fit for messages and logs."""
+    """``url`` without its passwords, fit for messages and logs: the user part's and any
+    ``password=`` or ``ssl_password=`` parameter's, which redis-py reads too."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", *parts[2:]))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
+
+
+_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)
 
 
 def _check_url(url: str, shown: str) -> None:
@@ -95,9 +104,35 @@ def _check_url(url: str, shown: str) -> None:
         raise InvalidSpec(f"Redis URL {shown!r}: the path names a database by its number "
                           f"(redis://host:port/0), got {parts.path!r}")
     try:
-        redis.connection.parse_url(url)
+        given = redis.connection.parse_url(url)
     except ValueError as exc:
         raise InvalidSpec(f"Redis URL {shown!r}: {exc}") from None
+    # redis-py hands every other query name to the connection class, which raises
+    # TypeError on each connect: a misspelt name would leave the tier dead, not refused.
+    unknown = sorted(set(given) - _connection_options())
+    if unknown:
+        raise InvalidSpec(f"Redis URL {shown!r}: unknown parameter(s) {unknown}: not one of redis-py's "
+                          "connection options (socket_timeout, ssl_ca_certs, client_name, ...)")
+
+
+@functools.cache
+def _connection_options() -> frozenset[str]:
+    """Every keyword redis-py's connections and pools (sync or asyncio, TCP, TLS or unix)
+    take, so the names a URL may carry."""
+    names: set[str] = set(redis.connection.URL_QUERY_ARGUMENT_PARSERS)
+    classes = [redis.connection.Connection, redis.connection.SSLConnection,
+               redis.connection.UnixDomainSocketConnection, redis.connection.ConnectionPool,
+               redis.asyncio.connection.Connection, redis.asyncio.connection.SSLConnection,
+               redis.asyncio.connection.UnixDomainSocketConnection, redis.asyncio.connection.ConnectionPool]
+    for cls in classes:
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            with contextlib.suppress(TypeError, ValueError):
+                names.update(name for name, p in inspect.signature(init).parameters.items()
+                             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return frozenset(names)
 
 
 def client_options(timeout: float, *, asyncio: bool = False) -> dict[str, Any]:

@@ -129,7 +129,10 @@ class AiokvOffloadingManager(OffloadingManager):
         # The request whose prefix is being looked up, and the keys found held so far: a
         # read up for a later key must not evict them.
         self._scan_req: Any = None
-        self._scan: list[Any] = []
+        self._scan: set[Any] = set()
+        # req_id -> {key: the tier it was read up from}: the loads reads up served, which
+        # get_load_source reports for that request only (later loads are host hits).
+        self._load_sources: dict[Any, dict[Any, int]] = {}
         self._attach()  # vLLM builds its workers first: their pools are published by now
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # Keys whose store job failed, told by a caller before vLLM completes the job
@@ -190,7 +193,8 @@ class AiokvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: Any) -> None:
-        return None
+        if self._load_sources:
+            self._load_sources.pop(getattr(req_context, "req_id", None), None)
 
     # -- loads -------------------------------------------------------------------------
 
@@ -202,16 +206,17 @@ class AiokvOffloadingManager(OffloadingManager):
         self._attach()
         req = getattr(req_context, "req_id", None)
         if req != self._scan_req:
-            self._scan_req, self._scan = req, []
+            self._scan_req, self._scan = req, set()
         where = self._tiered.lookup(key, self._scan)
         if where is Where.HIT or where is Where.HIT_PENDING:
-            self._scan.append(key)
+            self._scan.add(key)
         return _LOOKUP[where]
 
     def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
-        """HOST, or where a block read up from a tier came from: DISK for a local tier,
-        EXTERNAL_UNSPECIFIED for a remote one (vLLM has no member for a remote store)."""
-        tier = self._tiered.sources.get(key)
+        """HOST, or, for the request whose load a read up from a tier served, where it came
+        from: DISK for a local tier, EXTERNAL_UNSPECIFIED for a remote one (vLLM has no
+        member for a remote store). vLLM asks after ``prepare_load``."""
+        tier = self._load_sources.get(getattr(req_context, "req_id", None), {}).get(key)
         if tier is None or self._io is None:
             return CacheHitSource.HOST
         return CacheHitSource.EXTERNAL_UNSPECIFIED if self._io.tiers[tier].remote else CacheHitSource.DISK
@@ -225,6 +230,11 @@ class AiokvOffloadingManager(OffloadingManager):
         keys = list(keys)
         chunk_ids = self._tiered.prepare_load(keys, touch=False)
         self.chunks.touch(_prefix_order(keys, req_context))
+        sources = self._tiered.sources
+        if sources:  # the first load of a block read up is that tier's hit; later ones, the host's
+            served = {k: sources.pop(k) for k in keys if k in sources}
+            if served:
+                self._load_sources.setdefault(getattr(req_context, "req_id", None), {}).update(served)
         return CPULoadStoreSpec(chunk_ids)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
@@ -329,9 +339,16 @@ class AiokvOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Forget every host block (the tiers keep theirs). vLLM never completes jobs from
         before a reset, and keeps new stores away from chunks that in-flight jobs may still
-        touch until they report; chunks the tiers' thread still touches are fenced off."""
+        touch until they report; chunks the tiers' thread still touches are fenced off, and
+        reads up wait for ``on_reset_flushed`` (a late copy may still write a freed chunk)."""
         self._tiered.reset()
         self._failed_stores.clear()
+        self._load_sources.clear()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM's workers reported every job in flight at the last reset: reads up from the
+        tiers, held since the reset, may fill freed chunks again."""
+        self._tiered.reset_flushed()
 
     # -- tiers ---------------------------------------------------------------------------
 
@@ -339,7 +356,7 @@ class AiokvOffloadingManager(OffloadingManager):
         """Take the tiers' answers at the end of each step, so blocks read up meanwhile are
         hits at the next one."""
         self._attach()
-        self._scan_req, self._scan = None, []
+        self._scan_req, self._scan = None, set()
         self._tiered.poll()
 
     def has_pending_work(self) -> bool:

@@ -5,7 +5,11 @@ with ``aiokv_tiers`` each worker makes its pool a shared file (``WorkerOptions.
 host_pool_file``) and publishes, beside it, where each page of a chunk lies; the manager
 maps every rank's pool once all of them are published (vLLM builds its workers before its
 scheduler, so at its first step) and then removes the names, so nothing is left behind
-if the processes die. Kept free of vLLM imports.
+if the processes die. A worker that dies before that (an engine whose start fails after
+the pools were made, a worker killed) leaves its pool on the memory filesystem, holding
+that memory: each worker claims its name (its pid) before it makes the pool, and the next
+worker to start on the host removes the pools whose claimant is gone (``sweep``). Kept
+free of vLLM imports.
 
 A tier value is one rank's block of one KV-cache group, its pages in the layout's own order
 (``cache/pages.PageMap``), padded to the widest such block so every value has one size.
@@ -18,6 +22,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ import numpy as np
 from ...cache.pages import PageMap
 from ...cache.tiers import codec
 
-__all__ = ["PoolView", "RankPool", "attach", "pool_file", "publish", "unpublish"]
+__all__ = ["PoolView", "RankPool", "attach", "claim", "pool_file", "publish", "sweep", "unpublish"]
 
 _VERSION = 1
 
@@ -42,19 +47,92 @@ def pool_file(engine_id: str, rank: int) -> str:
     return os.path.join(os.path.abspath(base), f"aiokv-{name}-rank{int(rank)}.pool")
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (pids mean something only within one), or None."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _write_description(path: str, info: dict[str, object]) -> None:
+    temp = f"{path}.json.{os.getpid()}"
+    try:
+        with open(temp, "w") as f:
+            json.dump({"version": _VERSION, "pid": os.getpid(), "pidns": _pid_namespace(), **info}, f)
+        os.replace(temp, f"{path}.json")
+    except BaseException:  # a full filesystem, say: no half-written file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def claim(path: str) -> None:
+    """Say, beside ``path``, that this process is about to make the pool there: if it dies
+    before the scheduler maps the pool, ``sweep`` knows the pool is nobody's."""
+    _write_description(path, {})
+
+
+def sweep(directory: str) -> list[str]:
+    """Remove the pools (and their descriptions) in ``directory`` whose worker is gone: the
+    process that claimed or published them no longer exists in this pid namespace.
+
+    Only this user's descriptions are read, and a pool is removed only while it is the one
+    described (the same inode) where the description says which. Returns what it removed.
+    """
+    ns = _pid_namespace()
+    if ns is None:
+        return []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if not (name.startswith("aiokv-") and name.endswith(".pool.json")):
+            continue
+        described = os.path.join(directory, name)
+        try:
+            st = os.lstat(described)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            with open(described) as f:
+                info = json.load(f)
+            pid = int(info["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if info.get("pidns") != ns or pid <= 0 or _alive(pid):
+            continue
+        pool = described[: -len(".json")]
+        with contextlib.suppress(OSError):
+            if "inode" not in info or os.lstat(pool).st_ino == info["inode"]:
+                os.unlink(pool)
+                removed.append(pool)
+        with contextlib.suppress(OSError):
+            os.unlink(described)
+            removed.append(described)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, say: it exists
+        return True
+    return True
+
+
 def publish(path: str, *, rank: int, num_chunks: int, chunk_bytes: int, blocks_per_chunk: int,
             page_sizes: Sequence[Sequence[int]], page_offsets: Sequence[Sequence[int]]) -> None:
     """Write the description of the pool at ``path`` beside it (atomically), once the pool
     exists: the manager maps the pool only after reading this."""
-    info = {"version": _VERSION, "pid": os.getpid(), "inode": os.stat(path).st_ino, "rank": int(rank),
-            "num_chunks": int(num_chunks), "chunk_bytes": int(chunk_bytes),
-            "blocks_per_chunk": int(blocks_per_chunk),
-            "page_sizes": [[int(s) for s in g] for g in page_sizes],
-            "page_offsets": [[int(o) for o in g] for g in page_offsets]}
-    temp = f"{path}.json.{os.getpid()}"
-    with open(temp, "w") as f:
-        json.dump(info, f)
-    os.replace(temp, f"{path}.json")
+    _write_description(path, {
+        "inode": os.stat(path).st_ino, "rank": int(rank), "num_chunks": int(num_chunks),
+        "chunk_bytes": int(chunk_bytes), "blocks_per_chunk": int(blocks_per_chunk),
+        "page_sizes": [[int(s) for s in g] for g in page_sizes],
+        "page_offsets": [[int(o) for o in g] for g in page_offsets]})
 
 
 def unpublish(path: str) -> None:
@@ -123,9 +201,12 @@ def attach(engine_id: str, world_size: int, num_chunks: int) -> PoolView | None:
     for path in paths:
         try:
             with open(f"{path}.json") as f:
-                infos.append(json.load(f))
+                info = json.load(f)
         except (OSError, ValueError):
             return None
+        if "inode" not in info:  # claimed, the pool not made yet
+            return None
+        infos.append(info)
     ranks = []
     for rank, (path, info) in enumerate(zip(paths, infos)):
         if (info.get("version"), info.get("rank"), info.get("num_chunks")) != (_VERSION, rank, num_chunks):

@@ -12,6 +12,7 @@ pools and the tiers.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from ...errors import InvalidSpec
 from ._compat import check_vllm_version
 from .manager import AiokvOffloadingManager
 from .options import PluginOptions, read_cpu_bytes, size_host_pool
-from .shared_pool import PoolView, pool_file
+from .shared_pool import PoolView, claim, pool_file, sweep, unpublish
 from .tier_metrics import TIER_COUNTER_DOCS, TIER_COUNTERS, TIER_LABEL
 from .worker import AiokvOffloadingWorker
 
@@ -89,12 +90,17 @@ class AiokvOffloadingSpec(OffloadingSpec):
         """The scheduler's manager (one per spec)."""
         if self._manager is None:
             self._check_sized()
+            par = self.config.parallel
             self._manager = AiokvOffloadingManager(
                 self.num_chunks,
                 policy=self.options.policy,
                 admission=self.options.admission,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                tiers=self.options.tiers,
+                # vLLM hands every data-parallel engine the same URLs; a directory serves
+                # one engine at a time, so each takes a subdirectory (``for_data_parallel``).
+                tiers=tuple(t.for_data_parallel(int(getattr(par, "data_parallel_index", 0)),
+                                                int(getattr(par, "data_parallel_size", 1)))
+                            for t in self.options.tiers),
                 engine_id=str(self.config.engine_id),
                 world_size=self.world_size,
                 fingerprint=self._fingerprint,
@@ -128,13 +134,22 @@ class AiokvOffloadingSpec(OffloadingSpec):
                 shared = pool_file(str(self.config.engine_id), int(self.config.parallel.rank))
                 options = replace(options, worker_options=replace(options.worker_options,
                                                                   host_pool_file=shared))
-            self._worker = AiokvOffloadingWorker(
-                kv_caches,
-                num_chunks=self.num_chunks,
-                blocks_per_chunk=self.blocks_per_chunk,
-                options=options,
-                publish_rank=None if shared is None else int(self.config.parallel.rank),
-            )
+                for path in sweep(os.path.dirname(shared)):
+                    _log.warning("aiokv: removed %s, left by a worker that died before its "
+                                 "scheduler mapped it", path)
+                claim(shared)
+            try:
+                self._worker = AiokvOffloadingWorker(
+                    kv_caches,
+                    num_chunks=self.num_chunks,
+                    blocks_per_chunk=self.blocks_per_chunk,
+                    options=options,
+                    publish_rank=None if shared is None else int(self.config.parallel.rank),
+                )
+            except BaseException:
+                if shared is not None:
+                    unpublish(shared)
+                raise
             actual = self._worker.aiokv_worker.statistics().chunk_bytes
             if actual > self.kv_bytes_per_chunk:
                 _log.warning(

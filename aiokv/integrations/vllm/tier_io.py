@@ -6,8 +6,10 @@ its next call (``results``); both only touch a queue. The loop takes whatever ha
 since it last looked as one batch per tier, so the blocks one scheduler step asks for
 travel together. Bytes go straight between the shared host pools and the tiers where a
 block's pages lie in the layout's order (else through one row each). A tier call that
-fails, times out or breaks its contract answers False for its blocks: the manager turns
-that into a miss or a dropped write, never into a hit. Kept free of vLLM imports.
+fails, times out or breaks its contract answers False for its blocks, as does anything
+else a batch raises (the thread serves on), and work handed over once the thread has ended
+is answered False at once: the manager turns that into a miss or a dropped write, never
+into a hit, and nothing stays in flight. Kept free of vLLM imports.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class TierIO:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        self._ended = False  # the thread has ended: work handed over now is answered at once
         self._opened = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,8 +148,11 @@ class TierIO:
         if not ops:
             return
         with self._lock:
-            self._ops.extend(ops)
             self._in_flight += len(ops)
+            if self._ended:  # nobody will serve it: failed, so its chunks are freed
+                self._done.extend(Done(op, False) for op in ops)
+                return
+            self._ops.extend(ops)
             wake = not self._wake_pending and self._loop is not None
             self._wake_pending = self._wake_pending or wake
         if wake:
@@ -200,6 +206,10 @@ class TierIO:
         except BaseException:  # the tiers are gone; the manager sees not ready and misses
             _log.exception("aiokv: the tiers' thread failed; tiers are off")
         finally:
+            with self._lock:  # never served: failed, so the manager frees their chunks
+                self._ended = True
+                left, self._ops = self._ops, []
+            self._done.extend(Done(op, False) for op in left)
             self._opened.clear()
 
     async def _main(self, fingerprint: bytes) -> None:
@@ -244,10 +254,6 @@ class TierIO:
                         await tier.aclose()
                     except Exception:
                         _log.warning("aiokv: closing tier %s failed", tier.name, exc_info=True)
-            with self._lock:  # never answered: the manager frees their chunks
-                left, self._ops = self._ops, []
-            for op in left:
-                self._done.append(Done(op, False))
 
     async def _serve(self, batch: _Batch, running: list[int], idle: anyio.Event) -> None:
         answered: list[Done] = []
@@ -258,6 +264,11 @@ class TierIO:
                 answered = await self._write(batch)
             else:
                 answered = await self._locate(batch)
+        except Exception:  # a bug or a broken mapping, outside the tier's call: these
+            # blocks fail (misses, drops); the thread and every other batch go on
+            _log.exception("aiokv: %d %s operation(s) on tier %d failed", len(batch.ops), batch.kind,
+                           batch.tier)
+            answered = [Done(op, False) for op in batch.ops]
         except BaseException:
             answered = answered or [Done(op, False) for op in batch.ops]
             raise

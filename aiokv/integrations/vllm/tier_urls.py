@@ -18,9 +18,9 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ...cache import available_policies
 from ...cache.tiers.base import Tier
@@ -58,12 +58,22 @@ class TierURL:
 
     kind: str  # "disk" or "redis"
     shown: str  # the URL without its password, for messages
-    target: str  # the disk tier's directory, or the URL handed to RedisTier
+    target: str = field(repr=False)  # the disk tier's directory, or the URL handed to RedisTier
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def write_through(self) -> bool:
         return bool(self.options.get("write_through", False))
+
+    def for_data_parallel(self, index: int, size: int) -> TierURL:
+        """This tier for data-parallel engine ``index`` of ``size``: a disk tier takes the
+        subdirectory ``dp<index>`` and ``1/size`` of the capacity (a directory serves one
+        engine at a time, and ``capacity`` stays what the whole directory holds); a Redis
+        tier is shared by every engine as written."""
+        if self.kind != "disk" or size <= 1:
+            return self
+        options = {**self.options, "capacity_bytes": max(1, self.options["capacity_bytes"] // size)}
+        return replace(self, target=os.path.join(self.target, f"dp{int(index)}"), options=options)
 
     def build(self) -> Tier:
         """A new, unopened tier object (``MissingExtra`` for Redis without its package)."""
@@ -88,8 +98,9 @@ def parse_tier_urls(value: Any) -> tuple[TierURL, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        shown = _redacted(value) if isinstance(value, str) and "://" in value else value
         raise InvalidSpec(f"aiokv_tiers must be a list of tier URLs, nearest first (e.g. "
-                          f'["file:///var/cache/aiokv?capacity=64GiB"]), got {value!r}')
+                          f'["file:///var/cache/aiokv?capacity=64GiB"]), got {shown!r}')
     tiers = [_parse_one(url) for url in value]
     disks = [t.target for t in tiers if t.kind == "disk"]
     if len(set(disks)) != len(disks):
@@ -170,7 +181,8 @@ def _redis(parts: Any, scheme: str, shown: str) -> TierURL:
     _read(ours, options, shown, {"write_through": _flag, "ttl": _seconds, "timeout": _seconds,
                                  "threads": _count, "check": _flag})
     # Every other parameter (ssl_ca_certs=..., ...) is redis-py's; RedisTier checks them.
-    target = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(params), parts.fragment))
+    # Joined by hand: urlunsplit drops unix:///path's empty host, which redis-py needs.
+    target = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{urlencode(params)}" if params else "")
     return TierURL("redis", shown, target, options)
 
 
@@ -243,8 +255,14 @@ def _check_writable(path: str, shown: str) -> None:
 
 
 def _redacted(url: str) -> str:
+    """``url`` without the passwords redis-py reads from it: the user part's and any
+    ``password=`` or ``ssl_password=`` parameter's (each shown as ``***``)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", *parts[2:]))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
+
+
+_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = ["ABSENT_SECONDS", "TierCounts", "TierEvent", "TieredChunks", "Where",
 ABSENT_SECONDS = 5.0
 """How long a key no tier holds (or whose read failed) is a miss without asking again."""
 _ABSENT_LIMIT = 1 << 18  # keys remembered as absent at most (oldest forgotten first)
+_LOCATED_LIMIT = 1 << 18  # remote answers kept for a read not started yet, at most (same)
 
 
 class Where(enum.Enum):
@@ -110,9 +111,10 @@ class TieredChunks:
         self._pending: dict[int, Op] = {}  # id(op) -> every op handed over, until answered
         self._fences: dict[int, list[Any]] = {}  # chunk -> [placeholder, ops] held since a reset
         self._fenced: set[int] = set()  # id(op) of the ops those fences wait for
+        self._held = False  # promotions held since a reset, until ``reset_flushed``
         self._ops: list[Op] = []
         self.events: list[TierEvent] = []
-        self.sources: dict[Hashable, int] = {}  # host key -> the tier it was read up from
+        self.sources: dict[Hashable, int] = {}  # key read up, not loaded yet -> its tier
         tiers = io.tiers if io is not None else []
         self.counts = [TierCounts() for _ in tiers]
         self._demote_to = next((i for i, t in enumerate(tiers) if not t.write_through), -1)
@@ -143,12 +145,13 @@ class TieredChunks:
 
     # -- the host's own calls ---------------------------------------------------------------
 
-    def lookup(self, key: Hashable, protect: Sequence[Hashable] = ()) -> Where:
+    def lookup(self, key: Hashable, protect: Container[Hashable] = ()) -> Where:
         """Where ``key`` is; a key found below the host starts its way up (never waits).
 
-        ``protect``: keys the caller found held just before (the same request's prefix), which
-        the chunk a read up takes may not be made by evicting; without that, a prefix
-        longer than the host could evict its own head to bring up its tail, for ever.
+        ``protect``: keys the caller found held just before (the same request's prefix, a
+        set), which the chunk a read up takes may not be made by evicting; without that, a
+        prefix longer than the host could evict its own head to bring up its tail, for
+        ever. Kept by reference, so a read up costs the same however long that prefix.
         """
         self.poll()
         held = self.chunks.lookup(key)
@@ -157,7 +160,7 @@ class TieredChunks:
         if held is HostLookup.HIT_PENDING:
             return Where.HIT_PENDING
         io = self.io
-        if io is None or not io.ready:
+        if io is None or not io.ready or self._held:
             return Where.MISS
         absent = self._absent.get(key)
         if absent is not None:
@@ -225,14 +228,19 @@ class TieredChunks:
             else:
                 self._asking.discard(op.key)
                 if done.ok:
-                    self._located[op.key] = done.tier
+                    _remember(self._located, op.key, done.tier, _LOCATED_LIMIT)
                 else:
                     self._forget(op.key)
 
     def reset(self) -> None:
         """Forget every host block (vLLM's ``reset_cache``). A chunk a tier read or write
-        still touches stays out of use until that ends, held by a placeholder."""
+        still touches stays out of use until that ends, held by a placeholder.
+
+        Reads up are held (a key the host lacks is a miss) until ``reset_flushed``: a
+        worker's copy in flight at the reset may still write a chunk the reset freed, and
+        vLLM's workers order only their own jobs after it, not the tiers' thread."""
         self.poll()
+        self._held = self.io is not None
         self.chunks = ChunkManager(len(self._phys), policy=self._policy, admission=self._admission)
         self.sources.clear()
         self._located.clear()
@@ -260,6 +268,11 @@ class TieredChunks:
             fence[1] += 1
             self._fenced.add(ident)
 
+    def reset_flushed(self) -> None:
+        """Every worker job in flight at the last reset has ended (vLLM's
+        ``on_reset_flushed``): no late copy can write a freed chunk, so reads up resume."""
+        self._held = False
+
     def _unfence(self, op: Op) -> None:
         self._fenced.discard(id(op))
         fence = self._fences.get(op.chunk)
@@ -281,11 +294,10 @@ class TieredChunks:
             ops, self._ops = self._ops, []
             self.io.submit(ops)
 
-    def _promote(self, key: Hashable, tier: int, protect: Sequence[Hashable]) -> Where:
+    def _promote(self, key: Hashable, tier: int, protect: Container[Hashable]) -> Where:
         if len(self._promoting) >= max(1, self.chunks.num_chunks // 2):
             return Where.RETRY  # half the host is being read up: let those land first
-        held = [k for k in protect if k in self.chunks]
-        plan = self.chunks.prepare_store([*held, key], admit=False)
+        plan = self.chunks.prepare_store([key], admit=False, keep=protect)
         if plan is None or not plan.chunk_ids:
             return Where.MISS  # no room: every other block is pinned, being written or protected
         self._evicted(plan)
@@ -375,8 +387,13 @@ class TieredChunks:
 
     def _forget(self, key: Hashable) -> None:
         """Remember ``key`` as held by no tier for ``ABSENT_SECONDS``."""
-        absent = self._absent
-        if len(absent) >= _ABSENT_LIMIT:
-            for old in list(absent)[: _ABSENT_LIMIT // 4]:
-                del absent[old]
-        absent[key] = self._clock() + ABSENT_SECONDS
+        _remember(self._absent, key, self._clock() + ABSENT_SECONDS, _ABSENT_LIMIT)
+
+
+def _remember(memo: dict[Hashable, Any], key: Hashable, value: Any, limit: int) -> None:
+    """``memo[key] = value``, forgetting the oldest quarter first when ``limit`` is reached
+    (answers never used again, as for keys vLLM stopped looking up, must not pile up)."""
+    if len(memo) >= limit and key not in memo:
+        for old in list(memo)[: max(1, limit // 4)]:
+            del memo[old]
+    memo[key] = value

@@ -52,9 +52,13 @@ class AiokvOffloadingWorker(OffloadingWorker):
         self._published = options.worker_options.host_pool_file if publish_rank is not None else None
         if self._published is not None:
             layout = self._sync.host_layout
-            publish(self._published, rank=int(publish_rank or 0), num_chunks=num_chunks,
-                    chunk_bytes=layout.chunk_bytes, blocks_per_chunk=blocks_per_chunk,
-                    page_sizes=layout.page_sizes, page_offsets=layout.page_offsets)
+            try:
+                publish(self._published, rank=int(publish_rank or 0), num_chunks=num_chunks,
+                        chunk_bytes=layout.chunk_bytes, blocks_per_chunk=blocks_per_chunk,
+                        page_sizes=layout.page_sizes, page_offsets=layout.page_offsets)
+            except BaseException:  # (a filesystem the pool just filled): undescribed, the
+                self._sync.shutdown()  # pool's name would never be removed; closing does
+                raise
 
     @property
     def aiokv_worker(self) -> SyncOffloadingWorker:
