@@ -19,7 +19,8 @@ rescue, hold_gil)``; ``ops`` is rows of ``WORDS`` unsigned 64-bit words, opcode 
              ``[first, first + count)`` of three tables in ``buffers`` (8-byte ints);
              flags bit 0 stream-ordered, bit 1 to host
 ``COPY``     stream, dst, src, nbytes: ``cuMemcpyAsync``
-``PITCHED``  stream, ops, count: ``cuMemcpy3DBatchAsync`` of a buffer of 14-word ops
+``PITCHED``  stream, ops, count, first: ``cuMemcpy3DBatchAsync`` of ops ``[first, first +
+             count)`` of a buffer of 14-word ops
 ``LAUNCH``   stream, function, grid, block, blob, offsets, nparams: ``cuLaunchKernel`` with
              ``params[i] = &blob[offsets[i]]``
 ==========  ===========================================================================
