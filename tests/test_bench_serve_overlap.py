@@ -46,7 +46,8 @@ def served(index: int, submit_us: float, start_ms: float | None, tl: LayerTimeli
 
 def test_the_rows_judge_the_forward_start_against_1_ms_and_report_both_overlaps() -> None:
     tl = timeline([2, 4, 6, 8], [1, 3, 6.5, 9], [2, 4, 6.5, 9])
-    arm = ArmResult("layerwise", [served(0, 150, 0.6, tl), served(1, 170, 0.8, tl), served(2, 160, 0.7, tl)], 0)
+    loads = [served(0, 150, 0.6, tl), served(1, 170, 0.8, tl), served(2, 160, 0.7, tl)]
+    arm = ArmResult("layerwise", loads, 0)
     rows = {r.name: r for r in overlap_rows("s", arm)}
     start = rows["forward start after the submit p50"]
     assert start.value == pytest.approx(0.7) and start.unit == "ms"
@@ -55,4 +56,5 @@ def test_the_rows_judge_the_forward_start_against_1_ms_and_report_both_overlaps(
     assert rows["forward ran while the prefix arrived p50"].value == pytest.approx(7.0)
     assert rows["forward computed while the prefix arrived p50"].value == pytest.approx(5.0)
     slow = ArmResult("layerwise", [served(0, 150, 3.0, tl), served(1, 150, 4.0, tl)], 0)
-    assert {r.name: r for r in overlap_rows("s", slow)}["forward start after the submit p50"].target_met is False
+    late = {r.name: r for r in overlap_rows("s", slow)}["forward start after the submit p50"]
+    assert late.value == pytest.approx(3.5) and late.target_met is False

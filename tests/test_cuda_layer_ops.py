@@ -193,24 +193,41 @@ class Through:
         return np.full(LAYERS, self.us)
 
 
-def test_scattered_blocks_go_through_the_slot_and_runs_straight_to_their_pages(
+def test_scattered_small_pages_go_through_the_slot_and_runs_straight_to_their_pages(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one rule: through the slot only where the costliest layer straight to its pages
-    is over STAGE_ABOVE_US (20 us here: this layout's jobs are small) and the slot takes at
-    most half of that."""
+    """The one rule: through the slot only where a layer straight to its pages takes
+    longer to enqueue than STAGE_ABOVE_COPY times its copy and over STAGE_ABOVE_US (20 us
+    here: this layout's jobs are small; its 48-byte pages copy in no time), and the slot
+    takes at most half as long."""
     monkeypatch.setattr(layer_ops, "STAGE_ABOVE_US", 20.0)
     _, kv, layout, host = setup(1, 2)
     chunks = list(range(20))
     runs = fold(kv, layout, host, list(range(2, 22)), chunks, to_host=False, min_height=4)
     blocks = np.random.default_rng(0).permutation(BLOCKS)[:20].tolist()
     scattered = fold(kv, layout, host, blocks, chunks, to_host=False, min_height=4)
+    nbytes = np.full(LAYERS, 20 * 96)
     assert [runs.descriptors(i) for i in range(LAYERS)] == [2] * LAYERS
     assert min(scattered.descriptors(i) for i in range(LAYERS)) > 30
-    assert not worth_staging(runs) and worth_staging(scattered)
+    assert not worth_staging(runs, nbytes) and worth_staging(scattered, nbytes)
     cost = scattered.cost_us(0)
     assert cost > layer_ops.STAGE_ABOVE_US
-    assert prefer_staged(scattered, Through(cost / 2)) and not prefer_staged(scattered, Through(cost / 2 + 1))
-    assert not prefer_staged(runs, Through(0.0))
+    assert prefer_staged(scattered, Through(cost / 2), nbytes)
+    assert not prefer_staged(scattered, Through(cost / 2 + 1), nbytes)
+    assert not prefer_staged(runs, Through(0.0), nbytes)
+
+
+def test_scattered_32_kib_pages_go_straight_as_their_enqueue_keeps_up_with_their_copy() -> None:
+    """A 16k-token load of scattered blocks: 1,884 descriptors of 32 KiB a layer, about
+    1.5 ms to enqueue and 1.2 ms to copy (64 MiB at 50 GB/s): straight to the pages, the
+    copy engines doing it all, even though the slot would enqueue in a tenth of the time.
+    The same blocks with 4 KiB pages (1.5 ms to enqueue, 0.15 ms to copy) go through it."""
+    descriptors = 2 * 942
+    cost = layer_ops.US_PER_CALL * 2 + layer_ops.US_PER_DESCRIPTOR * descriptors
+    layer = np.full(32, 942 * (64 << 10))
+    assert not worth_staging(Costs(cost), layer)  # type: ignore[arg-type]
+    assert not prefer_staged(Costs(cost), Through(cost / 10), layer)  # type: ignore[arg-type]
+    small = np.full(32, 942 * (8 << 10))
+    assert worth_staging(Costs(cost), small) and prefer_staged(Costs(cost), Through(cost / 10), small)  # type: ignore[arg-type]
 
 
 class Costs:

@@ -865,8 +865,9 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
         monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
         monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     if mode == "staged":  # every job through the slot, however few its descriptors
+        monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_COPY", 0.0)
         monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
-        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged: True)
+        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged, nbytes: True)
     pitched = mode != "plain"
     rng = np.random.default_rng(seed)
     mem = np.zeros(8 << 20, dtype=np.uint8)

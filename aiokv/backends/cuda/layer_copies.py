@@ -87,10 +87,11 @@ def layer_ops(lane: LayerLane, plan: LayerPlan) -> LayerOps:
     if not pitched:
         return ops
     ops = ops.with_packed(drv.pitched_ops)
-    staging = _staging(lane, plan) if worth_staging(ops) else None
+    nbytes = plan.layer_bytes()
+    staging = _staging(lane, plan) if worth_staging(ops, nbytes) else None
     if staging is not None:
         staged = staging.plan(plan, lane.stream, drv.pitched_ops, ctx.to_host)
-        if staged is not None and prefer_staged(ops, staged):
+        if staged is not None and prefer_staged(ops, staged, nbytes):
             return ops.with_staged(staged)
     return ops
 

@@ -30,7 +30,8 @@ import numpy as np
 from ...layer_plan import CopySlice, LayerMap, LayerPlan
 from ...plan import BlockMapping, HostLayout
 
-__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_US", "IdFolder", "LayerOps", "PitchedRows", "fold_ids",
+__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_COPY", "STAGE_ABOVE_US", "STAGE_COPY_GBPS", "IdFolder",
+           "LayerOps", "PitchedRows", "fold_ids",
            "fold_layers",
            "prefer_staged", "worth_staging"]
 
@@ -40,14 +41,20 @@ MIN_LAYER_PITCHED_HEIGHT = 4
 # Estimated host microseconds of the driver's calls (as ``program.py`` estimates them): a
 # call, a plain descriptor, a pitched op, a kernel launch.
 US_PER_CALL, US_PER_DESCRIPTOR, US_PER_PITCHED_OP, US_PER_LAUNCH = 1.5, 0.8, 3.0, 2.0
-# A layer whose copies straight to its pages cost more host time than this (about 250
-# plain descriptors: scattered GPU blocks) goes through the device slot
-# (``layer_staging``) where that costs at most half as much. Below it, runs go straight to
-# the pages even where the slot would take fewer calls: the slot costs SM time, device
-# memory and a second pass over the bytes, and a layer's enqueue of a few tens of
-# microseconds stays far ahead of its copy (docs/layerwise.md, "Few descriptors a layer").
-# The one place the choice is made.
-STAGE_ABOVE_US = 200.0
+# A job goes through the device slot (``layer_staging``) only where a layer's copies
+# straight to its pages could not be enqueued as fast as the copy engine moves them: its
+# estimated driver time over STAGE_ABOVE_COPY times its copy at STAGE_COPY_GBPS (a little
+# under the pinned ceiling) and over STAGE_ABOVE_US (a shorter enqueue never matters), and
+# the slot's at most half of that. A layerwise load runs
+# beside the forward's GEMMs, and there the slot's scatter, an SM kernel, is starved and
+# slows the forward, while copy engines hold up; and the enqueue is the native issuer
+# thread's, off the caller's. So scattered 32 KiB pages go straight, as batched
+# descriptors (about 0.8 us of host time to 0.65 us of copy each); pages of a few KiB,
+# whose descriptors would starve the copy engine, go through the slot (docs/layerwise.md,
+# "Few descriptors a layer"). The one place the choice is made.
+STAGE_ABOVE_COPY = 2.0
+STAGE_COPY_GBPS = 50.0
+STAGE_ABOVE_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -121,21 +128,27 @@ class LayerOps:
                         staged)
 
 
-def prefer_staged(direct: LayerOps, staged: Any) -> bool:
-    """Whether a job goes through the slot: its costliest layer straight to its pages is
-    over ``STAGE_ABOVE_US`` and the slot takes at most half of that."""
+def _outpaced(direct: LayerOps, layer_bytes: np.ndarray) -> np.ndarray:
+    """Per layer, whether its copies straight to its pages would take longer to enqueue
+    than ``STAGE_ABOVE_COPY`` times their copy, and over ``STAGE_ABOVE_US``."""
+    copy_us = np.asarray(layer_bytes, dtype=np.float64) / (STAGE_COPY_GBPS * 1e3)
     costs = direct.costs_us()
-    worst = float(costs.max()) if costs.size else 0.0
-    if worst <= STAGE_ABOVE_US:
+    return np.asarray((costs > STAGE_ABOVE_COPY * copy_us) & (costs > STAGE_ABOVE_US))
+
+
+def prefer_staged(direct: LayerOps, staged: Any, layer_bytes: np.ndarray) -> bool:
+    """Whether a job goes through the slot: some layer straight to its pages could not be
+    enqueued as fast as it copies, and the slot takes at most half as long to enqueue."""
+    outpaced = _outpaced(direct, layer_bytes)
+    if not outpaced.any():
         return False
-    through = float(np.max(staged.costs_us()))
-    return bool(2 * through <= worst)
+    worst = float(direct.costs_us()[outpaced].max())
+    return bool(2 * float(np.max(staged.costs_us())) <= worst)
 
 
-def worth_staging(direct: LayerOps) -> bool:
+def worth_staging(direct: LayerOps, layer_bytes: np.ndarray) -> bool:
     """Whether to plan the slot at all (it takes memory on first use)."""
-    costs = direct.costs_us()
-    return bool(costs.size and costs.max() > STAGE_ABOVE_US)
+    return bool(_outpaced(direct, layer_bytes).any())
 
 
 def _u64(values: np.ndarray) -> np.ndarray:
