@@ -122,8 +122,12 @@ class LayerwiseSource(Source):
             mgr.complete_load(pinned)
             raise
         submitted = time.perf_counter() - t0
-        mgr.touch(pinned)
-        fut.add_done_callback(lambda _f: mgr.complete_load(pinned))
+
+        def loaded(_f: object) -> None:  # the policy's touch too: off the way to the forward
+            mgr.touch(pinned)
+            mgr.complete_load(pinned)
+
+        fut.add_done_callback(loaded)
         self._track(fut)
         restored = Restored(len(pinned), take_stalls=self.new_stalls, submit_s=submitted,
                             timeline=fut.timeline)
