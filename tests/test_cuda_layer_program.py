@@ -26,9 +26,9 @@ def ops_of() -> LayerOps:
     """Three layers: 0 has two pitched ops and two descriptors, 1 nothing, 2 one of each."""
     pitched = PitchedRows(*(np.arange(3, dtype=np.int64) + k for k in (100, 200, 300, 400, 500, 600)))
     packed = np.arange(3 * 14, dtype=U64).reshape(3, 14) + 7000
+    bounds = np.array([0, 2, 2, 3])
     return LayerOps(np.array([1, 2, 3], dtype=U64), np.array([11, 12, 13], dtype=U64),
-                    np.array([64, 64, 64], dtype=U64), np.array([0, 2, 2, 3]), pitched, np.array([0, 2, 2, 3]),
-                    packed)
+                    np.array([64, 64, 64], dtype=U64), bounds, pitched, bounds.copy(), packed)
 
 
 def run(rows: Rows) -> list[tuple]:

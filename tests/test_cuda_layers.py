@@ -35,6 +35,7 @@ from aiokv.lifecycle import Lifecycle
 from aiokv.plan import HostLayout, map_blocks
 from aiokv.specs import Direction
 
+from .conftest import NATIVE_LANES
 from .native_fakes import FakeTable
 from .sim_device import SimDriver
 from .test_cuda_lane import hold
@@ -185,6 +186,7 @@ def make_lane(direction: Direction, driver: Any, *, recorded: bool, issue_thread
     strategy = Strategy(direction.to_host, bases, driver=rec if rec is not None else driver)
     lane = CudaLane(driver, direction, strategy, issue_thread=issue_thread, recorder=rec,  # type: ignore[arg-type]
                     table=fake.table if recorded else None, measure_stalls=measure)
+    NATIVE_LANES.append(lane)
     return lane, fake
 
 

@@ -79,7 +79,8 @@ async def push_rows(model: LlamaModel, kv: Sequence[torch.Tensor], device: Devic
     us = [t * 1e6 for t in push_s]
     return [BenchRow(SECTION, "forward with pushes / without", ratio, "x",
                      note=f"{pairs} forwards each of {new:,} tokens over {cached:,}, alternating; "
-                          f"{with_ * 1e3:.2f} vs {without * 1e3:.2f} ms median (device time); pushing "
+                          f"{with_ * 1e3:.2f} vs {without * 1e3:.2f} ms median "
+                          f"({'device' if device.kind == 'cuda' else 'host'} time); pushing "
                           f"{len(stored)} blocks ({mib:.1f} MiB)",
                      extra={"with_ms": [t * 1e3 for t in times[True]],
                             "without_ms": [t * 1e3 for t in times[False]]}, target=("<=", 1.03)),
