@@ -140,20 +140,53 @@ class CopySlice:
         return int(self.nbytes.shape[0])
 
 
-class LayerPlan(CopySlice):
+class LayerPlan:
     """A layerwise job's copies in layer order: layer ``l`` is copies ``[bounds[l],
-    bounds[l + 1])`` (possibly none: a layer of a group the job has no blocks in)."""
+    bounds[l + 1])`` (possibly none: a layer of a group the job has no blocks in).
 
-    __slots__ = ("bounds", "layer_map", "layout", "mapping", "total_bytes")
+    The page columns (``tensor_idx``, ``device_offset``, ``host_offset``, ``nbytes``) and
+    ``bounds`` are built on first use: a CUDA lane with 2-D copies folds a job's layers
+    from its block and chunk ids alone (``backends/cuda/layer_ops.fold_ids``), and a
+    16k-token prefix is some 60,000 page copies, a millisecond of numpy it never needs.
+    """
 
-    def __init__(self, columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], bounds: np.ndarray,
-                 mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap) -> None:
-        super().__init__(*columns)
-        self.bounds = bounds
+    __slots__ = ("_columns", "layer_map", "layout", "mapping", "total_bytes")
+
+    def __init__(self, mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap) -> None:
         self.mapping = mapping
         self.layout = layout
         self.layer_map = layer_map
         self.total_bytes = sum(int(b.size) * size for b, size in zip(mapping.gpu_blocks, layout.block_bytes))
+        self._columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _built(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        columns = self._columns
+        if columns is None:
+            columns = self._columns = _columns(self.mapping, self.layout, self.layer_map)
+        return columns
+
+    @property
+    def tensor_idx(self) -> np.ndarray:
+        return self._built()[0]
+
+    @property
+    def device_offset(self) -> np.ndarray:
+        return self._built()[1]
+
+    @property
+    def host_offset(self) -> np.ndarray:
+        return self._built()[2]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self._built()[3]
+
+    @property
+    def bounds(self) -> np.ndarray:
+        return self._built()[4]
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
 
     @property
     def num_layers(self) -> int:
@@ -164,6 +197,16 @@ class LayerPlan(CopySlice):
         lo, hi = int(self.bounds[index]), int(self.bounds[index + 1])
         return CopySlice(self.tensor_idx[lo:hi], self.device_offset[lo:hi], self.host_offset[lo:hi],
                          self.nbytes[lo:hi])
+
+    def layer_bytes(self) -> np.ndarray:
+        """Bytes each layer moves (from the ids alone: no page columns are built)."""
+        lmap, layout = self.layer_map, self.layout
+        counts = np.array([b.size for b in self.mapping.gpu_blocks], dtype=np.int64)
+        sizes = np.array([layout.page_sizes[g][k] for g, k in zip(lmap.order_group.tolist(),
+                                                                   lmap.order_ref.tolist())], dtype=np.int64)
+        out = np.zeros(lmap.num_layers, dtype=np.int64)
+        np.add.at(out, lmap.order_layer, sizes * counts[lmap.order_group])
+        return out
 
     def blocks(self, layers: Iterable[int]) -> set[int]:
         """The GPU blocks whose pages those layers hold in this job: a block of a group one
@@ -176,7 +219,14 @@ class LayerPlan(CopySlice):
 
 
 def plan_layers(mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap) -> LayerPlan:
-    """The job's page copies grouped by layer, in layer order, merged within a layer.
+    """The job's page copies grouped by layer, in layer order, merged within a layer (the
+    columns are built on first use, see ``LayerPlan``)."""
+    return LayerPlan(mapping, layout, layer_map)
+
+
+def _columns(mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap,
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A job's page copies in layer order, merged within a layer, and the layer bounds.
 
     Vectorized whatever the number of layers: each group's copies are built page-major as
     in ``aiokv.plan``, then one gather puts each ref's run of copies where its layer wants it.
@@ -215,4 +265,4 @@ def plan_layers(mapping: BlockMapping, layout: HostLayout, layer_map: LayerMap) 
             starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
             t, d, h, s = t[starts], d[starts], h[starts], np.add.reduceat(s, starts)
             cuts = np.searchsorted(starts, cuts)
-    return LayerPlan((t, d, h, s), cuts.astype(np.int64), mapping, layout, layer_map)
+    return t, d, h, s, cuts.astype(np.int64)

@@ -60,11 +60,26 @@ class LayerTimeline:
 
     @property
     def overlap(self) -> float | None:
-        """Seconds the forward pass ran while the prefix was still arriving: the last copy's
-        end less the first gate reached (positive: the forward started before the load
-        ended; negative: the whole prefix had landed first)."""
+        """Seconds from the consumer's first gate to the last copy's end (positive: the
+        forward pass started before the load ended; negative: the whole prefix had landed
+        first). Time the consumer spent waiting at gates in between counts here too: see
+        ``overlap_computing``."""
         last, first = self.last_copy_done, self.first_reached
         return None if last is None or first is None else last - first
+
+    @property
+    def overlap_computing(self) -> float | None:
+        """``overlap`` less the time the consumer waited at gates within it (each gate's
+        ``reached`` to ``started``): how long the forward pass computed while the prefix was
+        still arriving. None where ``overlap`` is; at most 0 where it is."""
+        last, first = self.last_copy_done, self.first_reached
+        if last is None or first is None:
+            return None
+        if last <= first:
+            return last - first
+        waited = sum(max(0.0, min(s, last) - max(r, first)) for r, s in zip(self.reached, self.started)
+                     if r is not None and s is not None)
+        return last - first - waited
 
     def slack(self) -> list[float | None]:
         """Per layer, its start less its copy's end (never negative where gated: a layer

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from aiokv import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from aiokv.backends.cpu import CpuCompletion
+from aiokv.errors import WorkerClosed
 
 LOOPS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -24,6 +27,21 @@ LOOPS = [
     ),
     pytest.param(("trio", {}), id="trio"),
 ]
+
+
+# Native lanes a test made (``test_cuda_layers.make_lane``): their issuer threads are
+# drained once it ended, so a load's later layers never run into the next test.
+NATIVE_LANES: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _drain_native_lanes() -> Iterator[None]:
+    yield
+    lanes, NATIVE_LANES[:] = list(NATIVE_LANES), []
+    for lane in lanes:
+        if getattr(lane, "native", None) is not None:
+            with contextlib.suppress(WorkerClosed):  # closed by the test: drained already
+                lane.native.drain(10)
 
 
 @pytest.fixture(params=LOOPS)

@@ -37,6 +37,13 @@ ATTRS = (0xA0, 0xA1, 0xA2, 0xA3)  # fake CUmemcpyAttributes addresses, one per b
 PARAMS = 9  # the piece kernel's parameters
 
 
+# Every table's callbacks, for the life of the process: a lane a test dropped without
+# closing it may still have its issuer thread inside a program (a layerwise load's later
+# layers, say), and the table holds only their addresses, so a freed callback would crash
+# the process in whatever test runs then.
+_KEPT_CALLBACKS: list[Any] = []
+
+
 def _address(fn: Any) -> int:
     return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
 
@@ -74,6 +81,7 @@ class FakeTable:
         }
         impl.update(extra or {})
         self.callbacks = {name: PROTOS[name](impl[name]) for name in ORDER if name not in missing}
+        _KEPT_CALLBACKS.append(self.callbacks)
         self.addresses = tuple(_address(self.callbacks.get(name)) for name in ORDER)
         self.table = native.helper().Table(self.addresses, 13000, ATTRS, 0xC0)
         self._next_event = 0x5000

@@ -423,8 +423,11 @@ async def test_layerwise_source_restores_the_exact_bytes_layer_by_layer() -> Non
         got = await source.restore(keys, dst)
         assert got.host == 4 and got.gate is not None and got.end is not None
         assert got.take_stalls is not None and source.manager.stats().pinned_keys == 4
+        assert got.forward_start_s is None  # no gate yet
         gated = await anyio.to_thread.run_sync(lambda: [bool(got.gate(i)) for i in range(3)])  # type: ignore[misc]
         assert gated == [True] * 3 and not got.failed
+        # The forward's start: from the submit's call to its first gate, on the host clock.
+        assert got.forward_start_s is not None and got.forward_start_s >= got.submit_s > 0
         stalls = got.take_stalls()
         assert len(stalls) == 3 and all(s >= 0 for s in stalls)
         assert await got.end() and got.load_s > 0
@@ -521,6 +524,11 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
                  "host / recompute TTFT p50, per segment"):
         assert any(r["name"] == name for r in rows), name
     assert ("serve arm: layerwise", "layer stall p99") in names
+    for name in ("layerwise submit p50", "forward start after the submit p50",
+                 "forward computed while the prefix arrived p50"):
+        assert ("serve arm: layerwise", name) in names, name
+    pushes = {r["name"]: r for r in rows if r["section"].startswith("serve: layerwise stores")}
+    assert pushes["push host time p50"]["value"] > 0 and pushes["forward with pushes / without"]["target"]
     assert ("serve arm: oracle", "model utilisation") in names
     checks = [r for r in rows if r["section"].startswith("serve correctness")]
     assert len(checks) == 2 and not any(r["failed"] for r in rows)

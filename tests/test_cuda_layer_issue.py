@@ -1,6 +1,7 @@
 """A layerwise load whose enqueue goes from the lane's issuer thread (``CudaLayerRun``):
-each layer is marked enqueued as soon as its record is, on the native path too, so a gate
-on an early layer never waits for the job's later layers to be handed to the device."""
+each layer is marked enqueued as soon as its record is (on the native path, as the
+ticket's rows pass it), so a gate on an early layer never waits for the job's later
+layers to be handed to the device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,17 @@ from aiokv.backends.cuda import layer_copies as copies_mod
 from aiokv.specs import Direction
 
 from .test_cuda_lane import hold
-from .test_cuda_layers import CONSUMER, LAYERS, MAIN, LogDriver, kv_plan, layer_events, make_lane, native_only
+from .test_cuda_layers import (
+    CONSUMER,
+    LAYERS,
+    LogDriver,
+    issued,
+    kv_plan,
+    layer_events,
+    main_records,
+    make_lane,
+    native_only,
+)
 
 
 def until(check: object, seconds: float = 5.0) -> bool:
@@ -56,12 +67,12 @@ def test_a_load_queued_behind_other_work_marks_each_layer_as_it_is_enqueued(
         assert result == [True], "a gate on layer 0 waited for the job's later layers"
         assert ("wait", CONSUMER, layer_events(run)[0]) in drv.calls
         drv.release.set()
-        assert lane.issuer is not None and lane.issuer.drain(10)
-        assert all(run.enqueued(i) for i in range(LAYERS))
         if recorded:
-            records = [c[1] for c in fake.calls if c[0] == "cuEventRecord"]
+            issued(lane)
         else:
-            records = [c[1] for c in drv.calls if c[0] == "record" and c[2] == MAIN]
+            assert lane.issuer is not None and lane.issuer.drain(10)
+        assert all(run.enqueued(i) for i in range(LAYERS))
+        records = main_records(lane, drv, fake)
         job = run.completion._events
         assert records[-1] == job.stop and records.index(job.start) < records.index(layer_events(run)[0])
     finally:

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv.backends.cuda import layer_ops
-from aiokv.backends.cuda.layer_ops import LayerOps, fold_layers, prefer_staged, worth_staging
+from aiokv.backends.cuda.layer_ops import LayerOps, fold_ids, fold_layers, prefer_staged, worth_staging
 from aiokv.layer_plan import LayerMap, plan_layers
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, map_blocks
+
+from .conftest import make_two_groups
 
 LAYERS, BLOCKS, NUM_CHUNKS = 3, 24, 24
 
@@ -90,6 +92,71 @@ def test_folded_ops_move_exactly_the_bytes_of_the_layer_plan(bpc: int, min_heigh
         assert torch.equal(tensors[layer][:, untouched], before[layer][:, untouched])
 
 
+def same_ops(a: LayerOps, b: LayerOps) -> bool:
+    pa, pb = a.pitched, b.pitched
+    return all(np.array_equal(x, y) for x, y in (
+        (a.dst, b.dst), (a.src, b.src), (a.sizes, b.sizes), (a.bounds, b.bounds), (a.pbounds, b.pbounds),
+        (pa.dst, pb.dst), (pa.dst_pitch, pb.dst_pitch), (pa.src, pb.src), (pa.src_pitch, pb.src_pitch),
+        (pa.width, pb.width), (pa.height, pb.height)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(two_groups=st.booleans(), to_host=st.booleans(), min_height=st.integers(2, 5),
+       max_pitch=st.sampled_from([1 << 20, 600, 300]), data=st.data())
+def test_folding_from_the_ids_gives_the_ops_the_page_columns_give(
+        two_groups: bool, to_host: bool, min_height: int, max_pitch: int, data) -> None:
+    """``fold_ids`` (the submit's path: runs found once on the ids, given to every page
+    tensor) against ``fold_layers`` over the layer plan's page columns: the same ops in the
+    same order, for runs, scattered ids, repeated chunks (a load may read one twice), two
+    groups of different page sizes and strides, and pitch limits that refuse some links."""
+    if two_groups:
+        kv = make_two_groups().kv
+        kv.ref_layers = data.draw(st.sampled_from([None, [[0, 2, 4], [1, 3]], [[0, 1, 2], [0, 1]]]))
+        counts = (40, 24)
+    else:
+        kv = setup(1, 0)[1]
+        counts = (BLOCKS,)
+    layout = HostLayout.build(kv, 1)
+    lmap = LayerMap.build(kv, layout)
+    gpu, sizes = [], []
+    for limit in counts:
+        n = data.draw(st.integers(0, min(limit, 10)))
+        first = data.draw(st.integers(0, limit - n))
+        gpu += data.draw(st.sampled_from([list(range(first, first + n)),
+                                          data.draw(st.permutations(range(limit)))[:n]]))
+        sizes.append(n)
+    total = sum(sizes)
+    if not total:
+        return
+    c0 = data.draw(st.integers(0, NUM_CHUNKS - total))
+    if to_host or data.draw(st.booleans()):  # a store writes each chunk once
+        chunks = data.draw(st.sampled_from([list(range(c0, c0 + total)),
+                                            data.draw(st.permutations(range(NUM_CHUNKS)))[:total]]))
+    else:
+        chunks = [data.draw(st.integers(0, NUM_CHUNKS - 1)) for _ in range(total)]
+    m = map_blocks(gpu, chunks, layout=layout, num_chunks=NUM_CHUNKS,
+                   group_sizes=sizes if two_groups else None, unique_host=to_host, unique_gpu=not to_host)
+    plan = plan_layers(m, layout, lmap)
+    base = np.array([(1 << 24) * (i + 1) for i in range(len(kv.tensors))], dtype=np.int64)
+    fast = fold_ids(plan, base, 1 << 40, to_host=to_host, max_pitch=max_pitch, min_height=min_height)
+    assert plan._columns is None, "folding from the ids built the page columns"
+    slow = fold_layers(plan, plan.bounds, base, 1 << 40, to_host=to_host, max_pitch=max_pitch,
+                       min_height=min_height)
+    assert fast is not None and same_ops(fast, slow)
+
+
+def test_folding_from_the_ids_declines_layouts_it_does_not_cover() -> None:
+    _, kv, layout, _ = setup(2, 0)  # two blocks a chunk
+    m = map_blocks([1, 2, 3], [0, 1], layout=layout, num_chunks=NUM_CHUNKS)
+    plan = plan_layers(m, layout, LayerMap.build(kv, layout))
+    base = np.zeros(len(kv.tensors), dtype=np.int64)
+    assert fold_ids(plan, base, 0, to_host=False, max_pitch=1 << 20) is None
+    layout1 = HostLayout.build(kv, 1)
+    plan1 = plan_layers(map_blocks([1, 2], [0, 1], layout=layout1, num_chunks=NUM_CHUNKS), layout1,
+                        LayerMap.build(kv, layout1))
+    assert fold_ids(plan1, base, 0, to_host=False, max_pitch=0) is None  # no 2-D copies: plain
+
+
 def test_blocks_and_chunks_that_advance_together_are_one_op_a_page_tensor() -> None:
     """The issue's shape, small: a layer's K and V pages of 16 consecutive blocks in 16
     consecutive chunks are 32 descriptors unfolded and two 16-row pitched ops folded (the
@@ -122,28 +189,45 @@ class Through:
     def __init__(self, us: float) -> None:
         self.us = us
 
-    def cost_us(self, layer: int) -> float:
-        return self.us
+    def costs_us(self) -> np.ndarray:
+        return np.full(LAYERS, self.us)
 
 
-def test_scattered_blocks_go_through_the_slot_and_runs_straight_to_their_pages(
+def test_scattered_small_pages_go_through_the_slot_and_runs_straight_to_their_pages(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one rule: through the slot only where the costliest layer straight to its pages
-    is over STAGE_ABOVE_US (20 us here: this layout's jobs are small) and the slot takes at
-    most half of that."""
+    """The one rule: through the slot only where a layer straight to its pages takes
+    longer to enqueue than STAGE_ABOVE_COPY times its copy and over STAGE_ABOVE_US (20 us
+    here: this layout's jobs are small; its 48-byte pages copy in no time), and the slot
+    takes at most half as long."""
     monkeypatch.setattr(layer_ops, "STAGE_ABOVE_US", 20.0)
     _, kv, layout, host = setup(1, 2)
     chunks = list(range(20))
     runs = fold(kv, layout, host, list(range(2, 22)), chunks, to_host=False, min_height=4)
     blocks = np.random.default_rng(0).permutation(BLOCKS)[:20].tolist()
     scattered = fold(kv, layout, host, blocks, chunks, to_host=False, min_height=4)
+    nbytes = np.full(LAYERS, 20 * 96)
     assert [runs.descriptors(i) for i in range(LAYERS)] == [2] * LAYERS
     assert min(scattered.descriptors(i) for i in range(LAYERS)) > 30
-    assert not worth_staging(runs) and worth_staging(scattered)
+    assert not worth_staging(runs, nbytes) and worth_staging(scattered, nbytes)
     cost = scattered.cost_us(0)
     assert cost > layer_ops.STAGE_ABOVE_US
-    assert prefer_staged(scattered, Through(cost / 2)) and not prefer_staged(scattered, Through(cost / 2 + 1))
-    assert not prefer_staged(runs, Through(0.0))
+    assert prefer_staged(scattered, Through(cost / 2), nbytes)
+    assert not prefer_staged(scattered, Through(cost / 2 + 1), nbytes)
+    assert not prefer_staged(runs, Through(0.0), nbytes)
+
+
+def test_scattered_32_kib_pages_go_straight_as_their_enqueue_keeps_up_with_their_copy() -> None:
+    """A 16k-token load of scattered blocks: 1,884 descriptors of 32 KiB a layer, about
+    1.5 ms to enqueue and 1.2 ms to copy (64 MiB at 50 GB/s): straight to the pages, the
+    copy engines doing it all, even though the slot would enqueue in a tenth of the time.
+    The same blocks with 4 KiB pages (1.5 ms to enqueue, 0.15 ms to copy) go through it."""
+    descriptors = 2 * 942
+    cost = layer_ops.US_PER_CALL * 2 + layer_ops.US_PER_DESCRIPTOR * descriptors
+    layer = np.full(32, 942 * (64 << 10))
+    assert not worth_staging(Costs(cost), layer)  # type: ignore[arg-type]
+    assert not prefer_staged(Costs(cost), Through(cost / 10), layer)  # type: ignore[arg-type]
+    small = np.full(32, 942 * (8 << 10))
+    assert worth_staging(Costs(cost), small) and prefer_staged(Costs(cost), Through(cost / 10), small)  # type: ignore[arg-type]
 
 
 class Costs:
@@ -152,8 +236,8 @@ class Costs:
     def __init__(self, us: float, layers: int = 32) -> None:
         self.us, self.num_layers = us, layers
 
-    def cost_us(self, layer: int) -> float:
-        return self.us
+    def costs_us(self) -> np.ndarray:
+        return np.full(self.num_layers, self.us)
 
 
 def test_a_loads_submit_enqueues_layers_until_the_copy_engine_is_fed() -> None:

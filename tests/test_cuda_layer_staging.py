@@ -112,8 +112,9 @@ def staged(mem: np.ndarray, slots: Slots, *, issue_thread: bool) -> tuple[CudaLa
 
 @pytest.fixture
 def through_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_COPY", 0.0)
     monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
-    monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged: True)
+    monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged, nbytes: True)
 
 
 @pytest.mark.usefixtures("through_the_slot")

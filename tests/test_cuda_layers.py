@@ -1,9 +1,10 @@
-"""Layerwise jobs on a CUDA lane against fake drivers (no GPU): a load is one native call
-with one event per layer; a gate makes exactly one stream wait, on the right event and
-stream, and never one on an event not recorded yet; a store is one call per push with its
-end behind the last; a failure part way fails only the layers not reached; and, on the
-simulated device, round trips are byte-exact and a gated consumer reads only after its
-layer landed, whatever order the streams run in."""
+"""Layerwise jobs on a CUDA lane against fake drivers (no GPU): a load is one program on the
+lane's native issuer with one event per layer; a gate makes exactly one stream wait, on
+the right event and stream, and never one on an event not recorded yet; a store is one
+program per push, handed over without waiting, with its end behind the last; a failure
+part way fails only the layers not reached; and, on the simulated device, round trips are
+byte-exact and a gated consumer reads only after its layer landed, whatever order the
+streams run in."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from aiokv.lifecycle import Lifecycle
 from aiokv.plan import HostLayout, map_blocks
 from aiokv.specs import Direction
 
+from .conftest import NATIVE_LANES
 from .native_fakes import FakeTable
 from .sim_device import SimDriver
 from .test_cuda_lane import hold
@@ -184,6 +186,7 @@ def make_lane(direction: Direction, driver: Any, *, recorded: bool, issue_thread
     strategy = Strategy(direction.to_host, bases, driver=rec if rec is not None else driver)
     lane = CudaLane(driver, direction, strategy, issue_thread=issue_thread, recorder=rec,  # type: ignore[arg-type]
                     table=fake.table if recorded else None, measure_stalls=measure)
+    NATIVE_LANES.append(lane)
     return lane, fake
 
 
@@ -191,26 +194,43 @@ def layer_events(run: Any) -> list[Any]:
     return list(run._events)
 
 
+def issued(lane: CudaLane) -> CudaLane:
+    """The lane once its native issuer ran what it was handed (the Python path: at once)."""
+    if lane.native is not None:
+        assert lane.native.drain(10)
+    return lane
+
+
+def main_records(lane: CudaLane, drv: Any, fake: Any) -> list[Any]:
+    """The events recorded on the lane's main stream, in order, on either path."""
+    if lane.native is not None:
+        return [c[1] for c in fake.calls if c[0] == "cuEventRecord" and c[2] == MAIN]
+    return [c[1] for c in drv.calls if c[0] == "record" and c[2] == MAIN]
+
+
 # -- one call, one event per layer ------------------------------------------------------------
 
 
 @native_only
-def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
+def test_a_layerwise_load_is_one_program_on_the_lanes_issuer_with_one_event_per_layer() -> None:
     drv = LogDriver()
     lane, fake = make_lane(Direction.LOAD, drv, recorded=True)
     plan, _ = kv_plan(False, [3, 4, 5], [0, 1, 2])
     run = lane.launch_layers(plan, Dependency(0xD1, stream=0x5))
     events = layer_events(run)
     job = run.completion._events
-    assert lane.recorder is not None and lane.recorder.calls == 1, "more than one native call"
-    # The dependency is recorded on the caller's stream at submit, on the caller's thread.
+    # The dependency is recorded on the caller's stream at submit, on the caller's thread;
+    # every other call is the issuer thread's.
     assert drv.calls == [("record", 0xD1, 0x5)] and len(set(events)) == LAYERS
+    issued(lane)
+    assert lane.native is not None and lane.native.stats()["issued"] == 1, "more than one program"
     calls = fake.calls
     names = [(c[0], c[1] if c[0] == "cuEventRecord" else c[-1]) for c in calls]
     assert names == [("cuStreamWaitEvent", 0), ("cuEventRecord", job.start)] + [
         step for ev in events for step in (("cuMemcpyBatchAsync", MAIN), ("cuEventRecord", ev))
     ] + [("cuEventRecord", job.stop)]
     assert calls[0][1:3] == (MAIN, 0xD1)
+    assert threading.current_thread().name not in {t for t, _ in fake.threads}
     # Each layer's batch is exactly that layer's copies (device side: K and V pages).
     dst, _, _ = lane.pointers(plan)
     batches = [[d for d, _, _ in c[1]] for c in fake.calls if c[0] == "cuMemcpyBatchAsync"]
@@ -218,6 +238,10 @@ def test_a_layerwise_load_is_one_native_call_with_one_event_per_layer() -> None:
         lo, hi = int(plan.bounds[layer]), int(plan.bounds[layer + 1])
         assert batch == dst[lo:hi].tolist()
     assert all(run.enqueued(i) for i in range(LAYERS))
+    drv.done.update((*events, job.stop))
+    assert run.completion.wait(10) and run.completion.error is None
+    assert 0xD1 in drv.given, "the dependency's event never went back once its wait was issued"
+    lane.close()
 
 
 def test_the_python_path_makes_the_same_calls_one_by_one() -> None:
@@ -328,7 +352,11 @@ def test_a_gate_on_a_load_still_with_the_issuer_waits_for_its_record() -> None:
 
 
 @native_only
-def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
+def test_each_push_is_a_program_handed_over_without_waiting_and_the_end_follows_the_last() -> None:
+    """The forward's thread records the push's dependency on its stream and returns: with
+    the issuer thread paused, the push is not issued yet (nothing of it blocks the caller).
+    Once issued: the wait, the job's start (the first push's) or the layer's own, its copies,
+    its event; the store's end is a program behind the last push."""
     drv = LogDriver()
     lane, fake = make_lane(Direction.STORE, drv, recorded=True)
     run = lane.open_layers(kv_plan(True, [1, 2], [3, 4])[0])
@@ -336,24 +364,36 @@ def test_each_push_is_one_native_call_and_the_end_follows_the_last() -> None:
     assert fake.calls == [] and not run.completion.query()
     # A gate on a layer not pushed never waits: nothing is recorded for it.
     assert not run.enqueued(1) and run.gate(1, CONSUMER, StallMeter()) is False and drv.of("wait") == []
-    assert run.push(1, Dependency(0xD2, stream=0x6)) is True
+    gate = hold(lane)
+    try:
+        assert run.push(1, Dependency(0xD2, stream=0x6)) is True
+        assert drv.calls == [("record", 0xD2, 0x6)] and fake.calls == [], "the push waited for its issue"
+        assert run.enqueued(1) and not run.query(1), "a layer reads as done before its record was issued"
+    finally:
+        gate.set()
+    issued(lane)
     assert [(c[0], c[1]) for c in fake.calls] == [
-        ("cuEventRecord", 0xD2), ("cuStreamWaitEvent", MAIN), ("cuEventRecord", job.start),
-        ("cuMemcpyBatchAsync", fake.calls[3][1]), ("cuEventRecord", events[1])]
+        ("cuStreamWaitEvent", MAIN), ("cuEventRecord", job.start),
+        ("cuMemcpyBatchAsync", fake.calls[2][1]), ("cuEventRecord", events[1])]
+    assert fake.calls[0][2] == 0xD2
     fake.calls.clear()
     assert run.push(0, None) is True
+    issued(lane)
     # No second job start: the layer's own start, its copies, its end.
     assert [(c[0], c[1]) for c in fake.calls] == [
         ("cuEventRecord", run._spans[0].start), ("cuMemcpyBatchAsync", fake.calls[1][1]),
         ("cuEventRecord", events[0])]
-    assert lane.recorder is not None and lane.recorder.calls == 2
     run.push(2, None)
     run.push(3, None)
     assert not run.completion.query(), "a store is not done before its end is recorded"
     run.finish(None)
-    assert drv.calls[-1] == ("record", job.stop, MAIN)
-    drv.done.add(job.stop)
-    assert run.completion.query() and run.completion.error is None
+    issued(lane)
+    assert fake.calls[-1][:2] == ("cuEventRecord", job.stop)
+    assert lane.native is not None and lane.native.stats()["issued"] == 5  # four pushes, the end
+    drv.done.update((*events, job.stop))
+    assert run.completion.wait(10) and run.completion.error is None
+    assert 0xD2 in drv.given
+    lane.close()
 
 
 def test_a_gate_on_a_push_still_with_the_issuer_waits_for_its_record() -> None:
@@ -401,6 +441,32 @@ def test_a_store_finished_while_its_last_pushes_wait_for_the_issuer_succeeds() -
     drv.done.update((*events, run.completion._events.stop))
     assert all(run.query(i) and run.error(i) is None for i in range(LAYERS))
     assert run.completion.wait(10) and run.completion.error is None
+    lane.close()
+
+
+@native_only
+def test_a_push_whose_program_fails_on_the_issuer_fails_its_layer_and_the_store() -> None:
+    """The push returned True (its program was handed over); the issuer's copy call of
+    layer 2 then fails: that layer fails (a gate on it touches nothing), the others land,
+    and the store ends failed behind every layer, its dependency events back once it ended."""
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.STORE, drv, recorded=True)
+    fake.fail["cuMemcpyBatchAsync"] = (3, 2)  # the third push's copies: layer 2's
+    run = lane.open_layers(kv_plan(True, [1], [3])[0])
+    for layer in range(LAYERS):
+        assert run.push(layer, Dependency(0xD0 + layer, stream=0x6)) is True
+    run.finish(None)
+    issued(lane)
+    drv.calls.clear()
+    assert run.query(2) and isinstance(run.error(2), CudaCallFailed)
+    assert run.gate(2, CONSUMER, StallMeter()) is False and drv.calls == []
+    assert [run.enqueued(i) for i in range(LAYERS)] == [True] * LAYERS  # pushed: gates may wait for it
+    events, job = layer_events(run), run.completion._events
+    assert fake.calls[-1][:2] == ("cuEventRecord", job.stop)
+    drv.done.update((*events, job.stop))
+    assert run.completion.wait(10) and isinstance(run.completion.error, CudaCallFailed)
+    assert [run.error(i) is None for i in range(LAYERS)] == [True, True, False, True]
+    assert {0xD0 + i for i in range(LAYERS)} <= set(drv.given)
     lane.close()
 
 
@@ -519,10 +585,11 @@ def test_a_load_that_fails_part_way_fails_only_the_layers_not_reached(recorded: 
         fake.fail["cuMemcpyBatchAsync"] = (3, 2)  # layer 2's batch
     else:
         drv.fail_batch = 3
-    run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+    run = issued(lane).launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
     events, job = layer_events(run), run.completion._events
+    issued(lane)
     assert [run.enqueued(i) for i in range(LAYERS)] == [True, True, False, False]
-    assert ("record", job.stop, MAIN) in drv.calls, "the failed job's end was not recorded behind it"
+    assert job.stop in main_records(lane, drv, fake), "the failed job's end was not recorded behind it"
     drv.calls.clear()
     meter = StallMeter()
     assert run.gate(2, CONSUMER, meter) is False and run.gate(3, CONSUMER, meter) is False
@@ -548,9 +615,50 @@ def test_a_program_refused_as_bad_input_raises_at_submit_and_gives_everything_ba
 # -- later layers from the issuer thread -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+@native_only
+def test_a_native_load_marks_each_layer_as_the_issuer_passes_its_record() -> None:
+    """The whole load is one program: the submit returns before any of it is issued. With
+    the issuer held inside layer 2's copy call, layers 0 and 1 are marked (``rows_done``
+    passed their records), a gate on layer 2 blocks and waits on nothing, and goes once the
+    issuer passed layer 2's record; a second load queues behind the first's end. Each
+    layer's issue time is the issuer's, in order."""
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=True, measure=True)
+    fake.hold["cuMemcpyBatchAsync"] = (3, drv.release)
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], Dependency(0xD1, stream=0x5))
+        assert run.head == LAYERS and lane.issuer is None, "a Python thread took part of the load"
+        events = layer_events(run)
+        from .test_cuda_layer_issue import until
+
+        assert until(lambda: run.enqueued(1)) and not run.enqueued(2)
+        result: list[bool] = []
+        consumer = threading.Thread(target=lambda: result.append(run.gate(2, CONSUMER, StallMeter())))
+        consumer.start()
+        consumer.join(0.1)
+        assert consumer.is_alive() and ("wait", CONSUMER, events[2]) not in drv.calls
+        second = lane.launch_layers(kv_plan(False, [5], [6])[0], None)  # queued behind the first
+        drv.release.set()
+        consumer.join(10)
+        assert result == [True] and ("wait", CONSUMER, events[2]) in drv.calls
+        issued(lane)
+        assert all(run.enqueued(i) for i in range(LAYERS)) and all(second.enqueued(i) for i in range(LAYERS))
+        records = main_records(lane, drv, fake)
+        job, job2 = run.completion._events, second.completion._events
+        assert records.index(job.stop) < records.index(job2.start), "the second load went ahead of the first"
+        assert [records.index(e) for e in events] == sorted(records.index(e) for e in events)
+        times = run._issue_times()
+        assert all(t is not None and t > 0 for t in times) and times == sorted(times)  # type: ignore[type-var]
+        assert run._blocked[2] > 0.05
+        drv.done.update((*events, job.stop))
+        assert run.completion.wait(10) and run.completion.error is None
+    finally:
+        drv.release.set()
+        lane.close()
+
+
 def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
-        recorded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The submit enqueues layer 0 (and the dependency, the start) and returns; layers 1-3
     go from the issuer thread, each marked as its record is enqueued: a gate on layer 2 while
     layer 2 is held in its copy call blocks, waits on nothing, and goes once it is issued. A
@@ -558,10 +666,8 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
     monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
     monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     drv = LogDriver()
-    drv.hold_batch = 3  # layer 2's copies (the Python path's calls; the native path's below)
-    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
-    if recorded:
-        fake.hold["cuMemcpyBatchAsync"] = (3, drv.release)
+    drv.hold_batch = 3  # layer 2's copies
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=False)
     try:
         run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], Dependency(0xD1, stream=0x5))
         assert run.head == 1 and run.enqueued(0)
@@ -577,10 +683,7 @@ def test_a_load_past_the_inline_budget_issues_its_later_layers_from_the_issuer(
         consumer.join(10)
         assert result == [True] and lane.issuer.drain(10)
         assert all(run.enqueued(i) for i in range(LAYERS)) and all(second.enqueued(i) for i in range(LAYERS))
-        if recorded:
-            records = [c[1] for c in fake.calls if c[0] == "cuEventRecord"]
-        else:
-            records = [c[1] for c in drv.calls if c[0] == "record" and c[2] == MAIN]
+        records = main_records(lane, drv, fake)
         job, job2 = run.completion._events, second.completion._events
         assert records.index(job.stop) < records.index(job2.start), "the second load went ahead of the first"
         assert [records.index(e) for e in events] == sorted(records.index(e) for e in events)
@@ -764,8 +867,9 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
         monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
         monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
     if mode == "staged":  # every job through the slot, however few its descriptors
+        monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_COPY", 0.0)
         monkeypatch.setattr(layer_ops_mod, "STAGE_ABOVE_US", 0.0)
-        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged: True)
+        monkeypatch.setattr(copies_mod, "prefer_staged", lambda direct, staged, nbytes: True)
     pitched = mode != "plain"
     rng = np.random.default_rng(seed)
     mem = np.zeros(8 << 20, dtype=np.uint8)
@@ -793,6 +897,7 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
     for layer in rng.permutation(LAYERS).tolist():  # pushed in any order
         run.push(layer, None)
     run.finish(None)
+    issued(store)
     sim.run(rng)
     page = PAGE // 2
 
@@ -810,13 +915,14 @@ def test_on_the_simulated_device_round_trips_are_byte_exact_and_gated_reads_wait
     # Load into other blocks; a consumer stream reads layer 1 of dst[0] into scratch after a gate.
     lplan, _ = kv_plan(False, dst, chunks)
     lrun = load.launch_layers(lplan, None)
-    assert lrun.head == (1 if split else LAYERS)  # type: ignore[attr-defined]
+    assert lrun.head == (1 if split and not recorded else LAYERS)  # type: ignore[attr-defined]
     consumer = sim.create_stream()
     assert lrun.gate(1, consumer, StallMeter()) is True  # not run yet: a real wait
     scratch = 7 << 20
     sim.memcpy(scratch, device[2] + dst[0] * page, page, consumer)  # layer 1's K page
-    if split:
+    if split and not recorded:
         assert load.issuer is not None and load.issuer.drain(10)
+    issued(load)
     assert all(lrun.enqueued(i) for i in range(LAYERS))
     sim.run(rng)
     for layer in range(LAYERS):

@@ -29,7 +29,6 @@ from aiokv.backends.cuda.program import (
     OP_WAIT,
     Program,
     Recorder,
-    issue_layers,
 )
 from aiokv.backends.cuda.staged import StagedCopy
 from aiokv.backends.cuda.strategy import CopyContext
@@ -85,42 +84,6 @@ def test_without_a_batched_call_the_table_copies_one_descriptor_at_a_time() -> N
     p.batch(np.array([1, 2], dtype=U64), np.array([3, 4], dtype=U64), np.array([5, 6], dtype=U64), SIDE, 1, 2)
     assert run(fake, p) == (1, 0)
     assert fake.calls == [("cuMemcpyAsync", 1, 3, 5, SIDE), ("cuMemcpyAsync", 2, 4, 6, SIDE)]
-
-
-def test_layers_record_each_layers_event_behind_its_copies_in_one_call() -> None:
-    """A layerwise job: per layer one batched call, then that layer's event; an empty
-    layer only records its event."""
-    fake = FakeTable()
-    n = 10
-    dst, src = np.arange(n, dtype=U64) + 1000, np.arange(n, dtype=U64) + 2000
-    sizes = np.full(n, 64, dtype=U64)
-    bounds, events = [0, 3, 3, 7, 10], [0xE0, 0xE1, 0xE2, 0xE3]
-    rec = fake.recorder(SimpleNamespace(), MAIN, RESCUE)
-    rec.open()
-    issue_layers(rec, SIDE, dst, src, sizes, bounds, events, to_host=True)
-    rec.commit()
-    assert rec.calls == 1
-    got = [(c[0], c[1] if c[0] == "cuEventRecord" else [d for d, _, _ in c[1]]) for c in fake.calls]
-    assert got == [
-        ("cuMemcpyBatchAsync", [1000, 1001, 1002]), ("cuEventRecord", 0xE0),
-        ("cuEventRecord", 0xE1),
-        ("cuMemcpyBatchAsync", [1003, 1004, 1005, 1006]), ("cuEventRecord", 0xE2),
-        ("cuMemcpyBatchAsync", [1007, 1008, 1009]), ("cuEventRecord", 0xE3),
-    ]
-    assert all(c[-1] == SIDE for c in fake.calls) and fake.calls[0][2] == ATTRS[3]
-
-
-def test_layers_on_the_python_path_make_the_same_calls() -> None:
-    calls: list[tuple[Any, ...]] = []
-    drv = SimpleNamespace(
-        memcpy_batch=lambda d, s, n, stream, **kw: calls.append(("batch", d.tolist(), stream)),
-        record=lambda e, stream: calls.append(("record", e, stream)))
-    dst = np.arange(4, dtype=U64)
-    issue_layers(drv, SIDE, dst, dst, dst, [0, 1, 4], [0xE0, 0xE1])
-    assert calls == [("batch", [0], SIDE), ("record", 0xE0, SIDE), ("batch", [1, 2, 3], SIDE),
-                     ("record", 0xE1, SIDE)]
-    with pytest.raises(InvalidSpec, match="layers"):
-        Program().layers(SIDE, dst, dst, dst, [0, 5], [0xE0])
 
 
 # -- the strategies make the same calls on both paths -----------------------------------------

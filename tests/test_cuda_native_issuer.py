@@ -113,6 +113,57 @@ def test_rows_done_and_wait_rows_follow_the_thread() -> None:
         issuer.close()
 
 
+def test_a_ticket_stamps_each_row_as_its_call_returns_when_asked() -> None:
+    """``stamps``: one CLOCK_MONOTONIC time a row run (``time.perf_counter``'s clock), in
+    order, between the program's start and end; only the rows run so far; None unasked."""
+    gate = threading.Event()
+
+    def record(event: int | None, stream: int | None) -> int:
+        if event == 0xE3:
+            gate.wait(10)
+        return 0
+
+    fake = FakeTable(extra={"cuEventRecord": record})
+    issuer = NativeIssuer(fake.table)
+    try:
+        before = time.perf_counter()
+        p = records(*range(0xE0, 0xE6))
+        t = issuer.submit(p.words, (), MAIN, RESCUE, END, False, True)
+        assert t.wait_rows(3, 10)
+        time.sleep(0.02)
+        partial = t.stamps()
+        assert partial is not None and len(partial) == t.rows_done == 3
+        gate.set()
+        assert t.wait(10)
+        stamps = t.stamps()
+        assert len(stamps) == 6 and list(stamps) == sorted(stamps) and stamps[:3] == partial
+        assert before <= t.started_at <= stamps[0] and stamps[-1] <= t.finished_at <= time.perf_counter()
+        assert stamps[3] - stamps[2] >= 0.015  # row 3's call held until the gate opened
+        plain = submit(issuer, records(0xE7))
+        assert plain.wait(10) and plain.stamps() is None
+    finally:
+        gate.set()
+        issuer.close()
+
+
+def test_a_pitched_row_reads_its_ops_from_its_first_one() -> None:
+    """A PITCHED row's word 4 is the first op of the buffer it passes: a layerwise load's
+    layers share one table of packed ops."""
+    fake = FakeTable()
+    issuer = NativeIssuer(fake.table)
+    try:
+        ops = np.arange(5 * 14, dtype=U64).reshape(5, 14)
+        words = [5, SIDE, 0, 2, 3, 0, 0, 0, 5, SIDE, 0, 1, 0, 0, 0, 0]  # ops 3-4, then op 0
+        t = issuer.submit(words, (ops,), MAIN, RESCUE, END, False)
+        assert t.wait(10) and t.result() == (2, 0, 0, True)
+        calls = [c[1] for c in fake.calls if c[0] == "cuMemcpy3DBatchAsync"]
+        assert calls == [ops[3:5].tolist(), ops[:1].tolist()]
+        with pytest.raises(InvalidSpec, match="pitched ops"):  # ops 4-5 of five: past the end
+            issuer.submit([5, SIDE, 0, 2, 4, 0, 0, 0], (ops,), MAIN, RESCUE, END, False)
+    finally:
+        issuer.close()
+
+
 def test_a_failing_row_stops_its_program_and_records_its_end_behind_it() -> None:
     fake = FakeTable()
     fake.fail["cuMemcpyAsync"] = (1, 2)

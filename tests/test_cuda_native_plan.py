@@ -215,7 +215,7 @@ def test_the_c_plan_covers_the_per_layer_jobs() -> None:
     lane, fake = make_lane(one, HostLayout.build(one, 1), "auto", True, 0, 64 << 20, 64, in_c=True)
     job = lane.launch(IdPlan([5], [9], 1, HostLayout.build(one, 1), 64, False, True), None)
     assert job.wait(10) and job.error is None
-    ticket_ran_here = lane._last_ticket.inline
+    ticket_ran_here = lane.last_ticket.inline
     assert fake.calls == [("cuEventRecord", job._events is None or 0, lane.stream)][:0] or [
         c[0] for c in fake.calls] == ["cuEventRecord", "cuMemcpyAsync", "cuEventRecord"]
     assert fake.calls[1][1:4] == (HOST + 9 * 4096, lane._strategy.ctx.device_base[0] + 5 * 4096, 4096)

@@ -72,6 +72,8 @@ CUDA_ORDER = [
     "aiokv.backends.cuda.layer_clock",  # a measured layerwise job's device timestamps
     "aiokv.backends.cuda.layer_staging",  # layers through a device slot where blocks scatter
     "aiokv.backends.cuda.layer_copies",  # a layer's ops, and the layers a load's submit enqueues
+    "aiokv.backends.cuda.layer_program",  # a layerwise job's rows for the native issuer
+    "aiokv.backends.cuda.layer_issue",  # a layerwise load's enqueue, on either path
     "aiokv.backends.cuda.layer_pushes",  # a layerwise store's pushes
     "aiokv.backends.cuda.layers",
     "aiokv.backends.cuda.native_submit",  # the native path's submit (the caller only plans)

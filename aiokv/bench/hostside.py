@@ -58,9 +58,10 @@ def _fakes() -> dict[str, int]:
 
 
 class NoopDriver(Driver):
-    """``Driver`` with every entry point a C no-op (bound the way the real ones are)."""
+    """``Driver`` with every entry point a C no-op (bound the way the real ones are).
+    ``pitched``: it has 2-D batches (``cuMemcpy3DBatchAsync``), as CUDA 12.8+ drivers do."""
 
-    def __init__(self, device_index: int = 0) -> None:  # no cuInit: nothing here is real
+    def __init__(self, device_index: int = 0, pitched: bool = False) -> None:  # no cuInit: nothing is real
         fakes = _fakes()
         noop = fakes["noop"]
         self.device_index = device_index
@@ -69,12 +70,13 @@ class NoopDriver(Driver):
         self.driver_version = 13000
         self.priority_low, self.priority_high = 0, -1
         self._pool_lock = threading.Lock()
-        self._event_pool, self._sync_pool, self._all_events = [], [], []
+        self._event_pool, self._sync_pool, self._timing_pool, self._all_events = [], [], [], []
         self.batch_kind = "batch13"
         self._batch_fn = ctypes.CFUNCTYPE(_INT, _VP, _VP, _VP, _SZ, _VP, _VP, _SZ, _VP)(noop)
-        self._batch3d_fn = None  # no pitched copies: the layouts here never qualify anyway
+        pitched_proto = ctypes.CFUNCTYPE(_INT, _SZ, _VP, ctypes.c_ulonglong, _VP)
+        self._batch3d_fn = pitched_proto(noop) if pitched else None
         self._batch_fn_gil = holding_gil(self._batch_fn)
-        self._batch3d_fn_gil = None
+        self._batch3d_fn_gil = holding_gil(self._batch3d_fn)
         self._event_sync = ctypes.CFUNCTYPE(_INT, _VP)(noop)
         self._host_func = ctypes.PYFUNCTYPE(_INT, _VP, _VP, _VP)(fakes["host_func_now"])
         self._record_fn = ctypes.PYFUNCTYPE(_INT, _VP, _VP)(noop)
@@ -144,16 +146,18 @@ class NoopDriver(Driver):
 
     def close(self) -> None:
         with self._pool_lock:
-            self._all_events, self._event_pool, self._sync_pool = [], [], []
+            self._all_events, self._event_pool, self._sync_pool, self._timing_pool = [], [], [], []
 
 
 class NoopCudaBackend(CudaBackend):
     """``CudaBackend`` over a ``NoopDriver``, for CPU tensors (see the module doc)."""
 
+    pitched = False  # what ``noop_cuda(pitched=...)`` asks of its driver
+
     def __init__(self, kv: CanonicalKVCaches, options: Any = None) -> None:  # no device to find
         self.options = WorkerOptions.coerce(options)
         self.torch_device = torch.device("cpu")
-        self.driver = NoopDriver()
+        self.driver = NoopDriver(pitched=self.pitched)
         self._lanes: list[CudaLane] = []
         self._capture_stream = None
         self.native_table = None
@@ -189,15 +193,17 @@ def _fake_upload(strategy: StagedCopy) -> Any:
 
 
 @contextlib.contextmanager
-def noop_cuda() -> Iterator[None]:
-    """While inside, ``backend="cuda"`` builds a ``NoopCudaBackend``."""
+def noop_cuda(pitched: bool = False) -> Iterator[None]:
+    """While inside, ``backend="cuda"`` builds a ``NoopCudaBackend`` (whose driver has 2-D
+    batches with ``pitched``)."""
     from .. import core
 
     real = core.resolve_backend
+    backend = type("NoopCudaBackend", (NoopCudaBackend,), {"pitched": pitched})
 
     def resolve(name: str, kv: CanonicalKVCaches, options: Any = None) -> Any:
         if name == "cuda":
-            return NoopCudaBackend(kv, options)
+            return backend(kv, options)
         return real(name, kv, options)
 
     core.resolve_backend = resolve

@@ -200,9 +200,9 @@ aiokv_check_program(const DriverTable *t, const uint64_t *w, Py_ssize_t rows, Py
         case OP_PITCHED:
             if (o[3] == 0)
                 return aiokv_bad_input("op %zd: a pitched batch of no copies", r), -1;
-            if (o[3] > (uint64_t)(PY_SSIZE_T_MAX / 14))
+            if (o[3] > (uint64_t)(PY_SSIZE_T_MAX / 14) || o[4] > (uint64_t)(PY_SSIZE_T_MAX / 14) - o[3])
                 return aiokv_bad_input("op %zd: too many pitched copies", r), -1;
-            if (need_words(views, nbuf, o[2], o[3] * 14, r, "pitched ops") < 0)
+            if (need_words(views, nbuf, o[2], (o[4] + o[3]) * 14, r, "pitched ops") < 0)
                 return -1;
             break;
         case OP_LAUNCH:
@@ -271,8 +271,9 @@ aiokv_run_op(const DriverTable *t, const uint64_t *o, void *const *bufs)
         if (t->procs[P_PITCHED] == NULL)
             return CUDA_ERROR_NOT_SUPPORTED;
         if (t->version >= 13000)
-            return ((pitched13_fn)t->procs[P_PITCHED])((size_t)o[3], bufs[o[2]], 0, s);
-        return ((pitched12_fn)t->procs[P_PITCHED])((size_t)o[3], bufs[o[2]], &failed, 0, s);
+            return ((pitched13_fn)t->procs[P_PITCHED])((size_t)o[3], (uint64_t *)bufs[o[2]] + o[4] * 14, 0, s);
+        return ((pitched12_fn)t->procs[P_PITCHED])((size_t)o[3], (uint64_t *)bufs[o[2]] + o[4] * 14, &failed, 0,
+                                                   s);
     }
     case OP_LAUNCH: {
         void *params[MAX_PARAMS];
@@ -508,7 +509,7 @@ PyInit__native(void)
             "{s:N,s:N,s:N}", "noop", PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_noop), "event_create",
             PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_event_create), "host_func_now",
             PyLong_FromVoidPtr((void *)(uintptr_t)&aiokv_fake_host_func_now))) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 3) < 0) { /* native.py's _ABI: raise both together */
+        PyModule_AddIntConstant(m, "ABI", 4) < 0) { /* native.py's _ABI: raise both together */
         Py_DECREF(m);
         return NULL;
     }

@@ -81,8 +81,8 @@ static const char *const PROC_NAMES[N_PROCS] = {
  *           CUmemcpyAttributes (bit 0 stream-ordered, bit 1 to host). Without a batched
  *           call in the table: one cuMemcpyAsync per copy.
  *   COPY    stream, dst, src, nbytes               cuMemcpyAsync
- *   PITCHED stream, ops, count                     cuMemcpy3DBatchAsync: ops indexes a
- *           buffer of >= count rows of 14 u64 (CUDA_MEMCPY3D_BATCH_OP)
+ *   PITCHED stream, ops, count, first              cuMemcpy3DBatchAsync of rows
+ *           [first, first + count) of a buffer of rows of 14 u64 (CUDA_MEMCPY3D_BATCH_OP)
  *   LAUNCH  stream, function, grid, block, blob, offsets, nparams
  *           cuLaunchKernel(function, grid,1,1, block,1,1, 0, stream, params, NULL) with
  *           params[i] = &blob[offsets[i]] (blob and offsets index ``buffers``)

@@ -35,6 +35,7 @@ struct TicketState {
     int inline_run;     /* run on the submitting thread (the issuer was idle) */
     uint64_t end;       /* the event the doorbells wait on */
     double queued_at, started_at, finished_at;
+    double *stamps;     /* with ``stamps``: when each row's call returned (else NULL) */
     int bells[MAX_BELLS];
     int nbells;
 };
@@ -171,6 +172,7 @@ ticket_release(TicketState *t)
     for (int i = 0; i < t->nbells; i++)
         close(t->bells[i]);
     issuer_release(t->issuer);
+    free(t->stamps);
     free(t);
 }
 
@@ -231,6 +233,8 @@ run_program(IssuerState *st, Program *p, CUresult refuse, int here)
             code = aiokv_run_op(&st->d, p->rows + done * WORDS, p->bufs);
             if (code != 0)
                 break;
+            if (t->stamps != NULL)
+                t->stamps[done] = aiokv_now();
             /* Both sequentially consistent, as the waiter's announce-then-look is
              * (``wait_progress``, ``ticket_ready``): with release / acquire the store may
              * sit in this core's buffer while the load reads no waiter, and the waiter
@@ -371,17 +375,22 @@ typedef struct {
 
 /* Queue ``p`` (ticket made here): a new Ticket, or NULL with an error set (``p`` dropped).
  * With ``run_here`` and nothing queued or running, the program runs on this thread now,
- * holding the GIL (a tiny job: cheaper than handing it over). */
+ * holding the GIL (a tiny job: cheaper than handing it over). With ``stamps`` the ticket
+ * keeps when each row's call returned (``Ticket.stamps``). */
 static PyObject *
-queue_program(IssuerState *st, Program *p, int run_here)
+queue_program(IssuerState *st, Program *p, int run_here, int stamps)
 {
     TicketState *t = calloc(1, sizeof(TicketState));
-    TicketObject *obj = t == NULL ? NULL : PyObject_New(TicketObject, &aiokv_TicketType);
+    double *times = t != NULL && stamps ? calloc((size_t)(p->nrows ? p->nrows : 1), sizeof(double)) : NULL;
+    TicketObject *obj = t == NULL || (stamps && times == NULL) ? NULL
+                                                               : PyObject_New(TicketObject, &aiokv_TicketType);
     if (obj == NULL) {
+        free(times);
         free(t);
         aiokv_program_drop(st, p);
-        return t == NULL ? PyErr_NoMemory() : NULL;
+        return t == NULL || (stamps && times == NULL) ? PyErr_NoMemory() : NULL;
     }
+    t->stamps = times;
     atomic_init(&t->refs, 2); /* the Python object and the program */
     atomic_init(&t->rows_done, 0);
     atomic_init(&t->state, T_QUEUED);
@@ -440,7 +449,7 @@ queue_program(IssuerState *st, Program *p, int run_here)
 PyObject *
 aiokv_issuer_queue(IssuerState *st, Program *p, int run_here)
 {
-    return queue_program(st, p, run_here);
+    return queue_program(st, p, run_here, 0);
 }
 
 const DriverTable *
@@ -627,6 +636,31 @@ Ticket_ring_fd(TicketObject *self, PyObject *arg)
     return PyBool_FromLong(stashed);
 }
 
+PyDoc_STRVAR(ticket_stamps_doc,
+"stamps() -> tuple[float, ...] | None\n\nFor a program submitted with ``stamps``: CLOCK_MONOTONIC\n"
+"seconds at which each row's driver call returned, for the rows run so far (else None).");
+
+static PyObject *
+Ticket_stamps(TicketObject *self, PyObject *unused)
+{
+    TicketState *t = self->t;
+    if (t->stamps == NULL)
+        Py_RETURN_NONE;
+    long long n = atomic_load_explicit(&t->rows_done, memory_order_acquire);
+    PyObject *out = PyTuple_New((Py_ssize_t)n);
+    if (out == NULL)
+        return NULL;
+    for (long long i = 0; i < n; i++) {
+        PyObject *v = PyFloat_FromDouble(t->stamps[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    return out;
+}
+
 static PyObject *
 Ticket_get_rows_done(TicketObject *self, void *unused)
 {
@@ -686,6 +720,7 @@ static PyMethodDef Ticket_methods[] = {
     {"wait_rows", (PyCFunction)(void (*)(void))Ticket_wait_rows, METH_FASTCALL, ticket_wait_rows_doc},
     {"result", (PyCFunction)Ticket_result, METH_NOARGS, ticket_result_doc},
     {"ring_fd", (PyCFunction)Ticket_ring_fd, METH_O, ticket_ring_doc},
+    {"stamps", (PyCFunction)Ticket_stamps, METH_NOARGS, ticket_stamps_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -868,23 +903,24 @@ fill_rows(PyObject *ops, uint64_t *rows, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(submit_doc,
-"submit(ops, buffers, main, rescue, end, run_here=False) -> Ticket\n\n"
+"submit(ops, buffers, main, rescue, end, run_here=False, stamps=False) -> Ticket\n\n"
 "Check a program (as ``Table.enqueue`` does: bad input raises InvalidSpec and queues\n"
 "nothing), copy its rows (a list of ints or a buffer of 8-byte ints, 8 per row) and every\n"
 "buffer of the tuple ``buffers`` into C memory, and queue it; returns at once, never\n"
 "waiting for a driver call. After a failing row the thread joins the program's streams into\n"
 "``main`` through ``rescue`` and records ``end`` (non-zero) on ``main``. ``run_here``: run it\n"
-"on this thread now, holding the GIL, if nothing is queued or running (a tiny job).");
+"on this thread now, holding the GIL, if nothing is queued or running (a tiny job).\n"
+"``stamps``: the ticket keeps when each row's call returned (``Ticket.stamps()``).");
 
 static PyObject *
 Issuer_submit(IssuerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"ops", "buffers", "main", "rescue", "end", "run_here", NULL};
+    static char *kwlist[] = {"ops", "buffers", "main", "rescue", "end", "run_here", "stamps", NULL};
     PyObject *ops, *buffers;
     unsigned long long main_stream, rescue, end;
-    int run_here = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!KKK|p", kwlist, &ops, &PyTuple_Type, &buffers,
-                                     &main_stream, &rescue, &end, &run_here))
+    int run_here = 0, stamps = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!KKK|pp", kwlist, &ops, &PyTuple_Type, &buffers,
+                                     &main_stream, &rescue, &end, &run_here, &stamps))
         return NULL;
     IssuerState *st = aiokv_issuer_state((PyObject *)self);
     if (st == NULL)
@@ -922,7 +958,7 @@ Issuer_submit(IssuerObject *self, PyObject *args, PyObject *kw)
     p->main = main_stream;
     p->rescue = rescue;
     p->end = end;
-    ticket = queue_program(st, p, run_here);
+    ticket = queue_program(st, p, run_here, stamps);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         PyBuffer_Release(&views[i]);

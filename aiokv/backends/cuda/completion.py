@@ -83,8 +83,9 @@ class CudaCompletion(Completion):
                 bell.ring()  # cannot arm it: wake the waiter now, it falls back to polling
 
     def attach(self, ticket: Any, started: float, error: BaseException | None) -> None:
-        """A job planned after its submit (behind a Python issuer's work) reached the native
-        issuer as ``ticket`` (None: it never did, and fails with ``error``)."""
+        """The job reached the native issuer after the completion was made, as ``ticket``
+        (a layerwise load's one program, a store's end), or never did (None: it fails with
+        ``error``)."""
         with self._lock:
             self._ticket = ticket
         self.mark_issued(started, error)

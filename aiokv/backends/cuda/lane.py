@@ -5,9 +5,10 @@ events mark completion in order. Layerwise jobs run on the same main stream
 Two ways to issue: on the native path (a ``program.Recorder``) the caller only plans: it
 records the strategy's calls as a program and hands it to the lane's native issuer thread,
 which makes every driver call without the GIL and arms the completion's doorbells
-(program.py, "Issuing"); a tiny job on an idle lane runs at once instead. On the Python
-path the caller makes the calls, or, with ``WorkerOptions.issue_thread``, a Python issuer
-thread makes those of long jobs after ``submit`` has returned."""
+(program.py, "Issuing"); a tiny job on an idle lane runs at once instead. A layerwise load
+is one such program too, and a store's push another. On the Python path the caller makes
+the calls, or, with ``WorkerOptions.issue_thread``, a Python issuer thread makes those of
+long jobs (and a layerwise load's later layers) after ``submit`` has returned."""
 
 from __future__ import annotations
 
@@ -110,9 +111,9 @@ class CudaLane(NativeSubmit, Lane):
         self.native: NativeIssuer | None = None
         self.planner: Any = None  # ``_native.Planner``: jobs planned in C from their ids
         self._staging_shared = False
-        self._last_ticket: Any = None
-        # A Python issuer thread: ``issue_thread`` on the Python path; on the native path
-        # only one a layerwise load made for its later layers (``layer_issuer``).
+        self.last_ticket: Any = None  # the native issuer's latest program of this lane
+        # A Python issuer thread: ``issue_thread``, or one a layerwise load made for its
+        # later layers (``layer_issuer``); the Python path only.
         self._issue_thread = issue_thread and recorder is None
         self._issuer = Issuer(f"aiokv-issue-{direction.value}") if self._issue_thread else None
         # Jobs the issuer thread enqueued, the host seconds it spent on them and its CPU
@@ -122,8 +123,10 @@ class CudaLane(NativeSubmit, Lane):
         self.issue_cpu_seconds = 0.0
         # Host clock just before the latest job's copies were handed to the device.
         self.last_started_at: float | None = None
-        # The device slot of layerwise jobs whose blocks do not run (``layers.layer_ops``).
+        # The device slot of layerwise jobs whose blocks do not run, and the tables that
+        # fold a job's layers from its ids (``layer_copies.layer_ops``).
         self.layer_staging: Any = None
+        self.layer_folder: Any = None
         # Where completion doorbells wait on job end events (see Driver.ring_after).
         try:
             self.bell_stream = self._driver.create_stream()
@@ -255,11 +258,10 @@ class CudaLane(NativeSubmit, Lane):
         return self._issuer
 
     def layer_issuer(self) -> Issuer:
-        """The issuer a layerwise load hands its later layers to: the lane's own, made on
-        first use where ``issue_thread`` is off. Every launch after it then goes through it
-        (at once, on the caller's thread, while it holds nothing; on the native path only
-        while it holds work, see ``native_submit``), so the lane's jobs stay in submission
-        order."""
+        """The issuer a layerwise load hands its later layers to on the Python path: the
+        lane's own, made on first use where ``issue_thread`` is off. Every launch after it
+        then goes through it (at once, on the caller's thread, while it holds nothing), so
+        the lane's jobs stay in submission order."""
         if self._issuer is None:
             self._issuer = Issuer(f"aiokv-issue-{self.direction.value}")
         return self._issuer
@@ -277,11 +279,6 @@ class CudaLane(NativeSubmit, Lane):
         drv = self._driver
         dep: Dependency | None = dependency
         issuer = self._issuer
-        # On the native path the first layers' program is committed, and its issue waited
-        # for, by the thread that runs ``issue_load``: with programs still queued on the
-        # native issuer that wait would hold the submitting thread behind them, so the whole
-        # load goes from the layer issuer thread instead.
-        behind = self.native is not None and not self.native.idle
         try:
             drv.ensure_context()
             drv.check_usable()
@@ -291,7 +288,10 @@ class CudaLane(NativeSubmit, Lane):
         except BaseException:
             self._give_back(None, dep)
             raise
-        if issuer is None and run.head == run.num_layers and not behind:
+        if self.native is not None:  # one program, behind every job the lane holds
+            run.submit_load(dep)
+            return run
+        if issuer is None and run.head == run.num_layers:
             run.issue_load(dep, on_issuer=False)
             return run
         if issuer is None:  # made now, idle: the first layers still go at once, from here
@@ -304,7 +304,7 @@ class CudaLane(NativeSubmit, Lane):
             run.issue_load(dep, on_issuer=issuer.on_own_thread())
 
         try:
-            issuer.run(work, defer=behind)  # behind the jobs the issuer still holds
+            issuer.run(work, defer=False)  # behind the jobs the issuer still holds
         except BaseException:
             if not ran:
                 run.give_back()
@@ -334,7 +334,7 @@ class CudaLane(NativeSubmit, Lane):
                 issued_later = int(stats["issued"]) - int(stats["inline"])
                 seconds, cpu = float(stats["busy_seconds"]), float(stats["cpu_seconds"])
             lags = tuple(self.native.lags())
-            ticket = self._last_ticket
+            ticket = self.last_ticket
             if ticket is not None:  # a layerwise job since (``last_started_at``) may be later
                 began = ticket.started_at
                 began = ticket.queued_at if began is None else began  # not begun before that

@@ -3,9 +3,10 @@ how many layers a load's submit enqueues itself before the lane's issuer thread 
 
 A layer's copies fold into pitched runs straight to the pages where the driver has 2-D
 batches, or go through the lane's device slot where the blocks scatter (``layer_ops``,
-``layer_staging``; docs/layerwise.md, "Few descriptors a layer"). The submit enqueues the
-first layers itself so the forward never waits on a thread hand-off for layer 0
-(``head_layers``; docs/layerwise.md, "Loads").
+``layer_staging``; docs/layerwise.md, "Few descriptors a layer"). On the Python path the
+submit enqueues the first layers itself so the forward never waits on a thread hand-off
+for layer 0 (``head_layers``; docs/layerwise.md, "Loads"); on the native path the whole
+load is one program for the lane's issuer thread, which takes no GIL.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from ...layer_plan import LayerPlan
 from ...specs import Direction
 from .driver import Driver
 from .issuer import Issuer
-from .layer_ops import US_PER_CALL, LayerOps, fold_layers, prefer_staged, worth_staging
+from .layer_ops import US_PER_CALL, IdFolder, LayerOps, fold_layers, prefer_staged, worth_staging
 from .layer_staging import LayerStaging, TorchSlot
 from .pieces import PieceKernel
 from .program import Recorder
@@ -52,7 +51,10 @@ class LayerLane(Protocol):
     waiter: Any
     measure_stalls: bool
     last_started_at: float | None
+    last_ticket: Any  # the native issuer's latest program of the lane
     layer_staging: Any  # a ``LayerStaging``, made on first use by ``layer_ops``
+    layer_folder: Any  # an ``IdFolder``, made on first use by ``layer_ops``
+    native: Any  # the lane's ``NativeIssuer`` (None: the Python path)
 
     @property
     def driver(self) -> Driver: ...
@@ -72,15 +74,24 @@ def layer_ops(lane: LayerLane, plan: LayerPlan) -> LayerOps:
     ctx = lane.context
     drv = ctx.driver
     pitched = bool(getattr(drv, "pitched_copies", False))
-    ops = fold_layers(plan, plan.bounds, ctx.device_base, ctx.host_base, to_host=ctx.to_host,
-                      max_pitch=int(getattr(drv, "max_pitch", 0)) if pitched else 0)
+    max_pitch = int(getattr(drv, "max_pitch", 0)) if pitched else 0
+    folder = lane.layer_folder
+    if folder is None:  # the layout's tables, once per lane
+        folder = lane.layer_folder = IdFolder(plan.layout, plan.layer_map, ctx.device_base, ctx.host_base,
+                                              to_host=ctx.to_host, max_pitch=max_pitch)
+    if folder.usable:
+        ops = folder.fold(plan.mapping)
+    else:  # several blocks a chunk, or no 2-D copies: from the page columns
+        ops = fold_layers(plan, plan.bounds, ctx.device_base, ctx.host_base, to_host=ctx.to_host,
+                          max_pitch=max_pitch)
     if not pitched:
         return ops
     ops = ops.with_packed(drv.pitched_ops)
-    staging = _staging(lane, plan) if worth_staging(ops) else None
+    nbytes = plan.layer_bytes()
+    staging = _staging(lane, plan) if worth_staging(ops, nbytes) else None
     if staging is not None:
         staged = staging.plan(plan, lane.stream, drv.pitched_ops, ctx.to_host)
-        if staged is not None and prefer_staged(ops, staged):
+        if staged is not None and prefer_staged(ops, staged, nbytes):
             return ops.with_staged(staged)
     return ops
 
@@ -113,8 +124,8 @@ def head_layers(ops: LayerOps, layer_bytes: Sequence[int]) -> int:
     ``INLINE_ISSUE_US``): at least one."""
     spent = 2 * US_PER_CALL  # the job's start, and the wait on its dependency
     covered = 0.0  # seconds of copies enqueued so far, at INLINE_COVER_GBPS
-    for layer in range(ops.num_layers):
-        spent += ops.cost_us(layer)
+    for layer, cost in enumerate(ops.costs_us().tolist()):
+        spent += cost
         if spent > INLINE_ISSUE_US and (spent > INLINE_MAX_US or covered >= INLINE_COVER_S):
             return max(1, layer)
         covered += layer_bytes[layer] / (INLINE_COVER_GBPS * 1e9)
@@ -123,6 +134,4 @@ def head_layers(ops: LayerOps, layer_bytes: Sequence[int]) -> int:
 
 def layer_bytes(plan: LayerPlan) -> list[int]:
     """Bytes each layer of the plan moves."""
-    total = np.concatenate(([0], np.cumsum(plan.nbytes, dtype=np.int64)))
-    cuts = np.asarray(plan.bounds, dtype=np.int64)
-    return (total[cuts[1:]] - total[cuts[:-1]]).tolist()
+    return plan.layer_bytes().tolist()

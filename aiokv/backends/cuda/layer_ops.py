@@ -10,10 +10,14 @@ engine's free blocks come in runs): one 2-D copy (``cuMemcpy3DBatchAsync``) move
 run, its rows ``width`` bytes wide, ``host_pitch`` apart on the host and
 ``device_pitch`` apart on the device.
 
-``fold_layers`` finds those runs layer by layer, in numpy whatever the job's size. A run
-of at least ``min_height`` copies becomes one pitched op; shorter ones stay plain
-descriptors of the layer's one batched call. A copy is in exactly one op, and an op never
-spans two layers or two page tensors (a 2-D copy may not span two allocations).
+``fold_ids`` finds those runs once, on the job's block and chunk ids (a few hundred
+numbers at 16k tokens), and gives every page tensor of every layer the same runs: the
+submit never touches the job's 60,000 page copies. ``fold_layers`` does the same from the
+layer plan's page columns, for the layouts ``fold_ids`` does not cover (several blocks a
+chunk). Either way a run of at least ``min_height`` copies becomes one pitched op; shorter
+ones stay plain descriptors of the layer's one batched call. A copy is in exactly one op,
+and an op never spans two layers or two page tensors (a 2-D copy may not span two
+allocations).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from ...layer_plan import CopySlice
+from ...layer_plan import CopySlice, LayerMap, LayerPlan
+from ...plan import BlockMapping, HostLayout
 
-__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_US", "LayerOps", "PitchedRows", "fold_layers",
+__all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_COPY", "STAGE_ABOVE_US", "STAGE_COPY_GBPS", "IdFolder",
+           "LayerOps", "PitchedRows", "fold_ids",
+           "fold_layers",
            "prefer_staged", "worth_staging"]
 
 # A pitched op costs the driver several descriptors' worth of host time, so a run shorter
@@ -34,14 +41,20 @@ MIN_LAYER_PITCHED_HEIGHT = 4
 # Estimated host microseconds of the driver's calls (as ``program.py`` estimates them): a
 # call, a plain descriptor, a pitched op, a kernel launch.
 US_PER_CALL, US_PER_DESCRIPTOR, US_PER_PITCHED_OP, US_PER_LAUNCH = 1.5, 0.8, 3.0, 2.0
-# A layer whose copies straight to its pages cost more host time than this (about 250
-# plain descriptors: scattered GPU blocks) goes through the device slot
-# (``layer_staging``) where that costs at most half as much. Below it, runs go straight to
-# the pages even where the slot would take fewer calls: the slot costs SM time, device
-# memory and a second pass over the bytes, and a layer's enqueue of a few tens of
-# microseconds stays far ahead of its copy (docs/layerwise.md, "Few descriptors a layer").
-# The one place the choice is made.
-STAGE_ABOVE_US = 200.0
+# A job goes through the device slot (``layer_staging``) only where a layer's copies
+# straight to its pages could not be enqueued as fast as the copy engine moves them: its
+# estimated driver time over STAGE_ABOVE_COPY times its copy at STAGE_COPY_GBPS (a little
+# under the pinned ceiling) and over STAGE_ABOVE_US (a shorter enqueue never matters), and
+# the slot's at most half of that. A layerwise load runs
+# beside the forward's GEMMs, and there the slot's scatter, an SM kernel, is starved and
+# slows the forward, while copy engines hold up; and the enqueue is the native issuer
+# thread's, off the caller's. So scattered 32 KiB pages go straight, as batched
+# descriptors (about 0.8 us of host time to 0.65 us of copy each); pages of a few KiB,
+# whose descriptors would starve the copy engine, go through the slot (docs/layerwise.md,
+# "Few descriptors a layer"). The one place the choice is made.
+STAGE_ABOVE_COPY = 2.0
+STAGE_COPY_GBPS = 50.0
+STAGE_ABOVE_US = 100.0
 
 
 @dataclass(frozen=True)
@@ -91,10 +104,13 @@ class LayerOps:
 
     def cost_us(self, layer: int) -> float:
         """Estimated host time of layer ``layer``'s driver calls, its event's record included."""
+        return float(self.costs_us()[layer])
+
+    def costs_us(self) -> np.ndarray:
+        """``cost_us`` of every layer at once."""
         if self.staged is not None:
-            return US_PER_CALL * 2 + self.staged.cost_us(layer)
-        plain = int(self.bounds[layer + 1] - self.bounds[layer])
-        pitched = int(self.pbounds[layer + 1] - self.pbounds[layer])
+            return US_PER_CALL * 2 + np.asarray(self.staged.costs_us(), dtype=np.float64)
+        plain, pitched = np.diff(self.bounds), np.diff(self.pbounds)
         return (US_PER_CALL * (1 + (plain > 0) + (pitched > 0)) + US_PER_DESCRIPTOR * plain
                 + US_PER_PITCHED_OP * pitched)
 
@@ -112,26 +128,34 @@ class LayerOps:
                         staged)
 
 
-def prefer_staged(direct: LayerOps, staged: Any) -> bool:
-    """Whether a job goes through the slot: its costliest layer straight to its pages is
-    over ``STAGE_ABOVE_US`` and the slot takes at most half of that."""
-    worst = max((direct.cost_us(layer) for layer in range(direct.num_layers)), default=0.0)
-    if worst <= STAGE_ABOVE_US:
+def _outpaced(direct: LayerOps, layer_bytes: np.ndarray) -> np.ndarray:
+    """Per layer, whether its copies straight to its pages would take longer to enqueue
+    than ``STAGE_ABOVE_COPY`` times their copy, and over ``STAGE_ABOVE_US``."""
+    copy_us = np.asarray(layer_bytes, dtype=np.float64) / (STAGE_COPY_GBPS * 1e3)
+    costs = direct.costs_us()
+    return np.asarray((costs > STAGE_ABOVE_COPY * copy_us) & (costs > STAGE_ABOVE_US))
+
+
+def prefer_staged(direct: LayerOps, staged: Any, layer_bytes: np.ndarray) -> bool:
+    """Whether a job goes through the slot: some layer straight to its pages could not be
+    enqueued as fast as it copies, and the slot takes at most half as long to enqueue."""
+    outpaced = _outpaced(direct, layer_bytes)
+    if not outpaced.any():
         return False
-    through = max(staged.cost_us(layer) for layer in range(direct.num_layers))
-    return bool(2 * through <= worst)
+    worst = float(direct.costs_us()[outpaced].max())
+    return bool(2 * float(np.max(staged.costs_us())) <= worst)
 
 
-def worth_staging(direct: LayerOps) -> bool:
+def worth_staging(direct: LayerOps, layer_bytes: np.ndarray) -> bool:
     """Whether to plan the slot at all (it takes memory on first use)."""
-    return any(direct.cost_us(layer) > STAGE_ABOVE_US for layer in range(direct.num_layers))
+    return bool(_outpaced(direct, layer_bytes).any())
 
 
 def _u64(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
 
 
-def fold_layers(plan: CopySlice, bounds: np.ndarray, device_base: np.ndarray, host_base: int, *,
+def fold_layers(plan: CopySlice | LayerPlan, bounds: np.ndarray, device_base: np.ndarray, host_base: int, *,
                 to_host: bool, max_pitch: int = 0, min_height: int = MIN_LAYER_PITCHED_HEIGHT) -> LayerOps:
     """Fold a layerwise plan's copies (layer ``l``: copies ``[bounds[l], bounds[l + 1])``)
     into pitched runs and plain descriptors (module doc). ``max_pitch`` is the driver's
@@ -185,3 +209,113 @@ def fold_layers(plan: CopySlice, bounds: np.ndarray, device_base: np.ndarray, ho
 def _layer_bounds(layer_of: np.ndarray, nlayers: int) -> np.ndarray:
     """Cut points of items sorted by layer: layer ``l`` is ``[out[l], out[l + 1])``."""
     return np.searchsorted(layer_of, np.arange(nlayers + 1, dtype=np.int64), side="left").astype(np.int64)
+
+
+class IdFolder:
+    """``fold_ids`` for one lane: the layout's tables (each ref's layer, page tensor, device
+    base, offset in a chunk, page size and row stride, by kind) built once, so a job's fold
+    is a few numpy calls on its ids. ``usable`` is False where the layout is not covered."""
+
+    def __init__(self, layout: HostLayout, lmap: LayerMap, device_base: np.ndarray, host_base: int, *,
+                 to_host: bool, max_pitch: int, min_height: int = MIN_LAYER_PITCHED_HEIGHT) -> None:
+        self.to_host, self.max_pitch, self.min_height = to_host, max_pitch, min_height
+        self.num_layers = lmap.num_layers
+        self.chunk_bytes = cb = int(layout.chunk_bytes)
+        g_of, k_of, l_of = lmap.order_group.tolist(), lmap.order_ref.tolist(), lmap.order_layer.tolist()
+        tensor = np.array([layout.tensor_idx[g][k] for g, k in zip(g_of, k_of)], dtype=np.int64)
+        size = np.array([layout.page_sizes[g][k] for g, k in zip(g_of, k_of)], dtype=np.int64)
+        offset = np.array([layout.page_offsets[g][k] for g, k in zip(g_of, k_of)], dtype=np.int64)
+        stride = np.asarray(layout.row_strides, dtype=np.int64)[tensor] if tensor.size else tensor
+        base = np.asarray(device_base, dtype=np.int64)[tensor] if tensor.size else tensor
+        # Two refs of a layer in one tensor could merge into one copy; pages as large as a
+        # chunk run on into the next one: neither is folded from the ids.
+        pairs = set(zip(l_of, tensor.tolist()))
+        self.usable = (layout.blocks_per_chunk == 1 and max_pitch > 0 and min_height >= 2
+                       and len(pairs) == tensor.size and not (size >= cb).any())
+        # Per group, its refs by (row stride, page size): (stride, size, layer, tensor,
+        # device base, host base + offset), the refs in (layer, tensor) order.
+        self.kinds: list[list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = []
+        for g in range(layout.num_groups):
+            mine = np.flatnonzero(lmap.order_group == g)
+            kinds = []
+            for s_, p_ in sorted(set(zip(stride[mine].tolist(), size[mine].tolist()))):
+                refs = mine[(stride[mine] == s_) & (size[mine] == p_)]
+                refs = refs[np.lexsort((tensor[refs], lmap.order_layer[refs]))]
+                kinds.append((s_, p_, lmap.order_layer[refs], tensor[refs], base[refs][:, None],
+                              (int(host_base) + offset[refs])[:, None]))
+            self.kinds.append(kinds)
+        self.sort = sum(len(k) for k in self.kinds) > 1  # else the ops come out in order
+
+    def fold(self, mapping: BlockMapping) -> LayerOps:
+        """The job's ops (``usable`` layouts only)."""
+        cb, max_pitch, min_height = self.chunk_bytes, self.max_pitch, self.min_height
+        pitched: list[tuple[np.ndarray, ...]] = []  # layer, tensor, dev, dpitch, host, hpitch, width, height
+        plain: list[tuple[np.ndarray, ...]] = []  # layer, tensor, dev, host, size
+        for g, blocks in enumerate(mapping.gpu_blocks):
+            n = int(blocks.size)
+            if not n or not self.kinds[g]:
+                continue
+            if g == 0 and mapping.by_host is not None:  # sorted by the planner already
+                b, c = (np.asarray(x, dtype=np.int64) for x in mapping.by_host)
+            else:
+                order = np.argsort(mapping.host_slots[g], kind="stable")
+                b = np.asarray(blocks, dtype=np.int64)[order]
+                c = np.asarray(mapping.host_slots[g], dtype=np.int64)[order]
+            db, dc = np.diff(b), np.diff(c)
+            for s_, p_, layer, tensor, base, host in self.kinds[g]:
+                dd, dh = s_ * db, cb * dc
+                valid = (dd >= p_) & (dh >= p_) & (dd <= max_pitch) & (dh <= max_pitch)
+                same = np.ones_like(valid)
+                same[1:] = ~valid[:-1] | ((db[1:] == db[:-1]) & (dc[1:] == dc[:-1]))
+                starts = np.flatnonzero(np.concatenate(([True], ~(valid & same))))
+                heights = np.diff(np.append(starts, n))
+                tall = heights >= min_height
+                refs, m = layer.shape[0], int(np.count_nonzero(tall))
+                if m:  # every ref of this kind, every run: refs x runs ops, ref-major
+                    first, h = starts[tall], heights[tall]
+                    dpitch, hpitch = s_ * (b[first + 1] - b[first]), cb * (c[first + 1] - c[first])
+                    dev, pool = (base + s_ * b[first]).ravel(), (host + cb * c[first]).ravel()
+                    pitched.append((np.repeat(layer, m), np.repeat(tensor, m), dev, np.tile(dpitch, refs),
+                                    pool, np.tile(hpitch, refs), np.full(refs * m, p_), np.tile(h, refs)))
+                if m < starts.size:
+                    short = np.flatnonzero(np.repeat(~tall, heights))
+                    k = short.size
+                    plain.append((np.repeat(layer, k), np.repeat(tensor, k), (base + s_ * b[short]).ravel(),
+                                  (host + cb * c[short]).ravel(), np.full(refs * k, p_)))
+        pl, _, pdev, pdp, phost, php, pw, ph = _joined(pitched, 8, self.sort)
+        dl, _, ddev, dhost, ds = _joined(plain, 5, self.sort)
+        if self.to_host:
+            dst, src, rows = _u64(dhost), _u64(ddev), PitchedRows(phost, php, pdev, pdp, pw, ph)
+        else:
+            dst, src, rows = _u64(ddev), _u64(dhost), PitchedRows(pdev, pdp, phost, php, pw, ph)
+        return LayerOps(dst, src, _u64(ds), _layer_bounds(dl, self.num_layers), rows,
+                        _layer_bounds(pl, self.num_layers))
+
+
+def _joined(parts: list[tuple[np.ndarray, ...]], width: int, sort: bool) -> list[np.ndarray]:
+    """Columns of ops made kind by kind, flat, in ``fold_layers``' order (by layer, then
+    page tensor, then host address: column 0, 1, and the host column, 4 or 3)."""
+    if not parts:
+        return [np.zeros(0, dtype=np.int64)] * width
+    cols = [np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(width)]
+    if sort:
+        order = np.lexsort((cols[4 if width == 8 else 3], cols[1], cols[0]))
+        cols = [col[order] for col in cols]
+    return cols
+
+
+def fold_ids(plan: LayerPlan, device_base: np.ndarray, host_base: int, *, to_host: bool, max_pitch: int,
+             min_height: int = MIN_LAYER_PITCHED_HEIGHT) -> LayerOps | None:
+    """``fold_layers`` of the same job, found on its block and chunk ids alone (module doc);
+    the same ops in the same order. None where the layout is not one this covers: one
+    block a chunk, each layer's refs in tensors of their own, and a driver with 2-D copies.
+    A lane keeps an ``IdFolder`` instead, its tables built once.
+
+    Why it may: with one block a chunk, page ``k`` of the pair (block ``b``, chunk ``c``)
+    sits at ``base[t_k] + stride_k * b`` on the device and ``c * chunk_bytes + offset_k``
+    in the pool, so the links between pairs in chunk order (and the runs they make) are
+    the same for every page tensor of equal page size and row stride.
+    """
+    folder = IdFolder(plan.layout, plan.layer_map, device_base, host_base, to_host=to_host,
+                      max_pitch=max_pitch, min_height=min_height)
+    return folder.fold(plan.mapping) if folder.usable else None

@@ -1,19 +1,17 @@
 """Layerwise jobs on a CUDA lane: one event per layer, recorded on the lane's main stream
 behind that layer's copies.
 
-A load's submit enqueues its first layers itself (``head_layers``: always some 100 us of
-estimated driver time and at least layer 0, more until about 5 ms of copies are queued)
-behind the wait on its dependency and the job's start: one native call where the lane has
-the helper. The rest go from the lane's issuer thread a layer at a time, each marked
-enqueued as soon as its event's record is, and the job's end behind the last. So the
-forward pass starts while later layers are still being handed to the device. A layer is a
-few driver operations (``layer_ops``: pitched runs and one batched call, or 2-D copies
-through a device slot), never thousands of descriptors. A store is enqueued a layer at a
-time as the forward pass pushes it: each push is one call of its own (the wait on the
-producer, the layer's copies, its event), and the job's end is recorded behind the last
-layer. A store's layer events are timing pairs bracketing the layer's copies, so its
-``transfer_time`` sums the copies and leaves out the time the stream waited for the
-forward between pushes.
+On the native path a load's submit hands the whole job to the lane's native issuer
+thread as one program, its first layer's rows first (``layer_issue``, ``layer_program``),
+and returns: layer ``i`` counts as enqueued once the ticket's ``rows_done`` passes the row
+of its record. A store's push is one small program of its own, handed over without
+waiting (``layer_pushes``). On the Python path a load's submit enqueues its first layers
+itself and the lane's issuer thread the rest, each marked as its record is enqueued; a
+push is enqueued on the caller's thread. A layer is a few driver operations
+(``layer_ops``: pitched runs and one batched call, or 2-D copies through a device slot),
+never thousands of descriptors. A store's layer events are timing pairs bracketing the
+layer's copies, so its ``transfer_time`` sums the copies and leaves out the time the
+stream waited for the forward between pushes.
 
 Copies go on the lane's main stream whatever the lane's strategy: the staged strategy
 gathers a job across layers and the kernel strategy moves pages with torch ops, neither of
@@ -21,9 +19,9 @@ which marks one layer's end; one stream keeps the layers in order, so layer 0 la
 (docs/layerwise.md, "On CUDA").
 
 A wait on an event never recorded passes at once in CUDA, so nothing here waits on,
-queries or arms a layer's event before its record is enqueued (``_recorded``): a gate on a
-layer still with the issuer thread blocks until it is issued; the core never gates a store
-layer not pushed.
+queries or arms a layer's event before its record is enqueued (``_recorded``, or its
+ticket's rows): a gate on a layer not enqueued yet blocks until it is (``wait_rows`` on
+the native path); the core never gates a store layer not pushed.
 
 With ``layer_stalls`` the layers' events are timing events, a gate marks the consumer's
 arrival on its stream (before it blocks for an issue) and its going on, and ``timeline()``
@@ -45,10 +43,12 @@ from ..base import LayerRun, StallMeter
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
 from .layer_clock import Held, read_gate
-from .layer_copies import Dependency, LayerLane, head_layers, layer_bytes, layer_ops
+from .layer_copies import LayerLane, head_layers, layer_bytes, layer_ops
+from .layer_issue import LoadIssue
 from .layer_pushes import StorePushes
 
 __all__ = ["CudaLayerRun", "LayerLane"]
+
 
 class _RunEnd(CudaCompletion):
     """A layerwise job's end: once seen, every layer is final and its events go back."""
@@ -60,15 +60,18 @@ class _RunEnd(CudaCompletion):
         self._run = run
 
     def _finish(self, error: BaseException | None) -> None:
+        landed = error is None  # the end's event completed: every layer recorded landed
+        if error is None:  # a store's push whose program failed on the native issuer
+            error = self._run.issue_error()
         super()._finish(error)
         # Timed (``settle`` reads the layers' pairs) only once the whole job succeeded.
-        self._run._ended(landed=error is None, timed=self._error is None)
+        self._run._ended(landed=landed, timed=self._error is None)
 
     def _device_time(self, drv: Driver, events: JobEvents) -> float | None:
         return self._run.copy_time(drv, events)
 
 
-class CudaLayerRun(StorePushes, LayerRun):
+class CudaLayerRun(StorePushes, LoadIssue, LayerRun):
     """One layerwise job's events on a lane (see the module doc)."""
 
     def __init__(self, lane: LayerLane, plan: LayerPlan, store: bool) -> None:
@@ -76,10 +79,11 @@ class CudaLayerRun(StorePushes, LayerRun):
         self._lane = lane
         self._drv: Driver = drv
         self._store = store
+        self._native = lane.native is not None
         self.measures_gates = lane.measure_stalls
         self.num_layers = n = plan.num_layers
         self._ops = layer_ops(lane, plan)  # host work, before anything is taken
-        self._head = n if store else head_layers(self._ops, layer_bytes(plan))
+        self._head = n if store or self._native else head_layers(self._ops, layer_bytes(plan))
         self._held = Held(drv) if lane.measure_stalls else None
         self._events: list[Any] = []
         # A store's layers: a timing pair each, its stop being the layer's event (the first
@@ -106,6 +110,12 @@ class CudaLayerRun(StorePushes, LayerRun):
         self._pushed = bytearray(n)  # a store layer handed to ``push`` (its record may be to come)
         self._seen = bytearray(n)  # a query found the layer done
         self._errors: list[BaseException | None] = [None] * n
+        # The native path: each layer's program (its ticket) and the rows it must have run
+        # for the layer's record to be enqueued; and the dependency events its programs
+        # wait on, given back once the job has ended (every program of it was issued).
+        self._tickets: list[Any] = [None] * n
+        self._need = [0] * n
+        self._deps: list[Any] = []
         self._lock = threading.Lock()  # a driver call on a layer event vs their return to the pool
         self._changed = threading.Condition(self._lock)
         self._issued = False  # a load: its enqueue was made (or failed)
@@ -118,20 +128,20 @@ class CudaLayerRun(StorePushes, LayerRun):
         self._blocked = [0.0] * n
         self._meter: StallMeter | None = None
         self._timeline: LayerTimeline | None = None
-        later = store or lane.issuer is not None or self._head < n
+        later = store or self._native or lane.issuer is not None or self._head < n
         self.completion: _RunEnd = _RunEnd(self, drv, self._job, None, lane.bell_stream,
-                                           issued_later=later, waiter=lane.waiter)
+                                           issued_later=later, waiter=lane.waiter, recorder=lane.recorder,
+                                           stream=lane.stream)
 
     @property
     def head(self) -> int:
-        """Layers a load's submit enqueues itself; the rest go from the issuer thread."""
+        """Layers a load's submit enqueues itself on the Python path (the rest go from the
+        issuer thread); on the native path the whole load is one program."""
         return self._head
 
     def layer_descriptors(self, layer: int) -> int:
         """Driver operations (descriptors and pitched ops) of layer ``layer``'s copies."""
         return self._ops.descriptors(layer)
-
-    # -- enqueueing ---------------------------------------------------------------------
 
     def give_back(self) -> None:
         """Nothing of the job was enqueued: its events go back."""
@@ -147,23 +157,6 @@ class CudaLayerRun(StorePushes, LayerRun):
             self._held.release()
         self._events, self._job = [], None
 
-    def _emit(self, target: Any, layer: int) -> None:
-        """Layer ``layer``'s copies and its event's record on the main stream, through
-        ``target`` (the driver, or the lane's recorder while a program is open)."""
-        ops, main = self._ops, self._lane.stream
-        if ops.staged is not None:
-            self._lane.layer_staging.emit(target, ops.staged, layer, main, self._lane.direction.to_host)
-            target.record(self._events[layer], main)
-            return
-        lo, hi = int(ops.pbounds[layer]), int(ops.pbounds[layer + 1])
-        if hi > lo and ops.packed is not None:
-            target.memcpy_pitched(ops.packed[lo:hi], main)
-        lo, hi = int(ops.bounds[layer]), int(ops.bounds[layer + 1])
-        if hi > lo:
-            target.memcpy_batch(ops.dst[lo:hi], ops.src[lo:hi], ops.sizes[lo:hi], main,
-                                to_host=self._lane.direction.to_host)
-        target.record(self._events[layer], main)
-
     def _mark(self, layers: range | list[int]) -> None:
         """These layers' records are enqueued: gates and waits on them may go ahead."""
         now = time.perf_counter() - self._submitted
@@ -173,157 +166,70 @@ class CudaLayerRun(StorePushes, LayerRun):
                 self._issued_at[i] = now
             self._changed.notify_all()
 
-    def issue_load(self, dep: Dependency | None, on_issuer: bool) -> None:
-        """Enqueue the first layers as one native call where the lane has the helper, then
-        the rest a layer at a time from the issuer thread: handed to it from the caller's
-        thread, or right here on it (a job queued behind other work), so each layer is
-        marked as it is enqueued rather than once the whole job is. Raises (nothing
-        enqueued, or a sticky error) on the caller's thread; otherwise a failure is the
-        job's and the layers whose records were not reached."""
-        lane, drv = self._lane, self._drv
-        assert self._job is not None
-        ev, main, rec = self._job, lane.stream, lane.recorder
-        count = self._head
-        last = count == self.num_layers
-        error: BaseException | None = None
-        recorded: list[int] = []
-        rows: list[int] = []
-        enqueuing = False
-        started = time.perf_counter()
-        try:
-            drv.ensure_context()
-            drv.check_usable()
-            target: Any = drv if rec is None else rec
-            if rec is not None:
-                rec.open()
-            enqueuing = rec is None
-            try:
-                if dep is not None:
-                    dep.resolve(target)
-                    target.stream_wait(main, dep.event)
-                target.record(ev.start, main)
-                if self._held is not None:
-                    target.record(self._held.origin, main)
-                for layer in range(count):
-                    self._emit(target, layer)
-                    if rec is None:
-                        recorded.append(layer)
-                        if on_issuer:
-                            self._mark([layer])
-                    elif rec.program is not None:
-                        rows.append(len(rec.program) - 1)
-                if last:
-                    target.record(ev.stop, main)
-            except BaseException:
-                if rec is not None:
-                    rec.abort()  # enqueues what was recorded, as the Python path would have
-                    enqueuing = rec.ran
-                raise
-            if rec is not None:
-                try:
-                    rec.commit()
-                finally:
-                    enqueuing = rec.ran
-                recorded = list(range(count))
-        except BaseException as exc:
-            if rec is not None and rec.failed_row is not None:
-                recorded = [i for i, row in enumerate(rows) if row < rec.failed_row]
-            if not on_issuer and (not enqueuing or drv.broken is not None):
-                if drv.broken is None:
-                    self.give_back()
-                if dep is not None:
-                    drv.give_sync_event(dep.event)
-                if drv.broken is not None and drv.broken is not exc:
-                    raise drv.broken from exc
-                raise
-            if not on_issuer and not isinstance(exc, Exception):
-                raise
-            error = exc
-            self._end_behind(ev)
-        if dep is not None:
-            drv.give_sync_event(dep.event)
-        self._mark(recorded)
-        lane.last_started_at = started
-        if error is not None or last:
-            self._settle_issue(started, error)
-            return
-        if on_issuer:  # in the lane's order already: nothing queued after it may go first
-            self._issue_tail(count, started)
-            return
-        tail = functools.partial(self._issue_tail, count, started)
-        try:
-            lane.layer_issuer().run(tail, defer=True)
-        except Exception:  # no thread to hand them to (closed, or none could start): here then
-            tail()
+    # -- the native path's tickets -----------------------------------------------------------
 
-    def _issue_tail(self, first: int, started: float) -> None:
-        """On the issuer thread: layers ``first..`` one call each, each marked as it is
-        enqueued, then the job's end. A failure fails the layers not reached."""
-        lane, drv, rec = self._lane, self._drv, self._lane.recorder
-        assert self._job is not None
-        error: BaseException | None = None
-        try:
-            drv.ensure_context()
-            last = self.num_layers - 1
-            for layer in range(first, self.num_layers):
-                drv.check_usable()
-                target: Any = drv if rec is None else rec
-                if rec is not None:
-                    rec.open()
-                try:
-                    self._emit(target, layer)
-                    if layer == last:
-                        target.record(self._job.stop, lane.stream)
-                except BaseException:
-                    if rec is not None:
-                        rec.abort()
-                    raise
-                if rec is not None:
-                    rec.commit()
-                self._mark([layer])
-        except BaseException as exc:  # on the issuer thread: the job's failure, never raised
-            error = exc
-            self._end_behind(self._job)
-        self._settle_issue(started, error)
-
-    def _settle_issue(self, started: float, error: BaseException | None) -> None:
-        """The load's enqueue is over: layers not recorded fail with ``error``."""
+    def _attach(self, layers: list[int], ticket: Any, needs: list[int]) -> None:
+        """These layers go with ``ticket``: each is enqueued once it ran ``needs[i]`` rows."""
         with self._changed:
-            if error is not None:
-                for i in range(self.num_layers):
-                    if not self._recorded[i]:
-                        self._errors[i] = error
-            self._issued = True
+            for layer, need in zip(layers, needs):
+                self._tickets[layer], self._need[layer] = ticket, need
             self._changed.notify_all()
-        self.completion.mark_issued(started, error)
 
-    def _end_behind(self, ev: JobEvents) -> None:
-        """Record the job's end behind what part of it was enqueued (or, where even that
-        fails, wait the stream out), so a failure is not reported while copies still run."""
-        drv, main = self._drv, self._lane.stream
-        if drv.broken is not None:
+    def _is_recorded(self, layer: int) -> bool:
+        """Whether the layer's record is enqueued (an atomic read of its ticket's rows)."""
+        if self._recorded[layer]:
+            return True
+        ticket = self._tickets[layer]
+        if ticket is not None and ticket.rows_done >= self._need[layer]:
+            self._recorded[layer] = 1
+            return True
+        if ticket is not None and ticket.issued:
+            self._sync(layer)
+        return False
+
+    def _sync(self, layer: int) -> None:
+        """A ticket issued short of the layer's record: the layer failed with its error."""
+        ticket = self._tickets[layer]
+        result = ticket.result() if ticket is not None else None
+        if result is None or self._errors[layer] is not None:
             return
-        try:
-            drv.record(ev.stop, main)
-        except Exception:
-            try:
-                drv.stream_synchronize(main)
-            except Exception:
-                pass  # a broken context fails every job anyway
+        if int(result[0]) >= self._need[layer]:
+            self._recorded[layer] = 1
+            return
+        rec = self._lane.recorder
+        error = rec.error_of(result) if rec is not None else None
+        with self._changed:
+            self._errors[layer] = error or RuntimeError("the layer's copies were never issued")
+            self._changed.notify_all()
+
+    def issue_error(self) -> BaseException | None:
+        """The first layer's error from an issued program that stopped short of it."""
+        for layer, ticket in enumerate(self._tickets):
+            if ticket is not None and not self._recorded[layer] and ticket.issued:
+                self._sync(layer)
+        return next((self._errors[layer] for layer, ticket in enumerate(self._tickets)
+                     if ticket is not None and not self._recorded[layer] and self._errors[layer] is not None),
+                    None)
 
     # -- waiting ------------------------------------------------------------------------
 
     def _ended(self, landed: bool, timed: bool = False) -> None:
         """The job's end was seen (``landed``: its event completed, so every layer recorded
         before it did too): every layer is final; their events go back (a measured run's
-        once its timeline is read)."""
+        once its timeline is read), and the dependency events its programs waited on."""
+        for layer in range(self.num_layers):  # every program of the job was issued by now
+            if self._tickets[layer] is not None:
+                self._is_recorded(layer)
         with self._changed:
             self._landed = self._landed or landed
             self._over = True
             events, self._events = self._events, []
+            deps, self._deps = self._deps, []
             self._changed.notify_all()
         if self._drv.broken is not None or self.abandoned is not None:
             return  # copies may still run: nothing goes back to the pools
+        for event in deps:
+            self._drv.give_sync_event(event)
         if self._spans:  # a store's layer events are its timing pairs' (``copy_time``)
             if self._held is not None:
                 self._held.keep([], landed=False, recorded=b"")
@@ -339,8 +245,8 @@ class CudaLayerRun(StorePushes, LayerRun):
     def query(self, layer: int) -> bool:
         if self._errors[layer] is not None or self._seen[layer] or self._over:
             return True
-        if not self._recorded[layer]:
-            return False
+        if not self._is_recorded(layer):
+            return self._errors[layer] is not None
         with self._lock:
             if self._over:
                 return True
@@ -355,6 +261,8 @@ class CudaLayerRun(StorePushes, LayerRun):
         return done
 
     def error(self, layer: int) -> BaseException | None:
+        if self._tickets[layer] is not None and not self._recorded[layer]:
+            self._is_recorded(layer)
         error = self._errors[layer]
         if error is not None or self._seen[layer]:
             return error
@@ -364,15 +272,29 @@ class CudaLayerRun(StorePushes, LayerRun):
 
     def _wait_recorded(self, layer: int, timeout: float | None) -> bool:
         """Until the layer's record is enqueued, or it can never be (failed, ended)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            return self._changed.wait_for(
-                lambda: bool(self._recorded[layer]) or self._errors[layer] is not None or self._over
-                or self.abandoned is not None or (self._issued and not self._store), timeout)
+            if not self._changed.wait_for(
+                    lambda: bool(self._recorded[layer]) or self._tickets[layer] is not None
+                    or self._errors[layer] is not None or self._over or self.abandoned is not None
+                    or (self._issued and not self._store), timeout):
+                return False
+            ticket = self._tickets[layer]
+        if ticket is None or self._recorded[layer]:
+            return True
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if ticket.wait_rows(self._need[layer], left):  # the GIL released while it waits
+            self._recorded[layer] = 1
+            return True
+        if ticket.issued:  # ended short of the layer: it failed
+            self._sync(layer)
+            return True
+        return False
 
     def enqueued(self, layer: int) -> bool:
         """Whether the layer's record is enqueued. A store layer pushed to a lane whose
-        issuer thread still holds the push counts: a gate waits for its record."""
-        return bool(self._recorded[layer] or (self._store and self._pushed[layer]))
+        issuer still holds the push counts: a gate waits for its record."""
+        return bool(self._is_recorded(layer) or (self._store and self._pushed[layer]))
 
     def wait(self, layer: int, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -382,7 +304,7 @@ class CudaLayerRun(StorePushes, LayerRun):
         while not self.query(layer):
             if self.abandoned is not None or (deadline is not None and time.monotonic() >= deadline):
                 return False
-            if not self._recorded[layer]:  # an issued load whose layer never was
+            if not self._is_recorded(layer):  # an issued load whose layer never was
                 return True
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -391,12 +313,12 @@ class CudaLayerRun(StorePushes, LayerRun):
     def gate(self, layer: int, consumer: Any, meter: StallMeter) -> bool:
         drv = self._drv
         pair = self._arrive(consumer, meter) if self.measures_gates else None
-        if not self._recorded[layer] and (not self._store or self._pushed[layer]):
+        if not self._is_recorded(layer) and (not self._store or self._pushed[layer]):
             began = time.perf_counter()
             self._wait_recorded(layer, None)  # its enqueue is still with the issuer thread
             self._blocked[layer] += time.perf_counter() - began
         if ((self.abandoned is not None and not self._seen[layer]) or self._errors[layer] is not None
-                or not self._recorded[layer]):
+                or not self._is_recorded(layer)):
             self._forget(pair)
             return False
         with self._lock:
@@ -447,7 +369,7 @@ class CudaLayerRun(StorePushes, LayerRun):
             self._held.close_gate()
 
     def ring_when_done(self, layer: int, bell: Doorbell) -> bool:
-        if not self._recorded[layer]:
+        if not self._is_recorded(layer):
             return False
         with self._lock:
             if self._over or self._seen[layer] or self._errors[layer] is not None:
@@ -482,7 +404,25 @@ class CudaLayerRun(StorePushes, LayerRun):
             return None  # a gate's second mark has not run on its stream yet
         self._timeline = LayerTimeline(
             clock="device", copy_done=tuple(done), reached=tuple(held.reached(self.num_layers)),
-            started=tuple(held.started(self.num_layers)), issued=tuple(self._issued_at),
+            started=tuple(held.started(self.num_layers)), issued=tuple(self._issue_times()),
             blocked=tuple(self._blocked))
         held.release()
         return self._timeline
+
+    def _issue_times(self) -> list[float | None]:
+        """Host seconds from the submit to each layer's record being handed to the device:
+        on the native path when the issuer thread's call of the record returned (the
+        ticket's stamps, on the same clock as ``time.perf_counter``)."""
+        out = list(self._issued_at)
+        stamps: dict[int, tuple[float, ...] | None] = {}
+        for layer, ticket in enumerate(self._tickets):
+            if ticket is None:
+                continue
+            key = id(ticket)
+            if key not in stamps:
+                stamps[key] = ticket.stamps()
+            times = stamps[key]
+            need = self._need[layer]
+            if times is not None and 0 < need <= len(times):
+                out[layer] = times[need - 1] - self._submitted
+        return out

@@ -22,7 +22,7 @@ __all__ = ["ENV", "NativeIssuer", "NativeWaiter", "env_choice", "helper", "statu
 ENV = "AIOKV_NATIVE"
 # The contract of the rows and calls this Python side speaks; ``_native.c`` exports its own
 # (``ABI``): raise both together whenever an opcode, a row's words or a call changes.
-_ABI, _WORDS = 3, 8
+_ABI, _WORDS = 4, 8
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._native")
@@ -119,7 +119,7 @@ class NativeIssuer:
         self.cancelled = int(_ext.CANCELLED)
         self._issuer = _ext.Issuer(table, waiter._waiter if waiter is not None else None,
                                    tuple(int(c) for c in sticky), float(spin_us))
-        self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here) -> Ticket
+        self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here, stamps) -> Ticket
 
     @property
     def handle(self) -> Any:

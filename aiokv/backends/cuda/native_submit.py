@@ -4,21 +4,18 @@
 (DESIGN.md section 1), plans the job (in C from its ids where the lane has a planner, else
 by recording the strategy's calls) and hands the program to the lane's native issuer
 thread, which makes every driver call without the GIL. A tiny program on an idle lane runs
-at once instead. Once a layerwise load has handed its later layers to a Python issuer
-thread (``CudaLane.layer_issuer``), a job submitted while that thread still holds work is
-planned and handed over from there, behind it, so the lane's jobs stay in submission order.
+at once instead. Layerwise loads and pushes go to the same issuer as programs of their own
+(``layer_issue``, ``layer_pushes``), so the lane's jobs stay in submission order.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ...plan import CopyPlan, IdPlan
 from ..base import Completion
 from .completion import CudaCompletion
 from .driver import Driver, JobEvents
-from .issuer import Issuer
 from .layer_copies import Dependency
 from .native import NativeIssuer
 from .program import CALL_NAMES, RUN_HERE_US, Recorder
@@ -34,13 +31,12 @@ class NativeSubmit:
     _driver: Driver
     _recorder: Recorder | None
     _strategy: CopyStrategy
-    _issuer: Issuer | None
     native: NativeIssuer | None
     planner: Any
     bell_stream: Any
     waiter: Any
     stream: Any
-    _last_ticket: Any
+    last_ticket: Any
     _staging_shared: bool
 
     def _give_back(self, events: JobEvents | None, dep: Dependency | None) -> None:
@@ -49,9 +45,6 @@ class NativeSubmit:
     def _submit(self, plan: CopyPlan, dependency: Any) -> Completion:
         """Plan the job and queue its program; raises only before anything was queued (the
         job's events and dependency given back), a failure after that is the job's."""
-        issuer = self._issuer
-        if issuer is not None and not issuer.idle:
-            return self._submit_behind(issuer, plan, dependency)
         drv = self._driver
         dep: Dependency | None = dependency
         events = None
@@ -67,7 +60,7 @@ class NativeSubmit:
             if drv.broken is not None and drv.broken is not exc:
                 raise drv.broken from exc
             raise
-        self._last_ticket = ticket
+        self.last_ticket = ticket
         return CudaCompletion(drv, events, error, self.bell_stream, waiter=self.waiter, ticket=ticket,
                               recorder=self._recorder, dependency=dep.event if dep is not None else None,
                               stream=self.stream)
@@ -146,48 +139,3 @@ class NativeSubmit:
                 ring = strategy.staging.data_ptr()
                 self.planner.set_staging(ring, strategy.slot_bytes, strategy.page_table)
                 self._staging_shared = True
-
-    def _submit_behind(self, issuer: Issuer, plan: CopyPlan, dependency: Any) -> Completion:
-        """A job submitted while the lane's Python issuer still holds a layerwise load's
-        later layers: its ids are checked and its dependency recorded now, on this thread;
-        it is planned and handed to the native issuer from that thread, behind them."""
-        drv = self._driver
-        dep: Dependency | None = dependency
-        events = None
-        try:
-            drv.ensure_context()
-            drv.check_usable()
-            if type(plan) is IdPlan:
-                plan.check()
-            if dep is not None and dep.pending:
-                dep.resolve(drv)
-            events = drv.take_job_events()
-        except BaseException:
-            self._give_back(events, dep)
-            raise
-        completion = CudaCompletion(drv, events, None, self.bell_stream, issued_later=True,
-                                    waiter=self.waiter, recorder=self._recorder, stream=self.stream,
-                                    dependency=dep.event if dep is not None else None)
-        ran = False
-
-        def work() -> None:
-            nonlocal ran
-            ran = True  # from here on the completion owns the events, failures included
-            started = time.perf_counter()
-            queued: list[Any] = []
-            try:
-                drv.ensure_context()
-                ticket, error = self._enqueue(plan, dep, events, queued)
-            except BaseException as exc:  # on the issuer thread: the job's failure, never raised
-                completion.attach(queued[0] if queued else None, started, exc)
-                return
-            self._last_ticket = ticket
-            completion.attach(ticket, started, error)
-
-        try:
-            issuer.run(work, defer=True)
-        except BaseException:
-            if not ran:
-                self._give_back(events, dep)
-            raise
-        return completion

@@ -19,7 +19,8 @@ rescue, hold_gil)``; ``ops`` is rows of ``WORDS`` unsigned 64-bit words, opcode 
              ``[first, first + count)`` of three tables in ``buffers`` (8-byte ints);
              flags bit 0 stream-ordered, bit 1 to host
 ``COPY``     stream, dst, src, nbytes: ``cuMemcpyAsync``
-``PITCHED``  stream, ops, count: ``cuMemcpy3DBatchAsync`` of a buffer of 14-word ops
+``PITCHED``  stream, ops, count, first: ``cuMemcpy3DBatchAsync`` of ops ``[first, first +
+             count)`` of a buffer of 14-word ops
 ``LAUNCH``   stream, function, grid, block, blob, offsets, nparams: ``cuLaunchKernel`` with
              ``params[i] = &blob[offsets[i]]``
 ==========  ===========================================================================
@@ -27,9 +28,6 @@ rescue, hold_gil)``; ``ops`` is rows of ``WORDS`` unsigned 64-bit words, opcode 
 Every row is checked before the first call (bad input raises ``InvalidSpec``, nothing is
 enqueued); a failing call stops the program and every stream it used is joined into
 ``main`` through the ``rescue`` event, so the lane's end event covers what was enqueued.
-
-Layerwise jobs: ``Program.layers`` (or ``issue_layers`` on either path) enqueues each
-layer's copies and records that layer's event behind them, all in the same one call.
 
 Issuing
 -------
@@ -56,8 +54,9 @@ parts build on:
   ``ring_fd(fd)`` has the thread arm a doorbell ring once the program is issued (False: it
   is issued already, arm it yourself). ``queued_at`` / ``started_at`` / ``finished_at``:
   CLOCK_MONOTONIC seconds (``time.perf_counter``'s clock on Linux).
-- A layerwise load records all its layers into one program and marks layer ``i`` issued
-  once ``rows_done`` passes the row of its record (``Program.layers`` returns those rows).
+- A layerwise load is one program of all its layers (``layer_program``), layer ``i``
+  marked issued once ``rows_done`` passes the row of its record; with ``stamps=True``
+  (``submit``'s seventh argument) ``Ticket.stamps()`` says when each row's call returned.
 - ``Recorder.commit`` stays synchronous: on a lane with an issuer it submits and waits for
   the ticket (so it stays in order behind the lane's queued jobs), then raises as before.
 """
@@ -66,7 +65,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,7 +75,6 @@ from ...errors import InvalidSpec, WorkerClosed
 __all__ = [
     "CALL_NAMES", "NATIVE_GIL_HELD_US", "OP_BATCH", "OP_COPY", "OP_LAUNCH", "OP_PITCHED",
     "OP_RECORD", "OP_WAIT", "RUN_HERE_US", "WORDS", "Program", "Recorder", "batch_flags",
-    "issue_layers",
 ]
 
 OP_WAIT, OP_RECORD, OP_BATCH, OP_COPY, OP_PITCHED, OP_LAUNCH = range(1, 7)
@@ -161,36 +159,6 @@ class Program:
         self.words += (OP_LAUNCH, int(stream), int(function), int(grid), int(block),
                        self.buffer(blob), self.buffer(offsets), int(offsets.shape[0]))
         self.cost += _US_PER_CALL
-
-    def layers(self, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
-               bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
-               flags: int = 1) -> np.ndarray:
-        """A layerwise job's copies on ``stream``: for each layer ``l`` the copies
-        ``[bounds[l], bounds[l + 1])`` of the tables as one batched call, then ``events[l]``
-        recorded behind them (a consumer's stream may wait on it, or the host query it,
-        while later layers still copy). Empty layers only record their event. Rows are
-        built with numpy, whatever the number of layers. Returns the row of each layer's
-        record: a call that fails at row ``r`` enqueued the layers whose record is below."""
-        cuts = np.asarray(bounds, dtype=np.int64)
-        nlayers = cuts.size - 1
-        if nlayers != len(events) or nlayers < 0 or (np.diff(cuts) < 0).any() or (
-                cuts.size and (cuts[0] < 0 or cuts[-1] > dst.shape[0])):
-            raise InvalidSpec(f"layer bounds {cuts.tolist()} do not cut {dst.shape[0]} copies into "
-                              f"{len(events)} layers")
-        ids = (self.buffer(dst), self.buffer(src), self.buffer(sizes))
-        counts = np.diff(cuts)
-        rows = np.zeros((nlayers, 2, WORDS), dtype=np.uint64)
-        rows[:, 0, :7] = (OP_BATCH, int(stream), *ids, 0, flags)
-        rows[:, 0, 5] = counts
-        rows[:, 0, 7] = cuts[:-1]
-        rows[:, 1, 0], rows[:, 1, 2] = OP_RECORD, int(stream)
-        rows[:, 1, 1] = [int(e) for e in events]
-        keep = np.ones((nlayers, 2), dtype=bool)
-        keep[:, 0] = counts > 0
-        first = len(self)
-        self.words += rows[keep].ravel().tolist()
-        self.cost += _US_PER_CALL * (nlayers + int(keep[:, 0].sum())) + _US_PER_DESCRIPTOR * int(counts.sum())
-        return first + np.cumsum(keep.sum(axis=1)) - 1
 
     def streams(self) -> list[int]:
         """Every stream a row names, in first-use order."""
@@ -402,26 +370,3 @@ class Recorder:
 
 
 _REFUSED: Any = object()  # ``Program.ticket`` of a program its issuer refused (never runs)
-
-
-def issue_layers(drv: Any, stream: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
-                 bounds: Sequence[int] | np.ndarray, events: Sequence[Any], *,
-                 to_host: bool | None = None, recorded: list[int] | None = None) -> np.ndarray | None:
-    """``Program.layers`` on either path: recorded into the open program of a
-    ``Recorder`` (returns each layer's record row, see ``Program.layers``), else one
-    batched call and one record per layer on ``drv``, appending each layer to
-    ``recorded`` as its event is recorded (returns None)."""
-    program = getattr(drv, "program", None) if isinstance(drv, Recorder) else None
-    if program is not None:
-        return program.layers(stream, dst, src, sizes, bounds, events, flags=batch_flags(True, to_host))
-    cuts = [int(b) for b in bounds]
-    if len(cuts) - 1 != len(events):
-        raise InvalidSpec(f"{len(cuts) - 1} layers but {len(events)} layer events")
-    for layer, event in enumerate(events):
-        lo, hi = cuts[layer], cuts[layer + 1]
-        if hi > lo:
-            drv.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream, to_host=to_host)
-        drv.record(event, stream)
-        if recorded is not None:
-            recorded.append(layer)
-    return None

@@ -57,11 +57,14 @@ def _goal(text: str) -> tuple[str, float]:
     return op, float(number)
 
 
-def target_rows(arms: dict[str, ArmResult], mirrored: str | None, ceil: Ceilings) -> list[BenchRow]:
+def target_rows(arms: dict[str, ArmResult], mirrored: str | None, ceil: Ceilings,
+                layerwise_oracle: float = 1.10) -> list[BenchRow]:
     """The targets on the same requests: host-hit TTFT p50 of each tiered arm against
-    recompute's and the oracle's (same hits only), layerwise against host where the new
-    tokens are at least a tenth of the prefix, and the layerwise service time against the
-    longer of its load at the ceiling and its forward."""
+    recompute's and the oracle's (same hits only; the layerwise arm's target against the
+    oracle is ``layerwise_oracle``: issue 38 asks 1.10 of prefix mode, 1.15 of a trace),
+    layerwise against host where the new tokens are at least a tenth of the prefix, and
+    the layerwise service time against the longer of its load at the ceiling and its
+    forward."""
     section = "serve targets: TTFT p50 on the same requests"
     rows = []
     oracle = arms.get("oracle")
@@ -77,7 +80,7 @@ def target_rows(arms: dict[str, ArmResult], mirrored: str | None, ceil: Ceilings
             same = sorted(set(hits) & set(same_hits(arm, oracle)))
             if same:
                 rows.append(_ratio_row(section, f"{name} arm / oracle", arm, oracle, same,
-                                       "<= 1.2" if name == "layerwise" else "<= 1.3",
+                                       f"<= {layerwise_oracle}" if name == "layerwise" else "<= 1.3",
                                        f"; its host hits with the oracle's hits (mirrors {mirrored})"))
     if "layerwise" in arms and "host" in arms:
         lw = arms["layerwise"]
@@ -85,7 +88,7 @@ def target_rows(arms: dict[str, ArmResult], mirrored: str | None, ceil: Ceilings
         both = [i for i in same_hits(lw, arms["host"]) if by[i].hit == "host"
                 and by[i].computed >= 0.1 * (by[i].gpu_tokens + by[i].host_tokens)]
         if both:
-            rows.append(_ratio_row(section, "layerwise arm / host arm", lw, arms["host"], both, "<= 0.85",
+            rows.append(_ratio_row(section, "layerwise arm / host arm", lw, arms["host"], both, "<= 0.80",
                                    "; host hits in both, same hits, new tokens >= 10% of the prefix"))
         rows += _overlap_rows(section, lw, ceil)
     return rows
@@ -98,11 +101,19 @@ def _overlap_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
     if not loaded:
         return []
     per_token = ceil.block_bytes / BLOCK_TOKENS
-    ratios = [s.busy / max(s.host_tokens * per_token / (ceil.load_gbps * 1e9), s.compute_s) for s in loaded]
+    load = [s.host_tokens * per_token / (ceil.load_gbps * 1e9) for s in loaded]
+    ratios = [s.busy / max(t, s.compute_s) for s, t in zip(loaded, load)]
     p50, p90 = (float(np.percentile(ratios, q)) for q in (50, 90))
+
+    def ms(values: Sequence[float]) -> str:
+        return f"{np.median(values) * 1e3:.2f}"
+
     return [BenchRow(section, "layerwise service / max(load, prefill)", p50, "x",
-                     note=f"n={len(loaded)} host hits; p90 {p90:.2f}; load at the load ceiling, prefill "
-                          "of the new tokens less the waits on layers",
+                     note=f"n={len(loaded)} host hits; p90 {p90:.2f}; service: the host clock from the "
+                          f"request's start (its restore's submit) to its first token, p50 "
+                          f"{ms([s.busy for s in loaded])} ms; load: its bytes at the load ceiling, p50 "
+                          f"{ms(load)} ms; prefill: the forward's device time less its waits on layers, "
+                          f"p50 {ms([s.compute_s for s in loaded])} ms",
                      extra={"ratios": ratios}, target=("<=", 1.05))]
 
 

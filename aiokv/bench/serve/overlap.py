@@ -1,12 +1,14 @@
 """The layerwise arm's overlap, request by request, from each load's ``LayerTimeline``.
 
 A gate stall of zero cannot tell perfect overlap from none: every layer may have landed
-before the forward pass began. So per load: the host time its submit took, when the
-forward reached its first gate after the job's copies began (device time on CUDA), whether
-that was before the last layer landed (the forward ran while the prefix was still
-arriving, by how much), and when the lane handed its last layer to the device. ``--plot``
-draws one load layer by layer: each layer's copy end against the forward's arrival at its
-gate and its start.
+before the forward pass began. So per load: the host time its submit took; how long after
+the submit's call the forward reached its first gate (the issue's target: the forward
+starts <= 1 ms after the submit; host clock, both ends on it); when the forward reached
+that gate after the job's copies began (device time on CUDA); whether that was before the
+last layer landed and by how much, with and without the time the forward then spent
+waiting at gates (the overlap, and what of it the forward computed); and when the lane
+handed its last layer to the device. ``--plot`` draws one load layer by layer: each
+layer's copy end against the forward's arrival at its gate and its start.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ __all__ = ["overlap_rows", "plot_timeline", "timeline_extra"]
 
 # Timing events resolve the device clock to about half a microsecond.
 CLOCK_SLACK = 2e-6
+# The issue's target: the forward starts within this long of the submit (ms).
+FORWARD_START_TARGET_MS = 1.0
 
 
 def _ms(value: float | None) -> float | None:
@@ -52,9 +56,19 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
         return []
     submit = [s.submit_s * 1e6 for s in loads]
     rows = [BenchRow(section, "layerwise submit p50", _p(submit, 50), "us",
-                     note=f"n={len(loads)} loads; p99 {_p(submit, 99):.0f} us; host time of submit_load: "
-                          "it enqueues the first layers, the lane's issuer thread the rest",
+                     note=f"n={len(loads)} loads; p99 {_p(submit, 99):.0f} us; host time of the "
+                          "submit_load call (the native path hands the whole load to the lane's issuer "
+                          "thread; the Python path enqueues the first layers, its issuer thread the rest)",
                      extra={"submit_us": submit})]
+    started = [s.forward_start_s * 1e3 for s in loads if s.forward_start_s is not None]
+    if started:
+        rows.append(BenchRow(
+            section, "forward start after the submit p50", _p(started, 50), "ms",
+            note=f"n={len(started)} loads; p90 {_p(started, 90):.2f} ms; host clock, from the submit_load "
+                 "call to the forward's call of its first gate (its work up to the first read of the "
+                 "prefix enqueued; the pool, the thread hand-off and the new tokens' layer-0 projections "
+                 "included)",
+            extra={"forward_start_ms": started}, target=("<=", FORWARD_START_TARGET_MS)))
     timed: list[tuple[Served, LayerTimeline, float, float]] = []
     for s in loads:
         tl = s.timeline
@@ -67,6 +81,7 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
     first = [f for _, _, f, _ in timed]
     copy = [c for _, _, _, c in timed]
     over = [c - f for c, f in zip(copy, first)]
+    computing = [(tl.overlap_computing or 0.0) * 1e3 for _, tl, _, _ in timed]
     overlapped = sum(o > 0 for o in over)
     last_issue = [tl.issued[-1] * 1e3 for _, tl, _, _ in timed if tl.issued and tl.issued[-1] is not None]
     waited = gated = 0
@@ -82,12 +97,17 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
                  note=f"n={len(timed)} timed loads ({clock} clock); p90 {_p(first, 90):.2f} ms; "
                       "the forward's arrival at layer 0's gate less the job's first copy"),
         BenchRow(section, "forward ran while the prefix arrived p50", _p(over, 50), "ms",
-                 note=f"last layer's copy end less the forward's first gate; {overlapped} of {len(timed)} "
-                      f"loads overlapped; whole load p50 {_p(copy, 50):.2f} ms; last layer issued "
-                      f"p50 {_p(last_issue, 50):.2f} ms after the submit",
+                 note=f"last layer's copy end less the forward's first gate, time it waited at gates "
+                      f"included; {overlapped} of {len(timed)} loads overlapped; whole load p50 "
+                      f"{_p(copy, 50):.2f} ms; last layer issued p50 {_p(last_issue, 50):.2f} ms after "
+                      "the submit",
                  extra={"overlapped": overlapped, "loads": len(timed), "copy_ms": copy,
                         "first_gate_ms": first},
                  failed=bool(early)),
+        BenchRow(section, "forward computed while the prefix arrived p50", _p(computing, 50), "ms",
+                 note="the row above less the time the forward waited at its gates within it "
+                      "(LayerTimeline.overlap_computing)",
+                 extra={"computing_ms": computing}),
         BenchRow(section, "gates that arrived before their layer landed", 100.0 * waited / max(1, gated), "%",
                  note=f"{waited} of {gated} gates: the forward caught up with the copy there"
                       + (f"; {early} LAYERS STARTED BEFORE THEIR COPY ENDED" if early else ""),

@@ -118,7 +118,7 @@ async def _main(cfg: ServeConfig, say: Progress,
     for name, arm in arms.items():
         rows += arm_rows(arm, ceil, mc, recompute=arms.get("recompute"),
                          mirrors=f"mirrors {mirrored}" if name == "oracle" else None)
-    rows += target_rows(arms, mirrored, ceil)
+    rows += target_rows(arms, mirrored, ceil, layerwise_oracle=1.10 if cfg.mode == "prefix" else 1.15)
     rows += tier_rows(arms, ceil)
     rows += pushes
     rows += noise_rows(arms, mirrored)

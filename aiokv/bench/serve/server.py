@@ -61,6 +61,7 @@ class Served:
     wall: float = 0.0  # when its service began, in seconds since the arms opened
     late_failure: bool = False  # a layerwise load failed after the forward had read it
     submit_s: float = 0.0  # host seconds a layerwise load's submit took
+    forward_start_s: float | None = None  # host seconds from that submit to the forward's first gate
     timeline: LayerTimeline | None = None  # a layerwise load's, once it ended
 
     @property
@@ -202,7 +203,7 @@ class Server:
                         gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
                         disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
-                        wall=wall, submit_s=got.submit_s)
+                        wall=wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s)
         if got.end is not None and not got.failed:
             tg.start_soon(self._end_load, got, served)
         return served

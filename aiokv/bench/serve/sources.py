@@ -38,7 +38,9 @@ class Restored:
     failed (the prefill then read wrong bytes); ``take_stalls``, called right after the
     prefill, gives the seconds the forward waited on each layer after it was due; ``end``
     awaits the job and fills in ``load_s``: True if every layer landed; ``submit_s`` is the
-    host time its submit took, and ``timeline`` (once it ended) the job's ``LayerTimeline``."""
+    host time its submit took, ``forward_start_s`` the host time from the submit's call to
+    the forward's first gate (on the forward's thread: it has enqueued its work up to the
+    first read of the prefix), and ``timeline`` (once it ended) the job's ``LayerTimeline``."""
 
     host: int
     disk: int = 0
@@ -48,6 +50,7 @@ class Restored:
     take_stalls: Callable[[], list[float]] | None = None
     end: Callable[[], Awaitable[bool]] | None = None
     submit_s: float = 0.0
+    forward_start_s: float | None = None
     timeline: Callable[[], LayerTimeline | None] | None = None
 
 
@@ -128,13 +131,19 @@ class LayerwiseSource(Source):
             mgr.complete_load(pinned)
             raise
         submitted = time.perf_counter() - t0
-        mgr.touch(pinned)
-        fut.add_done_callback(lambda _f: mgr.complete_load(pinned))
+
+        def loaded(_f: object) -> None:  # the policy's touch too: off the way to the forward
+            mgr.touch(pinned)
+            mgr.complete_load(pinned)
+
+        fut.add_done_callback(loaded)
         self._track(fut)
         restored = Restored(len(pinned), take_stalls=self.new_stalls, submit_s=submitted,
                             timeline=fut.timeline)
 
         def gate(layer: int) -> bool:  # on the model's thread
+            if restored.forward_start_s is None:
+                restored.forward_start_s = time.perf_counter() - t0
             ready = fut.gate(layer) is LayerStatus.READY
             if not ready:
                 restored.failed = True

@@ -10,6 +10,7 @@ binds at start.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,19 @@ __all__ = ["GIL_HELD_DESCRIPTORS", "GIL_HELD_PITCHED_OPS", "BatchCopies", "holdi
 # decide otherwise per call (``hold_gil``).
 GIL_HELD_DESCRIPTORS = 16
 GIL_HELD_PITCHED_OPS = 4
+
+
+@functools.cache
+def _pointer_operand() -> int:
+    """``CU_MEMCPY_OPERAND_TYPE_POINTER`` (read once: cuda-python's enums cost microseconds)."""
+    return int(cu.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER)
+
+
+@functools.cache
+def _access_orders() -> tuple[int, int]:
+    """The stream-ordered and any-order ``CUmemcpySrcAccessOrder`` values."""
+    order = cu.CUmemcpySrcAccessOrder
+    return int(order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM), int(order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
 
 
 def holding_gil(fn: Any) -> Any:
@@ -124,11 +138,8 @@ class BatchCopies:
         locHint), 5-9 dst, 10-12 extent, 13 srcAccessOrder | flags << 32.
         """
         ops = np.zeros((int(width.shape[0]), 14), dtype=np.uint64)
-        pointer = int(cu.CUmemcpy3DOperandType.CU_MEMCPY_OPERAND_TYPE_POINTER)
-        order = cu.CUmemcpySrcAccessOrder
-        access = order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        if not stream_ordered:
-            access = order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+        pointer, (by_stream, any_order) = _pointer_operand(), _access_orders()
+        access = by_stream if stream_ordered else any_order
         ops[:, 0] = pointer
         ops[:, 1] = src
         ops[:, 2] = src_pitch
@@ -140,7 +151,7 @@ class BatchCopies:
         ops[:, 10] = width
         ops[:, 11] = height
         ops[:, 12] = 1
-        ops[:, 13] = int(access)
+        ops[:, 13] = access
         return ops
 
     def memcpy_pitched(self, ops: np.ndarray, stream: Any, *, hold_gil: bool | None = None) -> None:
