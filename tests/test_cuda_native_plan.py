@@ -314,3 +314,21 @@ def test_a_planner_never_initialised_refuses_jobs_instead_of_crashing() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"the child died ({out.returncode}): {out.stderr[-500:]}"
     assert out.stdout.startswith("refused:") and "initialised" in out.stdout
+
+
+def test_a_dependency_on_the_legacy_default_stream_is_recorded_there() -> None:
+    """Stream handle 0 is CUDA's legacy default stream, where torch runs by default: the
+    caller's pending work there must be waited for like on any other stream (the GPU suite
+    caught a store reading its source before a kernel on it had written it)."""
+    kv, layout = caches([256, 512], 16)
+    lane, fake = make_lane(kv, layout, "dma", True, 1, 0, 16, in_c=True)
+    assert lane.native is not None
+    lane.native.pause()
+    dep = Dependency(0xD1, stream=0)
+    job = lane.launch(IdPlan([1, 2, 3], [4, 5, 6], 3, layout, 16, False, True), dep)
+    assert fake.calls == [("cuEventRecord", 0xD1, 0)]
+    assert not dep.pending
+    lane.native.resume()
+    assert job.wait(10) and job.error is None
+    assert fake.calls[1] == ("cuStreamWaitEvent", lane.stream, 0xD1, 0)
+    lane.close()

@@ -739,12 +739,13 @@ check_ids(PlannerObject *self, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(plan_submit_doc,
-"submit(block_ids, chunk_ids, start, stop, dep_event=0, dep_stream=0, dep_source=0)\n"
+"submit(block_ids, chunk_ids, start, stop, dep_event=0, dep_stream=0, dep_source=0, record_dep=False)\n"
 "-> Ticket | None | (cuda_result, opcode)\n\n"
 "Check the job's ids, build its whole program in C and queue it on the issuer (a tiny one\n"
 "runs at once on an idle issuer): its Ticket. None where the job is not one planned here,\n"
 "bad input among them: nothing was done, and the lane plans it in Python. Before queueing,\n"
-"on this thread: with ``dep_stream``, ``dep_event`` is recorded there (behind a wait on\n"
+"on this thread: with ``record_dep``, ``dep_event`` is recorded on ``dep_stream`` (0 is the\n"
+"legacy default stream, a real one) behind a wait on\n"
 "``dep_source``, if given); if that fails, (its CUresult, the call's opcode) and nothing is\n"
 "queued.");
 
@@ -752,11 +753,12 @@ static PyObject *
 Planner_submit(PlannerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"block_ids", "chunk_ids", "start", "stop", "dep_event", "dep_stream", "dep_source",
-                             NULL};
+                             "record_dep", NULL};
     PyObject *blocks, *chunks;
     unsigned long long start, stop, dep = 0, dep_stream = 0, dep_source = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKK|KKK", kwlist, &blocks, &chunks, &start, &stop, &dep,
-                                     &dep_stream, &dep_source))
+    int record_dep = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKK|KKKp", kwlist, &blocks, &chunks, &start, &stop, &dep,
+                                     &dep_stream, &dep_source, &record_dep))
         return NULL;
     if (self->issuer == NULL)
         return PyErr_Format(PyExc_RuntimeError, "this Planner was never initialised (its __init__ did not "
@@ -786,7 +788,10 @@ Planner_submit(PlannerObject *self, PyObject *args, PyObject *kw)
     if ((staged ? plan_staged(self, b, n, start, stop, dep, &next_slot, self->staged_jobs == 0)
                 : plan_dma(self, b, n, start, stop, dep)) < 0 || b->oom)
         return PyErr_NoMemory();
-    if (dep_stream != 0) { /* the dependency, on the caller's stream as it stands now */
+    /* The dependency, on the caller's stream as it stands now. Stream 0 is the legacy
+     * default stream (torch's default), a stream like any other: a flag says whether to
+     * record, never the handle's value. */
+    if (record_dep && dep != 0) {
         const DriverTable *d = aiokv_issuer_table(st);
         CUresult code = 0;
         if (dep_source != 0) {

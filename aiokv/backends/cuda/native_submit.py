@@ -118,7 +118,7 @@ class NativeSubmit:
         elif dep.pending:
             source = int(dep.source) if dep.source is not None else 0
             out = planner.submit(plan.block_ids, plan.chunk_ids, start, stop, int(dep.event), int(dep.stream),
-                                 source)
+                                 source, True)
         else:
             out = planner.submit(plan.block_ids, plan.chunk_ids, start, stop, int(dep.event))
         if type(out) is tuple:
