@@ -26,11 +26,12 @@ from .backends import resolve_backend
 from .backends.base import HostPool, Lane, LaneStatistics
 from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
 from .handler import Handler, Job, Wait
+from .host_layout import HostLayout
 from .layers import LayerStatistics, Layerwise, LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
 from .options import WorkerOptions, chunk_count
-from .plan import CopyPlan, HostLayout, map_blocks, plan_copies, plan_ids
+from .plan import CopyPlan, map_blocks, plan_copies, plan_ids
 from .specs import Direction, as_count, as_job_id, side_of
 
 __all__ = ["Drain", "OffloadCore", "WorkerStatistics", "available_host_memory"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .core import OffloadCore, WorkerStatistics
+from .host_layout import HostLayout
 from .layout import CanonicalKVCaches
-from .plan import HostLayout
 
 __all__ = ["WorkerFacts"]
 

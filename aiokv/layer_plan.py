@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidSpec
+from .host_layout import HostLayout
 from .layout import CanonicalKVCaches
-from .plan import BlockMapping, HostLayout
+from .plan import BlockMapping
 
 __all__ = ["CopySlice", "LayerMap", "LayerPlan", "plan_layers"]
 

@@ -26,11 +26,12 @@ from typing import Any
 from .backends.base import Backend, LayerRun, StallMeter
 from .errors import InvalidSpec, UsageError, WorkerClosed
 from .handler import Handler, LayerJob
+from .host_layout import HostLayout
 from .layer_plan import LayerMap, LayerPlan, plan_layers
 from .layer_timeline import LayerTimeline
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
-from .plan import CopyPlan, HostLayout
+from .plan import CopyPlan
 from .specs import Direction, LayerStatus
 
 __all__ = ["LayerStatistics", "Layerwise", "LayerwiseJob"]

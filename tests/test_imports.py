@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # them; added by the faces' branch) and the optional-extras helper.
     ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle",
                     "aiokv.extras")),
-    ("layout", ("aiokv.layout",)),
+    # The device's KV tensors as described, and where their pages sit in the host pool.
+    ("layout", ("aiokv.layout", "aiokv.host_layout")),
     ("plan", ("aiokv.plan", "aiokv.layer_plan", "aiokv.layer_timeline")),
     ("backend interfaces", ("aiokv.backends.base", "aiokv.backends.shared_file")),
     ("backends", ("aiokv.backends.cpu", "aiokv.backends.cuda", "aiokv.backends.cuda.*")),

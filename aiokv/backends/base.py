@@ -15,10 +15,11 @@ import torch
 
 from ..doorbell import Doorbell
 from ..errors import InvalidSpec
+from ..host_layout import HostLayout
 from ..layer_plan import LayerPlan
 from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
-from ..plan import CopyPlan, HostLayout
+from ..plan import CopyPlan
 from ..specs import Direction
 
 __all__ = ["Backend", "Completion", "FailedCompletion", "HostPool", "Lane", "LaneStatistics", "LayerRun",

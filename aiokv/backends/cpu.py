@@ -18,10 +18,11 @@ import torch
 
 from ..doorbell import Doorbell
 from ..errors import HostMemoryError, InvalidSpec
+from ..host_layout import HostLayout
 from ..layer_plan import CopySlice, LayerPlan
 from ..layer_timeline import LayerTimeline
 from ..layout import CanonicalKVCaches
-from ..plan import CopyPlan, HostLayout
+from ..plan import CopyPlan
 from ..specs import Direction
 from .base import Backend, Completion, HostPool, Lane, LayerRun, StallMeter
 from .shared_file import SharedFile

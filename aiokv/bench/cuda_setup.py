@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from .. import AsyncOffloadingWorker, CanonicalKVCaches, CPULoadStoreSpec, GPULoadStoreSpec
-from ..plan import HostLayout, map_blocks, plan_copies
+from ..host_layout import HostLayout
+from ..plan import map_blocks, plan_copies
 from .report import BenchRow
 
 __all__ = [

@@ -1,6 +1,6 @@
 """A block's bytes in a portable order, whatever order the worker's host pool keeps them in.
 
-The host pool places a chunk's pages in device address order (``plan.HostLayout``), which
+The host pool places a chunk's pages in device address order (``host_layout.HostLayout``), which
 differs between processes and even between workers of one process. Bytes written to a
 shared tier must mean the same thing to every reader, so tiers store a block as its pages
 in the layout's own order (tensor reference order), without the chunk's alignment padding.

@@ -6,7 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidSpec, TransferFailed, UsageError
 from ..future import TransferFuture
-from ..plan import HostLayout
+from ..host_layout import HostLayout
 from ..specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 
 __all__ = ["DEFAULT_STAGING_CHUNKS", "CacheWorker", "check_store_ids", "check_worker", "default_staging",

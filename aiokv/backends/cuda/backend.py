@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from ...errors import AiokvError, InvalidSpec, WorkerBroken
+from ...host_layout import HostLayout
 from ...layout import CanonicalKVCaches
 from ...options import WorkerOptions
-from ...plan import HostLayout
 from ...specs import Direction
 from ..base import Backend, HostPool, Lane
 from . import native

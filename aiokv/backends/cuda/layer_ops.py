@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from ...host_layout import HostLayout
 from ...layer_plan import CopySlice, LayerMap, LayerPlan
-from ...plan import BlockMapping, HostLayout
+from ...plan import BlockMapping
 
 __all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_COPY", "STAGE_ABOVE_US", "STAGE_COPY_GBPS", "IdFolder",
            "LayerOps", "PitchedRows", "fold_ids",

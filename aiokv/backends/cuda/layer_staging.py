@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ...host_layout import HostLayout
 from ...layer_plan import LayerMap, LayerPlan
-from ...plan import HostLayout
 from .layer_ops import US_PER_CALL, US_PER_LAUNCH, US_PER_PITCHED_OP
 from .pieces import ROWS_PER_LAUNCH, fits
 

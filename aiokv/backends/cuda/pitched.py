@@ -1,7 +1,7 @@
 """Pitched (2D) copies: one copy per block moves all of its pages that sit at a uniform
 device pitch, instead of one copy per page.
 
-The host layout (``plan.HostLayout``) puts a group's pages in device address order, so
+The host layout (``host_layout.HostLayout``) puts a group's pages in device address order, so
 page tensors at a uniform pitch on the device (one allocation, or per-layer allocations the
 caching allocator placed back to back) land at a uniform pitch in the host chunk too. Pure
 numpy, like ``plan``; only the CUDA backend's DMA strategy uses it.
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...plan import BlockMapping, HostLayout
+from ...host_layout import HostLayout
+from ...plan import BlockMapping
 
 __all__ = ["PitchedPlan", "PitchedRun", "pitched_runs", "plan_pitched"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ...plan import HostLayout
+from ...host_layout import HostLayout
 from . import native, pieces
 from .dma import MIN_SLICE_BYTES, MIN_SLICE_DESCRIPTORS, DmaCopy, MultiStreamDma
 from .program import RUN_HERE_US

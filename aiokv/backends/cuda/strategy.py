@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ...host_layout import HostLayout
 from ...layer_plan import CopySlice
 from ...layout import CanonicalKVCaches
-from ...plan import CopyPlan, HostLayout
+from ...plan import CopyPlan
 from ...specs import Direction
 from ..base import HostPool
 from .pitched import PitchedPlan, PitchedRun, pitched_runs

@@ -16,8 +16,8 @@ from ...backends import BACKENDS
 from ...cache import available_admissions, available_policies
 from ...core import available_host_memory
 from ...errors import HostMemoryError, InvalidSpec
+from ...host_layout import CHUNK_ALIGN
 from ...options import STRATEGIES, WorkerOptions
-from ...plan import CHUNK_ALIGN
 from .tier_urls import TierURL, parse_tier_urls
 
 __all__ = ["CPU_SPEC_KEYS", "KEYS", "MAX_CHUNKS", "PluginOptions", "read_cpu_bytes", "size_host_pool"]
