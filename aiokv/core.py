@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import warnings
@@ -24,9 +23,10 @@ from typing import Any
 
 from .backends import resolve_backend
 from .backends.base import HostPool, Lane, LaneStatistics
-from .errors import DuplicateJob, HostMemoryError, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
+from .errors import DuplicateJob, InvalidSpec, QueueFull, WorkerBroken, WorkerClosed
 from .handler import Handler, Job, Wait
 from .host_layout import HostLayout
+from .host_memory import available_host_memory, check_pool_fits  # the first re-exported
 from .layers import LayerStatistics, Layerwise, LayerwiseJob
 from .layout import CanonicalKVCaches
 from .lifecycle import Lifecycle, State
@@ -82,7 +82,7 @@ class OffloadCore:
         self.kv_caches = kv_caches
         self.layout = HostLayout.build(kv_caches, blocks_per_chunk)
         self.num_cpu_chunks = chunk_count(num_cpu_chunks, cpu_bytes, self.layout.chunk_bytes)
-        _check_host_memory(self.num_cpu_chunks, self.layout.chunk_bytes)
+        check_pool_fits(self.num_cpu_chunks, self.layout.chunk_bytes)
         self.lifecycle = Lifecycle()
         self.backend = resolve_backend(backend, kv_caches, self.options)
         self.handlers: dict[Direction, Handler] = {}
@@ -483,31 +483,3 @@ def _abandoned(handlers: list[Handler], pool: HostPool, backend: str, lifecycle:
         f"an aiokv worker ({backend}) was dropped without shutdown() or aclose(); {what}; {memory}",
         ResourceWarning, stacklevel=1,  # a finalizer has no caller to point at
     )
-
-
-def available_host_memory() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` where /proc/meminfo has it,
-    else free pages), or None where neither can be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _check_host_memory(num_chunks: int, chunk_bytes: int) -> None:
-    """Refuse a host pool larger than the memory available, before asking for it."""
-    wanted = num_chunks * chunk_bytes
-    available = available_host_memory()
-    if available is not None and wanted > available:
-        raise HostMemoryError(
-            f"a host pool of {num_chunks} chunks of {chunk_bytes} bytes ({wanted / 2**30:.3g} GiB) "
-            f"was asked for, but only {available / 2**30:.3g} GiB of host memory is available; "
-            "ask for fewer chunks (num_cpu_chunks=) or bytes (cpu_bytes=)"
-        )

@@ -178,7 +178,7 @@ def test_a_pool_that_cannot_be_allocated_still_releases_the_backend(monkeypatch)
 
 
 def test_a_pool_larger_than_the_host_memory_is_a_host_memory_error() -> None:
-    from aiokv.core import available_host_memory
+    from aiokv.host_memory import available_host_memory
 
     kv = make_layers(num_blocks=8)
     available = available_host_memory()
@@ -192,11 +192,11 @@ def test_a_pool_larger_than_the_host_memory_is_a_host_memory_error() -> None:
 def test_an_allocation_that_fails_anyway_is_a_host_memory_error(monkeypatch) -> None:
     """With the memory check passed (here: unknown), torch's raw allocation error becomes
     ``HostMemoryError`` too, and the backend is released."""
-    import aiokv.core
+    import aiokv.host_memory
     from aiokv.backends.cpu import CpuBackend
 
     released: list[bool] = []
-    monkeypatch.setattr(aiokv.core, "available_host_memory", lambda: None)
+    monkeypatch.setattr(aiokv.host_memory, "available_host_memory", lambda: None)
     monkeypatch.setattr(CpuBackend, "close", lambda self: released.append(True))
     with pytest.raises(HostMemoryError, match="could not allocate a host pool") as info:
         AsyncOffloadingWorker(make_layers(num_blocks=8).kv, cpu_bytes=1 << 62)

@@ -26,9 +26,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The transfer vocabulary, the worker options, the doorbell (an OS pipe that a
     # completion rings: a leaf primitive of the standard library, used by backends and the
     # async face alike), the worker's lifecycle states (the core and both faces read
-    # them; added by the faces' branch) and the optional-extras helper.
+    # them; added by the faces' branch), the optional-extras helper and the host memory
+    # probe (the core and the vLLM plug-in size pools by it).
     ("vocabulary", ("aiokv.specs", "aiokv.options", "aiokv.doorbell", "aiokv.lifecycle",
-                    "aiokv.extras")),
+                    "aiokv.extras", "aiokv.host_memory")),
     # The device's KV tensors as described, and where their pages sit in the host pool.
     ("layout", ("aiokv.layout", "aiokv.host_layout")),
     ("plan", ("aiokv.plan", "aiokv.layer_plan", "aiokv.layer_timeline")),

@@ -14,9 +14,9 @@ from typing import Any
 
 from ...backends import BACKENDS
 from ...cache import available_admissions, available_policies
-from ...core import available_host_memory
 from ...errors import HostMemoryError, InvalidSpec
 from ...host_layout import CHUNK_ALIGN
+from ...host_memory import available_host_memory
 from ...options import STRATEGIES, WorkerOptions
 from .tier_urls import TierURL, parse_tier_urls
 
