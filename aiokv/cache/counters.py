@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import InvalidSpec
 from ..specs import Direction, TransferResult
 from .manager import CacheStats
 from .records import OffloadCacheStats, TierCacheStats
@@ -23,6 +24,9 @@ class Counters:
     def __init__(self, metrics: Any = None) -> None:
         # An ``OffloadMetrics`` (or None): each finished copy is observed there as it is
         # folded, so its histograms trail the cache by at most the calls' entries.
+        if metrics is not None and not callable(getattr(metrics, "observe", None)):
+            raise InvalidSpec(f"metrics must be an aiokv.metrics.OffloadMetrics, "
+                              f"got {type(metrics).__name__}")
         self.metrics = metrics
         self.hits = self.misses = self.host_hits = 0
         self.offered = self.stored = self.skipped = self.failed_stores = 0
@@ -69,6 +73,16 @@ class Counters:
     def count_offer(self, offered: int, skipped: int) -> None:
         self.offered += offered
         self.skipped += skipped
+
+    def count_restore(self, restored: int, failed_loads: int = 0) -> None:
+        """Count one restore that ended: ``restored`` leading keys arrived (none is a
+        miss), ``failed_loads`` of its loads failed (a cancelled one counts in ``restores``
+        alone)."""
+        self.restores += 1
+        self.restored += restored
+        self.failed_loads += failed_loads
+        if restored == 0:
+            self.restore_misses += 1
 
     def snapshot(self, mgr: CacheStats, in_flight: int, tiers: Sequence[TierCacheStats],
                  staging: tuple[int, int] = (0, 0)) -> OffloadCacheStats:

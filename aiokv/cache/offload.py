@@ -47,7 +47,7 @@ from .persist import persist_host
 from .policies import EvictionPolicy
 from .protocol import CacheWorker, check_store_ids, check_worker, result_or_none, split_chunks
 from .records import OffloadCacheStats, OffloadResult, RestoreResult
-from .restore import Outcome, restore_from_host, restore_through_tiers
+from .restore import restore_from_host, restore_through_tiers
 from .tiers.base import Tier
 from .tiers.codec import default_fingerprint
 
@@ -129,9 +129,7 @@ class OffloadCache:
         chunks, host, staging = split_chunks(worker, chunks, staging_chunks, tiers=bool(tiers))
         cascade = Cascade(tiers, pages=page_map_of(worker), staging=staging, queue_bytes=queue_bytes,
                           queue_wait=queue_wait) if tiers else None
-        if metrics is not None and not callable(getattr(metrics, "observe", None)):
-            raise InvalidSpec(f"metrics must be an aiokv.metrics.OffloadMetrics, "
-                              f"got {type(metrics).__name__}")
+        self._n = Counters(metrics)  # refuses what is no OffloadMetrics, before any claim
         owners = owners_of(worker)
         self.chunks: range = chunks
         owners.claim(self)
@@ -154,7 +152,6 @@ class OffloadCache:
         self._owners = owners
         self._state = "new"  # "open" once entered, "closed" once left or aclose()d
         self._closing: anyio.Event | None = None  # set once the close under way is over
-        self._n = Counters(metrics)
         self._jobs = Jobs(worker, owners.job_ids, self._n)
 
     @property
@@ -430,8 +427,7 @@ class OffloadCache:
         self._worker.check_submittable(after)
         self._n.fold()
         if not keys:
-            self._n.restores += 1
-            self._n.restore_misses += 1
+            self._n.count_restore(0)
             await anyio.lowlevel.checkpoint()
             return RestoreResult(0, 0)
         ready = self._host_run(keys)
@@ -451,19 +447,10 @@ class OffloadCache:
         except BaseException:
             self._n.restores += 1  # cancelled: the loads it submitted still run
             raise
-        self._count(outcome)
-        return outcome.result
-
-    def _count(self, outcome: Outcome) -> None:
-        """Count one restore, the one place restores are counted."""
-        result = outcome.result
-        self._n.restores += 1
-        self._n.restored += result.restored
-        self._n.failed_loads += outcome.failed_loads
-        if result.restored == 0:
-            self._n.restore_misses += 1
+        self._n.count_restore(outcome.result.restored, outcome.failed_loads)
         if self._cascade is not None:
             self._cascade.count_restored(outcome.sources)
+        return outcome.result
 
     async def drain(self) -> None:
         """Wait until every copy this cache had started when called is over (also those whose
