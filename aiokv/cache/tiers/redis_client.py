@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +36,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ...errors import InvalidSpec
+from .redact import redacted  # re-exported: RedisTier labels itself with it
 from .redis_wire import WRONG_LENGTH, exist, read_into, write_from
 
 __all__ = ["WRONG_LENGTH", "AsyncioRedis", "Batch", "ThreadRedis", "client_options", "redacted",
@@ -73,20 +73,6 @@ def split_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     plain = base + url[len(parts.scheme):]  # urlunsplit would drop unix:///'s empty host
     _check_url(plain, redacted(url))
     return plain, is_cluster
-
-
-def redacted(url: str) -> str:
-    """``url`` without its passwords, fit for messages and logs: the user part's and any
-    ``password=`` or ``ssl_password=`` parameter's, which redis-py reads too."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
-    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
-
-
-_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)
 
 
 def _check_url(url: str, shown: str) -> None:

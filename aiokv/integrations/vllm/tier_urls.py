@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ...cache import available_policies
 from ...cache.tiers.base import Tier
+from ...cache.tiers.redact import redacted
 from ...errors import InvalidSpec
 
 __all__ = ["DISK_PARAMS", "REDIS_PARAMS", "TierURL", "parse_size", "parse_tier_urls"]
@@ -98,7 +99,7 @@ def parse_tier_urls(value: Any) -> tuple[TierURL, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        shown = _redacted(value) if isinstance(value, str) and "://" in value else value
+        shown = redacted(value) if isinstance(value, str) and "://" in value else value
         raise InvalidSpec(f"aiokv_tiers must be a list of tier URLs, nearest first (e.g. "
                           f'["file:///var/cache/aiokv?capacity=64GiB"]), got {shown!r}')
     tiers = [_parse_one(url) for url in value]
@@ -128,7 +129,7 @@ def _parse_one(url: Any) -> TierURL:
                           f"or redis://host:6379/0, got {url!r}")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    shown = _redacted(url)
+    shown = redacted(url)
     if scheme == "file":
         return _disk(parts, shown)
     if scheme in _REDIS_SCHEMES:
@@ -252,17 +253,3 @@ def _check_writable(path: str, shown: str) -> None:
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         what = "is not a directory" if not os.path.isdir(probe) else "cannot be written by this process"
         raise InvalidSpec(f"aiokv_tiers: {shown}: {probe!r} {what}")
-
-
-def _redacted(url: str) -> str:
-    """``url`` without the passwords redis-py reads from it: the user part's and any
-    ``password=`` or ``ssl_password=`` parameter's (each shown as ``***``)."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
-    query = _SECRET_PARAM.sub(r"\1=***", parts.query)
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if parts.query else "")
-
-
-_SECRET_PARAM = re.compile(r"((?:^|&)[^=&]*password)=[^&]*", re.I)
