@@ -282,47 +282,24 @@ class TierIO:
         view = self.view
         assert view is not None
         tier = self.tiers[batch.tier]
-        nranks = len(view.ranks)
-        keys, outs, rows = [], [], []
-        for op in batch.ops:
-            for r in range(nranks):
-                keys.append(view.tier_key(op.key, r))
-                direct = view.ranks[r].block(op.group, op.chunk) \
-                    if view.payload(r, op.group) == view.block_bytes else None
-                if direct is None:
-                    row = np.empty(view.block_bytes, dtype=np.uint8)
-                    rows.append((op, r, row))
-                    direct = memoryview(row.data)
-                outs.append(direct)
+        keys, outs, rows = _rank_buffers(view, batch.ops, zeroed=False)
         got = await _call(tier.read(keys, outs), len(keys), tier.name)
-        ok = {id(op): all(got[i * nranks: (i + 1) * nranks]) for i, op in enumerate(batch.ops)}
-        placed = [(op, r, row) for op, r, row in rows if ok[id(op)]]
+        answers = _answers(view, batch, got)
+        read = {id(done.op) for done in answers if done.ok}
+        placed = [(op, r, row) for op, r, row in rows if id(op) in read]
         if placed:
             def place() -> None:
                 for op, r, row in placed:
                     view.ranks[r].scatter(op.group, op.chunk, row)
 
             await _off_loop(len(placed) * view.block_bytes, place)
-        return [Done(op, ok[id(op)], batch.tier if ok[id(op)] else -1,
-                     sum(view.payload(r, op.group) for r in range(nranks)) if ok[id(op)] else 0)
-                for op in batch.ops]
+        return answers
 
     async def _write(self, batch: _Batch) -> list[Done]:
         view = self.view
         assert view is not None
         tier = self.tiers[batch.tier]
-        nranks = len(view.ranks)
-        keys, views, gathers = [], [], []
-        for op in batch.ops:
-            for r in range(nranks):
-                keys.append(view.tier_key(op.key, r))
-                direct = view.ranks[r].block(op.group, op.chunk) \
-                    if view.payload(r, op.group) == view.block_bytes else None
-                if direct is None:
-                    row = np.zeros(view.block_bytes, dtype=np.uint8)
-                    gathers.append((op, r, row))
-                    direct = memoryview(row.data)
-                views.append(direct)
+        keys, views, gathers = _rank_buffers(view, batch.ops, zeroed=True)
         if gathers:
             def gather() -> None:
                 for op, r, row in gathers:
@@ -330,12 +307,7 @@ class TierIO:
 
             await _off_loop(len(gathers) * view.block_bytes, gather)
         got = await _call(tier.write(keys, views), len(keys), tier.name)
-        out = []
-        for i, op in enumerate(batch.ops):
-            good = all(got[i * nranks: (i + 1) * nranks])
-            out.append(Done(op, good, batch.tier if good else -1,
-                            sum(view.payload(r, op.group) for r in range(nranks)) if good else 0))
-        return out
+        return _answers(view, batch, got)
 
     async def _locate(self, batch: _Batch) -> list[Done]:
         """Which remote tier holds every rank's block of each key, nearest first."""
@@ -355,6 +327,41 @@ class TierIO:
                 if all(got[j * nranks: (j + 1) * nranks]):
                     found[i] = t
         return [Done(op, f >= 0, f) for op, f in zip(batch.ops, found)]
+
+
+_Row = tuple[Op, int, np.ndarray]
+
+
+def _rank_buffers(view: PoolView, ops: Sequence[Op], *,
+                  zeroed: bool) -> tuple[list[bytes], list[memoryview], list[_Row]]:
+    """Each op's tier key and bytes, rank by rank: the rank's block itself where it fills a
+    whole tier value, else a row of its own, listed with its op and rank for the scatter
+    after a read or the gather before a write (``zeroed`` for a write: a value's bytes past
+    the payload are zeros, never stale memory)."""
+    keys, buffers, rows = [], [], []
+    for op in ops:
+        for r in range(len(view.ranks)):
+            keys.append(view.tier_key(op.key, r))
+            direct = view.ranks[r].block(op.group, op.chunk) \
+                if view.payload(r, op.group) == view.block_bytes else None
+            if direct is None:
+                row = (np.zeros if zeroed else np.empty)(view.block_bytes, dtype=np.uint8)
+                rows.append((op, r, row))
+                direct = memoryview(row.data)
+            buffers.append(direct)
+    return keys, buffers, rows
+
+
+def _answers(view: PoolView, batch: _Batch, got: list[bool]) -> list[Done]:
+    """Each op of a read or write batch done where the tier answered True for every rank's
+    value of it (``got`` lists them as ``_rank_buffers`` did), with the bytes it moved."""
+    nranks = len(view.ranks)
+    out = []
+    for i, op in enumerate(batch.ops):
+        good = all(got[i * nranks: (i + 1) * nranks])
+        out.append(Done(op, good, batch.tier if good else -1,
+                        sum(view.payload(r, op.group) for r in range(nranks)) if good else 0))
+    return out
 
 
 def _batches(ops: list[Op]) -> list[_Batch]:
