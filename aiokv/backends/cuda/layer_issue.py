@@ -18,7 +18,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .driver import Driver, JobEvents
 from .layer_clock import Held
@@ -83,12 +83,25 @@ class LoadIssue:
 
         staged_rows(rows, lane.recorder, emit, layers, self._events, main)
 
+    def _refuse(self, dep: Dependency | None, exc: BaseException) -> NoReturn:
+        """Raise a submit that failed before any of the load reached the device, or on a
+        broken device: the job's events given back (unless the device broke: they stay
+        with it), the dependency too, and the sticky error raised in place of ``exc``."""
+        drv = self._drv
+        if drv.broken is None:
+            self.give_back()
+        if dep is not None:
+            drv.give_sync_event(dep.event)
+        if drv.broken is not None and drv.broken is not exc:
+            raise drv.broken from exc
+        raise exc
+
     # -- the native path --------------------------------------------------------------------
 
     def submit_load(self, dep: Dependency | None) -> None:
         """Hand the whole load to the lane's native issuer as one program (module doc).
         Raises with nothing queued (the job's events and the dependency given back)."""
-        lane, drv = self._lane, self._drv
+        lane = self._lane
         rec, native = lane.recorder, lane.native
         assert self._job is not None and rec is not None and native is not None
         main = int(lane.stream)
@@ -105,13 +118,7 @@ class LoadIssue:
             ticket = native.submit(rows.words(), tuple(rows.buffers), rec.main, rec.rescue,
                                    int(self._job.stop), False, True)
         except BaseException as exc:
-            if drv.broken is None:
-                self.give_back()
-            if dep is not None:
-                drv.give_sync_event(dep.event)
-            if drv.broken is not None and drv.broken is not exc:
-                raise drv.broken from exc
-            raise
+            self._refuse(dep, exc)
         if dep is not None:
             self._deps.append(dep.event)  # given back once the job ended: the wait was issued
         self._attach(layers, ticket, [rows.records[layer] + 1 for layer in layers])
@@ -154,13 +161,7 @@ class LoadIssue:
                 drv.record(ev.stop, main)
         except BaseException as exc:
             if not on_issuer and (not enqueuing or drv.broken is not None):
-                if drv.broken is None:
-                    self.give_back()
-                if dep is not None:
-                    drv.give_sync_event(dep.event)
-                if drv.broken is not None and drv.broken is not exc:
-                    raise drv.broken from exc
-                raise
+                self._refuse(dep, exc)
             if not on_issuer and not isinstance(exc, Exception):
                 raise
             error = exc
