@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .core import WorkerStatistics
 from .errors import InvalidSpec, TransferFailed
@@ -67,6 +67,42 @@ def _direction(direction: Direction | str) -> str:
     return direction
 
 
+_Source = TypeVar("_Source")
+
+
+class _Labelled(Generic[_Source]):
+    """What one collector exports, each source (a worker, a cache) under its own values of
+    the collector's label names: a registry holds one collector of a set of metric names,
+    so sources told apart by labels (one per rank, say) share it."""
+
+    def __init__(self, what: str, labels: Mapping[str, str] | None) -> None:
+        self.what = what
+        self.names = list(labels or {})
+        self._by_values: dict[tuple[str, ...], _Source] = {}
+
+    def add(self, source: _Source, labels: Mapping[str, str] | None) -> None:
+        """``InvalidSpec`` for labels of other names, or values another source has."""
+        given = dict(labels or {})
+        if sorted(given) != sorted(self.names):
+            raise InvalidSpec(f"labels must name {self.names}, as this collector's others do; "
+                              f"got {list(given)}")
+        values = tuple(str(given[name]) for name in self.names)
+        if values in self._by_values:
+            raise InvalidSpec(f"a {self.what} with labels {given} is exported here already: "
+                              "give each its own")
+        self._by_values[values] = source
+
+    def discard(self, labels: Mapping[str, str] | None) -> bool:
+        """Forget the source of these label values; whether any sources are left."""
+        given = dict(labels or {})
+        self._by_values.pop(tuple(str(given.get(name, "")) for name in self.names), None)
+        return bool(self._by_values)
+
+    def items(self) -> list[tuple[tuple[str, ...], _Source]]:
+        """(label values, source) of each, copied: a scrape may run beside an add."""
+        return list(self._by_values.items())
+
+
 class WorkerCollector:
     """A custom collector exporting a worker's ``statistics()`` at each scrape.
 
@@ -80,8 +116,7 @@ class WorkerCollector:
     ) -> None:
         _prometheus()
         self._ns = namespace
-        self._label_names = list(labels or {})
-        self._workers: dict[tuple[str, ...], _HasStatistics] = {}
+        self._workers: _Labelled[_HasStatistics] = _Labelled("worker", labels)
         self.add(worker, labels)
 
     def add(self, worker: _HasStatistics, labels: Mapping[str, str] | None = None) -> None:
@@ -89,31 +124,22 @@ class WorkerCollector:
         holds one collector of these names, so several workers share it)."""
         if not callable(getattr(worker, "statistics", None)):
             raise InvalidSpec(f"expected a worker with statistics(), got {type(worker).__name__}")
-        given = dict(labels or {})
-        if sorted(given) != sorted(self._label_names):
-            raise InvalidSpec(f"labels must name {self._label_names}, as this collector's others do; "
-                             f"got {list(given)}")
-        values = tuple(str(given[name]) for name in self._label_names)
-        if values in self._workers:
-            raise InvalidSpec(f"a worker with labels {given} is exported here already: give each its own")
-        self._workers[values] = worker
+        self._workers.add(worker, labels)
 
     def discard(self, labels: Mapping[str, str] | None = None) -> bool:
         """Stop exporting the worker of these label values; whether any workers are left."""
-        given = dict(labels or {})
-        self._workers.pop(tuple(str(given.get(name, "")) for name in self._label_names), None)
-        return bool(self._workers)
+        return self._workers.discard(labels)
 
     def describe(self) -> list[Metric]:
         """The families this collector exports (lets the registry reject name clashes)."""
         return list(self._families([]))
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families([(values, w.statistics()) for values, w in list(self._workers.items())])
+        yield from self._families([(values, w.statistics()) for values, w in self._workers.items()])
 
     def _families(self, snapshots: list[tuple[tuple[str, ...], WorkerStatistics]]) -> Iterator[Metric]:
         core = _prometheus().metrics_core
-        const_names = self._label_names
+        const_names = self._workers.names
         per_direction = [
             (core.CounterMetricFamily, "transferred_bytes", "Bytes moved by transfers.", "bytes_moved"),
             (core.CounterMetricFamily, "transfers", "Transfers that completed successfully.", "completed"),
@@ -186,41 +212,31 @@ class CacheCollector:
                  labels: Mapping[str, str] | None = None) -> None:
         _prometheus()
         self._ns = namespace
-        self._label_names = list(labels or {})
-        self._caches: dict[tuple[str, ...], _HasCacheStats] = {}
+        self._caches: _Labelled[_HasCacheStats] = _Labelled("cache", labels)
         self.add(cache, labels)
 
     def add(self, cache: _HasCacheStats, labels: Mapping[str, str] | None = None) -> None:
         """Export another cache under other values of the same label names."""
         if not callable(getattr(cache, "stats", None)):
             raise InvalidSpec(f"expected an OffloadCache, got {type(cache).__name__}")
-        given = dict(labels or {})
-        if sorted(given) != sorted(self._label_names):
-            raise InvalidSpec(f"labels must name {self._label_names}, as this collector's others do; "
-                              f"got {list(given)}")
-        values = tuple(str(given[name]) for name in self._label_names)
-        if values in self._caches:
-            raise InvalidSpec(f"a cache with labels {given} is exported here already: give each its own")
-        self._caches[values] = cache
+        self._caches.add(cache, labels)
 
     def discard(self, labels: Mapping[str, str] | None = None) -> bool:
         """Stop exporting the cache of these label values (one closed for good); whether any
         caches are left."""
-        given = dict(labels or {})
-        self._caches.pop(tuple(str(given.get(name, "")) for name in self._label_names), None)
-        return bool(self._caches)
+        return self._caches.discard(labels)
 
     def describe(self) -> list[Metric]:
         return list(self._families([]))
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families([(values, c.stats()) for values, c in list(self._caches.items())])
+        yield from self._families([(values, c.stats()) for values, c in self._caches.items()])
 
     def _families(self, snapshots: list[tuple[tuple[str, ...], Any]]) -> Iterator[Metric]:
         core = _prometheus().metrics_core
         for name, doc, kind, read in _CACHE_SERIES:
             family_type = core.CounterMetricFamily if kind == "counter" else core.GaugeMetricFamily
-            family = family_type(f"{self._ns}_{name}", doc, labels=self._label_names)
+            family = family_type(f"{self._ns}_{name}", doc, labels=self._caches.names)
             for values, stats in snapshots:
                 family.add_metric(list(values), read(stats))
             yield family
