@@ -14,6 +14,34 @@ aiokv_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+CUresult
+aiokv_thread_enter(const DriverTable *d)
+{
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals stay with Python's threads */
+    if (d->procs[P_CTX_SET] == NULL)
+        return 0;
+    return ((ctx_set_fn)d->procs[P_CTX_SET])(d->context);
+}
+
+int
+aiokv_start_thread(pthread_t *thread, void *(*main_fn)(void *), void *arg, pthread_mutex_t *mu,
+                   pthread_cond_t *cv, const int *ready)
+{
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = pthread_create(thread, NULL, main_fn, arg);
+    if (err == 0) { /* wait until the thread has its context (or failed to get it) */
+        pthread_mutex_lock(mu);
+        while (!*ready)
+            pthread_cond_wait(cv, mu);
+        pthread_mutex_unlock(mu);
+    }
+    Py_END_ALLOW_THREADS
+    return err;
+}
+
 /* Stand-ins for the driver, to measure and test the host side of a submit without a
  * device (``FAKES``): an entry point that does nothing and succeeds (called with whatever
  * arguments: the caller cleans up), an event creation that hands out a non-null handle,

@@ -131,6 +131,14 @@ int aiokv_check_program(const DriverTable *t, const uint64_t *w, Py_ssize_t rows
 int aiokv_get_view(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t index);
 int aiokv_is_words(const Py_buffer *b);
 double aiokv_now(void); /* CLOCK_MONOTONIC seconds: time.perf_counter()'s clock on Linux */
+/* The waiter's and the issuer's threads: the first call of each blocks every signal (they
+ * stay with Python's threads) and binds the table's context: the CUresult of that (0 too
+ * where the table sets none). */
+CUresult aiokv_thread_enter(const DriverTable *d);
+/* Start ``main_fn(arg)`` on a thread and wait, the GIL released, until it set ``*ready``
+ * under ``mu`` and signalled ``cv``: 0, or pthread_create's error (no thread then). */
+int aiokv_start_thread(pthread_t *thread, void *(*main_fn)(void *), void *arg, pthread_mutex_t *mu,
+                       pthread_cond_t *cv, const int *ready);
 
 /* The waiter's shared state, for the issuer thread to arm rings through (no Python). */
 typedef struct WaiterState WaiterState;

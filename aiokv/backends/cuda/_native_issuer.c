@@ -303,12 +303,7 @@ static void *
 issuer_main(void *arg)
 {
     IssuerState *st = arg;
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals stay with Python's threads */
-    CUresult r = 0;
-    if (st->d.procs[P_CTX_SET] != NULL)
-        r = ((ctx_set_fn)st->d.procs[P_CTX_SET])(st->d.context);
+    CUresult r = aiokv_thread_enter(&st->d);
     pthread_mutex_lock(&st->mu);
     st->ctx_error = r;
     st->ready = 1;
@@ -832,16 +827,7 @@ Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
         aiokv_waiter_retain(ws);
         st->waiter = ws;
     }
-    int err;
-    Py_BEGIN_ALLOW_THREADS
-    err = pthread_create(&st->thread, NULL, issuer_main, st);
-    if (err == 0) { /* wait until the thread has its context (or failed to get it) */
-        pthread_mutex_lock(&st->mu);
-        while (!st->ready)
-            pthread_cond_wait(&st->progress, &st->mu);
-        pthread_mutex_unlock(&st->mu);
-    }
-    Py_END_ALLOW_THREADS
+    int err = aiokv_start_thread(&st->thread, issuer_main, st, &st->mu, &st->progress, &st->ready);
     if (err != 0) {
         issuer_free(st);
         errno = err;

@@ -65,12 +65,7 @@ static void *
 waiter_main(void *arg)
 {
     WaiterState *st = arg;
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals stay with Python's threads */
-    CUresult r = 0;
-    if (st->d.procs[P_CTX_SET] != NULL)
-        r = ((ctx_set_fn)st->d.procs[P_CTX_SET])(st->d.context);
+    CUresult r = aiokv_thread_enter(&st->d);
     pthread_mutex_lock(&st->mu);
     if (r != 0) {
         st->errors++;
@@ -158,16 +153,7 @@ Waiter_init(WaiterObject *self, PyObject *args, PyObject *kw)
     st->nslots = slots;
     st->refs = 2; /* this object and the thread */
     st->running = 1;
-    int err;
-    Py_BEGIN_ALLOW_THREADS
-    err = pthread_create(&st->thread, NULL, waiter_main, st);
-    if (err == 0) { /* wait until the thread has its context (or failed to get it) */
-        pthread_mutex_lock(&st->mu);
-        while (!st->ready)
-            pthread_cond_wait(&st->cv, &st->mu);
-        pthread_mutex_unlock(&st->mu);
-    }
-    Py_END_ALLOW_THREADS
+    int err = aiokv_start_thread(&st->thread, waiter_main, st, &st->mu, &st->cv, &st->ready);
     if (err != 0) {
         state_free(st);
         errno = err;
