@@ -85,6 +85,21 @@ class Rig:
         finally:
             self.host.chunks.complete_load([key])
 
+    def overflow(self) -> list[Any]:
+        """Store eight keys where six fit: the two the host evicts go down to the first tier;
+        once they are written there, the keys the host no longer holds."""
+        self.store(keys(6))
+        self.store(keys(2, 6))
+        self.until(lambda: self.host.counts[0].demoted == 2)
+        return [k for k in keys(8) if self.host.chunks.lookup(k).value == "miss"]
+
+    def spy(self) -> list[str]:
+        """The kind of every operation handed to the tiers' thread from now on."""
+        asked: list[str] = []
+        submit = self.io.submit
+        self.io.submit = lambda ops: (asked.extend(op.kind for op in ops), submit(ops))  # type: ignore[method-assign]
+        return asked
+
     def until(self, what: Callable[[], bool], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while not what():
@@ -245,10 +260,7 @@ def test_a_reset_keeps_chunks_a_read_still_fills_out_of_use(shm: Path) -> None:
     tier.gate.set()
     rig = Rig(shm, [tier])
     try:
-        rig.store(keys(6))
-        rig.store(keys(2, 6))
-        rig.until(lambda: rig.host.counts[0].demoted == 2)
-        evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        evicted = rig.overflow()
         tier.gate.clear()  # the read below stays in flight until the gate opens
         assert rig.host.lookup(evicted[0]) is Where.HIT_PENDING
         reading = rig.host._pending  # the op in flight
@@ -273,13 +285,8 @@ def test_after_a_reset_nothing_is_read_up_until_the_workers_flushed(rig: Rig) ->
     one (vLLM says when they have all ended: on_reset_flushed). A block read up into a
     freed chunk meanwhile would be overwritten by that late copy and then served as the
     key's bytes, so until then a key the host lacks is a miss and no read starts."""
-    rig.store(keys(6))
-    rig.store(keys(2, 6))
-    rig.until(lambda: rig.host.counts[0].demoted == 2)
-    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
-    asked: list[str] = []
-    submit = rig.io.submit
-    rig.io.submit = lambda ops: (asked.extend(op.kind for op in ops), submit(ops))  # type: ignore[method-assign]
+    evicted = rig.overflow()
+    asked = rig.spy()
     rig.host.reset()
     for key in evicted:
         assert rig.host.lookup(key) is Where.MISS, "read up before the reset's copies ended"
@@ -294,10 +301,7 @@ def test_after_a_reset_nothing_is_read_up_until_the_workers_flushed(rig: Rig) ->
 def test_two_ranks_each_get_their_own_block_and_a_hit_needs_both(shm: Path) -> None:
     rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)], world=2)
     try:
-        rig.store(keys(6))
-        rig.store(keys(2, 6))
-        rig.until(lambda: rig.host.counts[0].demoted == 2)
-        evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+        evicted = rig.overflow()
         assert rig.settle(evicted[0]) is Where.HIT
         rig.read(evicted[0])
         # Rank 1's block of the other key is lost: the key is a miss, never half a hit.
@@ -334,13 +338,8 @@ def test_a_remote_tier_is_asked_once_then_read_up(shm: Path) -> None:
     with running(RedisServer(shm / "redis")) as server:
         rig = Rig(shm, [RedisTier(server.url, namespace="t", timeout=2.0)])
         try:
-            rig.store(keys(6))
-            rig.store(keys(2, 6))
-            rig.until(lambda: rig.host.counts[0].demoted == 2)
-            evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
-            asked: list[str] = []
-            submit = rig.io.submit
-            rig.io.submit = lambda ops: (asked.extend(op.kind for op in ops), submit(ops))  # type: ignore[method-assign]
+            evicted = rig.overflow()
+            asked = rig.spy()
             assert rig.host.lookup(evicted[0]) is Where.RETRY
             assert rig.host.lookup(evicted[0]) in (Where.RETRY, Where.HIT_PENDING)
             assert rig.settle(evicted[0]) is Where.HIT
@@ -390,10 +389,7 @@ def test_a_batch_that_raises_fails_its_blocks_and_the_tiers_serve_on(rig: Rig, m
     the next one (it did not: the first such error took every tier off until restart)."""
     from aiokv.integrations.vllm.shared_pool import RankPool
 
-    rig.store(keys(6))
-    rig.store(keys(2, 6))
-    rig.until(lambda: rig.host.counts[0].demoted == 2)
-    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    evicted = rig.overflow()
     real = RankPool.scatter
     calls = [0]
 
@@ -416,10 +412,7 @@ def test_work_handed_over_once_the_thread_has_ended_is_answered(shm: Path) -> No
     handed over; that read is answered (failed) at once, never left in flight, which
     would keep vLLM stepping (has_pending_work) and its slot pending for ever."""
     rig = Rig(shm, [DiskTier(shm / "disk", capacity_bytes=64 * 512)])
-    rig.store(keys(6))
-    rig.store(keys(2, 6))
-    rig.until(lambda: rig.host.counts[0].demoted == 2)
-    evicted = [k for k in keys(8) if rig.host.chunks.lookup(k).value == "miss"]
+    evicted = rig.overflow()
     close_first = rig.io.submit
 
     def submit_after_the_end(ops: Any) -> None:
