@@ -12,6 +12,7 @@ import pytest
 
 from aiokv.backends.base import StallMeter
 from aiokv.backends.cuda import layer_copies as copies_mod
+from aiokv.errors import WorkerClosed
 from aiokv.specs import Direction
 
 from .test_cuda_lane import hold
@@ -77,5 +78,42 @@ def test_a_load_queued_behind_other_work_marks_each_layer_as_it_is_enqueued(
         assert records[-1] == job.stop and records.index(job.start) < records.index(layer_events(run)[0])
     finally:
         busy.set()
+        drv.release.set()
+        lane.close()
+
+
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_abandoning_a_load_ends_the_gates_and_waits_on_layers_not_issued(
+        recorded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker closed with the load still being issued (its issuer held inside layer 1's
+    copy call, as a driver call stuck behind a hung device would be): a gate and a wait on
+    layer 3, blocked until its record is issued, end at once, failed, on either path (the
+    native one blocks in ``wait_rows``, which the abandon cannot signal)."""
+    monkeypatch.setattr(copies_mod, "INLINE_ISSUE_US", 0.0)
+    monkeypatch.setattr(copies_mod, "INLINE_MAX_US", 0.0)
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded, issue_thread=not recorded)
+    if recorded:
+        fake.hold["cuMemcpyBatchAsync"] = (2, drv.release)
+    else:
+        drv.hold_batch = 2
+    try:
+        run = lane.launch_layers(kv_plan(False, [1, 2], [3, 4])[0], None)
+        assert until(lambda: run.enqueued(0)) and not run.enqueued(1)
+        gated: list[bool] = []
+        waited: list[bool] = []
+        gate = threading.Thread(target=lambda: gated.append(run.gate(3, CONSUMER, StallMeter())))
+        wait = threading.Thread(target=lambda: waited.append(run.wait(3)))
+        gate.start()
+        wait.start()
+        gate.join(0.1)
+        assert gate.is_alive() and wait.is_alive()
+        run.abandon(WorkerClosed("closed with the load in flight"))
+        gate.join(5)
+        wait.join(5)
+        assert not gate.is_alive() and not wait.is_alive(), "abandoning the load left a waiter blocked"
+        assert gated == [False] and waited == [False]
+        assert not run.enqueued(3) and ("wait", CONSUMER, layer_events(run)[3]) not in drv.calls
+    finally:
         drv.release.set()
         lane.close()

@@ -47,7 +47,11 @@ from .layer_copies import LayerLane, head_layers, layer_bytes, layer_ops
 from .layer_issue import LoadIssue
 from .layer_pushes import StorePushes
 
-__all__ = ["CudaLayerRun", "LayerLane"]
+__all__ = ["ABANDON_POLL_S", "CudaLayerRun", "LayerLane"]
+
+# A gate or wait blocked on a native load's ticket looks this often whether the run was
+# abandoned (the worker closed): the ticket's wait cannot be signalled from Python.
+ABANDON_POLL_S = 0.05
 
 
 class _RunEnd(CudaCompletion):
@@ -282,14 +286,20 @@ class CudaLayerRun(StorePushes, LoadIssue, LayerRun):
             ticket = self._tickets[layer]
         if ticket is None or self._recorded[layer]:
             return True
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if ticket.wait_rows(self._need[layer], left):  # the GIL released while it waits
-            self._recorded[layer] = 1
-            return True
-        if ticket.issued:  # ended short of the layer: it failed
-            self._sync(layer)
-            return True
-        return False
+        while True:
+            # In slices: ``abandon`` cannot signal the ticket's wait, and the program may be
+            # stuck in a driver call (a hung device) while the worker closes.
+            left = ABANDON_POLL_S if deadline is None else min(ABANDON_POLL_S, deadline - time.monotonic())
+            if ticket.wait_rows(self._need[layer], max(0.0, left)):  # the GIL released while it waits
+                self._recorded[layer] = 1
+                return True
+            if ticket.issued:  # ended short of the layer: it failed
+                self._sync(layer)
+                return True
+            if self.abandoned is not None:
+                return True  # the caller finds the run abandoned, as on the Python path
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def enqueued(self, layer: int) -> bool:
         """Whether the layer's record is enqueued. A store layer pushed to a lane whose
