@@ -348,6 +348,32 @@ def test_a_gate_on_a_load_still_with_the_issuer_waits_for_its_record() -> None:
         lane.close()
 
 
+@pytest.mark.parametrize("recorded", [pytest.param(True, marks=native_only), False])
+def test_the_legacy_default_stream_is_a_stream_like_any_other_on_layerwise_paths(recorded: bool) -> None:
+    """Stream handle 0 is CUDA's legacy default stream, where torch runs by default (the C
+    planner once took it for "no stream"): a load's and a push's dependency on it are
+    recorded there at submit and waited on by the lane, and a gate makes it wait."""
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.LOAD, drv, recorded=recorded)
+    run = lane.launch_layers(kv_plan(False, [1], [3])[0], Dependency(0xD1, stream=0))
+    assert drv.calls[0] == ("record", 0xD1, 0)
+    issued(lane)
+    waits = [c[1:3] for c in fake.calls if c[0] == "cuStreamWaitEvent"] if recorded else drv.of("wait")
+    assert (MAIN, 0xD1) in [tuple(w[-2:]) for w in waits]
+    drv.calls.clear()
+    assert run.gate(1, 0, StallMeter()) and drv.of("wait") == [("wait", 0, layer_events(run)[1])]
+    lane.close()
+    drv = LogDriver()
+    lane, fake = make_lane(Direction.STORE, drv, recorded=recorded)
+    store = lane.open_layers(kv_plan(True, [1], [3])[0])
+    assert store.push(2, Dependency(0xD2, stream=0)) is True
+    assert drv.calls[0] == ("record", 0xD2, 0)
+    issued(lane)
+    waits = [c[1:3] for c in fake.calls if c[0] == "cuStreamWaitEvent"] if recorded else drv.of("wait")
+    assert (MAIN, 0xD2) in [tuple(w[-2:]) for w in waits]
+    lane.close()
+
+
 # -- stores ---------------------------------------------------------------------------------------
 
 
