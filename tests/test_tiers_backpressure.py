@@ -343,3 +343,70 @@ def test_a_block_used_again_while_being_written_moves_up_in_the_disk_order() -> 
     index.after_write([b"a", b"b", b"c"], stored, todo, doomed)
     assert index.policy is not None
     assert index.policy.victims(2, lambda k: True) == [b"b", b"c"]  # a is the newest now
+
+
+async def test_blocks_waiting_their_turn_for_room_are_found_and_restored() -> None:
+    """The host evicted a0..a3 for b0..b3; a0 took the only room and its write hangs, so
+    a1..a3 wait their turn, still in their host chunks. They are on their way down all the
+    same: lookup counts them and a restore brings their bytes back, none dropped."""
+    tier = SlowTier()
+    tier.gate = anyio.Event()
+    async with tiered([tier], queue_bytes=BLOCK, queue_wait=math.inf, drain_timeout=2) as (kv, _w, cache):
+        randomize(kv, range(4), seed=5)
+        expected = {f"a{i}": gpu_block(kv, i) for i in range(4)}
+        await cache.offload(list(expected), list(range(4)))
+        randomize(kv, range(4), seed=6)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.offload, ["b0", "b1", "b2", "b3"], list(range(4)))
+                await anyio.wait_all_tasks_blocked()  # a1 waits for room behind a0's write
+                assert cache.stats().tiers[0].queued_blocks == 1
+                assert cache.lookup(list(expected)) == 4
+                result = await cache.restore(list(expected), list(range(10, 14)))
+                assert result.restored == 4 and result.from_tiers == 4
+                for i, key in enumerate(expected):
+                    assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 10 + i), expected[key]))
+                tier.gate.set()
+            await cache.drain()
+        st = cache.stats().tiers[0]
+        assert st.demoted == 4 and st.demotions_dropped == 0
+        settled(cache)
+
+
+async def test_an_offer_reuses_its_evicted_chunks_only_after_a_restore_copied_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore copies a block waiting for room out of its host chunk on a worker thread;
+    the offer that evicted it must not store into that chunk until the copy is over, or
+    the restore would hand back the new block's bytes under the old key."""
+    from aiokv.cache import staging as staging_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)  # every copy on a thread
+    gather = PageMap.gather
+    slow = {"on": False}
+
+    def gather_slowly(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        if slow["on"]:
+            slow["on"] = False
+            time.sleep(0.3)  # the offer would store into the chunk meanwhile
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", gather_slowly)
+    tier = SlowTier()
+    tier.gate = anyio.Event()
+    async with tiered([tier], queue_bytes=BLOCK, queue_wait=math.inf, drain_timeout=2) as (kv, _w, cache):
+        randomize(kv, range(4), seed=7)
+        expected = {f"a{i}": gpu_block(kv, i) for i in range(4)}
+        await cache.offload(list(expected), list(range(4)))
+        randomize(kv, range(4), seed=8)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.offload, ["b0", "b1", "b2", "b3"], list(range(4)))
+                await anyio.wait_all_tasks_blocked()
+                slow["on"] = True
+                tier.gate.set()  # the room comes back while the restore copies a3
+                result = await cache.restore(["a3"], [13])
+            assert result.restored == 1
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 13), expected["a3"]))
+            await cache.drain()
+        settled(cache)
