@@ -121,6 +121,30 @@ async def test_a_stalled_room_releases_every_waiter_after_one_wait() -> None:
     assert await room.take(1) == 1 and not room.stalled
 
 
+async def test_a_stall_leaves_a_patient_waiter_in_line() -> None:
+    """``persist_on_close`` takes room patiently (the close has its own bound): a stall
+    declared by an impatient offer ahead of it must not hand it nothing, or the host's
+    blocks it was to write would be skipped without a count."""
+    room = WriteRoom(1, wait=0.1)
+    assert await room.take(1) == 1
+    got: dict[str, int] = {}
+
+    async def offer(name: str, patient: bool) -> None:
+        got[name] = await room.take(1, patient=patient)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(offer, "impatient", False)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(offer, "patient", True)
+        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(5):
+            while "impatient" not in got:  # its wait ran out: the tier stalled
+                await anyio.sleep(0.01)
+        assert got == {"impatient": 0} and room.stalled
+        room.give(1)  # the tier answers again: the patient one gets its room
+    assert got == {"impatient": 0, "patient": 1} and room.pending == 1
+
+
 async def test_room_that_keeps_coming_back_never_stalls() -> None:
     """A slow writer that frees room every 0.1 s, with waits of 0.25 s: the line behind it
     is long, but each offer at its head sees room come back in time, so none drops."""
