@@ -135,7 +135,8 @@ def test_the_tier_section_has_every_figure_the_targets_read(tier_run: tuple[int,
         restore = tiers[f"restore / tier ceiling, {arm} arm"]
         assert restore["value"] > 0 and restore["extra"]["ceiling_gbps"] > 0
         assert restore["extra"]["tier_bytes"] > 0
-        assert restore["value"] == pytest.approx(restore["extra"]["gbps"] / restore["extra"]["ceiling_gbps"])
+        assert restore["value"] == pytest.approx(restore["extra"]["seconds_at_ceilings"]
+                                                 / restore["extra"]["seconds"])
         assert restore["target"] == [">=", {"disk": 0.8, "redis": 0.7}[arm]]
     setup = {r["name"]: r for r in rows if r["section"].startswith("serve setup")}
     assert setup["disk tier read ceiling"]["value"] > 0 and setup["Redis GET ceiling"]["value"] > 0
@@ -152,3 +153,27 @@ def test_the_redis_arm_serves_hits_from_redis(tier_run: tuple[int, dict, str]) -
     assert "disk" in overall["extra"]["hit"]  # its class for any lower tier's hit
     assert any("redis: demoted" in r["note"] for r in rows if r["name"] == "cache hit rate (keys, lookup)")
     assert not any(r["failed"] for r in rows)
+
+
+# -- the figures, from served requests -------------------------------------------------
+
+
+def test_the_restore_figure_holds_host_bytes_to_the_load_ceiling_not_the_tiers() -> None:
+    """A restore of 8,192 host tokens and 1,024 tier tokens that read its tier at half the
+    tier's ceiling is not "4.5x the ceiling": the host's bytes load at the load ceiling
+    (50 GB/s here), so at the ceilings the restore would take 1.19 ms, not 2.05."""
+    from aiokv.bench.serve.arms import ArmResult
+    from aiokv.bench.serve.report import Ceilings
+    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.tier_rows import tier_rows
+
+    ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak",
+                    block_bytes=16_000)  # 1,000 bytes a token
+    served = [Served(0, 10_000, 9_216, 0.0, 0.0, 0.01, 1, host_tokens=8_192, disk_tokens=1_024,
+                     load_s=2.048e-3)]
+    arm = ArmResult("disk", served, 0, disk_ceiling=1.0, ceiling_name="plain reads")
+    row = next(r for r in tier_rows({"disk": arm}, ceil) if r.name.startswith("restore / tier ceiling"))
+    at_ceilings = 8.192e6 / 50e9 + 1.024e6 / 1e9
+    assert row.value == pytest.approx(at_ceilings / 2.048e-3)  # 0.58
+    assert row.target_met is False
+    assert row.extra["gbps"] == pytest.approx(1.024e6 / 2.048e-3 / 1e9)  # the tier's bytes: 0.5 GB/s

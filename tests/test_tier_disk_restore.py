@@ -174,3 +174,40 @@ async def test_an_exit_with_reads_and_writes_in_flight_is_bounded(tmp_path: Path
     assert st.in_flight == 0 and st.staging_free == st.staging_chunks
     assert st.manager.pinned_keys == 0 and st.manager.pending_keys == 0
     assert st.tiers[0].queued_blocks == 0
+
+
+async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host chunk whose pages are not in the layout's order (tensors at descending
+    addresses) is restored through rows put in host order after: with direct I/O those
+    rows must take the read as they are (page-aligned), not through a bounce buffer and
+    one more copy of every block."""
+    if not probe_direct(str(tmp_path)):
+        pytest.skip("this filesystem does not take O_DIRECT")
+    import torch
+
+    from aiokv import CanonicalKVCaches
+    from aiokv.cache.tiers import disk_direct
+    from tests.conftest import KV, random_bytes_
+
+    whole = random_bytes_(torch.empty(2, 2, NUM_BLOCKS, *PAGE, dtype=torch.bfloat16),
+                          torch.Generator().manual_seed(26))
+    layers = [whole[1], whole[0]]  # layer 0 at the higher address
+    kv = KV(layers, CanonicalKVCaches.from_tensors(layers, block_dim=1))
+    straight: list[bool] = []
+    aligned = disk_direct.aligned
+
+    def spy(view: memoryview) -> bool:
+        straight.append(aligned(view))
+        return straight[-1]
+
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 26, direct=True)
+    async with cache_on(kv, tier) as cache:
+        assert not cache._cascade.pages.identity  # type: ignore[union-attr]
+        expected = await offload_generations(kv, cache, 12)  # k0..k7 on the disk
+        monkeypatch.setattr(disk_io, "aligned", spy)
+        keys = [f"k{i}" for i in range(8)]
+        result = await cache.restore(keys, list(range(20, 28)))
+        assert result.restored == 8 and result.from_tiers == 8
+        assert restored_exactly(kv, keys, 20, expected)
+    assert len(straight) == 8 and all(straight)

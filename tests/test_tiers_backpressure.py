@@ -121,6 +121,30 @@ async def test_a_stalled_room_releases_every_waiter_after_one_wait() -> None:
     assert await room.take(1) == 1 and not room.stalled
 
 
+async def test_a_stall_leaves_a_patient_waiter_in_line() -> None:
+    """``persist_on_close`` takes room patiently (the close has its own bound): a stall
+    declared by an impatient offer ahead of it must not hand it nothing, or the host's
+    blocks it was to write would be skipped without a count."""
+    room = WriteRoom(1, wait=0.1)
+    assert await room.take(1) == 1
+    got: dict[str, int] = {}
+
+    async def offer(name: str, patient: bool) -> None:
+        got[name] = await room.take(1, patient=patient)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(offer, "impatient", False)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(offer, "patient", True)
+        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(5):
+            while "impatient" not in got:  # its wait ran out: the tier stalled
+                await anyio.sleep(0.01)
+        assert got == {"impatient": 0} and room.stalled
+        room.give(1)  # the tier answers again: the patient one gets its room
+    assert got == {"impatient": 0, "patient": 1} and room.pending == 1
+
+
 async def test_room_that_keeps_coming_back_never_stalls() -> None:
     """A slow writer that frees room every 0.1 s, with waits of 0.25 s: the line behind it
     is long, but each offer at its head sees room come back in time, so none drops."""
@@ -343,3 +367,70 @@ def test_a_block_used_again_while_being_written_moves_up_in_the_disk_order() -> 
     index.after_write([b"a", b"b", b"c"], stored, todo, doomed)
     assert index.policy is not None
     assert index.policy.victims(2, lambda k: True) == [b"b", b"c"]  # a is the newest now
+
+
+async def test_blocks_waiting_their_turn_for_room_are_found_and_restored() -> None:
+    """The host evicted a0..a3 for b0..b3; a0 took the only room and its write hangs, so
+    a1..a3 wait their turn, still in their host chunks. They are on their way down all the
+    same: lookup counts them and a restore brings their bytes back, none dropped."""
+    tier = SlowTier()
+    tier.gate = anyio.Event()
+    async with tiered([tier], queue_bytes=BLOCK, queue_wait=math.inf, drain_timeout=2) as (kv, _w, cache):
+        randomize(kv, range(4), seed=5)
+        expected = {f"a{i}": gpu_block(kv, i) for i in range(4)}
+        await cache.offload(list(expected), list(range(4)))
+        randomize(kv, range(4), seed=6)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.offload, ["b0", "b1", "b2", "b3"], list(range(4)))
+                await anyio.wait_all_tasks_blocked()  # a1 waits for room behind a0's write
+                assert cache.stats().tiers[0].queued_blocks == 1
+                assert cache.lookup(list(expected)) == 4
+                result = await cache.restore(list(expected), list(range(10, 14)))
+                assert result.restored == 4 and result.from_tiers == 4
+                for i, key in enumerate(expected):
+                    assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 10 + i), expected[key]))
+                tier.gate.set()
+            await cache.drain()
+        st = cache.stats().tiers[0]
+        assert st.demoted == 4 and st.demotions_dropped == 0
+        settled(cache)
+
+
+async def test_an_offer_reuses_its_evicted_chunks_only_after_a_restore_copied_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore copies a block waiting for room out of its host chunk on a worker thread;
+    the offer that evicted it must not store into that chunk until the copy is over, or
+    the restore would hand back the new block's bytes under the old key."""
+    from aiokv.cache import staging as staging_mod
+    from aiokv.cache.pages import PageMap
+
+    monkeypatch.setattr(staging_mod, "INLINE_COPY_BYTES", 0)  # every copy on a thread
+    gather = PageMap.gather
+    slow = {"on": False}
+
+    def gather_slowly(self: PageMap, pool: object, chunks: Sequence[int]) -> object:
+        if slow["on"]:
+            slow["on"] = False
+            time.sleep(0.3)  # the offer would store into the chunk meanwhile
+        return gather(self, pool, chunks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMap, "gather", gather_slowly)
+    tier = SlowTier()
+    tier.gate = anyio.Event()
+    async with tiered([tier], queue_bytes=BLOCK, queue_wait=math.inf, drain_timeout=2) as (kv, _w, cache):
+        randomize(kv, range(4), seed=7)
+        expected = {f"a{i}": gpu_block(kv, i) for i in range(4)}
+        await cache.offload(list(expected), list(range(4)))
+        randomize(kv, range(4), seed=8)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.offload, ["b0", "b1", "b2", "b3"], list(range(4)))
+                await anyio.wait_all_tasks_blocked()
+                slow["on"] = True
+                tier.gate.set()  # the room comes back while the restore copies a3
+                result = await cache.restore(["a3"], [13])
+            assert result.restored == 1
+            assert all(same_bytes(a, b) for a, b in zip(gpu_block(kv, 13), expected["a3"]))
+            await cache.drain()
+        settled(cache)

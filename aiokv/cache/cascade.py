@@ -21,7 +21,7 @@ import anyio.abc
 import numpy as np
 
 from ..errors import InvalidSpec, UsageError
-from .links import Batch, TierLink
+from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
 from .staging import Staging, off_loop
@@ -149,7 +149,7 @@ class Cascade:
         """The nearest local tier holding ``key`` or receiving it (no I/O)."""
         tk = self.tier_key(key)
         for link in self.local:
-            if tk in link.inflight or link.tier.holds(tk):
+            if link.on_way(tk) or link.tier.holds(tk):
                 return link
         return None
 
@@ -198,7 +198,7 @@ class Cascade:
         for link in self.remote:
             want = [i for i in range(len(keys)) if found[i] is None]
             for i in want:
-                if tks[i] in link.inflight:
+                if link.on_way(tks[i]):
                     found[i] = link
             want = [i for i in want if found[i] is None]
             if not want:
@@ -222,7 +222,7 @@ class Cascade:
 
     def wants_key(self, link: TierLink, tk: bytes) -> bool:
         """Whether ``link`` should get tier key ``tk``: not on its way there, nor held there."""
-        return tk not in link.inflight and (link.tier.remote or not link.tier.holds(tk))
+        return not link.on_way(tk) and (link.tier.remote or not link.tier.holds(tk))
 
     def count_restored(self, sources: Sequence[TierLink | None]) -> None:
         """Count restored keys against the tier (or memory on its way to it) they came from."""
@@ -300,11 +300,18 @@ class Cascade:
     async def _read_inflight(self, tks: list[bytes], views: Sequence[memoryview],
                              found: list[TierLink | None]) -> None:
         hits: list[tuple[int, TierLink, Batch, int]] = []
+        held: list[tuple[int, TierLink, Hold, int]] = []
         for i, tk in enumerate(tks):
             for link in self.links:
                 if (entry := link.find(tk)) is not None:
                     hits.append((i, link, *entry))
                     break
+                if (wait := link.waiting.get(tk)) is not None:
+                    wait[0].enter()  # now, before any await: its offer waits for this copy
+                    held.append((i, link, *wait))
+                    break
+        if held:
+            await self._read_held(held, views, found)
         if not hits:
             return
         for _, _, batch, _ in hits:
@@ -317,6 +324,24 @@ class Cascade:
 
         await off_loop(len(pairs) * self.block_bytes, copy)
         for i, link, _ in pairs:
+            found[i] = link
+
+
+    async def _read_held(self, held: list[tuple[int, TierLink, Hold, int]], views: Sequence[memoryview],
+                         found: list[TierLink | None]) -> None:
+        """Copy evicted blocks that wait their turn for room out of their host chunks (each
+        ``Hold`` entered already: the offer keeps the chunks until this copy is over)."""
+        def copy() -> None:
+            rows = self.pages.gather(self.pool, [chunk for *_, chunk in held])
+            for (i, *_), row in zip(held, rows):
+                np.frombuffer(views[i], dtype=np.uint8)[:] = row
+
+        try:
+            await off_loop(len(held) * self.block_bytes, copy)
+        finally:
+            for _, _, hold, _ in held:
+                hold.leave()
+        for i, link, _, _ in held:
             found[i] = link
 
 

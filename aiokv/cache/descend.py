@@ -18,7 +18,7 @@ import anyio
 from ..errors import InvalidSpec, UsageError
 from ..future import TransferFuture
 from .cascade import Cascade
-from .links import Batch, TierLink
+from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .protocol import result_or_none
 
@@ -54,11 +54,18 @@ async def demote(cascade: Cascade, keys: Sequence[Hashable], chunks: Sequence[in
             raise
         except Exception:  # a tier that broke its contract: no touch, nothing lost
             pass
+    # Waiting their turn for room, the blocks are still on their way down: lookups count
+    # them and restores copy them out of their host chunks (``Hold``), which the store that
+    # evicted them overwrites only once this returns.
+    hold = Hold()
+    link.hold(hold, todo)
     try:
         while todo:
             want = min(len(todo), link.room.step)
             got = await link.take_room(want)
-            part, todo = todo[:got], todo[want:]
+            head, todo = todo[:want], todo[want:]
+            part = head[:got]
+            link.unhold(hold, [tk for tk, _ in head])
             link.drop(want - got)
             if part:
                 batch = Batch([tk for tk, _ in part], "demote")
@@ -66,7 +73,10 @@ async def demote(cascade: Cascade, keys: Sequence[Hashable], chunks: Sequence[in
                 with anyio.CancelScope(shield=True):  # the chunks are reused once we return
                     await cascade.land(link, batch, [c for _, c in part])
     finally:
+        link.unhold(hold, [tk for tk, _ in todo])
         link.drop(len(todo))
+        with anyio.CancelScope(shield=True):  # a restore still copying out of the chunks
+            await hold.quiet()
 
 
 def spill_wanted(cascade: Cascade, mgr: ChunkManager, keys: Sequence[Hashable]) -> list[Hashable]:

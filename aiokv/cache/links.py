@@ -2,11 +2,13 @@
 and its counters.
 
 A block goes down as a copy of its bytes (a row). From the moment its copy starts until the
-tier has answered its write, the row is listed in ``inflight``: lookups count it and
-restores read it from memory, so a block is never in neither place and a restore never
-waits for a write. Each batch's ``write`` call starts as soon as its rows are copied (the
-tier bounds its own I/O), so the tier makes room for it then, in the order the cache
-decided, and how fast the writes land never changes what the cache finds.
+tier has answered its write, the row is listed in ``inflight``; an evicted block waiting
+its turn for room before that is listed in ``waiting``, in its host chunk (``Hold``).
+Lookups count both and restores read them from memory, so a block is never in neither
+place and a restore never waits for room or for a write. Each batch's ``write`` call
+starts as soon as its rows are copied (the tier bounds its own I/O), so the tier makes room
+for it then, in the order the cache decided, and how fast the writes land never changes
+what the cache finds.
 
 Room for blocks on their way down is bounded (``queue_bytes``) and taken before a copy
 starts, in turns (``room.WriteRoom``): an offer that finds it taken waits, so the cache
@@ -32,7 +34,7 @@ from .records import TierCacheStats
 from .room import WriteRoom
 from .tiers.base import Tier
 
-__all__ = ["Batch", "TierLink"]
+__all__ = ["Batch", "Hold", "TierLink"]
 
 _log = logging.getLogger("aiokv")
 
@@ -57,6 +59,30 @@ class Batch:
         return None if self.rows is None else self.rows[i]
 
 
+class Hold:
+    """Blocks the host evicted that wait their turn for room, still in their host chunks:
+    their offer stores into those chunks only once they are copied off or dropped, and
+    after every restore copying them out of there has finished (``readers``)."""
+
+    def __init__(self) -> None:
+        self.readers = 0
+        self._idle: anyio.Event | None = None
+
+    def enter(self) -> None:
+        self.readers += 1
+
+    def leave(self) -> None:
+        self.readers -= 1
+        if not self.readers and self._idle is not None:
+            self._idle.set()
+
+    async def quiet(self) -> None:
+        """Return once no restore copies out of the held chunks."""
+        while self.readers:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+
 @dataclass(eq=False)
 class TierLink:
     """One tier, its room for blocks on their way down, and what the cache counted for it."""
@@ -65,6 +91,7 @@ class TierLink:
     limit_blocks: int
     queue_wait: float = 1.0
     inflight: dict[bytes, tuple[Batch, int]] = field(default_factory=dict)
+    waiting: dict[bytes, tuple[Hold, int]] = field(default_factory=dict)  # for room: host chunk
     writes: dict[Batch, anyio.CancelScope] = field(default_factory=dict)  # write calls running
     tg: anyio.abc.TaskGroup | None = None  # runs the write calls while the cache is open
     _calling: set[Batch] = field(default_factory=set)  # batches whose write call runs now
@@ -175,6 +202,22 @@ class TierLink:
 
     def find(self, key: bytes) -> tuple[Batch, int] | None:
         return self.inflight.get(key)
+
+    def on_way(self, key: bytes) -> bool:
+        """Whether ``key`` is on its way here: copied or being copied, or waiting its turn
+        for room in its host chunk."""
+        return key in self.inflight or key in self.waiting
+
+    def hold(self, hold: Hold, pairs: list[tuple[bytes, int]]) -> None:
+        """List evicted blocks (tier key, absolute host chunk) as waiting for room."""
+        for key, chunk in pairs:
+            self.waiting[key] = (hold, chunk)
+
+    def unhold(self, hold: Hold, keys: list[bytes]) -> None:
+        """The blocks are in flight now, or dropped: no longer waiting in their chunks."""
+        for key in keys:
+            if (entry := self.waiting.get(key)) is not None and entry[0] is hold:
+                del self.waiting[key]
 
     def _forget(self, batch: Batch) -> None:
         for key in batch.keys:

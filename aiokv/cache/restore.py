@@ -29,6 +29,7 @@ from .jobs import Submit
 from .keys import unhashable
 from .links import TierLink
 from .manager import ChunkManager
+from .pages import aligned_rows
 from .records import RestoreResult
 from .staging import Staging, off_loop
 
@@ -247,7 +248,7 @@ async def _read(cascade: Cascade, keys: list[Hashable],
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
         return await cascade.read(keys, views), None
-    rows = np.empty((len(keys), pages.payload_bytes), dtype=np.uint8)
+    rows = aligned_rows(len(keys), pages.payload_bytes)  # page-aligned: direct I/O reads into them
     found = await cascade.read(keys, [memoryview(r.data) for r in rows])
     return found, rows
 

@@ -29,6 +29,7 @@ __all__ = ["WriteRoom"]
 @dataclass(eq=False)
 class _Waiter:
     n: int
+    patient: bool = False  # waits as long as it takes, a stall included
     granted: int = -1  # blocks granted; -1 while waiting
     event: anyio.Event = field(default_factory=anyio.Event)
 
@@ -74,7 +75,7 @@ class WriteRoom:
             return n
         if self.stalled and not patient:
             return self._what_fits(n)
-        waiter = _Waiter(n)
+        waiter = _Waiter(n, patient)
         if not self._line:
             self._progress = time.monotonic()
         self._line.append(waiter)
@@ -138,9 +139,12 @@ class WriteRoom:
     def _stall(self) -> None:
         """The first in line waited ``wait`` seconds with no room coming back: every waiter
         takes what fits now and leaves, and later offers do so at once until half the room
-        is free."""
+        is free. Patient waiters stay in line, in their order, for room as it comes back."""
         self.stalled = True
-        while self._line:
-            waiter = self._line.popleft()
-            waiter.granted = self._what_fits(waiter.n)
-            waiter.event.set()
+        line, self._line = self._line, deque()
+        for waiter in line:
+            if waiter.patient:
+                self._line.append(waiter)
+            else:
+                waiter.granted = self._what_fits(waiter.n)
+                waiter.event.set()

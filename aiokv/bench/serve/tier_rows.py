@@ -8,10 +8,12 @@ against its own ceiling, and whether it dropped blocks, all from the same run.
 - **Host hits against the host arm**: TTFT p50 of the requests that were host hits, with
   the same hits, in both arms (target at most 1.1x): a tier's work must not slow the hits
   the host serves.
-- **Restore against the tier's ceiling**: the bytes of the restores that read at least 1k
-  tokens from the tier over their wall time, beside the ceiling measured on the same tier
-  at the end of the run (disk: plain reads of its own files; Redis: redis-py GETs from its
-  server). Targets: 0.8 of the disk's, 0.7 of Redis's.
+- **Restore against the tier's ceiling**: the restores that read at least 1k tokens from
+  the tier, their time at the ceilings (the tier's bytes at the tier's ceiling measured on
+  the same tier at the end of the run, disk: plain reads of its own files, Redis: redis-py
+  GETs from its server; the host's bytes at the load ceiling) over the time they took, so
+  a pure tier restore's figure is its rate over the tier's ceiling. Targets: 0.8 of the
+  disk's, 0.7 of Redis's.
 - **Dropped on the way down**: blocks a tier never got (target 0), with how often and how
   long offers waited for room in its write queue (backpressure) instead.
 """
@@ -82,20 +84,29 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
     if not big:
         return []
     tier_bytes = sum(s.disk_tokens * per_token for s in big)
-    nbytes = sum((s.host_tokens + s.disk_tokens) * per_token for s in big)
+    host_bytes = sum(s.host_tokens * per_token for s in big)
     seconds = sum(s.load_s for s in big)
-    rate = nbytes / seconds / 1e9
+    rate = tier_bytes / seconds / 1e9  # the tier's own bytes: host bytes load at the load ceiling
     target = TIER_TARGETS[arm.name]
     name = f"restore / tier ceiling, {arm.name} arm"
-    extra = {"restores": len(big), "tier_bytes": tier_bytes, "bytes": nbytes, "seconds": seconds,
-             "gbps": rate, "ceiling_gbps": arm.disk_ceiling}
-    how = (f"{len(big)} restores of {label}, {tier_bytes / nbytes:.0%} of their bytes from the tier, "
-           "await to return")
+    extra = {"restores": len(big), "tier_bytes": tier_bytes, "bytes": tier_bytes + host_bytes,
+             "seconds": seconds, "gbps": rate, "ceiling_gbps": arm.disk_ceiling}
+    how = (f"{len(big)} restores of {label}, {tier_bytes / (tier_bytes + host_bytes):.0%} of their bytes "
+           "from the tier, await to return")
     if not arm.disk_ceiling:
         return [BenchRow(section, name, None, "x", extra=extra,
-                         note=f"{rate:.2f} GB/s; {how}; no ceiling: {arm.disk_ceiling_error}")]
-    return [BenchRow(section, name, rate / arm.disk_ceiling, "x", extra=extra, target=(">=", target),
-                     note=f"{rate:.2f} GB/s of {arm.disk_ceiling:.2f} GB/s ({arm.ceiling_name}); {how}")]
+                         note=f"{rate:.2f} GB/s of the tier's bytes; {how}; "
+                              f"no ceiling: {arm.disk_ceiling_error}")]
+    # The restores' time against their time at the ceilings, as ``report.lower_bounds`` moves
+    # them: the tier's bytes at its ceiling, the host's at the load ceiling. A host's bytes
+    # counted at the tier's rate would lift a slow tier's figure past its ceiling.
+    at_ceilings = (tier_bytes / (min(arm.disk_ceiling, ceil.load_gbps) * 1e9)
+                   + host_bytes / (ceil.load_gbps * 1e9))
+    extra["seconds_at_ceilings"] = at_ceilings
+    return [BenchRow(section, name, at_ceilings / seconds, "x", extra=extra, target=(">=", target),
+                     note=f"{at_ceilings * 1e3:.1f} ms at the ceilings of {seconds * 1e3:.1f} ms taken; the "
+                          f"tier's bytes at {rate:.2f} GB/s of {arm.disk_ceiling:.2f} GB/s "
+                          f"({arm.ceiling_name}), the host's at the load ceiling; {how}")]
 
 
 def _drop_rows(section: str, arm: ArmResult) -> list[BenchRow]:
