@@ -212,8 +212,27 @@ async def _submit_path_figures(setup: BenchSetup, native: bool, busy: bool, quic
                 100 if quick else 400)
         # Lags of the jobs the issuer thread ran (a job run at submit waited for nothing: 0).
         lags = [lag for lane in worker.statistics().lanes.values() for lag in lane.issue_lags if lag > 0]
+        pickups, spun, issued = _pickups(worker)
     return {"transfer": setup.job_bytes / rate / 1e9, "warm": warm, "cold": cold,
-            "lag50": _p(lags, 50), "lag99": _p(lags, 99), "lags": float(len(lags)), **w}
+            "lag50": _p(lags, 50), "lag99": _p(lags, 99), "lags": float(len(lags)),
+            "pick50": _p(pickups, 50), "pick99": _p(pickups, 99), "spun": spun, "issued": issued, **w}
+
+
+def _pickups(worker: Any) -> tuple[list[float], float, float]:
+    """The native issuer threads' pickup lags (a lag less any wait behind the program
+    before: the thread's own wake-up or spin), the programs they found while spinning and
+    the programs they issued (the per-layer worker's lanes; none on the Python path)."""
+    pickups: list[float] = []
+    spun = issued = 0.0
+    for handler in worker._core.handlers.values():
+        issuer = getattr(handler.lane, "native", None)
+        if issuer is None:
+            continue
+        pickups += [lag for lag in issuer.lags(True) if lag > 0]
+        stats = issuer.stats()
+        spun += float(stats.get("spin_picked", 0))
+        issued += float(stats.get("issued", 0)) - float(stats.get("inline", 0))
+    return pickups, spun, issued
 
 
 def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
@@ -267,6 +286,11 @@ def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
                              f"submit return -> the issuer thread's first driver call for the job, "
                              f"timed by the thread; {f['lags']:.0f} per-layer jobs", target=aim.get("lag50")),
                     BenchRow(sec, f"{label}: issuer lag p99", f["lag99"] * 1e6, "us"),
+                    BenchRow(sec, f"{label}: issuer pickup lag p50", f["pick50"] * 1e6, "us", None,
+                             "the lag less any wait behind the program before (back to back, the "
+                             "thread is still issuing it): its own wake-up or spin; "
+                             f"{f['spun']:.0f} of {f['issued']:.0f} programs found while it spun"),
+                    BenchRow(sec, f"{label}: issuer pickup lag p99", f["pick99"] * 1e6, "us"),
                 ]
     return rows
 

@@ -149,6 +149,11 @@ void aiokv_waiter_release(WaiterState *st);
  * failed. On anything but 0 the caller still owns ``fd``. */
 int aiokv_waiter_arm(WaiterState *st, CUevent event, int fd);
 WaiterState *aiokv_waiter_state(PyObject *waiter); /* NULL (TypeError set) if not a Waiter */
+/* Which issuer the waiter nudges as it rings (``aiokv_issuer_nudge``, called under the
+ * waiter's lock: so waiter lock, then issuer lock, never the other way): set to ``issuer``
+ * only if it is ``was`` now (NULL, or that issuer detaching itself before it is freed). */
+typedef struct IssuerState IssuerState;
+void aiokv_waiter_set_nudge(WaiterState *st, IssuerState *issuer, IssuerState *was);
 
 /* A program in C memory: what the issuer thread runs. Rows and buffers live in the same
  * allocation (``data``), so nothing of it belongs to Python. */
@@ -166,7 +171,6 @@ typedef struct Program {
 } Program;
 
 /* The planner hands finished programs to an issuer. */
-typedef struct IssuerState IssuerState;
 IssuerState *aiokv_issuer_state(PyObject *issuer); /* NULL (TypeError set) if not an Issuer */
 Program *aiokv_program_new(IssuerState *st, Py_ssize_t rows, Py_ssize_t nbuf, size_t data);
 void *aiokv_program_alloc(Program *p, Py_ssize_t buf, size_t nbytes);
@@ -175,5 +179,8 @@ void aiokv_program_drop(IssuerState *st, Program *p);
  * holding the GIL, if the issuer is idle. */
 PyObject *aiokv_issuer_queue(IssuerState *st, Program *p, int run_here);
 const DriverTable *aiokv_issuer_table(IssuerState *st);
+/* A job of the lane just ended: wake the issuer thread into a spin window (its ``nudge_us``;
+ * none if 0 or stopping), so a submit made right after the completion finds it awake. */
+void aiokv_issuer_nudge(IssuerState *st);
 
 #endif

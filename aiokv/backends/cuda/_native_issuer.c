@@ -46,6 +46,7 @@ struct IssuerState {
     pthread_cond_t progress; /* tickets' waiters wait here */
     int refs, stop, cancel, paused, running, ready, sleeping, waiters, busy;
     atomic_int queued, row_waiters;
+    atomic_int halt; /* stop or pause asked: a spin in progress ends now */
     pthread_t thread;
     DriverTable d;
     WaiterState *waiter;
@@ -56,10 +57,15 @@ struct IssuerState {
     int nsticky;
     CUresult broken; /* a sticky code seen: later programs fail with it, uncalled */
     CUresult ctx_error;
-    long spin_ns;
+    long spin_ns;  /* the spin after each program */
+    long nudge_ns; /* the spin a nudge (a job of the lane ended) starts */
+    double spin_until; /* a nudge's spin window ends here (0: none pending) */
     unsigned long long issued, inlined, failed, cancelled, nlags;
-    double busy_seconds, cpu_seconds;
+    unsigned long long nudges, spin_picked, signalled;
+    double busy_seconds, cpu_seconds, spin_seconds;
+    double free_at; /* when the latest program ended: the thread could start the next then */
     double lags[LAGS];
+    double pickups[LAGS]; /* lags from max(submit's return, the previous program's end) */
 };
 
 /* ---------------------------------------------------------------- program memory */
@@ -146,8 +152,10 @@ issuer_free(IssuerState *st)
 {
     for (int i = 0; i < st->nspares; i++)
         free(st->spares[i]);
-    if (st->waiter != NULL)
+    if (st->waiter != NULL) {
+        aiokv_waiter_set_nudge(st->waiter, NULL, st); /* the waiter may outlive this */
         aiokv_waiter_release(st->waiter);
+    }
     pthread_mutex_destroy(&st->mu);
     pthread_cond_destroy(&st->work);
     pthread_cond_destroy(&st->progress);
@@ -275,7 +283,13 @@ finish_program(IssuerState *st, Program *p, int *bells)
     st->issued++;
     if (!t->inline_run) /* a program run at submit cost the thread nothing, and waited for nothing */
         st->busy_seconds += t->finished_at - t->started_at;
+    /* The pickup lag leaves out the wait behind the previous program's calls (a submit
+     * right behind another): what is left is the thread's own wake-up or spin. */
+    double ready = t->queued_at > st->free_at ? t->queued_at : st->free_at;
+    st->pickups[st->nlags % LAGS] = t->inline_run ? 0.0 : t->started_at - ready;
     st->lags[st->nlags++ % LAGS] = t->inline_run ? 0.0 : t->started_at - t->queued_at;
+    if (t->finished_at > st->free_at)
+        st->free_at = t->finished_at;
     int n = t->nbells;
     memcpy(bells, t->bells, sizeof t->bells);
     t->nbells = 0;
@@ -310,26 +324,39 @@ issuer_main(void *arg)
     pthread_cond_broadcast(&st->progress);
     int bells[MAX_BELLS];
     for (;;) {
-        int spun = 0;
+        int spun = 0, found = 0;
         while (!((st->head != NULL && !st->paused && !st->busy) || (st->stop && st->head == NULL && !st->busy))) {
-            if (!spun && st->spin_ns > 0 && !st->paused && !st->stop) {
-                /* A short spin before sleeping: a submit right behind the last one is
-                 * picked up without a futex wake-up. The condition is looked at again
-                 * under the lock after it. */
+            double now = aiokv_now();
+            /* A short spin after a program (``spin_ns``: a submit right behind the last
+             * one), or a nudge's window (a job of the lane just ended: the submit its
+             * completion leads to). A submit meanwhile needs no futex wake-up, whose cost
+             * on an idle CPU is tens of microseconds. The condition is looked at again
+             * under the lock after it. */
+            double until = !spun && st->spin_ns > 0 ? now + (double)st->spin_ns * 1e-9 : 0;
+            if (st->spin_until > until)
+                until = st->spin_until;
+            st->spin_until = 0; /* a nudge is spent by the spin it starts */
+            if (until > now && !st->paused && !st->stop) {
                 spun = 1;
                 pthread_mutex_unlock(&st->mu);
-                double until = aiokv_now() + (double)st->spin_ns * 1e-9;
-                while (atomic_load_explicit(&st->queued, memory_order_acquire) == 0 && aiokv_now() < until)
+                double began = now;
+                while (!(found = atomic_load_explicit(&st->queued, memory_order_acquire) > 0) &&
+                       !atomic_load_explicit(&st->halt, memory_order_relaxed) && (now = aiokv_now()) < until)
                     ;
+                now = aiokv_now();
                 pthread_mutex_lock(&st->mu);
+                st->spin_seconds += now - began;
                 continue;
             }
+            found = 0;
             st->sleeping = 1;
             pthread_cond_wait(&st->work, &st->mu);
             st->sleeping = 0;
         }
         if (st->head == NULL)
             break; /* stopped, and everything queued has run */
+        if (found)
+            st->spin_picked++; /* came while the thread spun: no wake-up needed */
         Program *p = st->head;
         st->head = p->next;
         if (st->head == NULL)
@@ -435,8 +462,10 @@ queue_program(IssuerState *st, Program *p, int run_here, int stamps)
     st->tail = p;
     atomic_fetch_add(&st->queued, 1);
     t->queued_at = aiokv_now();
-    if (st->sleeping)
+    if (st->sleeping) {
+        st->signalled++;
         pthread_cond_signal(&st->work);
+    }
     pthread_mutex_unlock(&st->mu);
     return (PyObject *)obj;
 }
@@ -451,6 +480,19 @@ const DriverTable *
 aiokv_issuer_table(IssuerState *st)
 {
     return &st->d;
+}
+
+void
+aiokv_issuer_nudge(IssuerState *st)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->nudge_ns > 0 && !st->stop && !st->paused) {
+        st->spin_until = aiokv_now() + (double)st->nudge_ns * 1e-9;
+        st->nudges++;
+        if (st->sleeping) /* else it is running a program, or spinning: it sees it after */
+            pthread_cond_signal(&st->work);
+    }
+    pthread_mutex_unlock(&st->mu);
 }
 
 /* A wait that has no deadline, or a long one, sleeps in slices of this many seconds; between
@@ -769,19 +811,23 @@ aiokv_issuer_state(PyObject *obj)
 static int
 Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"table", "waiter", "sticky", "spin_us", NULL};
+    static char *kwlist[] = {"table", "waiter", "sticky", "spin_us", "nudge_us", NULL};
     TableObject *table;
     PyObject *waiter = Py_None, *sticky = NULL;
-    double spin_us = 0;
+    double spin_us = 0, nudge_us = 0;
     if (self->st != NULL || self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "an Issuer is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOd", kwlist, &aiokv_TableType, &table, &waiter, &sticky,
-                                     &spin_us))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOdd", kwlist, &aiokv_TableType, &table, &waiter, &sticky,
+                                     &spin_us, &nudge_us))
         return -1;
-    if (spin_us < 0 || spin_us > 10000) {
+    if (!(spin_us >= 0 && spin_us <= 10000)) {
         aiokv_bad_input("spin_us must be 0-10000, got %d", (int)spin_us);
+        return -1;
+    }
+    if (!(nudge_us >= 0 && nudge_us <= 10000)) {
+        aiokv_bad_input("nudge_us must be 0-10000, got %d", (int)nudge_us);
         return -1;
     }
     WaiterState *ws = NULL;
@@ -819,8 +865,10 @@ Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
     pthread_condattr_destroy(&ca);
     atomic_init(&st->queued, 0);
     atomic_init(&st->row_waiters, 0);
+    atomic_init(&st->halt, 0);
     st->d = table->d;
     st->spin_ns = (long)(spin_us * 1000);
+    st->nudge_ns = (long)(nudge_us * 1000);
     st->refs = 2; /* this object and the thread */
     st->running = 1;
     if (ws != NULL) {
@@ -834,6 +882,8 @@ Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    if (ws != NULL && st->nudge_ns > 0)
+        aiokv_waiter_set_nudge(ws, st, NULL); /* undone by issuer_free */
     self->st = st;
     return 0;
 }
@@ -965,6 +1015,7 @@ Issuer_pause(IssuerObject *self, PyObject *unused)
         return NULL;
     pthread_mutex_lock(&st->mu);
     st->paused = 1;
+    atomic_store(&st->halt, 1);
     pthread_mutex_unlock(&st->mu);
     Py_RETURN_NONE;
 }
@@ -977,6 +1028,7 @@ Issuer_resume(IssuerObject *self, PyObject *unused)
         return NULL;
     pthread_mutex_lock(&st->mu);
     st->paused = 0;
+    atomic_store(&st->halt, st->stop);
     pthread_cond_signal(&st->work);
     pthread_mutex_unlock(&st->mu);
     Py_RETURN_NONE;
@@ -1033,6 +1085,7 @@ Issuer_close(IssuerObject *self, PyObject *const *args, Py_ssize_t nargs)
     pthread_mutex_lock(&st->mu);
     st->stop = 1;
     st->paused = 0;
+    atomic_store(&st->halt, 1);
     pthread_cond_signal(&st->work);
     struct timespec deadline;
     deadline_after(timeout, &deadline);
@@ -1070,6 +1123,7 @@ issuer_abandon(IssuerObject *self)
     st->stop = 1;
     st->cancel = 1; /* nobody waits for them: queued programs are not run */
     st->paused = 0;
+    atomic_store(&st->halt, 1);
     pthread_cond_signal(&st->work);
     pthread_mutex_unlock(&st->mu);
     pthread_detach(st->thread);
@@ -1108,10 +1162,27 @@ Issuer_set_broken(IssuerObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(nudge_doc,
+"nudge()\n\nWake the thread into a spin of ``nudge_us`` (none if 0): what the lane's waiter does as\n"
+"it rings a job's end, so a submit right after the completion finds the thread awake.");
+
+static PyObject *
+Issuer_nudge(IssuerObject *self, PyObject *unused)
+{
+    IssuerState *st = aiokv_issuer_state((PyObject *)self);
+    if (st == NULL)
+        return NULL;
+    aiokv_issuer_nudge(st);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(stats_doc,
 "stats() -> dict\n\nPrograms issued (by the thread, or run at submit: ``inline``), failed and\n"
 "cancelled, queued now, seconds spent issuing and the thread's CPU seconds, the sticky\n"
-"code seen (``broken``), the context error at start, and whether the thread runs.");
+"code seen (``broken``), the context error at start, and whether the thread runs. Its\n"
+"wake-ups: ``nudges`` taken (see ``nudge``), programs the thread found while it spun\n"
+"(``spin_picked``: no wake-up needed), submits that had to wake it from its sleep\n"
+"(``signalled``), and the seconds it spent spinning (``spin_seconds``).");
 
 static PyObject *
 Issuer_stats(IssuerObject *self, PyObject *unused)
@@ -1121,33 +1192,41 @@ Issuer_stats(IssuerObject *self, PyObject *unused)
         return Py_BuildValue("{s:O}", "running", Py_False);
     pthread_mutex_lock(&st->mu);
     unsigned long long issued = st->issued, inlined = st->inlined, failed = st->failed,
-                       cancelled = st->cancelled;
-    double busy = st->busy_seconds, cpu = st->cpu_seconds;
+                       cancelled = st->cancelled, nudges = st->nudges, spin_picked = st->spin_picked,
+                       signalled = st->signalled;
+    double busy = st->busy_seconds, cpu = st->cpu_seconds, spin = st->spin_seconds;
     int queued = atomic_load(&st->queued), running = st->running, broken = st->broken, ctx = st->ctx_error;
     pthread_mutex_unlock(&st->mu);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:i,s:d,s:d,s:i,s:i,s:O}", "issued", issued, "inline", inlined,
-                         "failed", failed, "cancelled", cancelled, "queued", queued, "busy_seconds", busy,
-                         "cpu_seconds", cpu, "broken", broken, "context_error", ctx, "running",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:i,s:d,s:d,s:i,s:i,s:K,s:K,s:K,s:d,s:O}", "issued", issued, "inline",
+                         inlined, "failed", failed, "cancelled", cancelled, "queued", queued, "busy_seconds",
+                         busy, "cpu_seconds", cpu, "broken", broken, "context_error", ctx, "nudges", nudges,
+                         "spin_picked", spin_picked, "signalled", signalled, "spin_seconds", spin, "running",
                          running ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(lags_doc,
-"lags() -> list[float]\n\nFor the latest programs (up to 4096, oldest first): seconds from the\n"
-"submit's return to the thread's first driver call for it, by the thread's monotonic clock\n"
-"(0 for a program run at submit).");
+"lags(pickup=False) -> list[float]\n\nFor the latest programs (up to 4096, oldest first): seconds from\n"
+"the submit's return to the thread's first driver call for it, by the thread's monotonic\n"
+"clock (0 for a program run at submit). ``pickup``: from the submit's return or the end of\n"
+"the program before it, whichever came later, so a wait behind that program's calls is left\n"
+"out: the thread's own wake-up (or spin) alone.");
 
 static PyObject *
-Issuer_lags(IssuerObject *self, PyObject *unused)
+Issuer_lags(IssuerObject *self, PyObject *args)
 {
+    int pickup = 0;
+    if (!PyArg_ParseTuple(args, "|p", &pickup))
+        return NULL;
     IssuerState *st = self->st;
     if (st == NULL)
         return PyList_New(0);
     pthread_mutex_lock(&st->mu);
     unsigned long long n = st->nlags < LAGS ? st->nlags : LAGS, first = st->nlags - n;
+    const double *from = pickup ? st->pickups : st->lags;
     double *copy = malloc((n ? n : 1) * sizeof(double));
     if (copy != NULL)
         for (unsigned long long i = 0; i < n; i++)
-            copy[i] = st->lags[(first + i) % LAGS];
+            copy[i] = from[(first + i) % LAGS];
     pthread_mutex_unlock(&st->mu);
     if (copy == NULL)
         return PyErr_NoMemory();
@@ -1198,18 +1277,20 @@ static PyMethodDef Issuer_methods[] = {
     {"close", (PyCFunction)(void (*)(void))Issuer_close, METH_FASTCALL, close_doc},
     {"abandon", (PyCFunction)Issuer_abandon, METH_NOARGS, abandon_doc},
     {"set_broken", (PyCFunction)Issuer_set_broken, METH_O, set_broken_doc},
+    {"nudge", (PyCFunction)Issuer_nudge, METH_NOARGS, nudge_doc},
     {"stats", (PyCFunction)Issuer_stats, METH_NOARGS, stats_doc},
-    {"lags", (PyCFunction)Issuer_lags, METH_NOARGS, lags_doc},
+    {"lags", (PyCFunction)Issuer_lags, METH_VARARGS, lags_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(Issuer_doc,
-"Issuer(table, waiter=None, sticky=(), spin_us=0)\n\n"
+"Issuer(table, waiter=None, sticky=(), spin_us=0, nudge_us=0)\n\n"
 "A thread that runs submitted programs in order without the GIL (see ``submit``). It makes\n"
 "the table's context current first. ``waiter``: the lane's ``Waiter``, through which it arms\n"
 "the doorbells asked for before a program ran. ``sticky``: CUresults after which every\n"
 "later program fails uncalled. ``spin_us``: how long the idle thread looks for a next\n"
-"program before it sleeps.");
+"program before it sleeps. ``nudge_us``: how long it spins once nudged, which the waiter\n"
+"does as it rings a job's end (0: never; both at most 10000).");
 
 PyTypeObject aiokv_IssuerType = {
     PyVarObject_HEAD_INIT(NULL, 0)

@@ -22,8 +22,9 @@ struct WaiterState {
     CUevent *events;
     int *free_slots;
     Entry *queue;
-    unsigned long long armed, rung, errors;
+    unsigned long long armed, rung, errors, nudged;
     CUresult last_error;
+    IssuerState *nudge; /* the lane's issuer, woken into a spin as a job ends (not owned) */
 };
 
 static void
@@ -61,6 +62,15 @@ aiokv_waiter_release(WaiterState *st)
     state_release(st);
 }
 
+void
+aiokv_waiter_set_nudge(WaiterState *st, IssuerState *issuer, IssuerState *was)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->nudge == was)
+        st->nudge = issuer;
+    pthread_mutex_unlock(&st->mu);
+}
+
 static void *
 waiter_main(void *arg)
 {
@@ -90,6 +100,12 @@ waiter_main(void *arg)
             (void)wrote;
         }
         close(e.fd);
+        if (st->nudge != NULL && !st->abandoned) {
+            /* The loop wakes to this ring and may submit the lane's next job at once: have
+             * the issuer wake now, in parallel, and spin, so that submit finds it awake. */
+            aiokv_issuer_nudge(st->nudge);
+            st->nudged++;
+        }
         if (r != 0) {
             st->errors++;
             st->last_error = r;
@@ -312,7 +328,8 @@ Waiter_abandon(WaiterObject *self, PyObject *unused)
 
 PyDoc_STRVAR(stats_doc,
 "stats() -> dict\n\nRings armed and rung, waits that returned an error (they ring all the same)\n"
-"and the last such CUresult, slots created, and whether the thread still runs.");
+"and the last such CUresult, slots created, issuer nudges made as rings went out\n"
+"(``nudged``), and whether the thread still runs.");
 
 static PyObject *
 Waiter_stats(WaiterObject *self, PyObject *unused)
@@ -321,12 +338,12 @@ Waiter_stats(WaiterObject *self, PyObject *unused)
     if (st == NULL)
         return Py_BuildValue("{s:O}", "running", Py_False);
     pthread_mutex_lock(&st->mu);
-    unsigned long long armed = st->armed, rung = st->rung, errors = st->errors;
+    unsigned long long armed = st->armed, rung = st->rung, errors = st->errors, nudged = st->nudged;
     int last = st->last_error, created = st->created, running = st->running, pending = st->count;
     pthread_mutex_unlock(&st->mu);
-    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:O}", "armed", armed, "rung", rung, "errors",
-                         errors, "last_error", last, "slots", created, "pending", pending,
-                         "running", running ? Py_True : Py_False);
+    return Py_BuildValue("{s:K,s:K,s:K,s:i,s:i,s:i,s:K,s:O}", "armed", armed, "rung", rung, "errors",
+                         errors, "last_error", last, "slots", created, "pending", pending, "nudged",
+                         nudged, "running", running ? Py_True : Py_False);
 }
 
 static void

@@ -32,7 +32,7 @@ from .program import Recorder
 from .staged import StagedCopy
 from .strategy import CopyContext, CopyStrategy
 
-__all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "CudaLane", "Dependency"]
+__all__ = ["ISSUE_THREAD_BYTES", "ISSUE_THREAD_KEEPS_GIL", "NATIVE_NUDGE_US", "CudaLane", "Dependency"]
 
 # With ``WorkerOptions.issue_thread``, jobs of at least this many bytes
 # are enqueued by the lane's issuer thread, so ``submit`` returns after planning; smaller
@@ -42,6 +42,12 @@ ISSUE_THREAD_BYTES = 8 << 20
 # How long the native issuer thread looks for the next program before it sleeps: a submit
 # right behind another is picked up without a wake-up.
 NATIVE_SPIN_US = 20.0
+# How long the native issuer thread spins once the lane's waiter rang a job's end: the
+# loop wakes to that ring and often submits the lane's next job at once, which then finds
+# the thread awake instead of paying for its futex wake-up (tens of microseconds on an idle
+# CPU). At most this much spinning per ring, none while no job ends (docs/native.md, "The
+# issuer").
+NATIVE_NUDGE_US = 300.0
 # An issuer thread keeps the GIL through its batched copies, so it takes the GIL once per
 # job, not once per call: each retake waits for the loop thread or the other lanes' issuers
 # to let go (beside a pure-Python thread, for a switch interval). Dropping it there made
@@ -138,7 +144,7 @@ class CudaLane(NativeSubmit, Lane):
                 self.waiter = NativeWaiter(table, self.bell_stream)
             if recorder is not None:
                 recorder.bind(self.stream, self._driver.create_event())
-                self.native = NativeIssuer(table, self.waiter, STICKY, NATIVE_SPIN_US)
+                self.native = NativeIssuer(table, self.waiter, STICKY, NATIVE_SPIN_US, NATIVE_NUDGE_US)
                 recorder.attach(self.native)
                 ctx = getattr(strategy, "ctx", None)
                 pool = getattr(ctx, "pool", None)

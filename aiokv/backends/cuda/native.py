@@ -113,12 +113,15 @@ class NativeIssuer:
     waiter. ``submit`` never waits for a driver call (program.py, "Issuing")."""
 
     def __init__(self, table: Any, waiter: NativeWaiter | None = None, sticky: Any = (),
-                 spin_us: float = 0.0) -> None:
+                 spin_us: float = 0.0, nudge_us: float = 0.0) -> None:
+        """``spin_us``: how long the thread looks for a next program after each before it
+        sleeps; ``nudge_us``: how long it spins once ``waiter`` rings a job's end (or
+        ``nudge`` is called), so a submit that the completion leads to finds it awake."""
         if _ext is None:
             raise InvalidSpec(f"the native helper is {_WHY}")
         self.cancelled = int(_ext.CANCELLED)
         self._issuer = _ext.Issuer(table, waiter._waiter if waiter is not None else None,
-                                   tuple(int(c) for c in sticky), float(spin_us))
+                                   tuple(int(c) for c in sticky), float(spin_us), float(nudge_us))
         self.submit = self._issuer.submit  # (ops, buffers, main, rescue, end, run_here, stamps) -> Ticket
 
     @property
@@ -143,6 +146,10 @@ class NativeIssuer:
         """Block until nothing is queued or running; False if ``timeout`` passed first."""
         return bool(self._issuer.drain(timeout))
 
+    def nudge(self) -> None:
+        """Wake the thread into its ``nudge_us`` spin (what the waiter does as a job ends)."""
+        self._issuer.nudge()
+
     def set_broken(self, code: int) -> None:
         """A sticky error seen elsewhere: every program not yet run fails with it, uncalled."""
         self._issuer.set_broken(int(code))
@@ -150,9 +157,11 @@ class NativeIssuer:
     def stats(self) -> dict[str, Any]:
         return dict(self._issuer.stats())
 
-    def lags(self) -> list[float]:
-        """Seconds from each recent submit's return to the thread's first driver call for it."""
-        return list(self._issuer.lags())
+    def lags(self, pickup: bool = False) -> list[float]:
+        """Seconds from each recent submit's return to the thread's first driver call for it;
+        ``pickup``: from the later of that return and the previous program's end (the wait
+        behind its calls left out: the thread's own wake-up or spin alone)."""
+        return list(self._issuer.lags(pickup))
 
     def close(self, timeout: float = 10.0) -> bool:
         """Issue what is queued (for at most ``timeout`` seconds, then cancel the rest) and
