@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import torch
@@ -22,6 +23,8 @@ __all__ = ["Device", "PrefillFit", "load_ceiling", "peak_flops"]
 
 Gate = Callable[[int], object]
 """Called before layer ``i`` reads the cached prefix (``LlamaModel.prefill``)."""
+Submit = Callable[[], "Gate | None"]
+"""Starts a layerwise load on the event loop's thread and returns its gate (``prefill_sync``)."""
 
 
 @dataclass(frozen=True)
@@ -41,27 +44,48 @@ class Device:
 
     def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
                      kv: Sequence[torch.Tensor], gate: Gate | None = None,
-                     after_layer: Gate | None = None) -> tuple[int, float]:
+                     after_layer: Gate | None = None, submit: Submit | None = None) -> tuple[int, float]:
         """Run one prefill to its first token: (greedy token, seconds the device spent,
         waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
-        ``after_layer``: ``LlamaModel.prefill``'s."""
+        ``after_layer``: ``LlamaModel.prefill``'s.
+
+        The inputs are prepared first (``LlamaModel.prepare``); then ``submit``, if given,
+        starts a layerwise load on the event loop's thread and returns its gate, and the
+        forward follows at once on this thread, as an engine's model runner starts a step's
+        loads between its inputs and its forward. The submit's own time is not the
+        prefill's: the seconds are the preparation's and the forward's."""
         if self.kind == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
-            end.record()
-            end.synchronize()
-            return int(token.item()), begin.elapsed_time(end) / 1e3
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            marks[0].record()
+            inputs = model.prepare(tokens, start, table)
+            if submit is not None:
+                marks[1].record()
+                gate = anyio.from_thread.run_sync(submit)
+                marks[2].record()
+            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+            marks[3].record()
+            marks[3].synchronize()
+            if submit is None:
+                return int(token.item()), marks[0].elapsed_time(marks[3]) / 1e3
+            spent = marks[0].elapsed_time(marks[1]) + marks[2].elapsed_time(marks[3])
+            return int(token.item()), spent / 1e3
         t0 = time.perf_counter()
-        token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
-        return int(token.item()), time.perf_counter() - t0
+        inputs = model.prepare(tokens, start, table)
+        submitted = 0.0
+        if submit is not None:
+            t1 = time.perf_counter()
+            gate = anyio.from_thread.run_sync(submit)
+            submitted = time.perf_counter() - t1
+        token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+        return int(token.item()), time.perf_counter() - t0 - submitted
 
     async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
                       kv: Sequence[torch.Tensor], *, gate: Gate | None = None,
-                      after_layer: Gate | None = None) -> tuple[int, float]:
-        """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
+                      after_layer: Gate | None = None, submit: Submit | None = None) -> tuple[int, float]:
+        """``prefill_sync`` in a worker thread: the loop stays free while the model runs,
+        and runs ``submit`` when the thread asks it to."""
         return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate,
-                                              after_layer)
+                                              after_layer, submit)
 
 
 def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:
