@@ -449,9 +449,8 @@ class _PlannedSource(Source):
 
 @pytest.mark.anyio
 async def test_a_layerwise_load_is_submitted_between_the_inputs_and_the_forward() -> None:
-    """The whole block table is held before the submit, the inputs are prepared before it
-    on the prefill's thread, the submit runs on the loop's thread, and the forward's first
-    gate follows on the prefill's thread with nothing on the loop between."""
+    """The whole block table is held before the submit, the inputs are prepared before it,
+    the submit runs on the loop's thread, and the forward's gates on the model's thread."""
     import threading
 
     model = LlamaModel(ModelConfig.tiny(), seed=3)
@@ -474,7 +473,7 @@ async def test_a_layerwise_load_is_submitted_between_the_inputs_and_the_forward(
     names = [e[0] for e in source.events]
     assert names == ["prepare", "submit", "gate 0", "gate 1"]
     (_, prep_thread, _), (_, submit_thread, held), (_, gate_thread, _) = source.events[:3]
-    assert submit_thread == loop_thread and prep_thread == gate_thread != loop_thread
+    assert prep_thread == submit_thread == loop_thread != gate_thread
     blocks = -(-len(req.tokens) // BLOCK_TOKENS)
     assert held == blocks  # the prefix's blocks and the new tokens' before anything moved
     [plan] = source.plans

@@ -12,19 +12,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import torch
 
-from .model import LlamaModel
+from .model import LlamaModel, PrefillInputs
 
-__all__ = ["Device", "PrefillFit", "load_ceiling", "peak_flops"]
+__all__ = ["Device", "PrefillFit", "Prepared", "load_ceiling", "peak_flops"]
 
 Gate = Callable[[int], object]
 """Called before layer ``i`` reads the cached prefix (``LlamaModel.prefill``)."""
-Submit = Callable[[], "Gate | None"]
-"""Starts a layerwise load on the event loop's thread and returns its gate (``prefill_sync``)."""
 
 
 @dataclass(frozen=True)
@@ -42,50 +39,61 @@ class Device:
         if self.kind == "cuda":
             torch.cuda.empty_cache()
 
-    def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                     kv: Sequence[torch.Tensor], gate: Gate | None = None,
-                     after_layer: Gate | None = None, submit: Submit | None = None) -> tuple[int, float]:
-        """Run one prefill to its first token: (greedy token, seconds the device spent,
-        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
-        ``after_layer``: ``LlamaModel.prefill``'s.
-
-        The inputs are prepared first (``LlamaModel.prepare``); then ``submit``, if given,
-        starts a layerwise load on the event loop's thread and returns its gate, and the
-        forward follows at once on this thread, as an engine's model runner starts a step's
-        loads between its inputs and its forward. The submit's own time is not the
-        prefill's: the seconds are the preparation's and the forward's."""
+    def prepare(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int]) -> Prepared:
+        """A prefill's inputs (``LlamaModel.prepare``), timed as part of its prefill: what
+        the server does on the loop's thread before it starts a request's layerwise load,
+        so that the forward can follow the submit at once."""
         if self.kind == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            marks[0].record()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
             inputs = model.prepare(tokens, start, table)
-            if submit is not None:
-                marks[1].record()
-                gate = anyio.from_thread.run_sync(submit)
-                marks[2].record()
-            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
-            marks[3].record()
-            marks[3].synchronize()
-            if submit is None:
-                return int(token.item()), marks[0].elapsed_time(marks[3]) / 1e3
-            spent = marks[0].elapsed_time(marks[1]) + marks[2].elapsed_time(marks[3])
-            return int(token.item()), spent / 1e3
+            end.record()
+            return Prepared(inputs, marks=(begin, end))
         t0 = time.perf_counter()
         inputs = model.prepare(tokens, start, table)
-        submitted = 0.0
-        if submit is not None:
-            t1 = time.perf_counter()
-            gate = anyio.from_thread.run_sync(submit)
-            submitted = time.perf_counter() - t1
+        return Prepared(inputs, seconds=time.perf_counter() - t0)
+
+    def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
+                     kv: Sequence[torch.Tensor], gate: Gate | None = None,
+                     after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
+        """Run one prefill to its first token: (greedy token, seconds the device spent,
+        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
+        ``after_layer``: ``LlamaModel.prefill``'s. With ``prepared`` (``prepare``'s, for
+        these tokens and table) only the forward runs here, and the seconds are the
+        preparation's and the forward's, not the time between them (a submit's)."""
+        if self.kind == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
+            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+            end.record()
+            end.synchronize()
+            spent = begin.elapsed_time(end)
+            if prepared is not None and prepared.marks is not None:
+                spent += prepared.marks[0].elapsed_time(prepared.marks[1])
+            return int(token.item()), spent / 1e3
+        t0 = time.perf_counter()
+        inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
         token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
-        return int(token.item()), time.perf_counter() - t0 - submitted
+        spent = time.perf_counter() - t0 + (prepared.seconds if prepared is not None else 0.0)
+        return int(token.item()), spent
 
     async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
                       kv: Sequence[torch.Tensor], *, gate: Gate | None = None,
-                      after_layer: Gate | None = None, submit: Submit | None = None) -> tuple[int, float]:
-        """``prefill_sync`` in a worker thread: the loop stays free while the model runs,
-        and runs ``submit`` when the thread asks it to."""
+                      after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
+        """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
         return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate,
-                                              after_layer, submit)
+                                              after_layer, prepared)
+
+
+@dataclass
+class Prepared:
+    """A prefill's inputs and how long preparing them took: CUDA events around it, or the
+    host seconds on the CPU."""
+
+    inputs: PrefillInputs
+    marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    seconds: float = 0.0
 
 
 def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:

@@ -5,9 +5,10 @@ engine takes them first come, first served. For each it finds the leading blocks
 prefix cache holds, asks the source below (an ``OffloadCache``, or the layerwise arm's
 host pool) for the next ones, takes the request's whole block table and restores into it,
 prefills the rest over that cached prefix, and stamps the first token. A layerwise load is
-submitted from the prefill's thread once its inputs are prepared, the forward right after
-it, and is not awaited: the model gates each layer on its copy. The request's full blocks are then
-offloaded in the background while the next request runs; they stay held in the GPU pool
+submitted once the prefill's inputs are prepared, the forward is handed to the model's
+thread right after it, and the load is not awaited: the model gates each layer on its
+copy. The request's full blocks are then offloaded in the background while the next
+request runs; they stay held in the GPU pool
 until that copy is over. A request's TTFT runs from its arrival, so time queued behind
 earlier requests counts. A segment ends once its requests are served and its copies (and
 tier writes) have settled, so the arms can take turns on the machine. Only the public API
@@ -186,12 +187,13 @@ class Server:
                 else:
                     got = planned.restored
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
-        # A layerwise load is submitted from the prefill's thread once its inputs are
-        # ready, and the forward follows at once (Device.prefill_sync).
         try:
-            token, prefill_s = await self.device.prefill(
-                self.model, req.tokens[begin:], begin, table, self.kv, gate=got.gate,
-                submit=planned.submit if planned is not None else None)
+            # The forward's inputs are ready before a layerwise load is submitted, and the
+            # forward is launched right after it, as an engine's model runner does.
+            prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
+            gate = planned.submit() if planned is not None else got.gate
+            token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table,
+                                                         self.kv, gate=gate, prepared=prepared)
         finally:
             if planned is not None:
                 planned.cancel()

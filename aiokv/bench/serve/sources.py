@@ -68,8 +68,8 @@ class Source:
         raise NotImplementedError
 
     def plan(self, keys: Sequence[int], blocks: list[int]) -> PlannedLoad | None:
-        """A load the prefill's thread submits once the forward's inputs are ready (a
-        layerwise source's), or None: ``restore`` then moves the blocks first."""
+        """A load the server submits once the forward's inputs are ready (a layerwise
+        source's), or None: ``restore`` then moves the blocks first."""
         return None
 
     async def offload(self, keys: Sequence[int], blocks: list[int]) -> None:
