@@ -30,7 +30,8 @@ async def layerwise_prefill(model: LlamaModel, kv: Sequence[torch.Tensor], devic
     load whose layers the forward gates (with ``layer_stalls``, so stalls and the timeline
     are measured on the device on CUDA); then check: the same bytes, the same logits as
     over the KV as computed, a stall sample per gate, every layer started after its copy
-    ended. Returns the load's timeline."""
+    ended. The load is submitted as the serve bench's server submits it (``plan``, the
+    inputs prepared, the submit, the forward). Returns the load's timeline."""
     cached = cached_blocks * BLOCK_TOKENS
     prompt = np.random.default_rng(seed).integers(0, model.config.vocab, cached + new_tokens)
     n = table_blocks(len(prompt))
@@ -48,9 +49,16 @@ async def layerwise_prefill(model: LlamaModel, kv: Sequence[torch.Tensor], devic
         for layer in kv:
             layer[:, dst] = 0
         device.synchronize()
-        got = await source.restore(keys, dst[:cached_blocks])
+        # As the bench's server: planned, the inputs prepared, then the submit and at once
+        # the forward on the model's thread.
+        planned = source.plan(keys, dst[:cached_blocks])
+        assert planned is not None
+        got = planned.restored
+        prepared = device.prepare(model, prompt[cached:], cached, dst)
+        gate = planned.submit()
+        token, _ = await device.prefill(model, prompt[cached:], cached, dst, kv, gate=gate, prepared=prepared)
         assert got.host == cached_blocks and got.submit_s > 0
-        token, _ = await device.prefill(model, prompt[cached:], cached, dst, kv, gate=got.gate)
+        assert got.forward_start_s is not None and got.forward_start_s >= got.submit_s
         assert got.take_stalls is not None and len(got.take_stalls()) == len(kv) and not got.failed
         assert got.end is not None and await got.end()
         assert got.timeline is not None

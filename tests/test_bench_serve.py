@@ -400,6 +400,88 @@ async def test_a_failed_layerwise_load_is_recomputed(tmp_path: Path) -> None:
     assert served.token == expected
 
 
+class _WatchedPlan:
+    """A planned load that records where and when the server submits it."""
+
+    def __init__(self, source: _PlannedSource, keys: list[int], blocks: list[int]) -> None:
+        self.source, self.keys, self.blocks = source, keys, blocks
+        self.restored = Restored(len(keys))
+        self.cancelled = False
+
+    def submit(self):  # type: ignore[no-untyped-def]
+        import threading
+
+        src = self.source
+        src.events.append(("submit", threading.get_ident(), src.pool.held()))
+
+        def gate(i: int) -> bool:
+            src.events.append((f"gate {i}", threading.get_ident(), 0))
+            return True
+
+        self.restored.gate = gate
+        return gate
+
+    def cancel(self) -> None:  # the server calls it after every prefill: a no-op once submitted
+        self.cancelled = self.cancelled or self.restored.gate is None
+
+
+class _PlannedSource(Source):
+    """Serves every key from blocks the prefill already holds (their KV was prefilled)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.events: list[tuple[str, int, int]] = []
+        self.plans: list[_WatchedPlan] = []
+
+    def lookup(self, keys):  # type: ignore[no-untyped-def]
+        return len(keys)
+
+    def plan(self, keys, blocks):  # type: ignore[no-untyped-def]
+        self.plans.append(_WatchedPlan(self, list(keys), list(blocks)))
+        return self.plans[-1]
+
+    async def offload(self, keys, blocks) -> None:  # type: ignore[no-untyped-def]
+        await anyio.lowlevel.checkpoint()
+
+    async def drain(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.anyio
+async def test_a_layerwise_load_is_submitted_between_the_inputs_and_the_forward() -> None:
+    """The whole block table is held before the submit, the inputs are prepared before it,
+    the submit runs on the loop's thread, and the forward's gates on the model's thread."""
+    import threading
+
+    model = LlamaModel(ModelConfig.tiny(), seed=3)
+    w = prefix_workload(prefixes=1, prefix_tokens=64, suffix_tokens=24, requests=1, warmup=0, vocab=512)
+    req = w.measured[0]
+    pool = BlockPool(16, caching=True)
+    source = _PlannedSource(pool)
+    prepared: list[int] = []
+    real_prepare = model.prepare
+
+    def prepare(*args, **kwargs):  # type: ignore[no-untyped-def]
+        source.events.append(("prepare", threading.get_ident(), 0))
+        prepared.append(threading.get_ident())
+        return real_prepare(*args, **kwargs)
+
+    model.prepare = prepare  # type: ignore[method-assign]
+    server = Server(model, model.new_kv_cache(16), Device("cpu"), pool, source=source)
+    [served] = await server.serve([req])
+    loop_thread = threading.get_ident()
+    names = [e[0] for e in source.events]
+    assert names == ["prepare", "submit", "gate 0", "gate 1"]
+    (_, prep_thread, _), (_, submit_thread, held), (_, gate_thread, _) = source.events[:3]
+    assert prep_thread == submit_thread == loop_thread != gate_thread
+    blocks = -(-len(req.tokens) // BLOCK_TOKENS)
+    assert held == blocks  # the prefix's blocks and the new tokens' before anything moved
+    [plan] = source.plans
+    assert len(plan.blocks) == len(plan.keys) == req.cacheable_blocks and not plan.cancelled
+    assert served.host_tokens == len(plan.keys) * BLOCK_TOKENS
+    assert served.computed == len(req.tokens) - served.host_tokens
+
+
 # -- the layerwise arm's source ----------------------------------------------------------
 
 
@@ -635,3 +717,39 @@ def test_plot_draws_cdfs(tmp_path: Path) -> None:
             for a in ("recompute", "host")]
     plot_cdfs(rows, str(tmp_path / "cdf.png"), "t")
     assert (tmp_path / "cdf.png").stat().st_size > 1000
+
+
+@pytest.mark.anyio
+async def test_a_planned_layerwise_load_pins_until_its_submit_or_cancel() -> None:
+    """A plan pins its keys' chunks and moves nothing; cancel unpins them once; a submit
+    after cancel (or a second submit) is refused."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    gen = torch.Generator().manual_seed(12)
+    kv = [torch.randn(2, 8, BLOCK_TOKENS, 2, 16, generator=gen) for _ in range(2)]
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    keys = [11, 12, 13]
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=4, backend="cpu") as worker:
+        source = LayerwiseSource(worker, 4, "lru")
+        await source.offload(keys, [0, 1, 2])
+        before = [layer[:, [5, 6, 7]].clone() for layer in kv]
+        planned = source.plan(keys, [5, 6, 7])
+        assert planned is not None and planned.restored.host == 3 and planned.restored.gate is None
+        assert source.manager.stats().pinned_keys == 3
+        planned.cancel()
+        planned.cancel()
+        assert source.manager.stats().pinned_keys == 0
+        with pytest.raises(RuntimeError):
+            planned.submit()
+        assert all(torch.equal(layer[:, [5, 6, 7]], b) for layer, b in zip(kv, before))
+        again = source.plan(keys, [5, 6, 7])
+        assert again is not None
+        gate = again.submit()
+        with pytest.raises(RuntimeError):
+            again.submit()
+        assert await anyio.to_thread.run_sync(lambda: [bool(gate(i)) for i in range(2)]) == [True, True]
+        assert again.restored.end is not None and await again.restored.end()
+        again.cancel()  # after the submit: nothing to drop twice
+        assert source.manager.stats().pinned_keys == 0
+        for layer in kv:
+            assert torch.equal(layer[:, [5, 6, 7]], layer[:, [0, 1, 2]])

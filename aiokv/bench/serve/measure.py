@@ -16,9 +16,9 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from .model import LlamaModel
+from .model import LlamaModel, PrefillInputs
 
-__all__ = ["Device", "PrefillFit", "load_ceiling", "peak_flops"]
+__all__ = ["Device", "PrefillFit", "Prepared", "load_ceiling", "peak_flops"]
 
 Gate = Callable[[int], object]
 """Called before layer ``i`` reads the cached prefix (``LlamaModel.prefill``)."""
@@ -39,29 +39,61 @@ class Device:
         if self.kind == "cuda":
             torch.cuda.empty_cache()
 
-    def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                     kv: Sequence[torch.Tensor], gate: Gate | None = None,
-                     after_layer: Gate | None = None) -> tuple[int, float]:
-        """Run one prefill to its first token: (greedy token, seconds the device spent,
-        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
-        ``after_layer``: ``LlamaModel.prefill``'s."""
+    def prepare(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int]) -> Prepared:
+        """A prefill's inputs (``LlamaModel.prepare``), timed as part of its prefill: what
+        the server does on the loop's thread before it starts a request's layerwise load,
+        so that the forward can follow the submit at once."""
         if self.kind == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
+            inputs = model.prepare(tokens, start, table)
+            end.record()
+            return Prepared(inputs, marks=(begin, end))
+        t0 = time.perf_counter()
+        inputs = model.prepare(tokens, start, table)
+        return Prepared(inputs, seconds=time.perf_counter() - t0)
+
+    def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
+                     kv: Sequence[torch.Tensor], gate: Gate | None = None,
+                     after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
+        """Run one prefill to its first token: (greedy token, seconds the device spent,
+        waits on ``gate`` included: on CUDA the stream's, on the CPU the thread's).
+        ``after_layer``: ``LlamaModel.prefill``'s. With ``prepared`` (``prepare``'s, for
+        these tokens and table) only the forward runs here, and the seconds are the
+        preparation's and the forward's, not the time between them (a submit's)."""
+        if self.kind == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
+            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
             end.record()
             end.synchronize()
-            return int(token.item()), begin.elapsed_time(end) / 1e3
+            spent = begin.elapsed_time(end)
+            if prepared is not None and prepared.marks is not None:
+                spent += prepared.marks[0].elapsed_time(prepared.marks[1])
+            return int(token.item()), spent / 1e3
         t0 = time.perf_counter()
-        token = model.prefill(tokens, start, table, kv, gate=gate, after_layer=after_layer).argmax()
-        return int(token.item()), time.perf_counter() - t0
+        inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
+        token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+        spent = time.perf_counter() - t0 + (prepared.seconds if prepared is not None else 0.0)
+        return int(token.item()), spent
 
     async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
                       kv: Sequence[torch.Tensor], *, gate: Gate | None = None,
-                      after_layer: Gate | None = None) -> tuple[int, float]:
+                      after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
         """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
         return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate,
-                                              after_layer)
+                                              after_layer, prepared)
+
+
+@dataclass
+class Prepared:
+    """A prefill's inputs and how long preparing them took: CUDA events around it, or the
+    host seconds on the CPU."""
+
+    inputs: PrefillInputs
+    marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    seconds: float = 0.0
 
 
 def load_ceiling(device: Device, nbytes: int, page_bytes: int, reps: int = 5) -> tuple[float, str]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["BLOCK_TOKENS", "LlamaModel", "ModelConfig"]
+__all__ = ["BLOCK_TOKENS", "LlamaModel", "ModelConfig", "PrefillInputs"]
 
 BLOCK_TOKENS = 16
 """Tokens per KV block (vLLM's default block size)."""
@@ -129,7 +129,7 @@ class LlamaModel:
                 gate: Callable[[int], object] | None = None,
                 after_layer: Callable[[int], object] | None = None) -> torch.Tensor:
         """Run ``tokens`` at positions ``start..`` and return the last position's logits
-        (float32, on the device).
+        (float32, on the device): ``forward`` of ``prepare``.
 
         Positions ``0..start-1`` are read from the pages of ``block_table`` (block ``i``
         holds positions ``16*i .. 16*i+15``); the new tokens' K and V are written there too,
@@ -139,22 +139,50 @@ class LlamaModel:
         ``after_layer(i)`` once layer ``i``'s new K and V are written (a layerwise store's
         push: the copy runs beside the rest of the forward).
         """
-        c = self.config
-        ids = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
-        new = int(ids.numel())
+        return self.forward(self.prepare(tokens, start, block_table), kv_cache, gate=gate,
+                            after_layer=after_layer)
+
+    @torch.inference_mode()
+    def prepare(self, tokens: torch.Tensor | np.ndarray | Sequence[int], start: int,
+                block_table: Sequence[int]) -> PrefillInputs:
+        """A prefill's inputs on the device, as a serving engine prepares them before it
+        starts the step's loads: token ids, the new and the cached positions' slots, the
+        rotary tables and the attention (``prefill`` says what the arguments mean).
+
+        Host data goes over in one copy from pinned memory on CUDA, not enqueued behind
+        the host's wait for it, so nothing here blocks the thread on the device."""
+        ids_host = torch.as_tensor(tokens, dtype=torch.long, device="cpu").reshape(-1)
+        new = int(ids_host.numel())
         total = start + new
         if new < 1 or start < 0:
             raise ValueError(f"a prefill needs >= 1 token at a position >= 0 (got {new} at {start})")
         if len(block_table) * BLOCK_TOKENS < total:
             raise ValueError(f"block table of {len(block_table)} blocks is short for {total} positions")
-        table = torch.as_tensor(list(block_table), dtype=torch.long).to(self.device)
+        host = torch.cat([ids_host, torch.as_tensor(list(block_table), dtype=torch.long)])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        both = host.to(self.device, non_blocking=True)
+        ids, table = both[:new], both[new:]
         positions = torch.arange(start, total, device=self.device)
         slots = table[positions // BLOCK_TOKENS] * BLOCK_TOKENS + positions % BLOCK_TOKENS
+        past_slots = None
         if start:
             past = torch.arange(start, device=self.device)
             past_slots = table[past // BLOCK_TOKENS] * BLOCK_TOKENS + past % BLOCK_TOKENS
         cos, sin = self._rope(positions)
         attend = _attention(new, start, self.device)
+        return PrefillInputs(ids, start, slots, past_slots, cos, sin, attend, host)
+
+    @torch.inference_mode()
+    def forward(self, inputs: PrefillInputs, kv_cache: Sequence[torch.Tensor], *,
+                gate: Callable[[int], object] | None = None,
+                after_layer: Callable[[int], object] | None = None) -> torch.Tensor:
+        """The decoder over ``prepare``'s inputs: every layer, then the last position's
+        logits (``prefill`` says what ``gate`` and ``after_layer`` are called for)."""
+        c = self.config
+        ids, slots, past_slots = inputs.ids, inputs.slots, inputs.past_slots
+        cos, sin, attend = inputs.cos, inputs.sin, inputs.attend
+        new = int(ids.numel())
         x = self.embed[ids]
         q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
         for i, (layer, pages) in enumerate(zip(self.layers, kv_cache)):
@@ -168,7 +196,7 @@ class LlamaModel:
             flat[1].index_copy_(0, slots, v)
             if after_layer is not None:
                 after_layer(i)
-            if start:  # the cached prefix, read back from its pages
+            if past_slots is not None:  # the cached prefix, read back from its pages
                 if gate is not None:
                     gate(i)
                 k = torch.cat([flat[0].index_select(0, past_slots), k])
@@ -216,6 +244,21 @@ def _attention(new: int, start: int, device: torch.device) -> Callable[..., torc
         return padded
     mask = torch.ones(new, total, dtype=torch.bool, device=device).tril(start)
     return partial(sdpa, attn_mask=mask)
+
+
+@dataclass
+class PrefillInputs:
+    """What ``LlamaModel.prepare`` puts on the device for one prefill (``host`` keeps the
+    pinned source of its copy alive while that copy may still run)."""
+
+    ids: torch.Tensor
+    start: int
+    slots: torch.Tensor
+    past_slots: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attend: Callable[..., torch.Tensor]
+    host: torch.Tensor
 
 
 @dataclass

@@ -66,8 +66,8 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
             section, "forward start after the submit p50", _p(started, 50), "ms",
             note=f"n={len(started)} loads; p90 {_p(started, 90):.2f} ms; host clock, from the submit_load "
                  "call to the forward's call of its first gate (its work up to the first read of the "
-                 "prefix enqueued; the pool, the thread hand-off and the new tokens' layer-0 projections "
-                 "included)",
+                 "prefix enqueued; the hand-over to the model's thread and the new "
+                 "tokens' layer-0 projections included: the block table and the inputs are ready before)",
             extra={"forward_start_ms": started}, target=("<=", FORWARD_START_TARGET_MS)))
     timed: list[tuple[Served, LayerTimeline, float, float]] = []
     for s in loads:

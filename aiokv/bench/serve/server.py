@@ -3,10 +3,12 @@
 An arrival task releases each request of a segment at its (compressed) arrival time; the
 engine takes them first come, first served. For each it finds the leading blocks the GPU
 prefix cache holds, asks the source below (an ``OffloadCache``, or the layerwise arm's
-host pool) for the next ones and restores them into free GPU blocks, prefills the rest over
-that cached prefix, and stamps the first token. A layerwise restore is not awaited before
-the prefill: the model gates each layer on its copy. The request's full blocks are then
-offloaded in the background while the next request runs; they stay held in the GPU pool
+host pool) for the next ones, takes the request's whole block table and restores into it,
+prefills the rest over that cached prefix, and stamps the first token. A layerwise load is
+submitted once the prefill's inputs are prepared, the forward is handed to the model's
+thread right after it, and the load is not awaited: the model gates each layer on its
+copy. The request's full blocks are then offloaded in the background while the next
+request runs; they stay held in the GPU pool
 until that copy is over. A request's TTFT runs from its arrival, so time queued behind
 earlier requests counts. A segment ends once its requests are served and its copies (and
 tier writes) have settled, so the arms can take turns on the machine. Only the public API
@@ -163,24 +165,38 @@ class Server:
         start, wall = self._now(), time.perf_counter() - self.epoch
         pool, n = self.pool, req.cacheable_blocks
         gpu = pool.match(req.keys[:n])
-        reused: list[int] = []
-        got = Restored(0)
+        blocks = -(-len(req.tokens) // BLOCK_TOKENS)
+        got, planned = Restored(0), None
         if self.oracle is not None:
             gpu_t, host_t, disk_t = self.oracle.get(req.index, (0, 0, 0))
             got = Restored(host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS)
             gpu = await pool.take_waiting(gpu_t // BLOCK_TOKENS)
-            reused = await pool.take_waiting(got.host + got.disk)
-        elif self.source is not None and len(gpu) < n:
-            rest = req.keys[len(gpu):n]
-            hits = await self.source.alookup(rest)
+            table = gpu + await pool.take_waiting(blocks - len(gpu))
+        else:
+            hits, rest = 0, req.keys[len(gpu):n]
+            if self.source is not None and rest:
+                hits = await self.source.alookup(rest)
+            # The whole block table before anything moves, as an engine's scheduler has it.
+            table = gpu + await pool.take_waiting(blocks - len(gpu))
             if hits:
-                reused = await pool.take_waiting(hits)
-                got = await self.source.restore(rest[:hits], reused)
-        blocks = -(-len(req.tokens) // BLOCK_TOKENS)
-        table = gpu + reused + await pool.take_waiting(blocks - len(gpu) - len(reused))
+                reused = table[len(gpu):len(gpu) + hits]
+                assert self.source is not None
+                planned = self.source.plan(rest[:hits], reused)
+                if planned is None:
+                    got = await self.source.restore(rest[:hits], reused)
+                else:
+                    got = planned.restored
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
-        token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv,
-                                                     gate=got.gate)
+        try:
+            # The forward's inputs are ready before a layerwise load is submitted, and the
+            # forward is launched right after it, as an engine's model runner does.
+            prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
+            gate = planned.submit() if planned is not None else got.gate
+            token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table,
+                                                         self.kv, gate=gate, prepared=prepared)
+        finally:
+            if planned is not None:
+                planned.cancel()
         stalls = got.take_stalls() if got.take_stalls is not None else []
         recomputed = 0
         if got.failed:  # a layer failed under the forward: what it read there is wrong

@@ -25,7 +25,7 @@ from ...layer_timeline import LayerTimeline
 from ...specs import CPULoadStoreSpec, GPULoadStoreSpec, LayerStatus
 from ...worker import AsyncOffloadingWorker
 
-__all__ = ["CacheSource", "LayerwiseSource", "Restored", "Source"]
+__all__ = ["CacheSource", "LayerwiseSource", "PlannedLoad", "Restored", "Source"]
 
 
 @dataclass
@@ -66,6 +66,11 @@ class Source:
 
     async def restore(self, keys: Sequence[int], blocks: list[int]) -> Restored:
         raise NotImplementedError
+
+    def plan(self, keys: Sequence[int], blocks: list[int]) -> PlannedLoad | None:
+        """A load the server submits once the forward's inputs are ready (a layerwise
+        source's), or None: ``restore`` then moves the blocks first."""
+        return None
 
     async def offload(self, keys: Sequence[int], blocks: list[int]) -> None:
         raise NotImplementedError
@@ -117,49 +122,22 @@ class LayerwiseSource(Source):
 
     async def restore(self, keys: Sequence[int], blocks: list[int]) -> Restored:
         """Submit one layerwise load of every layer and return at once."""
-        mgr = self.manager
-        pinned = list(keys)
-        try:
-            chunks = mgr.prepare_load(pinned, touch=False)
-        except KeyNotLoadable:  # evicted by a store since the lookup: a miss, as the cache's
+        planned = self.plan(keys, blocks)
+        if planned is None:
             return Restored(0)
-        t0 = time.perf_counter()
+        planned.submit()
+        return planned.restored
+
+    def plan(self, keys: Sequence[int], blocks: list[int]) -> PlannedLoad | None:
+        """Pin the keys' chunks for a load into ``blocks`` and return it unsubmitted (its
+        ``restored`` says how many blocks it brings), or None if a key was evicted since
+        the lookup (a miss, as the cache's). The server prepares the forward's inputs
+        before it submits, as an engine does."""
         try:
-            fut = self.worker.submit_load(next(self._ids), CPULoadStoreSpec(chunks),
-                                          GPULoadStoreSpec(blocks), layerwise=True)
-        except BaseException:
-            mgr.complete_load(pinned)
-            raise
-        submitted = time.perf_counter() - t0
-
-        def loaded(_f: object) -> None:  # the policy's touch too: off the way to the forward
-            mgr.touch(pinned)
-            mgr.complete_load(pinned)
-
-        fut.add_done_callback(loaded)
-        self._track(fut)
-        restored = Restored(len(pinned), take_stalls=self.new_stalls, submit_s=submitted,
-                            timeline=fut.timeline)
-
-        def gate(layer: int) -> bool:  # on the model's thread
-            if restored.forward_start_s is None:
-                restored.forward_start_s = time.perf_counter() - t0
-            ready = fut.gate(layer) is LayerStatus.READY
-            if not ready:
-                restored.failed = True
-            return ready
-
-        async def end() -> bool:
-            try:
-                result = await fut
-            except TransferFailed:
-                return False
-            # Its wall time runs on beside the prefill: the load's own is its copy time.
-            restored.load_s = result.transfer_time or time.perf_counter() - t0
-            return result.success
-
-        restored.gate, restored.end = gate, end
-        return restored
+            chunks = self.manager.prepare_load(list(keys), touch=False)
+        except KeyNotLoadable:
+            return None
+        return PlannedLoad(self, list(keys), chunks, blocks)
 
     def new_stalls(self) -> list[float]:
         """Stall samples taken since the last call (the worker keeps the last 4096)."""
@@ -196,6 +174,65 @@ class LayerwiseSource(Source):
     def _track(self, fut: TransferFuture) -> None:
         self._in_flight.add(fut)
         fut.add_done_callback(self._in_flight.discard)
+
+
+class PlannedLoad:
+    """One layerwise load whose chunks are pinned; ``submit`` starts it (once, on the
+    event loop's thread) and returns the forward's gate. ``restored`` is its ``Restored``,
+    filled in by the submit."""
+
+    def __init__(self, source: LayerwiseSource, pinned: list[int], chunks: list[int],
+                 blocks: list[int]) -> None:
+        self.source, self.pinned, self.chunks, self.blocks = source, pinned, chunks, blocks
+        self.restored = Restored(len(pinned), take_stalls=source.new_stalls)
+        self._pinned_here = True  # until the submit takes the pins over (or cancel drops them)
+
+    def submit(self) -> Callable[[int], object]:
+        src, mgr, pinned, restored = self.source, self.source.manager, self.pinned, self.restored
+        if not self._pinned_here:
+            raise RuntimeError("a planned load is submitted once, and not after cancel()")
+        self._pinned_here = False
+        t0 = time.perf_counter()
+        try:
+            fut = src.worker.submit_load(next(src._ids), CPULoadStoreSpec(self.chunks),
+                                         GPULoadStoreSpec(self.blocks), layerwise=True)
+        except BaseException:
+            mgr.complete_load(pinned)
+            raise
+        restored.submit_s = time.perf_counter() - t0
+        layer_gate = fut.gate
+
+        def gate(layer: int) -> bool:  # on the model's thread
+            if restored.forward_start_s is None:
+                restored.forward_start_s = time.perf_counter() - t0
+            ready = layer_gate(layer) is LayerStatus.READY
+            if not ready:
+                restored.failed = True
+            return ready
+
+        def loaded(_f: object) -> None:  # the policy's touch too: off the way to the forward
+            mgr.touch(pinned)
+            mgr.complete_load(pinned)
+
+        async def end() -> bool:
+            try:
+                result = await fut
+            except TransferFailed:
+                return False
+            # Its wall time runs on beside the prefill: the load's own is its copy time.
+            restored.load_s = result.transfer_time or time.perf_counter() - t0
+            return result.success
+
+        restored.gate, restored.end, restored.timeline = gate, end, fut.timeline
+        fut.add_done_callback(loaded)
+        src._track(fut)
+        return gate
+
+    def cancel(self) -> None:
+        """Unpin the chunks of a load that was never submitted (a no-op once it was)."""
+        if self._pinned_here:
+            self._pinned_here = False
+            self.source.manager.complete_load(self.pinned)
 
 
 def _ok(fut: TransferFuture) -> bool:
