@@ -36,13 +36,15 @@ def _asleep(issuer: NativeIssuer) -> None:
 
 
 def _unsignalled_pickup(issuer: NativeIssuer, event: int, tries: int = 5) -> tuple[bool, list[Any]]:
-    """Nudge a sleeping thread and submit at once, up to ``tries`` times: whether one such
-    submit was picked up by the spinning thread without signalling it, and the tickets."""
+    """Nudge a sleeping thread and submit soon after (once it had time to wake, well
+    inside the window), up to ``tries`` times: whether one such submit was picked up by the
+    spinning thread without signalling it, and the tickets."""
     tickets = []
     for i in range(tries):
         _asleep(issuer)
         before = issuer.stats()
         issuer.nudge()
+        time.sleep(0.001)  # a submit racing the wake-up is found on waking, not by the spin
         ticket = submit(issuer, records(event + i))
         tickets.append(ticket)
         assert ticket.wait(10)
@@ -63,6 +65,22 @@ def test_a_nudged_issuer_picks_up_a_submit_inside_its_window_unsignalled() -> No
         assert [c[1] for c in fake.calls] == [0xE0 + i for i in range(len(tickets))]
         assert {name for name, _ in fake.threads} != {threading.current_thread().name}
         assert issuer.stats()["spin_seconds"] > 0
+    finally:
+        assert issuer.close()
+
+
+def test_a_submit_racing_the_nudged_threads_wake_up_does_not_signal_it_again() -> None:
+    """The nudge woke the sleeping thread already: a submit made before the thread has its
+    lock back (the loop's, right after the ring) must not pay for a second signal."""
+    issuer = NativeIssuer(noop_table(), spin_us=0.0, nudge_us=WINDOW_US)
+    try:
+        for i in range(20):
+            _asleep(issuer)
+            before = issuer.stats()["signalled"]
+            issuer.nudge()
+            ticket = submit(issuer, records(0xE0 + i))  # at once: mostly before the thread woke
+            assert ticket.wait(10) and ticket.result() == (1, 0, 0, True)
+            assert issuer.stats()["signalled"] == before, i
     finally:
         assert issuer.close()
 

@@ -489,8 +489,12 @@ aiokv_issuer_nudge(IssuerState *st)
     if (st->nudge_ns > 0 && !st->stop && !st->paused) {
         st->spin_until = aiokv_now() + (double)st->nudge_ns * 1e-9;
         st->nudges++;
-        if (st->sleeping) /* else it is running a program, or spinning: it sees it after */
+        if (st->sleeping) { /* else it is running a program, or spinning: it sees it after */
+            /* Woken now: it looks at the queue under the lock before it sleeps again, so a
+             * submit made before it has the lock back must not signal it a second time. */
+            st->sleeping = 0;
             pthread_cond_signal(&st->work);
+        }
     }
     pthread_mutex_unlock(&st->mu);
 }
