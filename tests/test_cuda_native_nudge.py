@@ -8,6 +8,7 @@ stops nudging it."""
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import time
 from typing import Any
@@ -137,9 +138,11 @@ def test_a_spinning_thread_ends_at_close_or_abandon(how: str) -> None:
 
 
 def test_nudge_windows_are_bounded() -> None:
-    for bad in (-1.0, 10_001.0, float("nan")):
-        with pytest.raises(InvalidSpec, match="nudge_us"):
-            NativeIssuer(noop_table(), nudge_us=bad)
+    for bad, shown in ((-1.0, "-1.0"), (10_001.0, "10001.0"), (float("nan"), "nan"), (-0.5, "-0.5"),
+                       (10_000.5, "10000.5"), (1e300, "1e+300")):
+        for name in ("nudge_us", "spin_us"):
+            with pytest.raises(InvalidSpec, match=rf"^{name} must be 0-10000, got {re.escape(shown)}$"):
+                NativeIssuer(noop_table(), **{name: bad})
     assert 0 < NATIVE_NUDGE_US <= 1000  # a lane's default: a few hundred microseconds
 
 

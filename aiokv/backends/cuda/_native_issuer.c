@@ -812,6 +812,19 @@ aiokv_issuer_state(PyObject *obj)
     return is->st;
 }
 
+/* InvalidSpec for a spin window out of range, naming the value as given: a cast to int
+ * would be undefined for NaN or a huge value, and would round -0.5 to 0. Returns -1. */
+static int
+bad_window(const char *name, double value)
+{
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v != NULL) {
+        aiokv_bad_input("%s must be 0-10000, got %R", name, v);
+        Py_DECREF(v);
+    }
+    return -1;
+}
+
 static int
 Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
 {
@@ -826,14 +839,10 @@ Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOdd", kwlist, &aiokv_TableType, &table, &waiter, &sticky,
                                      &spin_us, &nudge_us))
         return -1;
-    if (!(spin_us >= 0 && spin_us <= 10000)) {
-        aiokv_bad_input("spin_us must be 0-10000, got %d", (int)spin_us);
-        return -1;
-    }
-    if (!(nudge_us >= 0 && nudge_us <= 10000)) {
-        aiokv_bad_input("nudge_us must be 0-10000, got %d", (int)nudge_us);
-        return -1;
-    }
+    if (!(spin_us >= 0 && spin_us <= 10000))
+        return bad_window("spin_us", spin_us);
+    if (!(nudge_us >= 0 && nudge_us <= 10000))
+        return bad_window("nudge_us", nudge_us);
     WaiterState *ws = NULL;
     if (waiter != Py_None && (ws = aiokv_waiter_state(waiter)) == NULL)
         return -1;
