@@ -228,6 +228,10 @@ def test_a_pickup_lag_leaves_out_the_wait_behind_the_program_before() -> None:
         assert first.wait(10) and second.wait(10)
         lags, pickups = issuer.lags(), issuer.lags(pickup=True)
         assert len(lags) == len(pickups) == 2
+        # The helper's own object takes it by keyword too, as its docstring (and
+        # docs/native.md) spell it.
+        assert issuer._issuer.lags(pickup=True) == pickups
+        assert issuer._issuer.lags(False) == issuer._issuer.lags(pickup=False) == lags
         assert lags[1] == pytest.approx(second.started_at - second.queued_at)
         assert pickups[1] == pytest.approx(second.started_at - first.finished_at)
         assert 0 <= pickups[1] < lags[1]

@@ -1225,10 +1225,11 @@ PyDoc_STRVAR(lags_doc,
 "out: the thread's own wake-up (or spin) alone.");
 
 static PyObject *
-Issuer_lags(IssuerObject *self, PyObject *args)
+Issuer_lags(IssuerObject *self, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"pickup", NULL};
     int pickup = 0;
-    if (!PyArg_ParseTuple(args, "|p", &pickup))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|p", kwlist, &pickup))
         return NULL;
     IssuerState *st = self->st;
     if (st == NULL)
@@ -1292,7 +1293,7 @@ static PyMethodDef Issuer_methods[] = {
     {"set_broken", (PyCFunction)Issuer_set_broken, METH_O, set_broken_doc},
     {"nudge", (PyCFunction)Issuer_nudge, METH_NOARGS, nudge_doc},
     {"stats", (PyCFunction)Issuer_stats, METH_NOARGS, stats_doc},
-    {"lags", (PyCFunction)Issuer_lags, METH_VARARGS, lags_doc},
+    {"lags", (PyCFunction)(void (*)(void))Issuer_lags, METH_VARARGS | METH_KEYWORDS, lags_doc},
     {NULL, NULL, 0, NULL},
 };
 
