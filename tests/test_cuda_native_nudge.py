@@ -8,6 +8,7 @@ stops nudging it."""
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import time
 from typing import Any
@@ -36,13 +37,15 @@ def _asleep(issuer: NativeIssuer) -> None:
 
 
 def _unsignalled_pickup(issuer: NativeIssuer, event: int, tries: int = 5) -> tuple[bool, list[Any]]:
-    """Nudge a sleeping thread and submit at once, up to ``tries`` times: whether one such
-    submit was picked up by the spinning thread without signalling it, and the tickets."""
+    """Nudge a sleeping thread and submit soon after (once it had time to wake, well
+    inside the window), up to ``tries`` times: whether one such submit was picked up by the
+    spinning thread without signalling it, and the tickets."""
     tickets = []
     for i in range(tries):
         _asleep(issuer)
         before = issuer.stats()
         issuer.nudge()
+        time.sleep(0.001)  # a submit racing the wake-up is found on waking, not by the spin
         ticket = submit(issuer, records(event + i))
         tickets.append(ticket)
         assert ticket.wait(10)
@@ -63,6 +66,22 @@ def test_a_nudged_issuer_picks_up_a_submit_inside_its_window_unsignalled() -> No
         assert [c[1] for c in fake.calls] == [0xE0 + i for i in range(len(tickets))]
         assert {name for name, _ in fake.threads} != {threading.current_thread().name}
         assert issuer.stats()["spin_seconds"] > 0
+    finally:
+        assert issuer.close()
+
+
+def test_a_submit_racing_the_nudged_threads_wake_up_does_not_signal_it_again() -> None:
+    """The nudge woke the sleeping thread already: a submit made before the thread has its
+    lock back (the loop's, right after the ring) must not pay for a second signal."""
+    issuer = NativeIssuer(noop_table(), spin_us=0.0, nudge_us=WINDOW_US)
+    try:
+        for i in range(20):
+            _asleep(issuer)
+            before = issuer.stats()["signalled"]
+            issuer.nudge()
+            ticket = submit(issuer, records(0xE0 + i))  # at once: mostly before the thread woke
+            assert ticket.wait(10) and ticket.result() == (1, 0, 0, True)
+            assert issuer.stats()["signalled"] == before, i
     finally:
         assert issuer.close()
 
@@ -119,9 +138,11 @@ def test_a_spinning_thread_ends_at_close_or_abandon(how: str) -> None:
 
 
 def test_nudge_windows_are_bounded() -> None:
-    for bad in (-1.0, 10_001.0, float("nan")):
-        with pytest.raises(InvalidSpec, match="nudge_us"):
-            NativeIssuer(noop_table(), nudge_us=bad)
+    for bad, shown in ((-1.0, "-1.0"), (10_001.0, "10001.0"), (float("nan"), "nan"), (-0.5, "-0.5"),
+                       (10_000.5, "10000.5"), (1e300, "1e+300")):
+        for name in ("nudge_us", "spin_us"):
+            with pytest.raises(InvalidSpec, match=rf"^{name} must be 0-10000, got {re.escape(shown)}$"):
+                NativeIssuer(noop_table(), **{name: bad})
     assert 0 < NATIVE_NUDGE_US <= 1000  # a lane's default: a few hundred microseconds
 
 
@@ -207,6 +228,10 @@ def test_a_pickup_lag_leaves_out_the_wait_behind_the_program_before() -> None:
         assert first.wait(10) and second.wait(10)
         lags, pickups = issuer.lags(), issuer.lags(pickup=True)
         assert len(lags) == len(pickups) == 2
+        # The helper's own object takes it by keyword too, as its docstring (and
+        # docs/native.md) spell it.
+        assert issuer._issuer.lags(pickup=True) == pickups
+        assert issuer._issuer.lags(False) == issuer._issuer.lags(pickup=False) == lags
         assert lags[1] == pytest.approx(second.started_at - second.queued_at)
         assert pickups[1] == pytest.approx(second.started_at - first.finished_at)
         assert 0 <= pickups[1] < lags[1]

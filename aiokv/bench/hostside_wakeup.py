@@ -112,6 +112,13 @@ def issuer_lags(nudge_us: float, jobs: int = 200,
             select.select([bell.fileno()], [], [], 10.0)  # the loop wakes to the ring
             bell.drain()
         issuer.drain(10.0)
+        # The waiter nudges after writing the ring, so the loop can see the last ring before
+        # its nudge is counted; it counts the ring itself after the nudge, under one lock.
+        deadline = time.monotonic() + 10.0
+        while waiter.stats()["rung"] < jobs:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the waiter did not finish its rings within 10 s")
+            time.sleep(1e-4)
         stats = issuer.stats()
     finally:
         issuer.close()

@@ -489,8 +489,12 @@ aiokv_issuer_nudge(IssuerState *st)
     if (st->nudge_ns > 0 && !st->stop && !st->paused) {
         st->spin_until = aiokv_now() + (double)st->nudge_ns * 1e-9;
         st->nudges++;
-        if (st->sleeping) /* else it is running a program, or spinning: it sees it after */
+        if (st->sleeping) { /* else it is running a program, or spinning: it sees it after */
+            /* Woken now: it looks at the queue under the lock before it sleeps again, so a
+             * submit made before it has the lock back must not signal it a second time. */
+            st->sleeping = 0;
             pthread_cond_signal(&st->work);
+        }
     }
     pthread_mutex_unlock(&st->mu);
 }
@@ -808,6 +812,19 @@ aiokv_issuer_state(PyObject *obj)
     return is->st;
 }
 
+/* InvalidSpec for a spin window out of range, naming the value as given: a cast to int
+ * would be undefined for NaN or a huge value, and would round -0.5 to 0. Returns -1. */
+static int
+bad_window(const char *name, double value)
+{
+    PyObject *v = PyFloat_FromDouble(value);
+    if (v != NULL) {
+        aiokv_bad_input("%s must be 0-10000, got %R", name, v);
+        Py_DECREF(v);
+    }
+    return -1;
+}
+
 static int
 Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
 {
@@ -822,14 +839,10 @@ Issuer_init(IssuerObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OOdd", kwlist, &aiokv_TableType, &table, &waiter, &sticky,
                                      &spin_us, &nudge_us))
         return -1;
-    if (!(spin_us >= 0 && spin_us <= 10000)) {
-        aiokv_bad_input("spin_us must be 0-10000, got %d", (int)spin_us);
-        return -1;
-    }
-    if (!(nudge_us >= 0 && nudge_us <= 10000)) {
-        aiokv_bad_input("nudge_us must be 0-10000, got %d", (int)nudge_us);
-        return -1;
-    }
+    if (!(spin_us >= 0 && spin_us <= 10000))
+        return bad_window("spin_us", spin_us);
+    if (!(nudge_us >= 0 && nudge_us <= 10000))
+        return bad_window("nudge_us", nudge_us);
     WaiterState *ws = NULL;
     if (waiter != Py_None && (ws = aiokv_waiter_state(waiter)) == NULL)
         return -1;
@@ -1212,10 +1225,11 @@ PyDoc_STRVAR(lags_doc,
 "out: the thread's own wake-up (or spin) alone.");
 
 static PyObject *
-Issuer_lags(IssuerObject *self, PyObject *args)
+Issuer_lags(IssuerObject *self, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"pickup", NULL};
     int pickup = 0;
-    if (!PyArg_ParseTuple(args, "|p", &pickup))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|p", kwlist, &pickup))
         return NULL;
     IssuerState *st = self->st;
     if (st == NULL)
@@ -1279,7 +1293,7 @@ static PyMethodDef Issuer_methods[] = {
     {"set_broken", (PyCFunction)Issuer_set_broken, METH_O, set_broken_doc},
     {"nudge", (PyCFunction)Issuer_nudge, METH_NOARGS, nudge_doc},
     {"stats", (PyCFunction)Issuer_stats, METH_NOARGS, stats_doc},
-    {"lags", (PyCFunction)Issuer_lags, METH_VARARGS, lags_doc},
+    {"lags", (PyCFunction)(void (*)(void))Issuer_lags, METH_VARARGS | METH_KEYWORDS, lags_doc},
     {NULL, NULL, 0, NULL},
 };
 
