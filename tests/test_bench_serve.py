@@ -634,6 +634,9 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
                  "same prefill, oracle / disk", "oracle / disk TTFT p50",
                  "host / recompute TTFT p50, per segment"):
         assert any(r["name"] == name for r in rows), name
+    # The service starts before the block table and the inputs, which the prefill counts.
+    [service] = [r["note"] for r in rows if r["name"] == "layerwise service / max(load, prefill)"]
+    assert "restore's submit" not in service and "its inputs' preparation" in service
     assert ("serve arm: layerwise", "layer stall p99") in names
     for name in ("layerwise submit p50", "forward start after the submit p50",
                  "forward computed while the prefix arrived p50"):
