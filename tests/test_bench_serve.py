@@ -482,6 +482,35 @@ async def test_a_layerwise_load_is_submitted_between_the_inputs_and_the_forward(
     assert served.computed == len(req.tokens) - served.host_tokens
 
 
+@pytest.mark.anyio
+async def test_a_planned_load_is_unpinned_when_the_inputs_fail_to_prepare() -> None:
+    """The server plans a layerwise load (its chunks pinned) before it prepares the
+    forward's inputs: if that raises, the load is never submitted and its pins go."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    model = LlamaModel(ModelConfig.tiny(), seed=3)
+    kv = model.new_kv_cache(16)
+    w = prefix_workload(prefixes=1, prefix_tokens=64, suffix_tokens=24, requests=1, warmup=0, vocab=512)
+    req = w.measured[0]
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=8, backend="cpu") as worker:
+        source = LayerwiseSource(worker, 8, "lru")
+        n = req.cacheable_blocks
+        await source.offload(req.keys[:n], list(range(n)))
+        assert source.lookup(req.keys[:n]) == n
+
+        def prepare(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+            assert source.manager.stats().pinned_keys == n  # planned: pinned, not submitted
+            raise RuntimeError("no inputs")
+
+        model.prepare = prepare  # type: ignore[method-assign]
+        server = Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source)
+        with pytest.raises(BaseException) as caught:
+            await server.serve([req])
+        assert caught.group_contains(RuntimeError, match="no inputs")
+        assert source.manager.stats().pinned_keys == 0
+
+
 # -- the layerwise arm's source ----------------------------------------------------------
 
 
@@ -605,6 +634,9 @@ def test_quick_serve_runs_every_arm_and_hit_class(quick_run) -> None:
                  "same prefill, oracle / disk", "oracle / disk TTFT p50",
                  "host / recompute TTFT p50, per segment"):
         assert any(r["name"] == name for r in rows), name
+    # The service starts before the block table and the inputs, which the prefill counts.
+    [service] = [r["note"] for r in rows if r["name"] == "layerwise service / max(load, prefill)"]
+    assert "restore's submit" not in service and "its inputs' preparation" in service
     assert ("serve arm: layerwise", "layer stall p99") in names
     for name in ("layerwise submit p50", "forward start after the submit p50",
                  "forward computed while the prefix arrived p50"):

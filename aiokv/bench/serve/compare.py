@@ -110,9 +110,10 @@ def _overlap_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
 
     return [BenchRow(section, "layerwise service / max(load, prefill)", p50, "x",
                      note=f"n={len(loaded)} host hits; p90 {p90:.2f}; service: the host clock from the "
-                          f"request's start (its restore's submit) to its first token, p50 "
-                          f"{ms([s.busy for s in loaded])} ms; load: its bytes at the load ceiling, p50 "
-                          f"{ms(load)} ms; prefill: the forward's device time less its waits on layers, "
+                          f"request's start (its lookup, block table and inputs, then its load's submit) "
+                          f"to its first token, p50 {ms([s.busy for s in loaded])} ms; load: its bytes at "
+                          f"the load ceiling, p50 {ms(load)} ms; prefill: its inputs' preparation and the "
+                          f"forward's device time less its waits on layers, "
                           f"p50 {ms([s.compute_s for s in loaded])} ms",
                      extra={"ratios": ratios}, target=("<=", 1.05))]
 
