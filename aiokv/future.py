@@ -6,6 +6,12 @@ are set from there; another thread gets a ``UsageError`` rather than a wait that
 ends).
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
+
+A worker's future can look for its job's end itself as it is awaited (``collect``): a
+small job often ends before its await begins (on no-op drivers always, on a GPU when the
+submit outlasts the copy), and then the awaiting task need not sleep until the poller's
+next turn notices it and wakes it. On asyncio a waiter is a bare loop future, so the
+resolve that wakes it is one ``call_soon``, with no ``asyncio.Event`` in between.
 """
 
 from __future__ import annotations
@@ -17,10 +23,9 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from .errors import TransferFailed, UsageError
-from .loops import LoopEvent, loop_event
+from .loops import LoopEvent, loop_event, loop_library, loop_yield
 from .specs import TransferResult
 
 __all__ = ["TransferFuture"]
@@ -34,15 +39,19 @@ class TransferFuture:
     ``await fut`` returns the ``TransferResult`` or raises ``TransferFailed``.
     """
 
-    __slots__ = ("_callbacks", "_cause", "_result", "_thread", "_waiters", "job_id")
+    __slots__ = ("_callbacks", "_cause", "_collect", "_result", "_thread", "_waiters", "job_id")
 
-    def __init__(self, job_id: int) -> None:
+    def __init__(self, job_id: int, collect: Callable[[], object] | None = None) -> None:
+        """``collect``: the worker's look for this job's end, run on the loop thread as the
+        future is awaited (it resolves the future if the job is over); None: wait for the
+        poller."""
         self.job_id = job_id
         self._thread = threading.get_ident()  # the submitting loop's, which resolves it
         self._result: TransferResult | None = None
         self._cause: BaseException | None = None
-        self._waiters: list[LoopEvent] = []
+        self._waiters: list[LoopEvent | asyncio.Future[None]] = []
         self._callbacks: list[Callable[[TransferFuture], Any]] = []
+        self._collect = collect
 
     def done(self) -> bool:
         """True once the copy is over (successfully or not). Never yields."""
@@ -79,24 +88,43 @@ class TransferFuture:
                     "loop that submitted it, which could not wake it; await it on that loop "
                     "(e.g. asyncio.run_coroutine_threadsafe), or use SyncOffloadingWorker"
                 )
-            event = loop_event()
-            self._waiters.append(event)
+            collect = self._collect
+            if collect is not None:
+                collect()  # a job already over resolves here: no sleep, no poller turn
+        if self._result is not None:
+            # A done future still yields once (the loop's own cheap yield), so a loop of
+            # awaits stays cancellable and lets the loop's other tasks run.
+            await loop_yield()()
+            return self.result()
+        if loop_library() == "asyncio":
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
             try:
-                await event.wait()
+                await waiter
             finally:
                 if self._result is None:
-                    self._waiters.remove(event)
-        else:
-            # A done future still checkpoints, so a loop of awaits stays cancellable.
-            await anyio.lowlevel.checkpoint()
+                    self._waiters.remove(waiter)
+            return self.result()
+        event = loop_event()
+        self._waiters.append(event)
+        try:
+            await event.wait()
+        finally:
+            if self._result is None:
+                self._waiters.remove(event)
         return self.result()
 
     def _resolve(self, result: TransferResult, cause: BaseException | None = None) -> None:
         """Called by the poller on the loop thread; ``cause`` is why a failed job failed."""
         self._cause = cause
         self._result = result
-        for event in self._waiters:
-            event.set()
+        self._collect = None  # drops the worker's job
+        for waiter in self._waiters:
+            if isinstance(waiter, asyncio.Future):
+                if not waiter.done():  # a cancelled waiter is removed by its task later
+                    waiter.set_result(None)
+            else:
+                waiter.set()
         self._waiters.clear()
         callbacks, self._callbacks = self._callbacks, []
         escaped: BaseException | None = None

@@ -1,0 +1,153 @@
+"""An await that finds its job already over resolves it itself (``TransferFuture``'s
+``collect``), without waiting for the poller: byte-exact data, per-direction order, failed
+jobs still raising, the loop still getting its turn, and the poller settling behind it
+(every loop of the matrix, CPU backend)."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv import AsyncOffloadingWorker, CPULoadStoreSpec, GPULoadStoreSpec, TransferFailed
+from aiokv.backends.cpu import CpuCompletion, CpuLane
+from tests.conftest import copies_ending, make_layers, random_bytes_
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_an_await_pops_a_finished_job_itself_and_the_data_is_exact(monkeypatch) -> None:
+    kv = make_layers(num_blocks=16, seed=3)
+    wait_ends = copies_ending(monkeypatch)
+    rng = np.random.default_rng(5)
+    blocks = rng.choice(16, 6, replace=False).tolist()
+    chunks = rng.choice(8, 6, replace=False).tolist()
+    before = [t.tensor[blocks].clone() for t in kv.kv.tensors]
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=8) as worker:
+            await anyio.sleep(0.01)  # the poller is idle, waiting for work
+            polls = worker.poller_statistics().polls
+            store = worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+            wait_ends(1)  # over, and the loop has not run since: only the await can see it
+            assert not store.done()
+            assert (await store).success
+            # The await resolved it: no poll of the poller found it.
+            assert worker.poller_statistics().polls == polls
+            gen = torch.Generator().manual_seed(11)
+            for t in kv.kv.tensors:  # clobber the blocks with other random bytes
+                t.tensor[blocks] = random_bytes_(torch.empty_like(t.tensor[blocks]), gen)
+            load = worker.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks))
+            wait_ends(1)
+            result = await load
+            assert result.success and result.transfer_size == store.result().transfer_size
+            assert worker.poller_statistics().polls == polls
+            await anyio.sleep(0.01)  # the poller settles them: device times read, pooled
+            assert store.result().transfer_time is not None and worker.in_flight == 0
+    assert all(torch.equal(t.tensor[blocks], b) for t, b in zip(kv.kv.tensors, before))
+
+
+async def test_a_job_found_done_behind_an_unfinished_one_waits_for_it(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
+    held: list[CpuCompletion] = []
+    gate = threading.Event()
+    real = CpuCompletion.query
+
+    def query(self: CpuCompletion) -> bool:  # the first job reads as running until the gate
+        if held and self is held[0] and not gate.is_set():
+            return False
+        return real(self)
+
+    monkeypatch.setattr(CpuCompletion, "query", query)
+    order: list[int] = []
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            first = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            held.append(worker._core._jobs[1].completion)  # type: ignore[arg-type]
+            second = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+            for fut in (first, second):
+                fut.add_done_callback(lambda f: order.append(f.job_id))
+            wait_ends(2)  # both copies over; the second's own query says done
+            with anyio.move_on_after(0.05) as scope:
+                await second
+            assert scope.cancelled_caught and not second.done() and not first.done()
+            gate.set()
+            assert (await second).success and first.done()
+    assert order == [1, 2]
+
+
+async def test_a_failed_job_found_done_at_the_await_still_raises(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
+    real = CpuLane._copy
+
+    def fail_first(self: CpuLane, plan: object) -> None:
+        if not failed:
+            failed.append(True)
+            raise OSError("simulated device fault")
+        real(self, plan)
+
+    failed: list[bool] = []
+    monkeypatch.setattr(CpuLane, "_copy", fail_first)
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            bad = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            wait_ends(1)
+            with pytest.raises(TransferFailed, match="simulated device fault") as info:
+                await bad
+            assert isinstance(info.value.__cause__, OSError) and info.value.result.success is False
+            good = worker.submit_store(2, GPULoadStoreSpec([2]), CPULoadStoreSpec([2]))
+            wait_ends(1)
+            assert (await good).success
+
+
+async def test_awaits_of_jobs_found_done_still_let_other_tasks_run(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
+    ticks = 0
+    stop = False
+
+    async def other() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await anyio.sleep(0)
+
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(other)
+                await anyio.sleep(0)
+                start = ticks
+                for i in range(20):
+                    fut = worker.submit_store(i, GPULoadStoreSpec([i % 8]), CPULoadStoreSpec([i % 4]))
+                    wait_ends(1)
+                    assert (await fut).success
+                stop = True
+            # Each await yielded once (as a checkpoint), so the other task ran in between.
+            assert ticks - start >= 19
+
+
+async def test_a_cancelled_waiter_leaves_the_job_to_the_poller_and_other_waiters(monkeypatch) -> None:
+    kv = make_layers(num_blocks=8)
+    latch = threading.Event()
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), after=latch)
+            with anyio.move_on_after(0.02) as scope:
+                await fut  # not over: the await found nothing and slept
+            assert scope.cancelled_caught and not fut.done() and fut._waiters == []
+            results = []
+
+            async def waiter() -> None:
+                results.append(await fut)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                tg.start_soon(waiter)
+                await anyio.sleep(0.01)
+                latch.set()
+            assert len(results) == 2 and results[0] is results[1] and results[0].success
