@@ -244,6 +244,8 @@ class AsyncOffloadingWorker(WorkerFacts):
             return
         try:
             self._complete_finished()
+        except Exception:
+            return  # a poll that fails is the poller's to report, as before awaits looked
         finally:
             poller.collected()
 

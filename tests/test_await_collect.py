@@ -177,3 +177,26 @@ def test_the_bench_counts_the_awaits_that_found_their_job_over() -> None:
     figures = asyncio.run(run())
     assert figures["found"] >= 0.9 and figures["polls"] <= 0.1
     assert 0 < figures["wake50"] < figures["trip50"]
+
+
+async def test_a_poll_failing_at_the_await_is_left_to_the_poller(monkeypatch) -> None:
+    from aiokv.core import OffloadCore
+
+    kv = make_layers(num_blocks=8)
+    wait_ends = copies_ending(monkeypatch)
+    real = OffloadCore.poll
+    calls = {"n": 0}
+
+    def poll_failing_once(self: OffloadCore) -> list:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a poll that failed once")
+        return real(self)
+
+    with anyio.fail_after(10):
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=4) as worker:
+            fut = worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+            wait_ends(1)
+            monkeypatch.setattr(OffloadCore, "poll", poll_failing_once)
+            assert (await fut).success  # the await's poll failed; the poller's found it
+            assert calls["n"] >= 2
