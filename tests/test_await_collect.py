@@ -200,3 +200,15 @@ async def test_a_poll_failing_at_the_await_is_left_to_the_poller(monkeypatch) ->
             monkeypatch.setattr(OffloadCore, "poll", poll_failing_once)
             assert (await fut).success  # the await's poll failed; the poller's found it
             assert calls["n"] >= 2
+
+
+def test_the_hostside_await_bench_runs_and_finds_jobs_over_at_once() -> None:
+    from aiokv.backends.cuda import native
+    from aiokv.bench import hostside_await
+
+    if native.helper() is None:
+        pytest.skip("the no-op driver needs the native helper built")
+    figures = hostside_await.await_figures(jobs=30, delays=(0.0, 5e-3))
+    assert figures[0.0]["found"] >= 0.9  # over when the submit returned: the await pops it
+    assert figures[5e-3]["found"] <= 0.1 and figures[5e-3]["trip50"] >= 5e-3
+    assert all(0 < f["wake50"] < f["trip50"] for f in figures.values())
