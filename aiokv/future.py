@@ -7,11 +7,8 @@ ends).
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
 
-A worker's future can look for its job's end itself as it is awaited (``collect``): a
-small job often ends before its await begins (on no-op drivers always, on a GPU when the
-submit outlasts the copy), and then the awaiting task need not sleep until the poller's
-next turn notices it and wakes it. On asyncio a waiter is a bare loop future, so the
-resolve that wakes it is one ``call_soon``, with no ``asyncio.Event`` in between.
+On asyncio a waiter is a bare loop future, so the resolve that wakes it is one
+``call_soon``, with no ``asyncio.Event`` in between.
 """
 
 from __future__ import annotations
@@ -39,19 +36,15 @@ class TransferFuture:
     ``await fut`` returns the ``TransferResult`` or raises ``TransferFailed``.
     """
 
-    __slots__ = ("_callbacks", "_cause", "_collect", "_result", "_thread", "_waiters", "job_id")
+    __slots__ = ("_callbacks", "_cause", "_result", "_thread", "_waiters", "job_id")
 
-    def __init__(self, job_id: int, collect: Callable[[], object] | None = None) -> None:
-        """``collect``: the worker's look for this job's end, run on the loop thread as the
-        future is awaited (it resolves the future if the job is over); None: wait for the
-        poller."""
+    def __init__(self, job_id: int) -> None:
         self.job_id = job_id
         self._thread = threading.get_ident()  # the submitting loop's, which resolves it
         self._result: TransferResult | None = None
         self._cause: BaseException | None = None
         self._waiters: list[LoopEvent | asyncio.Future[None]] = []
         self._callbacks: list[Callable[[TransferFuture], Any]] = []
-        self._collect = collect
 
     def done(self) -> bool:
         """True once the copy is over (successfully or not). Never yields."""
@@ -88,12 +81,9 @@ class TransferFuture:
                     "loop that submitted it, which could not wake it; await it on that loop "
                     "(e.g. asyncio.run_coroutine_threadsafe), or use SyncOffloadingWorker"
                 )
-            collect = self._collect
-            if collect is not None:
-                collect()  # a job already over resolves here: no sleep, no poller turn
         if self._result is not None:
-            # A done future still yields once (the loop's own cheap yield), so a loop of
-            # awaits stays cancellable and lets the loop's other tasks run.
+            # A done future still yields once (the loop's own yield: asyncio.sleep(0) costs
+            # a third of anyio's checkpoint), so a loop of awaits stays cancellable.
             await loop_yield()()
             return self.result()
         if loop_library() == "asyncio":
@@ -118,7 +108,6 @@ class TransferFuture:
         """Called by the poller on the loop thread; ``cause`` is why a failed job failed."""
         self._cause = cause
         self._result = result
-        self._collect = None  # drops the worker's job
         for waiter in self._waiters:
             if isinstance(waiter, asyncio.Future):
                 if not waiter.done():  # a cancelled waiter is removed by its task later

@@ -223,8 +223,6 @@ class Poller:
         # Without the alarm, a nap cannot end sooner than the loop's timer allows ("Doorbell").
         self._shortest_nap = _MIN_ALARM_NAP if bell is not None and bell.has_alarm else poll_interval
         self._napping = False
-        # Jobs resolved by an await (``collected``) whose settling is the poller's to do.
-        self._unsettled = False
         self._naps: _BellNaps | _ReaderNaps | None = None  # chosen per run, for its loop
         self._lateness = _INITIAL_LATENESS
         self._wake = loop_event()
@@ -243,13 +241,6 @@ class Poller:
             self._wake.set()
         if self._napping and self._naps is not None:
             self._naps.end_nap()  # the nap waits on the bell, not on the event
-
-    def collected(self) -> None:
-        """Note that an await popped and resolved finished jobs itself (on the loop
-        thread): the poller settles them once the tasks they woke ran, and spins on for a
-        while, as after its own poll that finished jobs."""
-        self._active_since = time.perf_counter()
-        self._unsettled = True
 
     def _lead(self) -> float:
         """How long before a predicted end a nap must be set to end, to be spinning then."""
@@ -331,7 +322,6 @@ class Poller:
     async def _settle_after_yield(self) -> None:
         """After a poll that finished jobs: let the tasks it woke run, then settle them."""
         await self._yield()
-        self._unsettled = False
         self._settle()
 
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
@@ -342,9 +332,6 @@ class Poller:
                     wake.clear()  # asyncio's clears (no new event per turn); anyio's cannot
                 else:
                     self._wake = loop_event()
-            if self._unsettled:  # an await resolved jobs: settle them behind its task
-                await self._settle_after_yield()
-                continue
             if not self._pending():
                 await self._wake.wait()
                 continue

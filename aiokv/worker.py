@@ -168,7 +168,7 @@ class AsyncOffloadingWorker(WorkerFacts):
     def _submit(self, direction: Direction, job_id: int, src: Any, dst: Any, after: Any) -> TransferFuture:
         self._check_caller()
         job = self._core.submit(direction, job_id, src, dst, after, reserved=self._futures)
-        future = TransferFuture(job.job_id, lambda: self._collect(job))
+        future = TransferFuture(job.job_id)
         self._futures[job.job_id] = future
         assert self._poller is not None
         self._poller.wake()
@@ -232,22 +232,6 @@ class AsyncOffloadingWorker(WorkerFacts):
         if escaped is not None:
             raise escaped
         return len(done) + (self._watch.poll() if self._watch.waiting else 0)
-
-    def _collect(self, job: Job) -> None:
-        """An await's look for its job's end (``TransferFuture``): where the job is over,
-        pop and resolve every finished job now, as a poll would, and leave their settling
-        (device times, event pooling) to the poller, after the woken tasks ran. A job
-        still running costs one query of its completion. Only while open: a closing
-        worker's jobs end through its drain."""
-        poller = self._poller
-        if poller is None or self._lifecycle.state is not State.OPEN or not job.completion.query():
-            return
-        try:
-            self._complete_finished()
-        except Exception:
-            return  # a poll that fails is the poller's to report, as before awaits looked
-        finally:
-            poller.collected()
 
     def _settle(self) -> None:
         self._core.settle()

@@ -66,15 +66,12 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
     to the task resuming), tight when the poller spins; (b) from when the copies were
     handed to the device (``LaneStatistics.last_started_at``, after planning) to the await
     returning, minus their device time, tight when the poller napped and the doorbell woke
-    it. ``worker`` is an open ``AsyncOffloadingWorker``. ``found`` is the share of jobs the
-    await found over and popped itself (no poll of the poller between submit and await
-    return): there the wake-up skips the poller's turn and its hop.
+    it. ``worker`` is an open ``AsyncOffloadingWorker``.
     """
     subs, trips, wakes, windows, dev = [], [], [], [], []
     cpu = wall = 0.0
     resolved: list[float] = []
     polls = 0
-    found = 0  # jobs no poll found: the await popped them itself
     issuing = 0.0  # CPU the lanes' issuer threads spent enqueueing (submit work, moved)
     for i in range(iters + 10):
         resolved.clear()
@@ -106,7 +103,6 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         wakes.append(min(bound, t2 - started - device) if device and started is not None else bound)
         windows.append(window)
         polls += poller.polls - p1
-        found += poller.polls == p1
         dev.append(res.transfer_time or 0.0)
         cpu += c2 - c1 - (i2 - i1)
         issuing += i2 - i1
@@ -115,7 +111,7 @@ async def _wakeups(worker: Any, submit: Callable[[int], Any], iters: int) -> dic
         "submit": _p(subs, 50), "trip50": _p(trips, 50), "trip99": _p(trips, 99),
         "wake50": _p(wakes, 50), "wake99": _p(wakes, 99), "device": _p(dev, 50),
         "window50": _p(windows, 50),
-        "polls": polls / max(1, len(trips)), "found": found / max(1, len(trips)),
+        "polls": polls / max(1, len(trips)),
         "cpu_wait": cpu / wall if wall else float("nan"),
         "cpu_job": cpu / max(1, len(trips)), "await": wall / max(1, len(trips)),
         "issue_job": issuing / max(1, len(trips)),
@@ -188,10 +184,6 @@ def wakeup_rows(per_layer: BenchSetup, big: BenchSetup, quick: bool) -> list[Ben
                      f"submit {w['submit'] * 1e6:.0f} us, device time {w['device'] * 1e6:.0f} us"),
             BenchRow(sec, f"{label}: round trip p99", w["trip99"] * 1e6, "us"),
         ]
-        if label.startswith("4 KiB job"):
-            rows.append(BenchRow(sec, f"{label}: found over at the await", 100 * w["found"], "% jobs", None,
-                                 "the await popped the job itself: no poll of the poller between submit "
-                                 "and await return"))
         if not label.endswith(beside):  # there, the process CPU is mostly the busy thread's
             note = (f"process CPU between submit return and await return, less the issuer thread's "
                     f"{w['issue_job'] * 1e6:.0f} us: {w['cpu_job'] * 1e6:.0f} us "
@@ -287,9 +279,6 @@ def native_rows(per_layer: BenchSetup, quick: bool) -> list[BenchRow]:
                          target=aim.get("trip99")),
                 BenchRow(sec, f"{label}: 1-block wake-up p50", f["wake50"] * 1e6, "us", None,
                          "upper bound, as in the wake-up rows", target=aim.get("wake50")),
-                BenchRow(sec, f"{label}: 1-block jobs found over at the await", 100 * f["found"], "% jobs",
-                         None, "the await popped the job itself (no poll of the poller): its wake-up "
-                         "skipped the poller's turn"),
             ]
             if flag:
                 rows += [
