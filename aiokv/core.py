@@ -247,9 +247,7 @@ class OffloadCore:
         with self._lock:
             done: list[Job] = []
             for handler in self.handlers.values():
-                handler.settle()
-                if handler.in_flight:
-                    done.extend(handler.pop_finished())
+                done.extend(handler.poll())
             if not done:
                 return done  # most polls, while the poller spins on a job in flight
             for job in done:

@@ -6,6 +6,9 @@ are set from there; another thread gets a ``UsageError`` rather than a wait that
 ends).
 Cancelling an awaiting task removes only that waiter; the copy goes on and the job is
 still completed and reported.
+
+On asyncio a waiter is a bare loop future, so the resolve that wakes it is one
+``call_soon``, with no ``asyncio.Event`` in between.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from .errors import TransferFailed, UsageError
-from .loops import LoopEvent, loop_event
+from .loops import LoopEvent, loop_event, loop_library, loop_yield
 from .specs import TransferResult
 
 __all__ = ["TransferFuture"]
@@ -41,7 +43,7 @@ class TransferFuture:
         self._thread = threading.get_ident()  # the submitting loop's, which resolves it
         self._result: TransferResult | None = None
         self._cause: BaseException | None = None
-        self._waiters: list[LoopEvent] = []
+        self._waiters: list[LoopEvent | asyncio.Future[None]] = []
         self._callbacks: list[Callable[[TransferFuture], Any]] = []
 
     def done(self) -> bool:
@@ -79,24 +81,39 @@ class TransferFuture:
                     "loop that submitted it, which could not wake it; await it on that loop "
                     "(e.g. asyncio.run_coroutine_threadsafe), or use SyncOffloadingWorker"
                 )
-            event = loop_event()
-            self._waiters.append(event)
+        if self._result is not None:
+            # A done future still yields once (the loop's own yield: asyncio.sleep(0) costs
+            # a third of anyio's checkpoint), so a loop of awaits stays cancellable.
+            await loop_yield()()
+            return self.result()
+        if loop_library() == "asyncio":
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
             try:
-                await event.wait()
+                await waiter
             finally:
                 if self._result is None:
-                    self._waiters.remove(event)
-        else:
-            # A done future still checkpoints, so a loop of awaits stays cancellable.
-            await anyio.lowlevel.checkpoint()
+                    self._waiters.remove(waiter)
+            return self.result()
+        event = loop_event()
+        self._waiters.append(event)
+        try:
+            await event.wait()
+        finally:
+            if self._result is None:
+                self._waiters.remove(event)
         return self.result()
 
     def _resolve(self, result: TransferResult, cause: BaseException | None = None) -> None:
         """Called by the poller on the loop thread; ``cause`` is why a failed job failed."""
         self._cause = cause
         self._result = result
-        for event in self._waiters:
-            event.set()
+        for waiter in self._waiters:
+            if isinstance(waiter, asyncio.Future):
+                if not waiter.done():  # a cancelled waiter is removed by its task later
+                    waiter.set_result(None)
+            else:
+                waiter.set()
         self._waiters.clear()
         callbacks, self._callbacks = self._callbacks, []
         escaped: BaseException | None = None

@@ -175,6 +175,9 @@ class Wait:
         return self.job.completion.wait(self.timeout)
 
 
+_NONE: list[Job] = []  # what ``Handler.poll`` returns with nothing in flight: never mutated
+
+
 def _elapsed_of(completion: Completion) -> Callable[[], float | None]:
     return lambda: completion.elapsed
 
@@ -306,6 +309,13 @@ class Handler:
                 self.failed += 1
             done.append(job)
         return done
+
+    def poll(self) -> list[Job]:
+        """``settle`` what an earlier poll popped, then ``pop_finished``: the core's poll
+        of this direction, in one call (the poller makes it every spinning turn)."""
+        if self._unsettled:
+            self.settle()
+        return self.pop_finished() if self._fifo else _NONE
 
     def settle(self) -> None:
         """Settle the completions of jobs popped earlier (read their device times). Run

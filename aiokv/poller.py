@@ -326,8 +326,12 @@ class Poller:
 
     async def _spin_and_nap(self, checkpoint: Callable[[], Awaitable[None]]) -> None:
         while True:
-            if self._wake.is_set():
-                self._wake = loop_event()
+            wake = self._wake
+            if wake.is_set():
+                if isinstance(wake, asyncio.Event):
+                    wake.clear()  # asyncio's clears (no new event per turn); anyio's cannot
+                else:
+                    self._wake = loop_event()
             if not self._pending():
                 await self._wake.wait()
                 continue

@@ -226,8 +226,19 @@ class TransferResult:
         transfer_type: tuple[str, str] | None = None,
     ) -> TransferResult:
         """A successful result whose ``transfer_time`` is ``timer()``, read on first access
-        (``timer`` must return the same value if two threads race to call it)."""
-        return cls(job_id, True, transfer_size, _Later(timer), transfer_type)  # type: ignore[arg-type]
+        (``timer`` must return the same value if two threads race to call it).
+
+        Built field by field into the instance dict, as the frozen dataclass's ``__init__``
+        stores them (``object.__setattr__`` per field) but at a quarter of its cost: this
+        runs once per finished job, between the copy's end and its waiter's wake-up."""
+        result = object.__new__(cls)
+        fields = result.__dict__
+        fields["job_id"] = job_id
+        fields["success"] = True
+        fields["transfer_size"] = transfer_size
+        fields["transfer_time"] = _Later(timer)
+        fields["transfer_type"] = transfer_type
+        return result
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
