@@ -25,7 +25,7 @@ from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
 from .staging import Staging, off_loop
-from .tiers.base import Tier
+from .tiers.base import PartsReader, Tier
 from .tiers.codec import key_bytes
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
@@ -274,7 +274,18 @@ class Cascade:
         """Fill ``views[i]`` with ``keys[i]``'s block: from memory if it is on its way down
         (never waiting for a writer), else from the nearest tier holding it; which tier, or
         None for a miss. Local tiers are asked only for keys they hold."""
+        found, _ = await self.read_placed(keys, views, None)
+        return found
+
+    async def read_placed(self, keys: Sequence[Hashable], views: Sequence[memoryview],
+                          parts: Sequence[Sequence[memoryview]] | None,
+                          ) -> tuple[list[TierLink | None], list[bool]]:
+        """``read``, but a tier that reads in parts (the disk) puts ``keys[i]``'s block
+        into ``parts[i]`` (its staging chunk's pages, in portable order) instead of
+        ``views[i]``: where the block is, and whether it landed in its parts (True) or in
+        its view, which the caller then copies into place."""
         found: list[TierLink | None] = [None] * len(keys)
+        placed = [False] * len(keys)
         tks = [self.tier_key(k) for k in keys]
         await self._read_inflight(tks, views, found)
         for link in self.links:
@@ -282,8 +293,13 @@ class Cascade:
                     and (link.tier.remote or link.tier.holds(tks[i]))]
             if not want:
                 continue
+            in_parts = parts is not None and isinstance(link.tier, PartsReader)
             try:
-                got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
+                if in_parts:
+                    assert parts is not None and isinstance(link.tier, PartsReader)
+                    got = await link.tier.read_parts([tks[i] for i in want], [parts[i] for i in want])
+                else:
+                    got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
             except (UsageError, InvalidSpec):
                 raise  # misuse (a closed tier, a bad buffer) is the caller's to see
             except Exception:  # a tier that broke its contract: a miss, not a crash
@@ -291,11 +307,12 @@ class Cascade:
             for i, ok in zip(want, got):
                 if ok:
                     found[i] = link
+                    placed[i] = in_parts
                 elif not link.tier.remote:
                     link.read_misses += 1
             if all(f is not None for f in found):
                 break
-        return found
+        return found, placed
 
     async def _read_inflight(self, tks: list[bytes], views: Sequence[memoryview],
                              found: list[TierLink | None]) -> None:
