@@ -77,6 +77,7 @@ class Cascade:
         self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
+        self._parts: dict[int, list[memoryview]] = {}  # staging chunks' pages, made once
         self._tg: anyio.abc.TaskGroup | None = None
         self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
         self._started = 0
@@ -87,6 +88,14 @@ class Cascade:
         if self._pool is None:
             raise UsageError("the cascade is not open")
         return self._pool
+
+    def chunk_parts(self, chunk: int) -> list[memoryview]:
+        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made once per
+        chunk: a restore reads thousands of blocks into the same few chunks."""
+        parts = self._parts.get(chunk)
+        if parts is None:
+            parts = self._parts[chunk] = self.pages.parts(self.pool, chunk)
+        return parts
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -126,6 +135,7 @@ class Cascade:
         for link in self.links:
             link.stop()
         tg, self._tg = self._tg, None
+        self._parts.clear()  # views of the pool: none outlive the cache
         try:
             if tg is not None:
                 await tg.__aexit__(None, None, None)

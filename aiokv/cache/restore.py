@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import anyio
 import numpy as np
@@ -252,11 +253,34 @@ async def _read(cascade: Cascade, keys: list[Hashable],
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
         return await cascade.read(keys, views), None, []
-    rows = aligned_rows(len(keys), pages.payload_bytes)  # page-aligned: direct I/O reads into them
-    found, placed = await cascade.read_placed(keys, [memoryview(r.data) for r in rows],
-                                              [pages.parts(pool, c) for c in chunks])
+    rows = _Rows(len(keys), pages.payload_bytes)
+    found, placed = await cascade.read_placed(keys, rows, [cascade.chunk_parts(c) for c in chunks])
     in_rows = [i for i, (link, p) in enumerate(zip(found, placed)) if link is not None and not p]
-    return found, rows, in_rows
+    return found, rows.array, in_rows
+
+
+class _Rows(Sequence[memoryview]):
+    """Rows for the blocks that cannot be read in place (from memory, from Redis),
+    allocated on first use: a restore from the disk alone never touches them."""
+
+    def __init__(self, n: int, row_bytes: int) -> None:
+        self._n = n
+        self._row_bytes = row_bytes
+        self.array: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, i: int | slice) -> memoryview | Sequence[memoryview]:
+        if self.array is None:  # page-aligned: direct I/O reads into them
+            self.array = aligned_rows(self._n, self._row_bytes)
+        if isinstance(i, slice):
+            return [memoryview(r.data) for r in self.array[i]]
+        return memoryview(self.array[i].data)
 
 
 async def _settle(slots: list[_Slot], requested: int) -> Outcome:
