@@ -179,9 +179,9 @@ async def test_an_exit_with_reads_and_writes_in_flight_is_bounded(tmp_path: Path
 async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host chunk whose pages are not in the layout's order (tensors at descending
-    addresses) is restored through rows put in host order after: with direct I/O those
-    rows must take the read as they are (page-aligned), not through a bounce buffer and
-    one more copy of every block."""
+    addresses) is read straight into its staging chunk's pages, in portable order: with
+    direct I/O every page takes the read as it is (page-aligned), with no bounce buffer,
+    no row and no copy into host order after."""
     if not probe_direct(str(tmp_path)):
         pytest.skip("this filesystem does not take O_DIRECT")
     import torch
@@ -206,8 +206,13 @@ async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
         assert not cache._cascade.pages.identity  # type: ignore[union-attr]
         expected = await offload_generations(kv, cache, 12)  # k0..k7 on the disk
         monkeypatch.setattr(disk_io, "aligned", spy)
+        scattered: list[int] = []
+        pages = cache._cascade.pages  # type: ignore[union-attr]
+        monkeypatch.setattr(pages, "scatter", lambda *a: scattered.append(1))
         keys = [f"k{i}" for i in range(8)]
         result = await cache.restore(keys, list(range(20, 28)))
         assert result.restored == 8 and result.from_tiers == 8
         assert restored_exactly(kv, keys, 20, expected)
-    assert len(straight) == 8 and all(straight)
+        runs = len(pages.runs)
+    assert runs == 2 and len(straight) == 8 * runs and all(straight)
+    assert not scattered

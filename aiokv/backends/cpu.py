@@ -76,7 +76,11 @@ class CpuHostPool(HostPool):
             self.tensor = torch.from_numpy(np.frombuffer(self._shared.map, dtype=np.uint8, count=nbytes))
             return
         try:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            # Page-aligned, as a pinned CUDA pool is: a disk tier's direct reads then land
+            # in a chunk's pages as they are (docs/tiers.md, "Restore"), not via a bounce.
+            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+            skip = -raw.data_ptr() % _PAGE
+            self.tensor = raw[skip : skip + nbytes]
         except (RuntimeError, MemoryError) as exc:  # torch says "DefaultCPUAllocator: can't allocate"
             raise HostMemoryError(
                 f"could not allocate a host pool of {nbytes} bytes ({nbytes / 2**30:.3g} GiB): {exc}; "
@@ -100,6 +104,8 @@ def flat_bytes(view: torch.Tensor) -> np.ndarray:
 
 _Item = tuple["CopyPlan | CopySlice", CpuCompletion, "threading.Event | None"]
 
+_PAGE = 4096
+"""Alignment of the host pool's start (a memory page, what direct I/O needs)."""
 _ABANDON_WAIT_SECONDS = 5.0
 # How often a thread blocked on a layer looks whether the worker abandoned its job.
 _LAYER_WAIT_SLICE = 0.05

@@ -25,7 +25,7 @@ from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
 from .staging import Staging, off_loop
-from .tiers.base import Tier
+from .tiers.base import PartsReader, Tier
 from .tiers.codec import key_bytes
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
@@ -77,6 +77,7 @@ class Cascade:
         self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
+        self._parts: dict[int, list[memoryview]] = {}  # staging chunks' pages, made once
         self._tg: anyio.abc.TaskGroup | None = None
         self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
         self._started = 0
@@ -87,6 +88,14 @@ class Cascade:
         if self._pool is None:
             raise UsageError("the cascade is not open")
         return self._pool
+
+    def chunk_parts(self, chunk: int) -> list[memoryview]:
+        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made once per
+        chunk: a restore reads thousands of blocks into the same few chunks."""
+        parts = self._parts.get(chunk)
+        if parts is None:
+            parts = self._parts[chunk] = self.pages.parts(self.pool, chunk)
+        return parts
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -126,6 +135,7 @@ class Cascade:
         for link in self.links:
             link.stop()
         tg, self._tg = self._tg, None
+        self._parts.clear()  # views of the pool: none outlive the cache
         try:
             if tg is not None:
                 await tg.__aexit__(None, None, None)
@@ -274,7 +284,18 @@ class Cascade:
         """Fill ``views[i]`` with ``keys[i]``'s block: from memory if it is on its way down
         (never waiting for a writer), else from the nearest tier holding it; which tier, or
         None for a miss. Local tiers are asked only for keys they hold."""
+        found, _ = await self.read_placed(keys, views, None)
+        return found
+
+    async def read_placed(self, keys: Sequence[Hashable], views: Sequence[memoryview],
+                          parts: Sequence[Sequence[memoryview]] | None,
+                          ) -> tuple[list[TierLink | None], list[bool]]:
+        """``read``, but a tier that reads in parts (the disk) puts ``keys[i]``'s block
+        into ``parts[i]`` (its staging chunk's pages, in portable order) instead of
+        ``views[i]``: where the block is, and whether it landed in its parts (True) or in
+        its view, which the caller then copies into place."""
         found: list[TierLink | None] = [None] * len(keys)
+        placed = [False] * len(keys)
         tks = [self.tier_key(k) for k in keys]
         await self._read_inflight(tks, views, found)
         for link in self.links:
@@ -282,8 +303,13 @@ class Cascade:
                     and (link.tier.remote or link.tier.holds(tks[i]))]
             if not want:
                 continue
+            in_parts = parts is not None and isinstance(link.tier, PartsReader)
             try:
-                got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
+                if in_parts:
+                    assert parts is not None and isinstance(link.tier, PartsReader)
+                    got = await link.tier.read_parts([tks[i] for i in want], [parts[i] for i in want])
+                else:
+                    got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
             except (UsageError, InvalidSpec):
                 raise  # misuse (a closed tier, a bad buffer) is the caller's to see
             except Exception:  # a tier that broke its contract: a miss, not a crash
@@ -291,11 +317,12 @@ class Cascade:
             for i, ok in zip(want, got):
                 if ok:
                     found[i] = link
+                    placed[i] = in_parts
                 elif not link.tier.remote:
                     link.read_misses += 1
             if all(f is not None for f in found):
                 break
-        return found
+        return found, placed
 
     async def _read_inflight(self, tks: list[bytes], views: Sequence[memoryview],
                              found: list[TierLink | None]) -> None:

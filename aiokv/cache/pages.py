@@ -48,6 +48,14 @@ class PageMap:
         self.payload_bytes = sum(self.sizes)
         # The common case: pages already in layout order from the chunk's start.
         self.identity = self.host == self.portable
+        # Runs of pages that follow each other in both orders, as (host offset, bytes), in
+        # portable order: the parts a block's payload is read into in place.
+        self.runs: list[tuple[int, int]] = []
+        for h, size in zip(self.host, self.sizes):
+            if self.runs and sum(self.runs[-1]) == h:
+                self.runs[-1] = (self.runs[-1][0], self.runs[-1][1] + size)
+            else:
+                self.runs.append((h, size))
 
     def gather(self, pool: np.ndarray, chunks: Sequence[int]) -> np.ndarray:
         """The blocks in ``chunks`` as ``(n, payload_bytes)`` portable rows (a copy), each
@@ -66,6 +74,12 @@ class PageMap:
         for size, h, p in zip(self.sizes, self.host, self.portable):
             out[:, p : p + size] = picked[:, h : h + size]
         return out
+
+    def parts(self, pool: np.ndarray, chunk: int) -> list[memoryview]:
+        """Host ``chunk``'s pages as writable views in portable order: reading a block's
+        payload into them, one after another, puts it in host order with no copy."""
+        base = chunk * self.chunk_bytes
+        return [memoryview(pool[base + h : base + h + n].data) for h, n in self.runs]
 
     def scatter(self, pool: np.ndarray, chunks: Sequence[int], rows: np.ndarray) -> None:
         """Write portable ``rows`` into the host ``chunks``: one numpy call per page of all

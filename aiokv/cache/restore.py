@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import anyio
 import numpy as np
@@ -153,17 +154,19 @@ async def _fill(slot: _Slot, cascade: Cascade, keys: list[Hashable], run: _Run, 
     slot (the restore raises the first), so they never end up in an exception group."""
     staging = cascade.staging
     try:
-        found, rows = await _read(cascade, keys, slot.staged)
+        found, rows, in_rows = await _read(cascade, keys, slot.staged)
         end = slot.cut_at_miss(found, mgr, staging)
         if slot.cut:
             run.end = min(run.end, slot.pos + end)
         if not end or slot.pos >= run.end:
             slot.release(mgr, staging)
             return
-        if rows is not None:
+        in_rows = [i for i in in_rows if i < len(slot.staged)]
+        if rows is not None and in_rows:
             # Not abandoned on cancel: the copy writes staging chunks, which go back only after.
-            await off_loop(rows.nbytes, cascade.pages.scatter, cascade.pool, slot.staged,
-                           rows[: len(slot.staged)])
+            picked = rows[: len(slot.staged)] if len(in_rows) == len(slot.staged) else rows[in_rows]
+            await off_loop(picked.nbytes, cascade.pages.scatter, cascade.pool,
+                           [slot.staged[i] for i in in_rows], picked)
     except Exception as exc:
         slot.release(mgr, staging)
         slot.error = exc
@@ -238,19 +241,46 @@ class _Slot:
 
 
 async def _read(cascade: Cascade, keys: list[Hashable],
-                chunks: list[int]) -> tuple[list[TierLink | None], np.ndarray | None]:
-    """Read ``keys``: straight into the staging ``chunks`` when the host keeps pages in
-    portable order, else into rows (returned) to be put in host order."""
+                chunks: list[int]) -> tuple[list[TierLink | None], np.ndarray | None, list[int]]:
+    """Read ``keys`` straight into the staging ``chunks``: whole when the host keeps pages
+    in portable order, else page by page where a tier reads in parts (the disk). What
+    arrived otherwise (from memory on its way down, from Redis) is in rows (returned, with
+    the indices of the keys whose bytes are there) to be put in host order."""
     if not keys:
-        return [], None
+        return [], None, []
     pages, pool = cascade.pages, cascade.pool
     if pages.identity:
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
-        return await cascade.read(keys, views), None
-    rows = aligned_rows(len(keys), pages.payload_bytes)  # page-aligned: direct I/O reads into them
-    found = await cascade.read(keys, [memoryview(r.data) for r in rows])
-    return found, rows
+        return await cascade.read(keys, views), None, []
+    rows = _Rows(len(keys), pages.payload_bytes)
+    found, placed = await cascade.read_placed(keys, rows, [cascade.chunk_parts(c) for c in chunks])
+    in_rows = [i for i, (link, p) in enumerate(zip(found, placed)) if link is not None and not p]
+    return found, rows.array, in_rows
+
+
+class _Rows(Sequence[memoryview]):
+    """Rows for the blocks that cannot be read in place (from memory, from Redis),
+    allocated on first use: a restore from the disk alone never touches them."""
+
+    def __init__(self, n: int, row_bytes: int) -> None:
+        self._n = n
+        self._row_bytes = row_bytes
+        self.array: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, i: int | slice) -> memoryview | Sequence[memoryview]:
+        if self.array is None:  # page-aligned: direct I/O reads into them
+            self.array = aligned_rows(self._n, self._row_bytes)
+        if isinstance(i, slice):
+            return [memoryview(r.data) for r in self.array[i]]
+        return memoryview(self.array[i].data)
 
 
 async def _settle(slots: list[_Slot], requested: int) -> Outcome:

@@ -14,12 +14,13 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ...errors import InvalidSpec
 from ...specs import as_count
 
-__all__ = ["Tier", "TierStatistics", "byte_view", "check_capacity", "positive_count", "positive_seconds"]
+__all__ = ["PartsReader", "Tier", "TierStatistics", "byte_view", "check_capacity", "positive_count",
+           "positive_seconds"]
 
 
 def positive_count(value: Any, what: str) -> int:
@@ -84,6 +85,18 @@ def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> N
         raise InvalidSpec(
             f"{tier}: capacity_bytes={capacity_bytes} holds no {block_bytes}-byte block; "
             f"give it at least one block (N * {block_bytes} holds N blocks)")
+
+
+@runtime_checkable
+class PartsReader(Protocol):
+    """A tier that reads a block into several buffers, one after another (``DiskTier``):
+    a restore then reads it straight into its staging chunk's pages, whatever order the
+    host keeps them in, instead of into a row it copies from."""
+
+    async def read_parts(self, keys: Sequence[bytes],
+                         parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Like ``Tier.read``, with ``parts[i]`` taking ``keys[i]``'s payload in order."""
+        ...
 
 
 class Tier(abc.ABC):

@@ -41,6 +41,7 @@ __all__ = [
     "VERSION",
     "Header",
     "checksum",
+    "checksum_parts",
     "default_fingerprint",
     "encode",
     "header_size",
@@ -155,11 +156,11 @@ def stored_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def _zlib_crc32(payload: memoryview | bytes) -> int:
-    return zlib.crc32(payload) & 0xFFFFFFFF
+def _zlib_crc32(payload: memoryview | bytes, value: int = 0) -> int:
+    return zlib.crc32(payload, value) & 0xFFFFFFFF
 
 
-def _pick_crc32() -> Callable[[memoryview | bytes], int]:
+def _pick_crc32() -> Callable[[memoryview | bytes, int], int]:
     """ISA-L's crc32 when installed (``isal``, in the ``redis`` and ``test`` extras), else zlib's.
 
     Both compute the same function; zlib's held buffered disk reads and Redis restores to a
@@ -172,11 +173,12 @@ def _pick_crc32() -> Callable[[memoryview | bytes], int]:
     except ImportError:
         return _zlib_crc32
 
-    def fast(payload: memoryview | bytes) -> int:
-        return int(crc32(payload)) & 0xFFFFFFFF
+    def fast(payload: memoryview | bytes, value: int = 0) -> int:
+        return int(crc32(payload, value)) & 0xFFFFFFFF
 
     probe = bytes(range(256)) * 37 + b"aiokv"
-    if fast(probe) != _zlib_crc32(probe) or fast(probe[:1]) != _zlib_crc32(probe[:1]):
+    if (fast(probe) != _zlib_crc32(probe) or fast(probe[:1]) != _zlib_crc32(probe[:1])
+            or fast(probe[7:], fast(probe[:7])) != _zlib_crc32(probe)):
         return _zlib_crc32
     return fast
 
@@ -186,7 +188,16 @@ _crc32 = _pick_crc32()
 
 def checksum(payload: memoryview | bytes) -> int:
     """crc32 of the payload (the GIL is released for large buffers)."""
-    return _crc32(payload)
+    return _crc32(payload, 0)
+
+
+def checksum_parts(parts: Sequence[memoryview | bytes]) -> int:
+    """``checksum`` of the parts' bytes one after another, without joining them: a block
+    read straight into a host chunk lies in its pages, in portable order (``pages.py``)."""
+    crc = 0
+    for part in parts:
+        crc = _crc32(part, crc)
+    return crc
 
 
 def header_size(key: bytes) -> int:

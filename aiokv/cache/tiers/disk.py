@@ -244,16 +244,24 @@ class DiskTier(Tier):
         threads; a cancelled call waits for the reads in flight (they write into ``out``)
         before it raises.
         """
+        return await self.read_parts(keys, [(byte_view(v, writable=True),) for v in out])
+
+    async def read_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """``read``, each block into its ``parts[i]``, which take its payload one after
+        another: a host chunk's pages in portable order, so a restore reads a block straight
+        into place (direct I/O where every part is page-aligned) instead of into a row it
+        then copies from (docs/tiers.md, "Restore")."""
         files = self._opened()
         keys = codec.stored_keys(keys)
-        outs = [byte_view(v, writable=True) for v in out]
+        outs = [tuple(byte_view(v, writable=True) for v in block) for block in parts]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
         index = self._index
-        for view in outs:
-            if index.block_bytes is not None and view.nbytes != index.block_bytes:
+        for block in outs:
+            nbytes = sum(v.nbytes for v in block)
+            if index.block_bytes is not None and nbytes != index.block_bytes:
                 raise InvalidSpec(f"read buffers must be {index.block_bytes} bytes, "
-                                  f"got {view.nbytes}")
+                                  f"got {nbytes}")
         status = [0] * len(keys)
         todo = [i for i, key in enumerate(keys) if key in index.held]
         pinned = [keys[i] for i in todo]
@@ -262,7 +270,7 @@ class DiskTier(Tier):
             await self._spread(partial(files.read_many, keys, outs, status), todo, reading=True)
         finally:
             index.unpin(pinned)
-            self._note(index.after_read(keys, outs, status))
+            self._note(index.after_read(keys, index.block_bytes or 0, status))
         return [s == ReadStatus.HIT for s in status]
 
     async def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:

@@ -81,19 +81,18 @@ class DiskIndex:
             else:
                 del self.pins[key]
 
-    def after_read(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                   status: Sequence[int]) -> bool:
+    def after_read(self, keys: Sequence[bytes], block_bytes: int, status: Sequence[int]) -> bool:
         """Count a read call and drop the keys whose files are gone or corrupt; whether an
         I/O error happened."""
         c = self.counts
         failed = False
         c["reads"] += len(keys)
         hits: list[bytes] = []
-        for key, view, s in zip(keys, outs, status):
+        for key, s in zip(keys, status):
             if s == ReadStatus.HIT:
                 hits.append(key)
                 c["read_hits"] += 1
-                c["read_bytes"] += view.nbytes
+                c["read_bytes"] += block_bytes
             elif s == ReadStatus.CORRUPT:
                 c["corrupt"] += 1
                 self._drop(key)

@@ -49,6 +49,7 @@ __all__ = [
     "file_size",
     "header_span",
     "probe_direct",
+    "read_all",
     "round_up",
 ]
 
@@ -58,6 +59,8 @@ LOCK_NAME = "lock"
 
 BINARY_FLAG = getattr(os, "O_BINARY", 0)
 """``os.O_BINARY`` on Windows, else 0."""
+IOV_MAX = 1024
+"""Buffers one preadv takes at most (Linux's and macOS's IOV_MAX)."""
 
 
 class ReadStatus:
@@ -153,10 +156,10 @@ class BlockFiles:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def read_many(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
                   status: list[int], todo: deque[int]) -> None:
-        """Read ``keys[i]`` into ``outs[i]`` for each ``i`` taken from ``todo``, setting
-        ``status[i]``.
+        """Read ``keys[i]`` into the parts ``outs[i]`` for each ``i`` taken from ``todo``,
+        setting ``status[i]``.
 
         Several threads share one ``todo`` queue, so one that drew slow files does not hold
         the whole call back while the others idle. The status list is shared with the
@@ -171,15 +174,21 @@ class BlockFiles:
                 return
             status[i] = self.read_one(keys[i], outs[i])
 
-    def read_one(self, key: bytes, out: memoryview) -> int:
-        """Read and verify one block into ``out``; a ``ReadStatus``. The file I/O takes one
-        of ``read_slots``; the checksum runs after it, beside other threads' reads."""
+    def read_one(self, key: bytes, parts: Sequence[memoryview]) -> int:
+        """Read and verify one block into ``parts``, which take the payload one after
+        another (one buffer, or a host chunk's pages in portable order, so a block lands in
+        place without a copy); a ``ReadStatus``. The file I/O takes one of ``read_slots``;
+        the checksum runs after it, beside other threads' reads.
+
+        On a miss the parts may hold partial bytes: the caller counts them as not read.
+        """
         path = self.path(key)
         span = header_span(key)
-        length = out.nbytes
+        length = sum(p.nbytes for p in parts)
         size = file_size(key, length)
         direct = self.mode.on  # read once: another thread may decide it meanwhile
         flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if direct else 0)
+        bounced: memoryview | None = None  # the payload, when it could not land in place
         with self._reading:
             try:
                 fd = os.open(path, flags)
@@ -190,20 +199,20 @@ class BlockFiles:
                 return ReadStatus.ERROR
             try:
                 if not direct:
-                    head = bytearray(span)
-                    got = os.preadv(fd, [head, out], 0)
-                    head_view = memoryview(head)
-                    payload = out
-                elif aligned(out):
-                    # Direct into the caller's buffer: the header lands in the bounce buffer.
-                    head_view = self._bounce.get(span)
-                    got = os.preadv(fd, [head_view, out], 0)
-                    payload = out
+                    head = memoryview(bytearray(span))
+                    got = read_all(fd, [head, *parts])
+                    payload = list(parts)
+                elif all(aligned(p) for p in parts):
+                    # Direct into the caller's buffers: the header lands in the bounce buffer.
+                    head = self._bounce.get(span)
+                    got = read_all(fd, [head, *parts])
+                    payload = list(parts)
                 else:
                     whole = self._bounce.get(size)
-                    got = os.preadv(fd, [whole], 0)
-                    head_view = whole[:span]
-                    payload = whole[span:span + length]
+                    got = read_all(fd, [whole])
+                    head = whole[:span]
+                    bounced = whole[span:span + length]
+                    payload = [bounced]
             except OSError as exc:
                 self.last_error = exc
                 return ReadStatus.ERROR
@@ -211,12 +220,12 @@ class BlockFiles:
                 os.close(fd)
         if got < span + length:  # truncated (a longer file still verifies below)
             return self._drop(path)
-        header = codec.parse_header(head_view)
+        header = codec.parse_header(head)
         if (header is None or not header.matches(self.fingerprint) or header.key != key
-                or header.payload_len != length or codec.checksum(payload) != header.crc):
+                or header.payload_len != length or codec.checksum_parts(payload) != header.crc):
             return self._drop(path)
-        if payload is not out:
-            _copy(out, payload)
+        if bounced is not None:
+            _spread_copy(parts, bounced)
         return ReadStatus.HIT
 
     @staticmethod
@@ -383,6 +392,34 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     """``dst[:] = src`` through numpy, which copies without the GIL (a memoryview slice
     assignment holds it for the whole copy, stalling the loop and the model's thread)."""
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def _spread_copy(parts: Sequence[memoryview], src: memoryview) -> None:
+    """Copy ``src`` into ``parts`` one after another (see ``_copy``)."""
+    at = 0
+    for part in parts:
+        _copy(part, src[at:at + part.nbytes])
+        at += part.nbytes
+
+
+def read_all(fd: int, buffers: Sequence[memoryview], offset: int = 0) -> int:
+    """preadv into ``buffers`` from ``offset`` until they are full or the file ends; the
+    bytes read. A short read is continued, not taken for the end of the file (it could be
+    one on a signal or a large request), so only a truly short file reads as truncated;
+    at most ``IOV_MAX`` buffers go to one call."""
+    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    total = 0
+    while views:
+        n = os.preadv(fd, views[:IOV_MAX], offset + total)
+        if n <= 0:
+            break
+        total += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
