@@ -215,3 +215,45 @@ async def test_a_cancelled_restore_in_parts_leaks_nothing(tmp_path: Path,
         assert st.staging_free == st.staging_chunks and st.manager.pinned_keys == 0
         result = await cache.restore(keys, list(range(30, 46)))  # everything is still there
         assert result and restored_exactly(kv, keys, 30, expected)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 16])
+async def test_a_mixed_restore_in_parts_puts_every_source_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """Host, disk (in parts) and a remote tier (rows scattered into place) in one restore of
+    a reordered layout, interleaved: the remote's good bytes overwrite what a corrupt disk
+    file left in the chunk's pages, and the disk's in-place blocks are not overwritten by
+    rows never read."""
+    from aiokv import AsyncOffloadingWorker, OffloadCache
+    from tests.test_tier_disk_cache import HOST
+    from tests.test_tiers_cascade import MemTier
+
+    monkeypatch.setattr(restore_mod, "BATCH_KEYS", batch)
+    for direct in directs(tmp_path):
+        kv = reordered_kv(seed=48)
+        disk = DiskTier(tmp_path / f"direct-{direct}", capacity_bytes=1 << 26, direct=direct)
+        remote = MemTier(remote=True)
+        async with AsyncOffloadingWorker(kv.kv, num_cpu_chunks=HOST + 9) as worker:
+            async with OffloadCache(worker, policy="lru", tiers=[disk, remote],
+                                    staging_chunks=9) as cache:
+                assert not cache._cascade.pages.identity  # type: ignore[union-attr]
+                expected = await offload_generations(kv, cache, 16)  # k0..k11 on disk, k12.. host
+                remote.values.clear()
+                for name in ("k2", "k5", "k6", "k9"):  # on the remote only; disk files corrupt
+                    tk = codec.key_bytes(name)
+                    buf = bytearray(cache._cascade.block_bytes)  # type: ignore[union-attr]
+                    assert await disk.read([tk], [memoryview(buf)]) == [True]
+                    remote.values[tk] = bytes(buf)
+                    victim = disk._opened().path(tk)
+                    raw = bytearray(Path(victim).read_bytes())
+                    for at in range(ALIGN, len(raw) - ALIGN, 997):
+                        raw[at] ^= 0x5A
+                    Path(victim).write_bytes(raw)
+                keys = ["k0", "k12", "k2", "k3", "k13", "k5", "k6", "k1", "k14", "k9", "k4",
+                        "k10", "k15", "k7"]
+                result = await cache.restore(keys, list(range(30, 30 + len(keys))))
+                assert result and result.restored == len(keys)
+                assert restored_exactly(kv, keys, 30, expected)
+                assert disk.statistics().corrupt == 4 and remote.reads >= 4
+                st = cache.stats()
+                assert st.staging_free == st.staging_chunks and st.manager.pinned_keys == 0
