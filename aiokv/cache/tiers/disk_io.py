@@ -414,12 +414,17 @@ def read_all(fd: int, buffers: Sequence[memoryview], offset: int = 0) -> int:
         if n <= 0:
             break
         total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from ``views`` (what a vectored read or write moved)."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
 
 
 def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
@@ -431,8 +436,4 @@ def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
         if n <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
