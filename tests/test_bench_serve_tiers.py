@@ -131,7 +131,10 @@ def test_the_tier_section_has_every_figure_the_targets_read(tier_run: tuple[int,
         dropped = tiers[f"blocks dropped on the way down, {arm} arm"]
         assert dropped["value"] == 0 and dropped["extra"]["written"] > 0  # room at this pace
         assert dropped["target"] == ["<=", 0] and dropped["target_met"]
-        assert tiers[f"host hits, {arm} arm / host arm"]["target"] == ["<=", 1.1]
+        ttft = tiers[f"host hits, {arm} arm / host arm"]
+        assert ttft["target"] == ["<=", 1.1]
+        service = tiers[f"host hits' service, {arm} arm / host arm"]
+        assert service["value"] > 0 and service["extra"]["n"] == ttft["extra"]["n"]
         restore = tiers[f"restore / tier ceiling, {arm} arm"]
         assert restore["value"] > 0 and restore["extra"]["ceiling_gbps"] > 0
         assert restore["extra"]["tier_bytes"] > 0
@@ -177,3 +180,30 @@ def test_the_restore_figure_holds_host_bytes_to_the_load_ceiling_not_the_tiers()
     assert row.value == pytest.approx(at_ceilings / 2.048e-3)  # 0.58
     assert row.target_met is False
     assert row.extra["gbps"] == pytest.approx(1.024e6 / 2.048e-3 / 1e9)  # the tier's bytes: 0.5 GB/s
+
+
+def test_host_hits_queued_behind_tier_hits_show_in_ttft_not_in_service() -> None:
+    """The same two host hits, served in 40 ms in both arms, but queued 200 ms behind the
+    disk arm's slower tier hits: the TTFT ratio counts the queue (6x), the service ratio
+    (the server's start on them to their first token) reads 1.0, and each arm's queue wait
+    is in its extra."""
+    from aiokv.bench.serve.arms import ArmResult
+    from aiokv.bench.serve.report import Ceilings
+    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.tier_rows import tier_rows
+
+    ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)
+
+    def hits(queue: float) -> list[Served]:
+        return [Served(i, 1_000, 512, arrival=i, start=i + queue, first_token=i + queue + 0.04, token=1,
+                       host_tokens=512) for i in range(2)]
+
+    host = ArmResult("host", hits(0.0), 0)
+    disk = ArmResult("disk", hits(0.2), 0, disk_ceiling=1.0, ceiling_name="plain reads")
+    rows = {r.name: r for r in tier_rows({"host": host, "disk": disk}, ceil)}
+    assert rows["host hits, disk arm / host arm"].value == pytest.approx(6.0)
+    service = rows["host hits' service, disk arm / host arm"]
+    assert service.value == pytest.approx(1.0)
+    assert service.extra["n"] == 2
+    assert service.extra["queue_p50_ms"] == pytest.approx(200.0)
+    assert service.extra["host_queue_p50_ms"] == pytest.approx(0.0)
