@@ -7,6 +7,7 @@ page lands in the host pool is ``host_layout.HostLayout``'s to say.
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +139,14 @@ class IdPlan(CopyPlan):
 
 
 def _as_ids(ids: Any, what: str) -> np.ndarray:
+    if type(ids) in (list, tuple) and ids and type(ids[0]) is not bool:
+        # A list of ints read as C int64s: half of numpy's time, which first works out
+        # the list's type. Floats, ids past int64 or anything else raise here, and a list
+        # of bools is left alone: those go the checked way below, whose errors it keeps.
+        try:
+            return np.array(array.array("q", ids), dtype=np.int64)
+        except (TypeError, OverflowError, ValueError):
+            pass
     try:
         arr = np.asarray(ids)
     except Exception as exc:  # pragma: no cover - numpy raises many types here

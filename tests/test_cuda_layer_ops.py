@@ -250,3 +250,45 @@ def test_a_loads_submit_enqueues_layers_until_the_copy_engine_is_fed() -> None:
     assert head_layers(Costs(60.0), [64 << 20] * 32) == 4  # type: ignore[arg-type]
     assert head_layers(Costs(1640.0), [64 << 20] * 32) == 1  # type: ignore[arg-type]
     assert head_layers(Costs(60.0), [1 << 20] * 32) == 6  # type: ignore[arg-type]  # capped at 400 us
+
+
+@settings(max_examples=80, deadline=None)
+@given(to_host=st.booleans(), min_height=st.integers(2, 5),
+       max_pitch=st.sampled_from([1 << 20, 600, 300, 40]),
+       n=st.integers(0, 40), seed=st.integers(0, 1 << 30), runs=st.booleans(), by_host=st.booleans())
+def test_the_one_kind_fold_gives_the_general_folds_ops(to_host: bool, min_height: int, max_pitch: int, n: int,
+                                                       seed: int, runs: bool, by_host: bool) -> None:
+    """``IdFolder``'s shortcut for one group of one kind (the common layout) against its
+    general fold: the same ops, dtypes and cut points, for random and run-made ids,
+    repeated chunks, and pitch limits that refuse some or every link."""
+    kv = setup(1, 0)[1]
+    layout = HostLayout.build(kv, 1)
+    lmap = LayerMap.build(kv, layout)
+    rng = np.random.default_rng(seed)
+    chunks = rng.permutation(NUM_CHUNKS)[:min(n, NUM_CHUNKS)]
+    n = chunks.size
+    if runs and n:
+        chunks = np.sort(chunks)
+        gpu = (np.arange(n) + rng.integers(0, 3, n).cumsum()) % BLOCKS
+        gpu = np.unique(gpu)
+        chunks = chunks[:gpu.size]
+    else:
+        gpu = rng.permutation(BLOCKS)[:n]
+    if not to_host and gpu.size > 2:
+        chunks[-1] = chunks[0]  # a load may read a chunk twice
+    m = map_blocks(gpu.tolist(), chunks.tolist(), layout=layout, num_chunks=NUM_CHUNKS, unique_host=to_host,
+                   unique_gpu=not to_host)
+    if not by_host:
+        m = type(m)(m.gpu_blocks, m.host_slots)
+    base = np.array([(1 << 24) * (i + 1) for i in range(len(kv.tensors))], dtype=np.int64)
+    folder = layer_ops.IdFolder(layout, lmap, base, 1 << 40, to_host=to_host, max_pitch=max_pitch,
+                                min_height=min_height)
+    assert folder.usable and folder._one is not None
+    fast = folder.fold(m)
+    folder._one = None
+    slow = folder.fold(m)
+    assert same_ops(fast, slow)
+    for x, y in ((fast.dst, slow.dst), (fast.sizes, slow.sizes), (fast.bounds, slow.bounds),
+                 (fast.pbounds, slow.pbounds), (fast.pitched.dst, slow.pitched.dst),
+                 (fast.pitched.width, slow.pitched.width), (fast.pitched.height, slow.pitched.height)):
+        assert x.dtype == y.dtype

@@ -18,7 +18,7 @@ from ...layer_plan import LayerPlan
 from ...specs import Direction
 from .driver import Driver
 from .issuer import Issuer
-from .layer_ops import US_PER_CALL, IdFolder, LayerOps, fold_layers, prefer_staged, worth_staging
+from .layer_ops import US_PER_CALL, IdFolder, LayerOps, fold_layers, may_stage, prefer_staged, worth_staging
 from .layer_staging import LayerStaging, TorchSlot
 from .pieces import PieceKernel
 from .program import Recorder
@@ -87,6 +87,8 @@ def layer_ops(lane: LayerLane, plan: LayerPlan) -> LayerOps:
     if not pitched:
         return ops
     ops = ops.with_packed(drv.pitched_ops)
+    if not may_stage(ops):  # no layer's enqueue is long enough to matter: no bytes to count
+        return ops
     nbytes = plan.layer_bytes()
     staging = _staging(lane, plan) if worth_staging(ops, nbytes) else None
     if staging is not None:

@@ -34,7 +34,7 @@ from ...plan import BlockMapping
 __all__ = ["MIN_LAYER_PITCHED_HEIGHT", "STAGE_ABOVE_COPY", "STAGE_ABOVE_US", "STAGE_COPY_GBPS", "IdFolder",
            "LayerOps", "PitchedRows", "fold_ids",
            "fold_layers",
-           "prefer_staged", "worth_staging"]
+           "may_stage", "prefer_staged", "worth_staging"]
 
 # A pitched op costs the driver several descriptors' worth of host time, so a run shorter
 # than this goes as plain descriptors (docs/layerwise.md, "Few descriptors a layer").
@@ -147,6 +147,23 @@ def prefer_staged(direct: LayerOps, staged: Any, layer_bytes: np.ndarray) -> boo
     return bool(2 * float(np.max(staged.costs_us())) <= worst)
 
 
+def may_stage(direct: LayerOps) -> bool:
+    """Whether some layer's enqueue straight to its pages takes over ``STAGE_ABOVE_US``:
+    where none does, ``worth_staging`` is False whatever the bytes (a cheap test first)."""
+    if direct.num_layers <= 0:
+        return False
+    if direct.staged is None:  # a layer's cost is at most its calls' and its ops' (no diffs of costs)
+        calls, b, pb = US_PER_CALL * 3, direct.bounds, direct.pbounds
+        if calls + US_PER_DESCRIPTOR * int(b[-1] - b[0]) + US_PER_PITCHED_OP * int(pb[-1] - pb[0]) \
+                <= STAGE_ABOVE_US:
+            return False
+        most = (calls + US_PER_DESCRIPTOR * int((b[1:] - b[:-1]).max())
+                + US_PER_PITCHED_OP * int((pb[1:] - pb[:-1]).max()))
+        if most <= STAGE_ABOVE_US:
+            return False
+    return bool(float(direct.costs_us().max()) > STAGE_ABOVE_US)
+
+
 def worth_staging(direct: LayerOps, layer_bytes: np.ndarray) -> bool:
     """Whether to plan the slot at all (it takes memory on first use)."""
     return bool(_outpaced(direct, layer_bytes).any())
@@ -246,9 +263,21 @@ class IdFolder:
                               (int(host_base) + offset[refs])[:, None]))
             self.kinds.append(kinds)
         self.sort = sum(len(k) for k in self.kinds) > 1  # else the ops come out in order
+        # The common layout, one group and one kind (``_fold_one``): the kind's refs before
+        # each layer (a job's per-layer cut points are these times its runs), and the range
+        # of id steps that make a link, as bounds on the steps themselves.
+        self._one: tuple[Any, ...] | None = None
+        if (self.usable and layout.num_groups == 1 and len(self.kinds[0]) == 1 and self.kinds[0][0][0] > 0
+                and self.kinds[0][0][1] > 0):
+            s_, p_, layer = self.kinds[0][0][:3]
+            before = np.searchsorted(layer, np.arange(self.num_layers + 1, dtype=np.int64), side="left")
+            self._one = (before.astype(np.int64), -(-p_ // s_), max_pitch // s_, -(-p_ // cb),
+                         max_pitch // cb)
 
     def fold(self, mapping: BlockMapping) -> LayerOps:
         """The job's ops (``usable`` layouts only)."""
+        if self._one is not None and len(mapping.gpu_blocks) == 1:
+            return self._fold_one(mapping)
         cb, max_pitch, min_height = self.chunk_bytes, self.max_pitch, self.min_height
         pitched: list[tuple[np.ndarray, ...]] = []  # layer, tensor, dev, dpitch, host, hpitch, width, height
         plain: list[tuple[np.ndarray, ...]] = []  # layer, tensor, dev, host, size
@@ -291,6 +320,68 @@ class IdFolder:
             dst, src, rows = _u64(ddev), _u64(dhost), PitchedRows(pdev, pdp, phost, php, pw, ph)
         return LayerOps(dst, src, _u64(ds), _layer_bounds(dl, self.num_layers), rows,
                         _layer_bounds(pl, self.num_layers))
+
+    def _fold_one(self, mapping: BlockMapping) -> LayerOps:
+        """``fold`` of one group of one kind, in fewer numpy calls (the same ops): a step
+        ``db`` of block ids links where ``p <= s * db <= max_pitch``, that is ``db`` in
+        ``[ceil(p / s), max_pitch // s]`` (one unsigned compare), likewise the chunk steps;
+        the ops come out ref-major, so in layer order, and each layer's cut points are its
+        refs before it times the job's runs."""
+        cb, min_height = self.chunk_bytes, self.min_height
+        assert self._one is not None
+        before, lo_b, hi_b, lo_c, hi_c = self._one
+        s_, p_, _layer, _tensor, base, host = self.kinds[0][0]
+        refs = int(before[-1])
+        blocks = mapping.gpu_blocks[0]
+        n = int(blocks.size)
+        if mapping.by_host is not None:  # sorted by the planner already
+            b, c = (np.asarray(x, dtype=np.int64) for x in mapping.by_host)
+        else:
+            order = np.argsort(mapping.host_slots[0], kind="stable")
+            b = np.asarray(blocks, dtype=np.int64)[order]
+            c = np.asarray(mapping.host_slots[0], dtype=np.int64)[order]
+        empty = np.zeros(0, dtype=np.int64)
+        pbounds = bounds = np.zeros(self.num_layers + 1, dtype=np.int64)
+        rows = PitchedRows(empty, empty, empty, empty, empty, empty)
+        dst = src = sizes = empty.view(np.uint64)
+        if n:
+            # numpy's C calls only (np.diff, np.append, np.flatnonzero are Python around them)
+            db, dc = b[1:] - b[:-1], c[1:] - c[:-1]
+            if hi_b >= lo_b and hi_c >= lo_c:
+                valid = (((db - lo_b).view(np.uint64) <= hi_b - lo_b)
+                         & ((dc - lo_c).view(np.uint64) <= hi_c - lo_c))
+            else:
+                valid = np.zeros(n - 1, dtype=bool)
+            link = valid.copy()
+            link[1:] &= ~valid[:-1] | ((db[1:] == db[:-1]) & (dc[1:] == dc[:-1]))
+            starts = np.concatenate((_ZERO, (~link).nonzero()[0] + 1))
+            heights = np.concatenate((starts[1:], (n,))) - starts
+            tall = heights >= min_height
+            m = int(np.count_nonzero(tall))
+            if m:
+                first = starts[tall]  # a tall run's first step is its pitch: db[first]
+                bf, cf = b[first], c[first]
+                dev, pool = (base + s_ * bf).ravel(), (host + cb * cf).ravel()
+                per = np.empty((4, refs, m), dtype=np.int64)  # each run's, once a ref
+                per[0] = s_ * db[first]
+                per[1] = cb * dc[first]
+                per[2] = p_
+                per[3] = heights[tall]
+                pdp, php, pw, ph = (x.ravel() for x in per)
+                rows = (PitchedRows(pool, php, dev, pdp, pw, ph) if self.to_host
+                        else PitchedRows(dev, pdp, pool, php, pw, ph))
+                pbounds = before * m
+            if m < starts.size:
+                short = np.repeat(~tall, heights).nonzero()[0]
+                k = short.size
+                ddev, dhost = (base + s_ * b[short]).ravel(), (host + cb * c[short]).ravel()
+                dst, src = (_u64(dhost), _u64(ddev)) if self.to_host else (_u64(ddev), _u64(dhost))
+                sizes = _u64(np.full(refs * k, p_))
+                bounds = before * k
+        return LayerOps(dst, src, sizes, bounds, rows, pbounds)
+
+
+_ZERO = np.zeros(1, dtype=np.int64)
 
 
 def _joined(parts: list[tuple[np.ndarray, ...]], width: int, sort: bool) -> list[np.ndarray]:

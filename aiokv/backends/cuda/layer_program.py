@@ -80,37 +80,63 @@ def copy_rows(rows: Rows, ops: LayerOps, layers: Sequence[int], events: Sequence
     if len(layers) == 1:
         _one_layer(rows, ops, int(layers[0]), events, stream, to_host, sliced)
         return
-    these = np.asarray(layers, dtype=np.int64)
-    nl = int(these.size)
+    nl = len(layers)
     if not nl:
         return
     assert not sliced, "a sliced program moves one layer"
-    plo, phi = ops.pbounds[these], ops.pbounds[these + 1]
-    lo, hi = ops.bounds[these], ops.bounds[these + 1]
-    counts_p, counts_d = phi - plo, hi - lo
-    block = np.zeros((nl, 3, WORDS), dtype=np.uint64)
-    if ops.packed is not None and counts_p.any():
+    if nl == ops.num_layers and list(layers) == list(range(nl)):  # a whole load: slices, no gathers
+        these: Any = range(nl)
+        plo, phi = ops.pbounds[:-1], ops.pbounds[1:]
+        lo, hi = ops.bounds[:-1], ops.bounds[1:]
+    else:
+        these = np.asarray(layers, dtype=np.int64)
+        plo, phi = ops.pbounds[these], ops.pbounds[these + 1]
+        lo, hi = ops.bounds[these], ops.bounds[these + 1]
+    counts_p, counts_d = phi - plo, hi - lo  # never negative: a max and a min tell any and all
+    any_p, any_d = int(counts_p.max()) > 0, int(counts_d.max()) > 0
+    # Every layer with the same calls (the usual case): each layer's rows side by side, no
+    # row to drop; else a row a call slot, the empty ones dropped.
+    pitched = ops.packed is not None and any_p
+    uniform = (pitched == any_p and (not any_p or int(counts_p.min()) > 0)
+               and (not any_d or int(counts_d.min()) > 0))
+    if uniform:
+        slots = [0] * pitched + [1] * any_d + [2]
+        at_ = {k: i for i, k in enumerate(slots)}
+        block = np.zeros((nl, len(slots), WORDS), dtype=np.uint64)
+    else:
+        at_ = {0: 0, 1: 1, 2: 2}
+        block = np.zeros((nl, 3, WORDS), dtype=np.uint64)
+    if pitched:
         buf = len(rows.buffers)
         rows.buffers.append(ops.packed)
-        block[:, 0, :3] = (OP_PITCHED, stream, buf)
-        block[:, 0, 3] = counts_p
-        block[:, 0, 4] = plo
-    if counts_d.any():
+        row = block[:, at_[0]]
+        row[:, :3] = (OP_PITCHED, stream, buf)
+        row[:, 3] = counts_p
+        row[:, 4] = plo
+    if any_d:
         buf = len(rows.buffers)
         rows.buffers.extend((ops.dst, ops.src, ops.sizes))
-        block[:, 1, :5] = (OP_BATCH, stream, buf, buf + 1, buf + 2)
-        block[:, 1, 5] = counts_d
-        block[:, 1, 6] = batch_flags(True, to_host)
-        block[:, 1, 7] = lo
-    block[:, 2, 0] = OP_RECORD
-    block[:, 2, 1] = [int(events[int(layer)]) for layer in these]
-    block[:, 2, 2] = stream
+        row = block[:, at_[1]]
+        row[:, :5] = (OP_BATCH, stream, buf, buf + 1, buf + 2)
+        row[:, 5] = counts_d
+        row[:, 6] = batch_flags(True, to_host)
+        row[:, 7] = lo
+    row = block[:, at_[2]]
+    row[:, 0] = OP_RECORD
+    row[:, 1] = [int(events[layer]) for layer in layers]
+    row[:, 2] = stream
+    if uniform:
+        k = block.shape[1]
+        at = rows.extend(block.reshape(-1, WORDS))
+        keys = list(these) if isinstance(these, range) else these.tolist()
+        rows.records.update(zip(keys, range(at + k - 1, at + k * nl, k)))
+        return
     keep = np.ones((nl, 3), dtype=bool)
     keep[:, 0] = counts_p > 0
     keep[:, 1] = counts_d > 0
     at = rows.extend(block[keep])
     ends = at + np.cumsum(keep.sum(axis=1)) - 1
-    rows.records.update(zip(these.tolist(), ends.tolist()))
+    rows.records.update(zip(np.asarray(these).tolist(), ends.tolist()))
 
 
 def _one_layer(rows: Rows, ops: LayerOps, layer: int, events: Sequence[Any], stream: int, to_host: bool,

@@ -100,6 +100,8 @@ class CudaLayerRun(StorePushes, LoadIssue, LayerRun):
             if store:
                 self._spans = [drv.take_job_events() for _ in range(n)]
                 self._events = [span.stop for span in self._spans]
+            elif self._held is None and hasattr(drv, "take_sync_events"):
+                self._events = drv.take_sync_events(n)
             else:
                 self._events = [take() for _ in range(n)]
             if self._held is not None:

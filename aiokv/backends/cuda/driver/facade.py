@@ -180,6 +180,18 @@ class Driver(BatchCopies):
                 return self._sync_pool.pop()
         return self.create_event()
 
+    def take_sync_events(self, n: int) -> list[Any]:
+        """``n`` calls of ``take_sync_event`` under one hold of the pool's lock: the same
+        events in the same order (a layerwise job takes one a layer)."""
+        with self._pool_lock:
+            pool = self._sync_pool
+            k = min(n, len(pool))
+            out = pool[len(pool) - k:][::-1]
+            del pool[len(pool) - k:]
+        while len(out) < n:
+            out.append(self.create_event())
+        return out
+
     def give_sync_event(self, event: Any) -> None:
         with self._pool_lock:
             self._sync_pool.append(event)
