@@ -19,9 +19,10 @@ from aiokv.bench.serve.measure import Device, Launched, Prepared
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
 from aiokv.bench.serve.overlap import forward_start_rows
 from aiokv.bench.serve.pool import BlockPool
-from aiokv.bench.serve.runner import ModelThread, ModelThreadClosed
+from aiokv.bench.serve.runner import ModelThread
 from aiokv.bench.serve.server import Served, Server
 from aiokv.bench.serve.workload import prefix_workload
+from aiokv.errors import UsageError
 
 VOCAB = 97
 HANG = 30.0  # seconds a test waits on a thread before it calls the thread stuck
@@ -118,7 +119,7 @@ async def test_a_failing_forward_fails_its_request_and_the_thread_serves_on() ->
 @pytest.mark.anyio
 async def test_closing_with_forwards_queued_ends_the_thread() -> None:
     """The forward running ends (its result delivered); the queued ones fail with
-    ``ModelThreadClosed`` instead of running; nothing is handed over after."""
+    ``UsageError`` instead of running; nothing is handed over after."""
     model = _recorder(4)
     model.hold[0] = threading.Event()
     model.began[0] = threading.Event()
@@ -128,7 +129,8 @@ async def test_closing_with_forwards_queued_ends_the_thread() -> None:
     async def one(i: int) -> None:
         try:
             got[i] = await _prefill(runner, model, i)
-        except ModelThreadClosed:
+        except UsageError as exc:
+            assert "closed" in str(exc)
             got[i] = "closed"
 
     async with anyio.create_task_group() as tg:
@@ -144,7 +146,7 @@ async def test_closing_with_forwards_queued_ends_the_thread() -> None:
     assert not runner.running
     assert got == {0: model.answers[0], 1: "closed", 2: "closed", 3: "closed"}
     assert model.order == [0]
-    with pytest.raises(ModelThreadClosed):
+    with pytest.raises(UsageError, match="is closed"):
         await _prefill(runner, model, 1)
     await runner.aclose()  # twice is fine
 

@@ -30,18 +30,15 @@ import anyio
 import numpy as np
 import torch
 
+from ...errors import UsageError
 from ...loops import LoopEvent, loop_event, loop_library
 from .measure import Device, Gate, Launched, Prepared
 from .model import LlamaModel
 
-__all__ = ["ModelThread", "ModelThreadClosed", "Prefilled"]
+__all__ = ["ModelThread", "Prefilled"]
 
 PARK_S = 0.02
 """The longest the loop's thread stays parked on a hand-over (a bound, not a timing)."""
-
-
-class ModelThreadClosed(RuntimeError):
-    """A forward handed to a model thread that closed before it began."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class _Forward:
 
 class ModelThread:
     """One server's model thread (module docs). ``prefill`` from the loop's thread;
-    ``aclose`` stops it: forwards queued but not begun fail with ``ModelThreadClosed``,
+    ``aclose`` stops it: forwards queued but not begun fail with ``UsageError`` (closed),
     the one running ends first. Started on the first forward."""
 
     def __init__(self, device: Device, name: str = "aiokv-model") -> None:
@@ -103,9 +100,9 @@ class ModelThread:
                       after_layer: Gate | None = None, prepared: Prepared | None = None) -> Prefilled:
         """``Device.prefill_sync`` on the model thread, after the forwards handed over before
         it; the loop is free meanwhile, but for the park (module docs). Raises what the
-        forward raised, or ``ModelThreadClosed``."""
+        forward raised, or ``UsageError`` (closed)."""
         if self._closed:
-            raise ModelThreadClosed(f"{self.name} is closed")
+            raise UsageError(f"{self.name} is closed")
         if not self._threads:
             self._start()
         device = self.device
@@ -167,7 +164,7 @@ class ModelThread:
             while (fwd := self._forwards.get()) is not None:
                 fwd.began = time.perf_counter()
                 if self._closed or fwd.cancelled:
-                    fwd.error = ModelThreadClosed(f"{self.name} closed before this forward began")
+                    fwd.error = UsageError(f"{self.name} closed before this forward began")
                 else:
                     try:
                         fwd.launched = fwd.launch()
