@@ -12,6 +12,7 @@ import torch
 from aiokv import AsyncOffloadingWorker, CanonicalKVCaches, LayerTimeline, WorkerOptions
 from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel
+from aiokv.bench.serve.runner import ModelThread
 from aiokv.bench.serve.sources import LayerwiseSource
 
 # Events time the device to about half a microsecond.
@@ -56,9 +57,12 @@ async def layerwise_prefill(model: LlamaModel, kv: Sequence[torch.Tensor], devic
         got = planned.restored
         prepared = device.prepare(model, prompt[cached:], cached, dst)
         gate = planned.submit()
-        token, _ = await device.prefill(model, prompt[cached:], cached, dst, kv, gate=gate, prepared=prepared)
+        async with ModelThread(device) as runner:
+            ran = await runner.prefill(model, prompt[cached:], cached, dst, kv, gate=gate, prepared=prepared)
+        token = ran.token
         assert got.host == cached_blocks and got.submit_s > 0
         assert got.forward_start_s is not None and got.forward_start_s >= got.submit_s
+        assert got.submitted_at + got.submit_s <= ran.began <= got.submitted_at + got.forward_start_s
         assert got.take_stalls is not None and len(got.take_stalls()) == len(kv) and not got.failed
         assert got.end is not None and await got.end()
         assert got.timeline is not None

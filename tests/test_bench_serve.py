@@ -393,8 +393,8 @@ async def test_a_failed_layerwise_load_is_recomputed(tmp_path: Path) -> None:
     kv = model.new_kv_cache(16)
     expected = int(model.prefill(req.tokens, 0, list(range(5)), model.new_kv_cache(16)).argmax())
     source = _FailingLoad()
-    server = Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source)
-    [served] = await server.serve([req])
+    async with Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source) as server:
+        [served] = await server.serve([req])
     assert source.gated == [0, 1]  # the forward gated each layer, then the load failed
     assert served.host_tokens == 0 and served.recomputed == 64 and served.computed == len(req.tokens)
     assert served.token == expected
@@ -467,8 +467,8 @@ async def test_a_layerwise_load_is_submitted_between_the_inputs_and_the_forward(
         return real_prepare(*args, **kwargs)
 
     model.prepare = prepare  # type: ignore[method-assign]
-    server = Server(model, model.new_kv_cache(16), Device("cpu"), pool, source=source)
-    [served] = await server.serve([req])
+    async with Server(model, model.new_kv_cache(16), Device("cpu"), pool, source=source) as server:
+        [served] = await server.serve([req])
     loop_thread = threading.get_ident()
     names = [e[0] for e in source.events]
     assert names == ["prepare", "submit", "gate 0", "gate 1"]
@@ -504,9 +504,9 @@ async def test_a_planned_load_is_unpinned_when_the_inputs_fail_to_prepare() -> N
             raise RuntimeError("no inputs")
 
         model.prepare = prepare  # type: ignore[method-assign]
-        server = Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source)
-        with pytest.raises(BaseException) as caught:
-            await server.serve([req])
+        async with Server(model, kv, Device("cpu"), BlockPool(16, caching=True), source=source) as server:
+            with pytest.raises(BaseException) as caught:
+                await server.serve([req])
         assert caught.group_contains(RuntimeError, match="no inputs")
         assert source.manager.stats().pinned_keys == 0
 

@@ -57,6 +57,37 @@ async def test_8b_layers_decode_from_restored_kv_token_for_token(tmp_path: Path)
 
 
 @pytest.mark.anyio
+async def test_the_model_thread_launches_queued_forwards_and_times_each_on_the_device() -> None:
+    """Forwards handed to a server's model thread at once (the launcher does not wait for
+    an end; its waiter thread does, in launch order): each gives the token of the same
+    prefill run alone and a device time, and they began in the order handed over."""
+    import anyio
+
+    from aiokv.bench.serve.runner import ModelThread
+
+    model = LlamaModel(ModelConfig.llama3_8b(2), device="cuda", dtype=torch.bfloat16, seed=6)
+    kv = model.new_kv_cache(128)
+    device = Device("cuda")
+    gen = np.random.default_rng(6)
+    prompts = [gen.integers(0, model.config.vocab, 200 + 37 * i) for i in range(5)]
+    tables = [list(range(24 * i, 24 * i + 24)) for i in range(5)]  # 24 blocks hold 384 tokens
+    alone = [device.prefill_sync(model, p, 0, t, kv) for p, t in zip(prompts, tables)]
+    got: dict[int, object] = {}
+    handed: list[int] = []
+    async with ModelThread(device) as runner:
+        async def one(i: int) -> None:
+            handed.append(i)  # the hand-over is synchronous up to the first await
+            got[i] = await runner.prefill(model, prompts[i], 0, tables[i], kv)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(one, i)
+    assert [got[i].token for i in range(5)] == [t for t, _ in alone]  # type: ignore[attr-defined]
+    began = [got[i].began for i in handed]  # type: ignore[attr-defined]
+    assert began == sorted(began) and all(got[i].seconds > 0 for i in range(5))  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
 async def test_layerwise_loads_gate_the_prefill_on_the_device() -> None:
     """A prefix stored through the layerwise source comes back with one layerwise load
     whose layers the forward gates on its stream (no host wait): the same bytes, the same

@@ -119,6 +119,7 @@ async def open_arms(cfg: ServeConfig, model: LlamaModel, kv: dict[str, list[torc
         pool = BlockPool(cfg.gpu_blocks, caching=name in CACHING)
         server = Server(model, kv[name], device, pool, progress=progress,
                         oracle={} if name == "oracle" else None, epoch=epoch)
+        stack.push_async_callback(server.aclose)  # its model thread ends with the arms, always
         arm = arms[name] = Arm(name, server)
         if name not in ("host", "layerwise", "disk", "redis"):
             continue

@@ -1,9 +1,9 @@
-"""What the serve bench times with: the model's prefill off the loop, the same-run ceilings
+"""What the serve bench times with: a prefill's launch and end, the same-run ceilings
 (a contiguous copy of KV bytes, a GEMM for the FLOP peak) and a prefill-time calibration.
 
-On CUDA a prefill is timed with CUDA events around its kernels and waited for with the
-end event's ``synchronize`` in a worker thread, so the event loop keeps serving copies'
-completions meanwhile; on the CPU the prefill itself runs in that thread.
+On CUDA a prefill is timed with CUDA events around its kernels: ``Device.launch`` enqueues
+them, ``Device.finish`` waits for the end event (the server's model thread does the one,
+its waiter thread the other: ``runner.ModelThread``); on the CPU the launch is the forward.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import anyio.to_thread
 import numpy as np
 import torch
 
 from .model import LlamaModel, PrefillInputs
 
-__all__ = ["Device", "PrefillFit", "Prepared", "load_ceiling", "peak_flops"]
+__all__ = ["Device", "Launched", "PrefillFit", "Prepared", "load_ceiling", "peak_flops"]
 
 Gate = Callable[[int], object]
 """Called before layer ``i`` reads the cached prefix (``LlamaModel.prefill``)."""
@@ -53,6 +52,38 @@ class Device:
         inputs = model.prepare(tokens, start, table)
         return Prepared(inputs, seconds=time.perf_counter() - t0)
 
+    def launch(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
+               kv: Sequence[torch.Tensor], gate: Gate | None = None, after_layer: Gate | None = None,
+               prepared: Prepared | None = None) -> Launched:
+        """Start one prefill: on CUDA its kernels are enqueued between two timing events and
+        this returns without waiting for them; on the CPU the forward is the work, and it is
+        done when this returns (``finish`` says what the arguments mean)."""
+        if self.kind == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
+            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+            end.record()
+            return Launched(token, prepared, marks=(begin, end))
+        t0 = time.perf_counter()
+        inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
+        token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
+        return Launched(token, prepared, seconds=time.perf_counter() - t0)
+
+    def finish(self, launched: Launched) -> tuple[int, float]:
+        """Wait for a launched prefill's end (on CUDA its end event: the thread blocks, not
+        the device) and return ``prefill_sync``'s (token, seconds)."""
+        prepared = launched.prepared
+        if launched.marks is not None:
+            begin, end = launched.marks
+            end.synchronize()
+            spent = begin.elapsed_time(end)
+            if prepared is not None and prepared.marks is not None:
+                spent += prepared.marks[0].elapsed_time(prepared.marks[1])
+            return int(launched.token.item()), spent / 1e3
+        spent = launched.seconds + (prepared.seconds if prepared is not None else 0.0)
+        return int(launched.token.item()), spent
+
     def prefill_sync(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
                      kv: Sequence[torch.Tensor], gate: Gate | None = None,
                      after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
@@ -61,29 +92,7 @@ class Device:
         ``after_layer``: ``LlamaModel.prefill``'s. With ``prepared`` (``prepare``'s, for
         these tokens and table) only the forward runs here, and the seconds are the
         preparation's and the forward's, not the time between them (a submit's)."""
-        if self.kind == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
-            token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
-            end.record()
-            end.synchronize()
-            spent = begin.elapsed_time(end)
-            if prepared is not None and prepared.marks is not None:
-                spent += prepared.marks[0].elapsed_time(prepared.marks[1])
-            return int(token.item()), spent / 1e3
-        t0 = time.perf_counter()
-        inputs = prepared.inputs if prepared is not None else model.prepare(tokens, start, table)
-        token = model.forward(inputs, kv, gate=gate, after_layer=after_layer).argmax()
-        spent = time.perf_counter() - t0 + (prepared.seconds if prepared is not None else 0.0)
-        return int(token.item()), spent
-
-    async def prefill(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int],
-                      kv: Sequence[torch.Tensor], *, gate: Gate | None = None,
-                      after_layer: Gate | None = None, prepared: Prepared | None = None) -> tuple[int, float]:
-        """``prefill_sync`` in a worker thread: the loop stays free while the model runs."""
-        return await anyio.to_thread.run_sync(self.prefill_sync, model, tokens, start, table, kv, gate,
-                                              after_layer, prepared)
+        return self.finish(self.launch(model, tokens, start, table, kv, gate, after_layer, prepared))
 
 
 @dataclass
@@ -92,6 +101,17 @@ class Prepared:
     host seconds on the CPU."""
 
     inputs: PrefillInputs
+    marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Launched:
+    """A prefill ``Device.launch`` started: its token (a device tensor), and its timing
+    events on CUDA or the forward's host seconds on the CPU."""
+
+    token: torch.Tensor
+    prepared: Prepared | None
     marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     seconds: float = 0.0
 

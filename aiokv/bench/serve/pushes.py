@@ -24,6 +24,7 @@ from ...worker import AsyncOffloadingWorker
 from ..report import BenchRow
 from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
+from .runner import ModelThread
 
 __all__ = ["push_rows"]
 
@@ -60,19 +61,20 @@ async def push_rows(model: LlamaModel, kv: Sequence[torch.Tensor], device: Devic
 
         return call
 
-    async with AsyncOffloadingWorker(layout, num_cpu_chunks=len(stored), backend=device.kind) as worker:
-        await device.prefill(model, tokens[cached:], cached, table, kv)  # warm-up
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=len(stored), backend=device.kind) as worker, \
+            ModelThread(device) as runner:  # the forwards run as the arms' do
+        await runner.prefill(model, tokens[cached:], cached, table, kv)  # warm-up
         for rep in range(2 * pairs):
             push = (rep % 4) in (0, 3)  # with, without, without, with, ...
             fut = None
             if push:
                 fut = worker.submit_store(next(ids), GPULoadStoreSpec(stored),
                                           CPULoadStoreSpec(range(len(stored))), layerwise=True)
-            _, seconds = await device.prefill(model, tokens[cached:], cached, table, kv,
-                                              after_layer=timed(fut.push) if fut is not None else None)
+            ran = await runner.prefill(model, tokens[cached:], cached, table, kv,
+                                       after_layer=timed(fut.push) if fut is not None else None)
             if fut is not None:
                 await fut
-            times[push].append(seconds)
+            times[push].append(ran.seconds)
     with_, without = float(np.median(times[True])), float(np.median(times[False]))
     mib = len(stored) * sum(t.tensor.shape[1] for t in layout.tensors) / 2**20
     ratio = with_ / without if without > 0 else float("nan")

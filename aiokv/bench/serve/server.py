@@ -4,12 +4,14 @@ An arrival task releases each request of a segment at its (compressed) arrival t
 engine takes them first come, first served. For each it finds the leading blocks the GPU
 prefix cache holds, asks the source below (an ``OffloadCache``, or the layerwise arm's
 host pool) for the next ones, takes the request's whole block table and restores into it,
-prefills the rest over that cached prefix, and stamps the first token. A layerwise load is
-submitted once the prefill's inputs are prepared, the forward is handed to the model's
-thread right after it, and the load is not awaited: the model gates each layer on its
-copy. The request's full blocks are then offloaded in the background while the next
-request runs; they stay held in the GPU pool
-until that copy is over. A request's TTFT runs from its arrival, so time queued behind
+prefills the rest over that cached prefix, and stamps the first token. One request is
+served at a time (its first token before the next one's lookup), so a server has at most
+one forward in flight; its forwards run on the server's model thread
+(``runner.ModelThread``), every arm's the same way. A layerwise load is submitted once the
+prefill's inputs are prepared, the forward is handed to the model thread right after it,
+and the load is not awaited: the model gates each layer on its copy. The request's full
+blocks are then offloaded in the background while the next request runs; they stay held
+in the GPU pool until that copy is over. A request's TTFT runs from its arrival, so time queued behind
 earlier requests counts. A segment ends once its requests are served and its copies (and
 tier writes) have settled, so the arms can take turns on the machine. Only the public API
 of aiokv is used.
@@ -31,6 +33,7 @@ from .loopwatch import LoopWatch
 from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
 from .pool import BlockPool
+from .runner import ModelThread
 from .sources import Restored, Source
 from .workload import ServeRequest
 
@@ -64,6 +67,9 @@ class Served:
     late_failure: bool = False  # a layerwise load failed after the forward had read it
     submit_s: float = 0.0  # host seconds a layerwise load's submit took
     forward_start_s: float | None = None  # host seconds from that submit to the forward's first gate
+    # forward_start_s = submit_s + handover_s + first_gate_s (host clock):
+    handover_s: float | None = None  # the submit's return to the model thread beginning the forward
+    first_gate_s: float | None = None  # that to the first gate (layer 0's work before the prefix)
     timeline: LayerTimeline | None = None  # a layerwise load's, once it ended
 
     @property
@@ -112,8 +118,24 @@ class Server:
     stalls: list[float] = field(default_factory=list)
     epoch: float = field(default_factory=time.perf_counter)
     loop: LoopWatch = field(default_factory=LoopWatch)  # the loop's load in measured turns
+    runner: ModelThread | None = None  # the model thread (one of its own unless given)
     _offloads: int = field(default=0, init=False)
     _clock0: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.runner is None:
+            self.runner = ModelThread(self.device)
+
+    async def aclose(self) -> None:
+        """Stop the model thread (after the forward it runs, if any)."""
+        assert self.runner is not None
+        await self.runner.aclose()
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def warm(self, requests: Sequence[ServeRequest]) -> None:
         """Serve the warm-up requests back to back (untimed) and let their copies settle."""
@@ -187,13 +209,16 @@ class Server:
                 else:
                     got = planned.restored
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
+        runner = self.runner
+        assert runner is not None
         try:
             # The forward's inputs are ready before a layerwise load is submitted, and the
             # forward is launched right after it, as an engine's model runner does.
             prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
             gate = planned.submit() if planned is not None else got.gate
-            token, prefill_s = await self.device.prefill(self.model, req.tokens[begin:], begin, table,
-                                                         self.kv, gate=gate, prepared=prepared)
+            ran = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv, gate=gate,
+                                       prepared=prepared)
+            token, prefill_s = ran.token, ran.seconds
         finally:
             if planned is not None:
                 planned.cancel()
@@ -204,8 +229,8 @@ class Server:
                 await got.end()
             recomputed, begin = got.host * BLOCK_TOKENS, len(gpu) * BLOCK_TOKENS
             got.host = 0
-            token, again = await self.device.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
-            prefill_s += again
+            again = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
+            token, prefill_s = again.token, prefill_s + again.seconds
         first = self._now()  # the gates passed: the first token needs nothing more of the load
         self.stalls += stalls
         full = len(req.keys)
@@ -220,6 +245,9 @@ class Server:
                         disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
                         wall=wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s)
+        if got.forward_start_s is not None and got.submitted_at:  # the forward start's parts
+            served.handover_s = ran.began - got.submitted_at - got.submit_s
+            served.first_gate_s = got.forward_start_s - got.submit_s - served.handover_s
         if got.end is not None and not got.failed:
             tg.start_soon(self._end_load, got, served)
         return served

@@ -38,9 +38,10 @@ class Restored:
     failed (the prefill then read wrong bytes); ``take_stalls``, called right after the
     prefill, gives the seconds the forward waited on each layer after it was due; ``end``
     awaits the job and fills in ``load_s``: True if every layer landed; ``submit_s`` is the
-    host time its submit took, ``forward_start_s`` the host time from the submit's call to
-    the forward's first gate (on the forward's thread: it has enqueued its work up to the
-    first read of the prefix), and ``timeline`` (once it ended) the job's ``LayerTimeline``."""
+    host time its submit took (from ``submitted_at``, ``time.perf_counter`` at its call),
+    ``forward_start_s`` the host time from the submit's call to the forward's first gate
+    (on the forward's thread: it has enqueued its work up to the first read of the
+    prefix), and ``timeline`` (once it ended) the job's ``LayerTimeline``."""
 
     host: int
     disk: int = 0
@@ -50,6 +51,7 @@ class Restored:
     take_stalls: Callable[[], list[float]] | None = None
     end: Callable[[], Awaitable[bool]] | None = None
     submit_s: float = 0.0
+    submitted_at: float = 0.0
     forward_start_s: float | None = None
     timeline: Callable[[], LayerTimeline | None] | None = None
 
@@ -199,7 +201,7 @@ class PlannedLoad:
         except BaseException:
             mgr.complete_load(pinned)
             raise
-        restored.submit_s = time.perf_counter() - t0
+        restored.submitted_at, restored.submit_s = t0, time.perf_counter() - t0
         layer_gate = fut.gate
 
         def gate(layer: int) -> bool:  # on the model's thread
