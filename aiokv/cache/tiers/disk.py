@@ -53,6 +53,10 @@ _log = logging.getLogger("aiokv")
 
 SPREAD_BYTES = 1 << 20
 """Bytes of one read call's blocks that earn it another I/O thread (up to ``io_threads``)."""
+NATIVE_SPREAD_BYTES = 4 << 20
+"""The same with the native reader, whose thread reads any number of blocks in one call
+without the GIL: each thread hop then costs more than the blocks it adds (a GIL retake on
+the thread and one on the loop), so a thread takes a few blocks (docs/tiers.md)."""
 
 
 class DiskTier(Tier):
@@ -339,7 +343,8 @@ class DiskTier(Tier):
     async def _spread(self, work: Callable[[], None], count: int, *, reading: bool = False) -> None:
         """Run ``work()`` on up to ``io_threads`` threads that share one queue of ``count``
         blocks (each thread takes the next block when it is free). A read takes one
-        thread for each ``SPREAD_BYTES`` of it at most: a hop to a thread costs the event
+        thread for each ``SPREAD_BYTES`` of it at most (``NATIVE_SPREAD_BYTES`` through the
+        native reader): a hop to a thread costs the event
         loop tens of microseconds, more than a thread takes to read a few small blocks, and
         a restore keeps the threads busy with several reads at once; a large read takes
         up to twice ``io_threads`` (half of them checksumming at any time). A write takes them
@@ -347,7 +352,8 @@ class DiskTier(Tier):
         for (docs/tiers.md, "On their way down")."""
         if not count:
             return
-        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES)) if reading else 1
+        spread = NATIVE_SPREAD_BYTES if self._files is not None and self._files.native else SPREAD_BYTES
+        per = max(1, spread // max(1, self._index.block_bytes or spread)) if reading else 1
         parts = min(2 * self.io_threads if reading else self.io_threads, -(-count // per))
         if parts == 1:
             await self._run(work, reading=reading)
