@@ -11,6 +11,9 @@
  *   open(path, flags)  ->  preadv into [head, *parts] (short reads continued, EINTR retried,
  *   at most IOVMAX buffers a call)  ->  close  ->  zlib crc32 of the parts, chained
  *
+ * With direct I/O a block with a buffer off the page is read whole into an aligned buffer
+ * of its own and copied into place (as the Python read's bounce buffer does).
+ *
  * The file I/O of each block holds one of the tier's device slots (``Slots``), the checksum
  * runs after it, beside other threads' reads. Verdicts (header, length, crc) stay in
  * Python: this returns what happened, per block. */
@@ -23,12 +26,13 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <zlib.h>
 
-#define ABI 1
+#define ABI 2
 #define ALIGN 4096
 #define IOVMAX 1024
 
@@ -149,6 +153,7 @@ typedef struct {
     char *path;
     Py_ssize_t first, count; /* its buffers in ReadBatch.bufs: the header's, then the parts */
     Py_ssize_t total;        /* bytes of all its buffers */
+    int bounce;              /* direct I/O, a buffer off the page: read whole, then copied */
     int status, err;
     Py_ssize_t got;
     uLong crc;
@@ -163,7 +168,7 @@ typedef struct {
     Py_buffer *bufs;
     Py_ssize_t nbufs;
     atomic_size_t next;
-    PyObject *unaligned; /* list of job indices that direct I/O cannot read in place */
+    PyObject *bounced; /* list of the job indices read through a bounce buffer */
 } ReadBatchObject;
 
 static int
@@ -230,10 +235,33 @@ crc_of(uLong crc, const char *p, Py_ssize_t len)
     return crc;
 }
 
+/* Copy ``src`` into ``job``'s buffers one after another, the header's first. */
+static void
+spread_copy(const Py_buffer *bufs, Py_ssize_t count, const char *src)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(bufs[i].buf, src, (size_t)bufs[i].len);
+        src += bufs[i].len;
+    }
+}
+
 static void
 run_job(ReadBatchObject *b, Job *job)
 {
     const Py_buffer *bufs = b->bufs + job->first;
+    Py_buffer whole; /* the bounce buffer: the whole file, pages read at page addresses */
+    void *mem = NULL;
+    if (job->bounce) {
+        size_t size = ((size_t)job->total + ALIGN - 1) / ALIGN * ALIGN;
+        if (posix_memalign(&mem, ALIGN, size) != 0) {
+            job->status = ST_READ_FAILED;
+            job->err = ENOMEM;
+            return;
+        }
+        memset(&whole, 0, sizeof whole);
+        whole.buf = mem;
+        whole.len = (Py_ssize_t)size;
+    }
     int fd;
     slots_take(b->slots);
     do {
@@ -243,21 +271,29 @@ run_job(ReadBatchObject *b, Job *job)
         job->status = ST_OPEN_FAILED;
         job->err = errno;
         slots_give(b->slots);
+        free(mem);
         return;
     }
-    Py_ssize_t got = read_all(fd, bufs, job->count);
+    Py_ssize_t got = mem ? read_all(fd, &whole, 1) : read_all(fd, bufs, job->count);
     int err = errno;
     close(fd);
     slots_give(b->slots);
     if (got < 0) {
         job->status = ST_READ_FAILED;
         job->err = err;
+        free(mem);
         return;
     }
     job->status = ST_READ;
-    job->got = got;
-    if (got < job->total)
-        return; /* truncated: no checksum to take */
+    job->got = got < job->total ? got : job->total; /* a longer file: its first bytes */
+    if (got < job->total) { /* truncated: no checksum to take */
+        free(mem);
+        return;
+    }
+    if (mem) {
+        spread_copy(bufs, job->count, mem);
+        free(mem);
+    }
     uLong crc = crc32(0L, Z_NULL, 0);
     for (Py_ssize_t i = 1; i < job->count; i++) /* the parts: the header is checked in Python */
         crc = crc_of(crc, bufs[i].buf, bufs[i].len);
@@ -282,7 +318,7 @@ ReadBatch_clear(ReadBatchObject *self)
     }
     self->njobs = 0;
     Py_CLEAR(self->slots);
-    Py_CLEAR(self->unaligned);
+    Py_CLEAR(self->bounced);
 }
 
 static void
@@ -315,9 +351,9 @@ ReadBatch_init(ReadBatchObject *self, PyObject *args, PyObject *kwds)
     self->slots = (SlotsObject *)slots;
     self->flags = flags;
     atomic_init(&self->next, 0);
-    self->unaligned = PyList_New(0);
+    self->bounced = PyList_New(0);
     self->jobs = PyMem_Calloc(njobs ? (size_t)njobs : 1, sizeof(Job));
-    if (self->unaligned == NULL || self->jobs == NULL)
+    if (self->bounced == NULL || self->jobs == NULL)
         goto fail_nomem;
     self->njobs = njobs;
     /* Count the buffers first, so they live in one array. */
@@ -381,9 +417,9 @@ ReadBatch_init(ReadBatchObject *self, PyObject *args, PyObject *kwds)
             all_aligned &= is_aligned(&self->bufs[i]);
         }
         if ((flags & O_DIRECT) && O_DIRECT && !all_aligned) {
-            job->status = -1; /* not this call's: the caller reads it through a bounce buffer */
+            job->bounce = 1; /* direct I/O reads whole pages at page addresses only */
             PyObject *idx = PyLong_FromSsize_t(j);
-            if (idx == NULL || PyList_Append(self->unaligned, idx) < 0) {
+            if (idx == NULL || PyList_Append(self->bounced, idx) < 0) {
                 Py_XDECREF(idx);
                 goto fail;
             }
@@ -417,8 +453,6 @@ ReadBatch_run(ReadBatchObject *self, PyObject *unused)
         if (j >= (size_t)self->njobs)
             break;
         Job *job = &self->jobs[j];
-        if (job->status < 0)
-            continue;
         run_job(self, job);
         mine[done++] = (Py_ssize_t)j;
     }
@@ -438,11 +472,11 @@ ReadBatch_run(ReadBatchObject *self, PyObject *unused)
 }
 
 static PyObject *
-ReadBatch_get_unaligned(ReadBatchObject *self, void *closure)
+ReadBatch_get_bounced(ReadBatchObject *self, void *closure)
 {
-    if (self->unaligned == NULL)
+    if (self->bounced == NULL)
         return PyList_New(0);
-    return PyList_GetSlice(self->unaligned, 0, PyList_GET_SIZE(self->unaligned));
+    return PyList_GetSlice(self->bounced, 0, PyList_GET_SIZE(self->bounced));
 }
 
 static PyMethodDef ReadBatch_methods[] = {
@@ -453,8 +487,9 @@ static PyMethodDef ReadBatch_methods[] = {
 };
 
 static PyGetSetDef ReadBatch_getset[] = {
-    {"unaligned", (getter)ReadBatch_get_unaligned, NULL,
-     "Indices of the jobs direct I/O cannot read in place (run() leaves them out).", NULL},
+    {"bounced", (getter)ReadBatch_get_bounced, NULL,
+     "Indices of the jobs direct I/O cannot read in place: read whole into an aligned "
+     "buffer of their own, then copied into place.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -87,8 +87,8 @@ class FileEntry:
 @dataclass
 class ReadQueue:
     """One read call's blocks, shared by the threads of the call (``BlockFiles.read_many``):
-    a native batch, read without the GIL, and the indices read from Python (every one
-    without the native reader; with it, those direct I/O cannot read in place)."""
+    a native batch, read without the GIL, or, without the native reader, the indices the
+    threads read from Python."""
 
     indices: list[int]
     """The call's block indices; the batch's job ``j`` is block ``indices[j]``."""
@@ -206,7 +206,7 @@ class BlockFiles:
         paths = [self.path(keys[i]) for i in todo]
         batch = native.ReadBatch(self._reading, flags,
                                  [(os.fsencode(p), h, outs[i]) for p, h, i in zip(paths, heads, todo)])
-        return ReadQueue(list(todo), deque(todo[j] for j in batch.unaligned), batch, heads, paths)
+        return ReadQueue(list(todo), deque(), batch, heads, paths)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
                   status: list[int], todo: ReadQueue) -> None:
