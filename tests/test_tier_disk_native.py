@@ -105,15 +105,15 @@ async def test_a_call_with_every_kind_of_bad_block_beside_good_ones(
         assert all(await tier.write(keys, data))
         paths = [files.path(k) for k in keys]
 
-        def damage(i: int, at: int) -> None:
-            raw = bytearray(Path(paths[i]).read_bytes())
+        def damage(path: str, at: int) -> None:
+            raw = bytearray(Path(path).read_bytes())
             raw[at] ^= 0x10
-            Path(paths[i]).write_bytes(raw)
+            Path(path).write_bytes(raw)
 
         with open(paths[1], "r+b") as f:  # truncated: the last page of the payload is gone
             f.truncate(os.path.getsize(paths[1]) - ALIGN)
-        damage(2, ALIGN + size - 1)  # the payload's last byte
-        damage(4, 3)  # the header
+        damage(paths[2], ALIGN + size - 1)  # the payload's last byte
+        damage(paths[4], 3)  # the header
         Path(paths[5]).write_bytes(Path(paths[0]).read_bytes())  # key 0's file under key 5's name
         os.unlink(paths[6])  # vanished
         os.unlink(paths[8])

@@ -14,7 +14,9 @@ the next ``open`` (bad header or length) or at its first read (bad checksum). Wi
 
 Threads: every file operation runs in a thread, reads and writes each bounded by ``io_threads``
 (so a restore never queues behind the writes of blocks on their way down); a call's blocks
-are shared out among them. Calls carry no timeout of their own and a cancelled call waits
+are shared out among them. Where the native reader is built (``disk_native``), each read thread
+reads and checksums its share of a call's blocks in one call without the GIL (docs/tiers.md,
+"The restore read"). Calls carry no timeout of their own and a cancelled call waits
 for its threads: a read thread writes into the caller's buffers, so abandoning it would let
 the caller reuse memory that is still being filled. A local disk answers or fails with an
 error; ``simulated_latency`` models a slow one in tests.
