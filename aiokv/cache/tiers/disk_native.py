@@ -47,12 +47,13 @@ def _wanted() -> bool:
 
 def reader() -> Any:
     """The native reader module to read with now, or None (not built, or turned off by
-    ``AIOKV_DISK_NATIVE=0``; read when a tier opens)."""
-    return _ext if _ext is not None and _wanted() else None
+    ``AIOKV_DISK_NATIVE=0``; read when a tier opens). A value it does not understand
+    raises ``InvalidSpec`` even where the reader is not built: a typo must not pass."""
+    return _ext if _wanted() else None
 
 
 def status() -> str:
     """How a disk tier opened now reads, in words."""
-    if _ext is None:
-        return f"python ({_WHY})"
-    return "native reader" if _wanted() else f"python ({ENV}=0)"
+    if not _wanted():
+        return f"python ({ENV}=0)"
+    return "native reader" if _ext is not None else f"python ({_WHY})"
