@@ -113,6 +113,19 @@ def mapped(address: int) -> bool:
     return False
 
 
+@pytest.fixture(params=["native", "python"])
+def disk_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a disk tier opened in the test reads: its native reader (skipped where it
+    is not built) and Python (``AIOKV_DISK_NATIVE=0``, as where it is not built)."""
+    from aiokv.cache.tiers import disk_native
+
+    native = request.param == "native"
+    monkeypatch.setenv(disk_native.ENV, "1" if native else "0")
+    if native and disk_native.reader() is None:
+        pytest.skip(f"the native disk reader: {disk_native.status()}")
+    return str(request.param)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB filesystem (tmpfs), so disk-tier writes hit a real ENOSPC (root only)."""

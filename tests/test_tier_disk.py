@@ -57,6 +57,7 @@ def direct(request: pytest.FixtureRequest) -> bool | None:
     return request.param
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_round_trip_is_byte_exact(tmp_path: Path, direct: bool | None) -> None:
     tier = await opened(tmp_path, direct=direct, io_threads=3)
     assert tier.direct == (direct is None and probe_direct(tier.directory))
@@ -75,6 +76,7 @@ async def test_round_trip_is_byte_exact(tmp_path: Path, direct: bool | None) -> 
     await tier.aclose()
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_aligned_buffers_round_trip(tmp_path: Path, direct: bool | None) -> None:
     """Page-aligned, whole-page buffers (a pinned host pool's chunks) take the zero-copy path."""
     size = 4 * ALIGN
@@ -161,6 +163,7 @@ async def test_another_layout_never_reads_these_blocks(tmp_path: Path) -> None:
     assert not copied.exists()
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_a_truncated_file_is_a_miss_and_is_dropped(tmp_path: Path, direct: bool | None) -> None:
     tier = await opened(tmp_path, direct=direct)
     keys, data = keys_of(3), payloads(3)
@@ -176,6 +179,7 @@ async def test_a_truncated_file_is_a_miss_and_is_dropped(tmp_path: Path, direct:
     assert (stats.corrupt, stats.blocks, stats.read_hits) == (1, 2, 2)
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_a_flipped_byte_is_a_miss_and_is_dropped(tmp_path: Path, direct: bool | None) -> None:
     tier = await opened(tmp_path, direct=direct)
     keys, data = keys_of(2), payloads(2)
@@ -287,6 +291,7 @@ async def test_every_registered_policy_bounds_the_tier(tmp_path: Path, policy: s
     assert [bytes(o) for o in out] == [bytes(data[i]) for i in held]
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_concurrent_reads_writes_and_evictions_stay_consistent(tmp_path: Path) -> None:
     """Many tasks write, read and evict over a small tier at once: every hit has its key's
     bytes, and in the end the index, the policy, the counters and the files agree."""
@@ -378,6 +383,7 @@ async def test_duplicate_keys_in_one_write(tmp_path: Path) -> None:
     assert tier.statistics().writes == 1
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_a_read_error_is_a_miss(tmp_path: Path) -> None:
     tier = await opened(tmp_path)
     keys, data = keys_of(2), payloads(2)
@@ -427,7 +433,7 @@ async def test_io_runs_on_worker_threads(tmp_path: Path, monkeypatch: pytest.Mon
             return fn(*args, **kwargs)
         return wrapper
 
-    for kind, name in (("read", "read_one"), ("write", "write_one"), ("list", "list_blocks"),
+    for kind, name in (("read", "read_many"), ("write", "write_one"), ("list", "list_blocks"),
                        ("check", "check_blocks")):
         monkeypatch.setattr(BlockFiles, name, spy(kind, getattr(BlockFiles, name)))
     loop_thread = threading.get_ident()
@@ -441,6 +447,7 @@ async def test_io_runs_on_worker_threads(tmp_path: Path, monkeypatch: pytest.Mon
     assert loop_thread not in set().union(*seen.values())
 
 
+@pytest.mark.usefixtures("disk_reader")
 async def test_a_cancelled_read_or_write_leaves_nothing_behind(tmp_path: Path) -> None:
     """Threads are not abandoned (a read fills the caller's buffers), so a cancelled call
     returns or raises only after its I/O ended; either way no pin, reservation or temporary

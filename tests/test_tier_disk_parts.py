@@ -22,7 +22,7 @@ from aiokv import CanonicalKVCaches, DiskTier
 from aiokv.backends.cpu import CpuHostPool
 from aiokv.cache import restore as restore_mod
 from aiokv.cache.pages import PageMap
-from aiokv.cache.tiers import codec, disk_io
+from aiokv.cache.tiers import codec, disk_io, disk_native
 from aiokv.cache.tiers.disk_io import ALIGN
 from tests.conftest import KV, random_bytes_, same_bytes
 from tests.test_tier_disk import FP, keys_of
@@ -36,7 +36,7 @@ from tests.test_tier_disk_cache import (
 )
 from tests.test_tier_disk_restore import directs
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("disk_reader")]
 
 PAGES = 4
 BLOCK = PAGES * 2 * ALIGN  # four pages of 8 KiB: each page can take direct I/O
@@ -109,27 +109,35 @@ async def test_a_damaged_file_read_in_parts_is_a_miss_and_is_dropped(tmp_path: P
 
 
 async def test_a_short_read_is_continued_not_taken_for_truncation(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk_reader: str) -> None:
     tier = DiskTier(tmp_path, capacity_bytes=1 << 24, direct=False)
     await tier.open(FP)
     keys, data = keys_of(2), random_payloads(2, seed=44)
     assert all(await tier.write(keys, data))
-    preadv = os.preadv
     calls = []
+    if disk_reader == "native":  # the reader asks for at most 3000 bytes a call
+        native = disk_native.reader()
+        start = native.set_read_cap(3000)
+        count = lambda: native.set_read_cap(3000) - start  # noqa: E731
+    else:
+        preadv = os.preadv
 
-    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
-        calls.append(offset)
-        first = memoryview(buffers[0]).cast("B")
-        return preadv(fd, [first[: min(first.nbytes, 3000)]], offset)  # at most 3000 bytes a call
+        def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+            calls.append(offset)
+            first = memoryview(buffers[0]).cast("B")
+            return preadv(fd, [first[: min(first.nbytes, 3000)]], offset)  # at most 3000 bytes a call
 
-    monkeypatch.setattr(disk_io.os, "preadv", short)
+        monkeypatch.setattr(disk_io.os, "preadv", short)
+        count = lambda: len(calls)  # noqa: E731
     _area, parts = scattered_parts(2, aligned=False, seed=45)
     try:
         assert await tier.read_parts(keys, parts) == [True, True]
         for want, got in zip(data, parts):
             assert b"".join(bytes(p) for p in got) == bytes(want)
-        assert len(calls) > 2 * (PAGES + 1) and tier.statistics().corrupt == 0
+        assert count() > 2 * (PAGES + 1) and tier.statistics().corrupt == 0
     finally:
+        if disk_reader == "native":
+            disk_native.reader().set_read_cap(0)
         monkeypatch.undo()
         await tier.aclose()
 

@@ -177,7 +177,7 @@ async def test_an_exit_with_reads_and_writes_in_flight_is_bounded(tmp_path: Path
 
 
 async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk_reader: str) -> None:
     """A host chunk whose pages are not in the layout's order (tensors at descending
     addresses) is read straight into its staging chunk's pages, in portable order: with
     direct I/O every page takes the read as it is (page-aligned), with no bounce buffer,
@@ -214,6 +214,19 @@ async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
                 await cache.drain()
                 await anyio.sleep(0.005)
         monkeypatch.setattr(disk_io, "aligned", spy)
+        python_reads: list[int] = []
+        read_one = disk_io.BlockFiles.read_one
+        monkeypatch.setattr(disk_io.BlockFiles, "read_one",
+                            lambda self, *a: python_reads.append(1) or read_one(self, *a))
+        batches: list[object] = []
+        read_queue = disk_io.BlockFiles.read_queue
+
+        def spy_queue(self, *args):  # type: ignore[no-untyped-def]
+            queue = read_queue(self, *args)
+            batches.append(queue.batch)
+            return queue
+
+        monkeypatch.setattr(disk_io.BlockFiles, "read_queue", spy_queue)
         scattered: list[int] = []
         pages = cache._cascade.pages  # type: ignore[union-attr]
         monkeypatch.setattr(pages, "scatter", lambda *a: scattered.append(1))
@@ -222,5 +235,10 @@ async def test_direct_reads_land_straight_in_the_rows_of_a_reordered_layout(
         assert result.restored == 8 and result.from_tiers == 8
         assert restored_exactly(kv, keys, 20, expected)
         runs = len(pages.runs)
-    assert runs == 2 and len(straight) == 8 * runs and all(straight)
+        assert tier._opened().native is (disk_reader == "native")
+    if disk_reader == "native":  # every block in place: none through a bounce buffer
+        assert runs == 2 and not python_reads and not straight and batches
+        assert all(b is not None and not b.bounced for b in batches)
+    else:
+        assert runs == 2 and len(python_reads) == 8 and len(straight) == 8 * runs and all(straight)
     assert not scattered

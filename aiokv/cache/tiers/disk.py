@@ -14,7 +14,9 @@ the next ``open`` (bad header or length) or at its first read (bad checksum). Wi
 
 Threads: every file operation runs in a thread, reads and writes each bounded by ``io_threads``
 (so a restore never queues behind the writes of blocks on their way down); a call's blocks
-are shared out among them. Calls carry no timeout of their own and a cancelled call waits
+are shared out among them. Where the native reader is built (``disk_native``), each read thread
+reads and checksums its share of a call's blocks in one call without the GIL (docs/tiers.md,
+"The restore read"). Calls carry no timeout of their own and a cancelled call waits
 for its threads: a read thread writes into the caller's buffers, so abandoning it would let
 the caller reuse memory that is still being filled. A local disk answers or fails with an
 error; ``simulated_latency`` models a slow one in tests.
@@ -53,6 +55,10 @@ _log = logging.getLogger("aiokv")
 
 SPREAD_BYTES = 1 << 20
 """Bytes of one read call's blocks that earn it another I/O thread (up to ``io_threads``)."""
+NATIVE_SPREAD_BYTES = 4 << 20
+"""The same with the native reader, whose thread reads any number of blocks in one call
+without the GIL: each thread hop then costs more than the blocks it adds (a GIL retake on
+the thread and one on the loop), so a thread takes a few blocks (docs/tiers.md)."""
 
 
 class DiskTier(Tier):
@@ -267,7 +273,9 @@ class DiskTier(Tier):
         pinned = [keys[i] for i in todo]
         index.pin(pinned)
         try:
-            await self._spread(partial(files.read_many, keys, outs, status), todo, reading=True)
+            queue = files.read_queue(keys, outs, todo)
+            await self._spread(partial(files.read_many, keys, outs, status, queue), len(todo),
+                               reading=True)
         finally:
             index.unpin(pinned)
             self._note(index.after_read(keys, index.block_bytes or 0, status))
@@ -302,7 +310,7 @@ class DiskTier(Tier):
         try:
             if doomed:  # free the room first: on a nearly full disk it is needed
                 await self._run(self._remove_files, doomed)
-            await self._spread(partial(files.write_many, keys, views, stored), todo)
+            await self._spread(partial(files.write_many, keys, views, stored, deque(todo)), len(todo))
         finally:
             failed = index.after_write(keys, stored, todo, doomed)
             if todo:
@@ -334,27 +342,27 @@ class DiskTier(Tier):
         return await anyio.to_thread.run_sync(fn, *args,
                                               limiter=self._read_limiter if reading else self._limiter)
 
-    async def _spread(self, work: Callable[[deque[int]], None], todo: list[int], *,
-                      reading: bool = False) -> None:
-        """Run ``work(queue)`` on up to ``io_threads`` threads that share one queue of
-        ``todo`` (each thread takes the next index when it is free). A read takes one
-        thread for each ``SPREAD_BYTES`` of it at most: a hop to a thread costs the event
+    async def _spread(self, work: Callable[[], None], count: int, *, reading: bool = False) -> None:
+        """Run ``work()`` on up to ``io_threads`` threads that share one queue of ``count``
+        blocks (each thread takes the next block when it is free). A read takes one
+        thread for each ``SPREAD_BYTES`` of it at most (``NATIVE_SPREAD_BYTES`` through the
+        native reader): a hop to a thread costs the event
         loop tens of microseconds, more than a thread takes to read a few small blocks, and
         a restore keeps the threads busy with several reads at once; a large read takes
         up to twice ``io_threads`` (half of them checksumming at any time). A write takes them
         all: how soon its blocks land decides what a block demoted again meanwhile counts
         for (docs/tiers.md, "On their way down")."""
-        if not todo:
+        if not count:
             return
-        queue = deque(todo)
-        per = max(1, SPREAD_BYTES // max(1, self._index.block_bytes or SPREAD_BYTES)) if reading else 1
-        parts = min(2 * self.io_threads if reading else self.io_threads, -(-len(todo) // per))
+        spread = NATIVE_SPREAD_BYTES if self._files is not None and self._files.native else SPREAD_BYTES
+        per = max(1, spread // max(1, self._index.block_bytes or spread)) if reading else 1
+        parts = min(2 * self.io_threads if reading else self.io_threads, -(-count // per))
         if parts == 1:
-            await self._run(work, queue, reading=reading)
+            await self._run(work, reading=reading)
             return
         async with anyio.create_task_group() as tg:
             for _ in range(parts):
-                tg.start_soon(partial(self._run, work, queue, reading=reading))
+                tg.start_soon(partial(self._run, work, reading=reading))
 
     def _remove_files(self, keys: list[bytes]) -> None:
         assert self._files is not None

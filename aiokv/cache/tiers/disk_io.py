@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import mmap
 import os
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 try:
     import fcntl
@@ -34,7 +36,7 @@ except ImportError:  # Windows: no flock; one tier per directory is then up to t
 
 import numpy as np
 
-from . import codec
+from . import codec, disk_native
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "TEMP_PREFIX",
     "BlockFiles",
     "FileEntry",
+    "ReadQueue",
     "ReadStatus",
     "file_size",
     "header_span",
@@ -81,6 +84,21 @@ class FileEntry:
     mtime_ns: int
 
 
+@dataclass
+class ReadQueue:
+    """One read call's blocks, shared by the threads of the call (``BlockFiles.read_many``):
+    a native batch, read without the GIL, or, without the native reader, the indices the
+    threads read from Python."""
+
+    indices: list[int]
+    """The call's block indices; the batch's job ``j`` is block ``indices[j]``."""
+    rest: deque[int]
+    batch: Any = None
+    heads: list[memoryview] = field(default_factory=list)
+    """Each job's header page (the batch reads the file's first bytes there)."""
+    paths: list[str] = field(default_factory=list)
+
+
 def header_span(key: bytes) -> int:
     """Offset of the payload in a block file: the header rounded up to ``ALIGN``."""
     return round_up(codec.header_size(key))
@@ -104,10 +122,13 @@ class BlockFiles:
         delay: seconds to sleep before each batch, to model a slow device (tests, benches).
         read_slots: block reads at the device at once, whatever the number of threads
             reading (None: no bound): threads past it checksum what they read meanwhile.
+        native: read through the native reader where it is built and not turned off
+            (``disk_native``); False always reads from Python.
     """
 
     def __init__(self, directory: str, fingerprint: bytes, *, direct: bool | DirectMode,
-                 fsync: bool, delay: float = 0.0, read_slots: int | None = None) -> None:
+                 fsync: bool, delay: float = 0.0, read_slots: int | None = None,
+                 native: bool = True) -> None:
         self.directory = directory
         self.fingerprint = bytes(fingerprint)
         self.mode = direct if isinstance(direct, DirectMode) else DirectMode(directory, bool(direct))
@@ -116,14 +137,24 @@ class BlockFiles:
         self.last_error: OSError | None = None
         """The latest I/O error a read or write met (for the tier's failure log)."""
         self._bounce = Bounce()
-        self._reading: contextlib.AbstractContextManager[object] = (
-            threading.BoundedSemaphore(read_slots) if read_slots else contextlib.nullcontext())
+        self._native: Any = disk_native.reader() if native else None
+        self._reading: contextlib.AbstractContextManager[object]
+        if self._native is not None:  # one bound for native and Python reads, taken without the GIL
+            self._reading = self._native.Slots(read_slots or 1 << 30)
+        else:
+            self._reading = (threading.BoundedSemaphore(read_slots) if read_slots
+                             else contextlib.nullcontext())
         self._lock_fd = -1
 
     @property
     def direct(self) -> bool:
         """Whether block files are read and written with ``O_DIRECT`` now."""
         return self.mode.on
+
+    @property
+    def native(self) -> bool:
+        """Whether reads go through the native reader (``disk_native``)."""
+        return self._native is not None
 
     def lock(self) -> bool:
         """Take the directory's lock (an flock the kernel drops if the process dies);
@@ -156,29 +187,73 @@ class BlockFiles:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
-                  status: list[int], todo: deque[int]) -> None:
-        """Read ``keys[i]`` into the parts ``outs[i]`` for each ``i`` taken from ``todo``,
-        setting ``status[i]``.
+    def read_queue(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
+                   todo: list[int]) -> ReadQueue:
+        """The shared work of one read call of ``keys[i]`` into ``outs[i]`` for each ``i``
+        in ``todo``: with the native reader, one batch its threads read together without
+        the GIL (docs/tiers.md, "The restore read"). Cheap: no I/O."""
+        native = self._native
+        if native is None or not todo:
+            return ReadQueue(list(todo), deque(todo))
+        flags = os.O_RDONLY | BINARY_FLAG | (DIRECT_FLAG if self.mode.on else 0)
+        spans = [header_span(keys[i]) for i in todo]
+        # Every header lands on a page of its own (direct I/O reads whole pages there).
+        pages = memoryview(mmap.mmap(-1, sum(spans)))
+        heads, at = [], 0
+        for span in spans:
+            heads.append(pages[at:at + span])
+            at += span
+        paths = [self.path(keys[i]) for i in todo]
+        batch = native.ReadBatch(self._reading, flags,
+                                 [(os.fsencode(p), h, outs[i]) for p, h, i in zip(paths, heads, todo)])
+        return ReadQueue(list(todo), deque(), batch, heads, paths)
 
-        Several threads share one ``todo`` queue, so one that drew slow files does not hold
-        the whole call back while the others idle. The status list is shared with the
-        caller, so what finished is known even if the awaiting task was cancelled meanwhile.
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
+                  status: list[int], todo: ReadQueue) -> None:
+        """Read ``keys[i]`` into the parts ``outs[i]`` for each ``i`` of ``todo`` (from
+        ``read_queue``), setting ``status[i]``.
+
+        Several threads share one queue, so one that drew slow files does not hold the
+        whole call back while the others idle. The status list is shared with the caller,
+        so what finished is known even if the awaiting task was cancelled meanwhile.
         """
         if self.delay:
             time.sleep(self.delay)
+        if todo.batch is not None:
+            for j, state, err, got, crc in todo.batch.run():
+                i = todo.indices[j]
+                status[i] = self._settle(todo.paths[j], keys[i], todo.heads[j], outs[i],
+                                         state, err, got, crc)
         while True:
             try:
-                i = todo.popleft()
+                i = todo.rest.popleft()
             except IndexError:
                 return
             status[i] = self.read_one(keys[i], outs[i])
+
+    def _settle(self, path: str, key: bytes, head: memoryview, parts: Sequence[memoryview],
+                state: int, err: int, got: int, crc: int) -> int:
+        """The ``ReadStatus`` of one block the native reader read (as ``read_one`` decides)."""
+        native = self._native
+        if state != native.ST_READ:
+            if state == native.ST_OPEN_FAILED and err == errno.ENOENT:
+                return ReadStatus.ABSENT
+            self.last_error = OSError(err, os.strerror(err), path)
+            return ReadStatus.ERROR
+        length = sum(p.nbytes for p in parts)
+        if got < head.nbytes + length:  # truncated
+            return self._drop(path)
+        header = self._header(key, head, length)
+        if header is None or crc != header.crc:
+            return self._drop(path)
+        return ReadStatus.HIT
 
     def read_one(self, key: bytes, parts: Sequence[memoryview]) -> int:
         """Read and verify one block into ``parts``, which take the payload one after
         another (one buffer, or a host chunk's pages in portable order, so a block lands in
         place without a copy); a ``ReadStatus``. The file I/O takes one of ``read_slots``;
-        the checksum runs after it, beside other threads' reads.
+        the checksum runs after it, beside other threads' reads. The Python read: the
+        native reader does the same for a whole call (``read_queue``).
 
         On a miss the parts may hold partial bytes: the caller counts them as not read.
         """
@@ -220,13 +295,20 @@ class BlockFiles:
                 os.close(fd)
         if got < span + length:  # truncated (a longer file still verifies below)
             return self._drop(path)
-        header = codec.parse_header(head)
-        if (header is None or not header.matches(self.fingerprint) or header.key != key
-                or header.payload_len != length or codec.checksum_parts(payload) != header.crc):
+        header = self._header(key, head, length)
+        if header is None or codec.checksum_parts(payload) != header.crc:
             return self._drop(path)
         if bounced is not None:
             _spread_copy(parts, bounced)
         return ReadStatus.HIT
+
+    def _header(self, key: bytes, head: memoryview, length: int) -> codec.Header | None:
+        """The header in ``head`` if it is this layout's, for ``key``, of ``length`` bytes."""
+        header = codec.parse_header(head)
+        if (header is None or not header.matches(self.fingerprint) or header.key != key
+                or header.payload_len != length):
+            return None
+        return header
 
     @staticmethod
     def _drop(path: str) -> int:
@@ -241,7 +323,7 @@ class BlockFiles:
     def write_many(self, keys: Sequence[bytes], payloads: Sequence[memoryview],
                    stored: list[bool | None], todo: deque[int]) -> None:
         """Write ``keys[i]`` for each ``i`` taken from ``todo``, setting ``stored[i]``
-        (the queue and list are shared as in ``read_many``)."""
+        (the queue and list are shared by the call's threads, as in ``read_many``)."""
         self.mode.decide()  # a no-op once decided: see DirectMode
         if self.delay:
             time.sleep(self.delay)
