@@ -280,3 +280,53 @@ def test_the_forward_start_row_gives_its_parts_beside_it() -> None:
     bare = {r.name: r for r in forward_start_rows("s", [_load(0, 0.3, None, 0.1)])}
     assert set(bare) == {"forward start after the submit p50"} and "handover_ms" not in bare[
         "forward start after the submit p50"].extra
+
+
+class _Abort(BaseException):
+    """Not an ``Exception``: what a forward's callback may still raise (``SystemExit``, a
+    ``KeyboardInterrupt`` in a gate, a test's ``pytest.fail``)."""
+
+
+@pytest.mark.anyio
+async def test_a_forward_raising_a_base_exception_fails_its_request_only() -> None:
+    """The launcher hands a ``BaseException`` back to the forward's request as it does an
+    ``Exception``: the thread lives on, serves the next forward, and closes."""
+    model = _recorder(3)
+
+    def forward(i: int, kv: object, *, gate: object = None, after_layer=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if i == 1:
+            raise _Abort("forward 1 aborted")
+        return _Recorder.forward(model, i, kv, gate=gate, after_layer=after_layer)
+
+    model.forward = forward  # type: ignore[method-assign]
+    async with ModelThread(Device("cpu")) as runner:
+        with anyio.fail_after(HANG):  # a bound on a hang, not a timing
+            assert await _prefill(runner, model, 0) == model.answers[0]
+            with pytest.raises(_Abort, match="forward 1 aborted"):
+                await _prefill(runner, model, 1)
+            assert await _prefill(runner, model, 2) == model.answers[2]
+        assert runner.running
+    assert not runner.running and model.order == [0, 2]
+
+
+@pytest.mark.anyio
+async def test_on_cuda_an_end_raising_a_base_exception_fails_its_request_only() -> None:
+    """The end waiter does the same with a ``BaseException`` from a forward's end: the
+    forwards after it are still handed back."""
+    class _Ends(_FakeCuda):
+        def finish(self, launched: Launched) -> tuple[int, float]:
+            if int(launched.token) == 3:
+                raise _Abort("the end of forward 1")
+            return super().finish(launched)
+
+    device = _Ends()
+    for i in range(3):
+        device.ends[i] = threading.Event()  # type: ignore[attr-defined]
+        device.ends[i].set()  # type: ignore[attr-defined]
+    async with ModelThread(device) as runner:
+        with anyio.fail_after(HANG):  # a bound on a hang, not a timing
+            assert (await runner.prefill(None, np.array([0]), 0, [0], [])).token == 0  # type: ignore[arg-type]
+            with pytest.raises(_Abort, match="the end of forward 1"):
+                await runner.prefill(None, np.array([1]), 0, [0], [])  # type: ignore[arg-type]
+            assert (await runner.prefill(None, np.array([2]), 0, [0], [])).token == 6  # type: ignore[arg-type]
+    assert not runner.running

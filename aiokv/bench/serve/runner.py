@@ -170,8 +170,8 @@ class ModelThread:
                         fwd.launched = fwd.launch()
                         if not cuda:
                             fwd.result = self.device.finish(fwd.launched)
-                    except Exception as exc:  # its request's, not the thread's
-                        fwd.error = exc
+                    except BaseException as exc:  # its request's, not the thread's: a dead
+                        fwd.error = exc  # thread would leave this request and all after it hanging
                 self._launched += 1
                 if fwd.taken is not None:
                     fwd.taken.set()  # the loop parks no longer than this forward's launch
@@ -188,8 +188,8 @@ class ModelThread:
             try:
                 assert fwd.launched is not None
                 fwd.result = self.device.finish(fwd.launched)
-            except Exception as exc:  # a CUDA error fails the request
-                fwd.error = exc
+            except BaseException as exc:  # a CUDA error fails the request (and the waiter
+                fwd.error = exc  # lives on: the ends after it are still handed back)
             fwd.launched = None
             fwd.deliver()
 
