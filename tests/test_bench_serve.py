@@ -355,6 +355,22 @@ def test_lower_bound_starts_each_segment_from_an_empty_queue_and_overlaps_layerw
     assert lower_bounds(served, ceil, overlap=True)[1] == pytest.approx(0.32)
 
 
+def test_lower_bound_lets_a_restored_later_arrival_pass_a_slow_restore() -> None:
+    """As the server does: a disk hit's 1 s restore runs beside the model, so the host hit
+    arriving after it (restored in 16 ms) takes the model first, and the miss after both
+    waits only for the model."""
+    ceil = Ceilings(1.0, "copy", 1e12, "gemm", block_bytes=16 * 10**6, disk_gbps=0.5)  # 1 MB a token
+    served = [
+        Served(0, 100, 0, arrival=0.0, start=0.0, first_token=2.0, token=1, disk_tokens=500, prefill_s=0.2),
+        Served(1, 100, 0, arrival=0.1, start=0.1, first_token=0.5, token=1, host_tokens=16, prefill_s=0.3),
+        Served(2, 100, 0, arrival=0.2, start=0.2, first_token=0.7, token=1, prefill_s=0.1),
+    ]
+    bounds = lower_bounds(served, ceil)
+    assert bounds[1] == pytest.approx(0.016 + 0.3)  # never behind request 0's restore
+    assert bounds[2] == pytest.approx(0.416 + 0.1 - 0.2)  # behind request 1's forward
+    assert bounds[0] == pytest.approx(1.0 + 0.2)  # 500 MB at 0.5 GB/s, the model free by then
+
+
 class _FailingLoad(Source):
     """A layerwise load whose layers all fail: the server must compute those tokens."""
 

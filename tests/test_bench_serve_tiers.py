@@ -183,10 +183,10 @@ def test_the_restore_figure_holds_host_bytes_to_the_load_ceiling_not_the_tiers()
 
 
 def test_host_hits_queued_behind_tier_hits_show_in_ttft_not_in_service() -> None:
-    """The same two host hits, served in 40 ms in both arms, but queued 200 ms behind the
-    disk arm's slower tier hits: the TTFT ratio counts the queue (6x), the service ratio
-    (the server's start on them to their first token) reads 1.0, and each arm's queue wait
-    is in its extra."""
+    """The same two host hits, served in 40 ms in both arms (10 ms restore, 30 ms on the
+    model), but the disk arm's waited 200 ms: 50 for admission, 150 for the model once
+    restored. The TTFT ratio counts the queue (6x), the service ratio (TTFT less the
+    queue waits) reads 1.0, and each arm's waits are in its extra."""
     from aiokv.bench.serve.arms import ArmResult
     from aiokv.bench.serve.report import Ceilings
     from aiokv.bench.serve.server import Served
@@ -194,16 +194,19 @@ def test_host_hits_queued_behind_tier_hits_show_in_ttft_not_in_service() -> None
 
     ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)
 
-    def hits(queue: float) -> list[Served]:
-        return [Served(i, 1_000, 512, arrival=i, start=i + queue, first_token=i + queue + 0.04, token=1,
+    def hits(admit: float, model: float) -> list[Served]:
+        return [Served(i, 1_000, 512, arrival=i, start=i + admit, ready=i + admit + 0.01,
+                       model_start=i + admit + 0.01 + model, first_token=i + admit + model + 0.04, token=1,
                        host_tokens=512) for i in range(2)]
 
-    host = ArmResult("host", hits(0.0), 0)
-    disk = ArmResult("disk", hits(0.2), 0, disk_ceiling=1.0, ceiling_name="plain reads")
+    host = ArmResult("host", hits(0.0, 0.0), 0)
+    disk = ArmResult("disk", hits(0.05, 0.15), 0, disk_ceiling=1.0, ceiling_name="plain reads")
     rows = {r.name: r for r in tier_rows({"host": host, "disk": disk}, ceil)}
     assert rows["host hits, disk arm / host arm"].value == pytest.approx(6.0)
     service = rows["host hits' service, disk arm / host arm"]
     assert service.value == pytest.approx(1.0)
-    assert service.extra["n"] == 2
+    assert service.extra["n"] == 2 and service.extra["service_p50_ms"] == pytest.approx(40.0)
     assert service.extra["queue_p50_ms"] == pytest.approx(200.0)
+    assert service.extra["model_wait_p50_ms"] == pytest.approx(150.0)
     assert service.extra["host_queue_p50_ms"] == pytest.approx(0.0)
+    assert disk.served[0].busy == pytest.approx(0.03)  # the model's time: its restore is not in it

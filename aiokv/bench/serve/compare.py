@@ -95,23 +95,24 @@ def target_rows(arms: dict[str, ArmResult], mirrored: str | None, ceil: Ceilings
 
 
 def _overlap_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
-    """A layerwise request's service (start to first token) over max(its load at the load
-    ceiling, its forward less its waits on layers)."""
+    """A layerwise request's service (its TTFT less its queue waits) over max(its load at
+    the load ceiling, its forward less its waits on layers)."""
     loaded = [s for s in arm.served if s.hit == "host"]
     if not loaded:
         return []
     per_token = ceil.block_bytes / BLOCK_TOKENS
     load = [s.host_tokens * per_token / (ceil.load_gbps * 1e9) for s in loaded]
-    ratios = [s.busy / max(t, s.compute_s) for s, t in zip(loaded, load)]
+    ratios = [s.service_s / max(t, s.compute_s) for s, t in zip(loaded, load)]
     p50, p90 = (float(np.percentile(ratios, q)) for q in (50, 90))
 
     def ms(values: Sequence[float]) -> str:
         return f"{np.median(values) * 1e3:.2f}"
 
     return [BenchRow(section, "layerwise service / max(load, prefill)", p50, "x",
-                     note=f"n={len(loaded)} host hits; p90 {p90:.2f}; service: the host clock from the "
-                          f"request's start (its lookup, block table and inputs, then its load's submit) "
-                          f"to its first token, p50 {ms([s.busy for s in loaded])} ms; load: its bytes at "
+                     note=f"n={len(loaded)} host hits; p90 {p90:.2f}; service: the host clock of its "
+                          f"admission (lookup, block table, the load planned) and, from the model taking "
+                          f"it, of its inputs, its load's submit and its forward to its first token, p50 "
+                          f"{ms([s.service_s for s in loaded])} ms; load: its bytes at "
                           f"the load ceiling, p50 {ms(load)} ms; prefill: its inputs' preparation and the "
                           f"forward's device time less its waits on layers, "
                           f"p50 {ms([s.compute_s for s in loaded])} ms",

@@ -2,17 +2,21 @@
 computed lower bound, prefill rate, model utilisation, model FLOP utilisation, GPU-seconds
 saved and, for the layerwise arm, how long the forward waited on its layers.
 
-The lower bound of a request is the same queue with each service time cut to what the
-hardware allows: its host-restored bytes at the load ceiling, its disk-restored bytes at
-the slower of the disk read and load ceilings, plus the prefill seconds the arm measured
-for it (the oracle moves nothing, so its bound is its prefill alone; a layerwise load runs
-beside the forward, so there the longer of the two counts, with the forward's own time,
-less its waits on layers). First come, first served from the same arrivals, each segment
-from an empty queue as the arms serve it, so queueing is in the bound as in the figure.
+The lower bound of a request is the same server with each transfer and forward cut to
+what the hardware allows: its host-restored bytes at the load ceiling and its
+disk-restored bytes at the slower of the disk read and load ceilings, from its arrival
+(restores run beside other requests' forwards, each at the full ceiling), then the
+prefill seconds the arm measured for it on the one model, which takes the earliest
+arrival among the requests whose restore is over, as the server does (the oracle moves
+nothing, so its bound is its prefill alone; a layerwise load runs beside its own
+forward, so there the longer of the two counts, with the forward's own time, less its
+waits on layers). Each segment starts from an empty queue as the arms serve it, so
+queueing is in the bound as in the figure.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -65,19 +69,33 @@ def bucket_of(tokens: int) -> str:
 
 def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True,
                  overlap: bool = False) -> dict[int, float]:
-    """Per request index, the TTFT of the same FCFS queue at the ceilings (module docs)."""
+    """Per request index, its TTFT in the same server at the ceilings (module docs)."""
     load = ceil.load_gbps * 1e9
     disk = min(ceil.disk_gbps, ceil.load_gbps) * 1e9 if ceil.disk_gbps else load
     per_token = ceil.block_bytes / BLOCK_TOKENS
-    finish, segment = float("-inf"), None
     out: dict[int, float] = {}
-    for s in sorted(served, key=lambda s: (s.segment, s.arrival, s.start)):
-        if s.segment != segment:
-            finish, segment = float("-inf"), s.segment
-        transfer = (s.host_tokens * per_token / load + s.disk_tokens * per_token / disk) if moves else 0.0
-        service = max(transfer, s.compute_s) if overlap else transfer + s.compute_s
-        finish = max(s.arrival, finish) + service
-        out[s.index] = finish - s.arrival
+    for k in sorted({s.segment for s in served}):
+        # (ready, arrival, order, its forward's seconds, index), by when its restore is over
+        due = []
+        part = sorted((s for s in served if s.segment == k), key=lambda s: (s.arrival, s.start))
+        for n, s in enumerate(part):
+            transfer = (s.host_tokens * per_token / load + s.disk_tokens * per_token / disk) if moves else 0.0
+            if overlap:  # the load runs beside its own forward
+                due.append((s.arrival, s.arrival, n, max(transfer, s.compute_s), s.index))
+            else:
+                due.append((s.arrival + transfer, s.arrival, n, s.compute_s, s.index))
+        due.sort()
+        ready: list[tuple[float, int, float, int]] = []  # a heap by arrival
+        clock, i = float("-inf"), 0
+        while i < len(due) or ready:
+            if not ready:
+                clock = max(clock, due[i][0])
+            while i < len(due) and due[i][0] <= clock:
+                heapq.heappush(ready, due[i][1:])
+                i += 1
+            arrival, _, seconds, index = heapq.heappop(ready)
+            clock += seconds
+            out[index] = clock - arrival
     return out
 
 
@@ -88,8 +106,9 @@ def arm_bounds(arm: ArmResult, ceil: Ceilings) -> dict[int, float]:
 
 
 def utilisation(served: Sequence[Served]) -> float:
-    """The model's busy seconds over the seconds the segments lasted (first arrival to
-    last first token of each): the load the arm actually carried."""
+    """The model's busy seconds (``Served.busy``: its forwards, not the restores beside
+    them) over the seconds the segments lasted (first arrival to last first token of
+    each): the load the arm actually carried."""
     busy = sum(s.busy for s in served)
     span = 0.0
     for k in {s.segment for s in served}:
@@ -130,6 +149,8 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
         "bound_ms": _ms([bounds[s.index] for s in served]),
         "hit": [s.hit for s in served], "index": [s.index for s in served],
         "prefill_ms": _ms([s.prefill_s for s in served]), "busy_ms": _ms([s.busy for s in served]),
+        "restore_wait_ms": _ms([s.restore_wait for s in served]),
+        "model_wait_ms": _ms([s.model_wait for s in served]), "queue_ms": _ms([s.queue_s for s in served]),
         "load_ms": _ms([s.load_s for s in served]), "stall_ms": _ms([s.stall_s for s in served]),
         "segment": [s.segment for s in served], "arrival_ms": _ms([s.arrival for s in served]),
         "wall_s": [s.wall for s in served],
@@ -154,7 +175,8 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
                          extra={"computed_tokens": computed, "prompt_tokens": prompt, **reused}))
     busy = sum(s.busy for s in served)
     rows.append(BenchRow(section, "model utilisation", 100 * utilisation(served), "%",
-                         note="model busy (service start to first token) over the segments' spans"))
+                         note="model busy (the model taking a request to its first token; restores run "
+                              "beside it) over the segments' spans"))
     if recompute is not None and arm.name != "recompute":
         base = sum(s.busy for s in recompute.served)
         rows.append(BenchRow(section, "GPU-seconds saved vs recompute", base - busy, "s",
@@ -166,6 +188,11 @@ def arm_rows(arm: ArmResult, ceil: Ceilings, config: ModelConfig, *, recompute: 
                              note=f"{achieved / 1e12:.3g} TFLOP/s of {ceil.peak_flops / 1e12:.3g} "
                                   f"(peak: {ceil.peak_name})"))
     rows += _restore_rows(section, arm, arm_ceilings(arm, ceil))
+    raised = [s for s in served if s.restore_error]
+    if raised:
+        rows.append(BenchRow(section, "restores that raised", float(len(raised)), "restores",
+                             note=f"served by computing their {sum(s.recomputed for s in raised):,} tokens; "
+                                  f"the first: {raised[0].restore_error}"))
     if arm.name == "layerwise":
         rows += _stall_rows(section, arm)
         rows += overlap_rows(section, arm)

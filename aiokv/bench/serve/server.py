@@ -1,24 +1,39 @@
-"""The server loop of one arm: requests arrive on the clock, one model serves them in order.
+"""The server of one arm: requests arrive on the clock, one model serves them, and a
+request whose KV is still loading never holds the model.
 
-An arrival task releases each request of a segment at its (compressed) arrival time; the
-engine takes them first come, first served. For each it finds the leading blocks the GPU
-prefix cache holds, asks the source below (an ``OffloadCache``, or the layerwise arm's
-host pool) for the next ones, takes the request's whole block table and restores into it,
-prefills the rest over that cached prefix, and stamps the first token. One request is
-served at a time (its first token before the next one's lookup), so a server has at most
-one forward in flight; its forwards run on the server's model thread
-(``runner.ModelThread``), every arm's the same way. A layerwise load is submitted once the
-prefill's inputs are prepared, the forward is handed to the model thread right after it,
-and the load is not awaited: the model gates each layer on its copy. The request's full
-blocks are then offloaded in the background while the next request runs; they stay held
-in the GPU pool until that copy is over. A request's TTFT runs from its arrival, so time queued behind
-earlier requests counts. A segment ends once its requests are served and its copies (and
-tier writes) have settled, so the arms can take turns on the machine. Only the public API
-of aiokv is used.
+An arrival task releases each request of a segment at its (compressed) arrival time. The
+server then runs three stages, as an engine's scheduler does with requests whose KV loads
+asynchronously (vLLM parks them in WAITING_FOR_REMOTE_KVS and schedules the others):
+
+1. **Admission**, in arrival order: the leading blocks the GPU prefix cache holds, the
+   source below (an ``OffloadCache``, or the layerwise arm's host pool) asked for the next
+   ones, and the request's whole block table taken at once. Only the head of the
+   admission queue waits for blocks (``BlockPool.take_waiting``), so two requests never
+   each hold part of the pool waiting for the rest. At most ``ahead`` requests are
+   between admission and the model (``AHEAD``).
+2. **Restore**, one task per request, concurrently: the awaited restore of its host,
+   disk or Redis hits into its table. A layerwise load is only planned (its chunks
+   pinned) and submitted right before its forward; the oracle moves nothing. A restore
+   that raises is a miss: its tokens are computed (``Served.recomputed``).
+3. **Model**, one forward at a time on the server's model thread
+   (``runner.ModelThread``), every arm's the same way: of the requests whose restore is
+   over, the earliest arrival first (a later arrival goes ahead of an earlier one only
+   while the earlier one's restore is still running). The forward's inputs are prepared,
+   a planned layerwise load submitted, and the forward handed to the model thread right
+   after it; the load is not awaited: the model gates each layer on its copy. The first
+   token is stamped, the request's full blocks are registered in the GPU prefix cache and
+   offloaded in the background; they stay held in the GPU pool until that copy is over.
+
+A request's TTFT runs from its arrival, so waits for admission, for its restore and for
+the model all count (``Served`` splits them). A segment ends once its requests are served
+and its copies (and tier writes) have settled, so the arms can take turns on the machine.
+Whatever ends a run (its end, a cancel, an error in a forward), every block a request
+held is given back once. Only the public API of aiokv is used.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,19 +49,30 @@ from .measure import Device
 from .model import BLOCK_TOKENS, LlamaModel
 from .pool import BlockPool
 from .runner import ModelThread
-from .sources import Restored, Source
+from .sources import PlannedLoad, Restored, Source
 from .workload import ServeRequest
 
-__all__ = ["HIT_CLASSES", "Served", "Server"]
+__all__ = ["AHEAD", "HIT_CLASSES", "Served", "Server"]
 
 HIT_CLASSES = ("miss", "gpu", "host", "disk")
 """A request's class is the lowest tier any of its reused blocks came from."""
+AHEAD = 4
+"""Requests between admission and the model at most: admitted, their restores running or
+over, not yet taken by the model. Each holds its whole block table, and the GPU pool is
+sized for the prefix cache plus one largest request, so tables taken far ahead of the
+model only evict cached prefixes it will want; four let a request pass up to three slow
+tier restores ahead of it, and keep the tier reads in flight to the few the tier's own
+threads serve at once."""
 
 
 @dataclass
 class Served:
     """What one measured request saw; times in seconds on the compressed trace clock (the
-    measured part's first arrival is 0), in the segment it was served in."""
+    measured part's first arrival is 0), in the segment it was served in.
+
+    ``arrival`` <= ``start`` (admission took it up: its service began) <= ``ready`` (its
+    lookup, block table and restore done) <= ``model_start`` (the model took it) <=
+    ``first_token``. ``ready`` and ``model_start`` default to the stamp before them."""
 
     index: int
     prompt: int
@@ -62,7 +88,7 @@ class Served:
     load_s: float = 0.0
     segment: int = 0
     stall_s: float = 0.0  # of prefill_s, waiting on layerwise loads' layers
-    recomputed: int = 0  # tokens restored by a load that failed, then computed
+    recomputed: int = 0  # tokens a failed load (or a restore that raised) was to bring, computed
     wall: float = 0.0  # when its service began, in seconds since the arms opened
     late_failure: bool = False  # a layerwise load failed after the forward had read it
     submit_s: float = 0.0  # host seconds a layerwise load's submit took
@@ -71,6 +97,9 @@ class Served:
     handover_s: float | None = None  # the submit's return to the model thread beginning the forward
     first_gate_s: float | None = None  # that to the first gate (layer 0's work before the prefix)
     timeline: LayerTimeline | None = None  # a layerwise load's, once it ended
+    ready: float | None = None  # its restore over: it could take the model
+    model_start: float | None = None  # the model took it (its inputs, then its forward)
+    restore_error: str = ""  # what its restore raised (then served by recompute)
 
     @property
     def compute_s(self) -> float:
@@ -82,9 +111,40 @@ class Served:
         return self.first_token - self.arrival
 
     @property
+    def ready_at(self) -> float:
+        return self.start if self.ready is None else self.ready
+
+    @property
+    def model_at(self) -> float:
+        return self.ready_at if self.model_start is None else self.model_start
+
+    @property
     def busy(self) -> float:
-        """Seconds the model was taken by this request (restore included)."""
-        return self.first_token - self.start
+        """Seconds the model was taken by this request: its inputs, its forward (with any
+        recompute after a failed load) to its first token. Restores are not in it."""
+        return self.first_token - self.model_at
+
+    @property
+    def restore_wait(self) -> float:
+        """Admission's start to its restore's end: lookup, block table, restore."""
+        return self.ready_at - self.start
+
+    @property
+    def model_wait(self) -> float:
+        """Its restore's end to the model taking it: queued behind other forwards."""
+        return self.model_at - self.ready_at
+
+    @property
+    def queue_s(self) -> float:
+        """Time it waited on other requests: for admission (a slot, the head's blocks),
+        and for the model once restored."""
+        return self.start - self.arrival + self.model_wait
+
+    @property
+    def service_s(self) -> float:
+        """Its TTFT less its queue waits: its own admission and restore, and its time on
+        the model."""
+        return self.ttft - self.queue_s
 
     @property
     def computed(self) -> int:
@@ -99,13 +159,56 @@ class Served:
         return "gpu" if self.gpu_tokens else "miss"
 
 
+@dataclass(eq=False)
+class _Admitted:
+    """A request past admission: its whole block table held, its restore running or over."""
+
+    req: ServeRequest
+    arrival: float
+    start: float
+    wall: float
+    gpu: list[int]
+    table: list[int]
+    hits: int = 0  # leading blocks after the GPU's the source said it holds
+    seq: int = 0  # admission order (ties of arrival)
+    got: Restored = field(default_factory=lambda: Restored(0))
+    planned: PlannedLoad | None = None
+    restoring: bool = False  # an awaited restore began (its copies may outlive a cancel)
+    ready: float = 0.0
+    recomputed: int = 0
+    restore_error: str = ""
+    held: bool = True  # the table's holds not yet given back
+    served: Served | None = None
+
+
+@dataclass(eq=False)
+class _Stages:
+    """What the stages of one run share (all on the loop's thread)."""
+
+    slots: anyio.Semaphore
+    admitted: list[_Admitted] = field(default_factory=list)
+    ready: list[tuple[float, int, _Admitted]] = field(default_factory=list)  # by arrival: a heap
+    waiting: int = 0  # admitted, not yet taken by the model
+    admitting: bool = True
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def push(self, adm: _Admitted) -> None:
+        heapq.heappush(self.ready, (adm.arrival, adm.seq, adm))
+        self.wake()
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
 @dataclass
 class Server:
     """One arm's server: the model, its paged KV, a pool, and the source below it.
 
     ``oracle`` maps a request index to the tokens another arm served from its GPU cache,
     host and disk; such a server allocates blocks for them and prefills only the rest,
-    moving nothing: the same hits at zero transfer time.
+    moving nothing: the same hits at zero transfer time. ``ahead`` bounds the requests
+    between admission and the model (``AHEAD``).
     """
 
     model: LlamaModel
@@ -119,10 +222,13 @@ class Server:
     epoch: float = field(default_factory=time.perf_counter)
     loop: LoopWatch = field(default_factory=LoopWatch)  # the loop's load in measured turns
     runner: ModelThread | None = None  # the model thread (one of its own unless given)
+    ahead: int = AHEAD
     _offloads: int = field(default=0, init=False)
     _clock0: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
+        if self.ahead < 1:
+            raise ValueError(f"a server admits at least one request ahead of the model, got {self.ahead}")
         if self.runner is None:
             self.runner = ModelThread(self.device)
 
@@ -138,28 +244,31 @@ class Server:
         await self.aclose()
 
     async def warm(self, requests: Sequence[ServeRequest]) -> None:
-        """Serve the warm-up requests back to back (untimed) and let their copies settle."""
+        """Serve the warm-up requests back to back (untimed), each once the one before has
+        its first token, so the caches they leave do not hang on how fast a restore was,
+        and let their copies settle."""
         self._clock0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for i, req in enumerate(requests):
-                await self._serve(req, tg, arrival=self._now())
+                send, receive = anyio.create_memory_object_stream[tuple[ServeRequest, float]](1)
+                send.send_nowait((req, self._now()))
+                send.close()
+                await self._run(receive, tg)
                 if i % 100 == 99:
                     self.progress(f"  warm-up {i + 1}/{len(requests)}")
             await self._settle()
         self.stalls.clear()  # the measured requests' only
 
     async def serve(self, requests: Sequence[ServeRequest], segment: int = 0) -> list[Served]:
-        """Replay ``requests`` on the clock from the first one's arrival, then settle."""
-        out: list[Served] = []
+        """Replay ``requests`` on the clock from the first one's arrival, then settle; what
+        each saw, in arrival order."""
         if not requests:
-            return out
+            return []
         async with self.loop.watching(), anyio.create_task_group() as tg:
             send, receive = anyio.create_memory_object_stream[tuple[ServeRequest, float]](math.inf)
             self._clock0 = time.perf_counter() - requests[0].arrival
             tg.start_soon(self._arrivals, list(requests), send)
-            async with receive:
-                async for req, arrival in receive:
-                    out.append(await self._serve(req, tg, arrival=arrival, segment=segment))
+            out = await self._run(receive, tg, segment)
             await self._settle()
         return out
 
@@ -182,32 +291,103 @@ class Server:
         if self.source is not None:
             await self.source.drain()
 
-    async def _serve(self, req: ServeRequest, tg: anyio.abc.TaskGroup, *, arrival: float,
-                     segment: int = 0) -> Served:
+    # -- the stages ------------------------------------------------------------------------
+
+    async def _run(self, receive: anyio.abc.ObjectReceiveStream[tuple[ServeRequest, float]],
+                   tg: anyio.abc.TaskGroup, segment: int = 0) -> list[Served]:
+        """Admit what ``receive`` brings in order, restore concurrently, forward one at a
+        time (module docs); the background copies go to ``tg``. What each request saw, in
+        arrival order; on any way out, the blocks of requests not served are given back."""
+        st = _Stages(anyio.Semaphore(self.ahead))
+        try:
+            async with anyio.create_task_group() as stages:
+                stages.start_soon(self._model_stage, st, tg, segment)
+                async with receive:
+                    async for req, arrival in receive:
+                        await st.slots.acquire()  # given back when the model takes one
+                        adm = await self._admit(req, arrival)
+                        adm.seq = len(st.admitted)
+                        st.admitted.append(adm)
+                        st.waiting += 1
+                        if adm.hits and adm.planned is None:
+                            stages.start_soon(self._restore, adm, st)
+                        else:  # nothing to await: a miss, a planned layerwise load, the oracle
+                            adm.ready = self._now()
+                            st.push(adm)
+                st.admitting = False
+                st.wake()
+        finally:
+            left = [adm for adm in st.admitted if adm.held]
+            if left:
+                with anyio.CancelScope(shield=True):
+                    await self._give_back(left)
+        return [adm.served for adm in st.admitted if adm.served is not None]
+
+    async def _admit(self, req: ServeRequest, arrival: float) -> _Admitted:
+        """Its GPU prefix hits, the source's hits after them, and its whole block table,
+        taken at once: only this request (the head) waits for blocks meanwhile."""
         start, wall = self._now(), time.perf_counter() - self.epoch
         pool, n = self.pool, req.cacheable_blocks
-        gpu = pool.match(req.keys[:n])
         blocks = -(-len(req.tokens) // BLOCK_TOKENS)
-        got, planned = Restored(0), None
         if self.oracle is not None:
             gpu_t, host_t, disk_t = self.oracle.get(req.index, (0, 0, 0))
-            got = Restored(host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS)
-            gpu = await pool.take_waiting(gpu_t // BLOCK_TOKENS)
-            table = gpu + await pool.take_waiting(blocks - len(gpu))
-        else:
+            table = await pool.take_waiting(blocks)  # nothing cached: its "hits" are fresh blocks
+            gpu = table[:gpu_t // BLOCK_TOKENS]
+            return _Admitted(req, arrival, start, wall, gpu, table,
+                             got=Restored(host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS))
+        gpu = pool.match(req.keys[:n])
+        try:
             hits, rest = 0, req.keys[len(gpu):n]
             if self.source is not None and rest:
                 hits = await self.source.alookup(rest)
             # The whole block table before anything moves, as an engine's scheduler has it.
             table = gpu + await pool.take_waiting(blocks - len(gpu))
-            if hits:
-                reused = table[len(gpu):len(gpu) + hits]
-                assert self.source is not None
-                planned = self.source.plan(rest[:hits], reused)
-                if planned is None:
-                    got = await self.source.restore(rest[:hits], reused)
-                else:
-                    got = planned.restored
+        except BaseException:
+            pool.release(gpu)
+            raise
+        adm = _Admitted(req, arrival, start, wall, gpu, table, hits=hits)
+        if hits:
+            assert self.source is not None
+            try:
+                adm.planned = self.source.plan(rest[:hits], table[len(gpu):len(gpu) + hits])
+            except BaseException:
+                pool.release(table)
+                raise
+            if adm.planned is not None:
+                adm.got = adm.planned.restored
+        return adm
+
+    async def _restore(self, adm: _Admitted, st: _Stages) -> None:
+        """The awaited restore of one request, beside the others' and the model's work."""
+        assert self.source is not None
+        rest = adm.req.keys[len(adm.gpu):len(adm.gpu) + adm.hits]
+        adm.restoring = True
+        try:
+            adm.got = await self.source.restore(rest, adm.table[len(adm.gpu):len(adm.gpu) + adm.hits])
+        except Exception as exc:  # a tier that raised: a miss, the request computes its tokens
+            adm.got, adm.recomputed = Restored(0), adm.hits * BLOCK_TOKENS
+            adm.restore_error = f"{type(exc).__name__}: {exc}"
+        adm.restoring = False
+        adm.ready = self._now()
+        st.push(adm)
+
+    async def _model_stage(self, st: _Stages, tg: anyio.abc.TaskGroup, segment: int) -> None:
+        """One forward at a time: of the restored requests, the earliest arrival first."""
+        while True:
+            while not st.ready:
+                if not st.admitting and st.waiting == 0:
+                    return
+                await st.changed.wait()
+            _, _, adm = heapq.heappop(st.ready)
+            st.waiting -= 1
+            st.slots.release()
+            adm.served = await self._forward(adm, tg, segment)
+
+    async def _forward(self, adm: _Admitted, tg: anyio.abc.TaskGroup, segment: int) -> Served:
+        """Its forward over what was restored; then its blocks cached, offloaded, released."""
+        model_start = self._now()
+        req, gpu, table, got, planned = adm.req, adm.gpu, adm.table, adm.got, adm.planned
+        pool = self.pool
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
         runner = self.runner
         assert runner is not None
@@ -223,7 +403,7 @@ class Server:
             if planned is not None:
                 planned.cancel()
         stalls = got.take_stalls() if got.take_stalls is not None else []
-        recomputed = 0
+        recomputed = adm.recomputed
         if got.failed:  # a layer failed under the forward: what it read there is wrong
             if got.end is not None:
                 await got.end()
@@ -239,18 +419,36 @@ class Server:
             pool.hold(table[:full])
             self._offloads += 1
             tg.start_soon(self._offload, req.keys, table[:full])
+        adm.held = False
         pool.release(table)
-        served = Served(req.index, len(req.tokens), req.reusable, arrival, start, first, token,
+        served = Served(req.index, len(req.tokens), req.reusable, adm.arrival, adm.start, first, token,
                         gpu_tokens=len(gpu) * BLOCK_TOKENS, host_tokens=got.host * BLOCK_TOKENS,
                         disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
-                        wall=wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s)
+                        wall=adm.wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s,
+                        ready=adm.ready, model_start=model_start, restore_error=adm.restore_error)
         if got.forward_start_s is not None and got.submitted_at:  # the forward start's parts
             served.handover_s = ran.began - got.submitted_at - got.submit_s
             served.first_gate_s = got.forward_start_s - got.submit_s - served.handover_s
         if got.end is not None and not got.failed:
             tg.start_soon(self._end_load, got, served)
         return served
+
+    async def _give_back(self, left: list[_Admitted]) -> None:
+        """Release the tables of requests a run ended without serving (cancelled, or
+        another request's forward raised). A restore cancelled half way may have copies
+        still landing in its blocks: the source drains first (a source that fails to
+        drain has nothing to wait for). A planned layerwise load is unpinned."""
+        if self.source is not None and any(adm.restoring for adm in left):
+            try:
+                await self.source.drain()
+            except Exception:  # closed or broken: no copy of it is running
+                pass
+        for adm in left:
+            if adm.planned is not None:
+                adm.planned.cancel()
+            adm.held = False
+            self.pool.release(adm.table)
 
     async def _end_load(self, got: Restored, served: Served) -> None:
         """A layerwise load's end, off the first token's path: its copy time, and whether a

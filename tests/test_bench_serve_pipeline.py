@@ -1,0 +1,362 @@
+"""The serve bench's pipelined server: admission in arrival order, restores beside each
+other and the model, one forward at a time, the earliest restored arrival first; a restore
+that raises is served by recompute; every block a run took is given back once, however
+the run ends; and the oracle still mirrors the disk arm's hits.
+
+A slow restore is one that waits for an event the test sets from another request's
+forward: a server that served requests one at a time would never set it, and the test's
+bound on a hang (not a timing) fails it."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from aiokv.bench.serve.arms import oracle_hits
+from aiokv.bench.serve.measure import Device
+from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
+from aiokv.bench.serve.pool import BlockPool
+from aiokv.bench.serve.server import Server
+from aiokv.bench.serve.sources import CacheSource, Restored, Source
+from aiokv.bench.serve.workload import ServeRequest, block_keys
+
+HANG = 30.0  # seconds before a test calls the server stuck (a bound, not a timing)
+PREFIX, SUFFIX = 64, 8
+POOL = 64
+
+
+def _requests(n: int, *, vocab: int = 512, seed: int = 0, gap: float = 1e-3) -> list[ServeRequest]:
+    """``n`` prompts with prefixes of their own, arriving ``gap`` seconds apart."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        tokens = rng.integers(0, vocab, PREFIX + SUFFIX, dtype=np.int32)
+        out.append(ServeRequest(i, tokens, block_keys(tokens), trace_ms=i, warm=False, arrival=i * gap))
+    return out
+
+
+def _expected(model: LlamaModel, reqs: Sequence[ServeRequest]) -> dict[int, int]:
+    """Each prompt's first token, prefilled in one go on a KV pool of its own."""
+    blocks = list(range(-(-(PREFIX + SUFFIX) // BLOCK_TOKENS)))
+    return {r.index: int(model.prefill(r.tokens, 0, blocks, model.new_kv_cache(len(blocks))).argmax())
+            for r in reqs}
+
+
+def _ids(reqs: Sequence[ServeRequest]) -> dict[tuple[int, ...], int]:
+    """A request by the last tokens of its prompt (always computed, never restored)."""
+    return {tuple(int(t) for t in r.tokens[-4:]): r.index for r in reqs}
+
+
+class _Pages(Source):
+    """Every request's prefix KV, prefilled beforehand, copied into the blocks a restore
+    names: byte for byte what the forward would have written. ``hold[i]`` keeps request
+    ``i``'s restore waiting until set (from any thread); ``fail`` makes a restore raise;
+    keys in ``on_disk`` come back as disk hits."""
+
+    def __init__(self, model: LlamaModel, kv: Sequence[torch.Tensor], reqs: Sequence[ServeRequest]) -> None:
+        self.kv = kv
+        self.pages: dict[int, list[torch.Tensor]] = {}
+        self.owner: dict[int, int] = {}
+        n = PREFIX // BLOCK_TOKENS
+        scratch = model.new_kv_cache(n)
+        for r in reqs:
+            model.prefill(r.tokens[:PREFIX], 0, list(range(n)), scratch)
+            for b, key in enumerate(r.keys[:n]):
+                self.pages[key] = [layer[:, b].clone() for layer in scratch]
+                self.owner[key] = r.index
+        self.hold: dict[int, threading.Event] = {}
+        self.fail: set[int] = set()
+        self.on_disk: set[int] = set()
+        self.started: dict[int, anyio.Event] = {}
+        self.restored: list[int] = []
+        self.in_flight = self.most_in_flight = 0
+        self.drained = 0
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    async def restore(self, keys: Sequence[int], blocks: list[int]) -> Restored:
+        i = self.owner[keys[0]]
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            self.started.setdefault(i, anyio.Event()).set()
+            for _ in range(5):  # let the other restores admitted meanwhile begin
+                await anyio.sleep(0)
+            hold = self.hold.get(i)
+            while hold is not None and not hold.is_set():
+                await anyio.sleep(0.001)
+            if i in self.fail:
+                raise RuntimeError(f"tier unreachable for request {i}")
+            for key, block in zip(keys, blocks):
+                for layer, page in zip(self.kv, self.pages[key]):
+                    layer[:, block] = page
+            self.restored.append(i)
+            disk = sum(key in self.on_disk for key in keys)
+            return Restored(len(keys) - disk, disk, load_s=1e-3)
+        finally:
+            self.in_flight -= 1
+
+    async def offload(self, keys: Sequence[int], blocks: list[int]) -> None:
+        await anyio.lowlevel.checkpoint()
+
+    async def drain(self) -> None:
+        self.drained += 1
+        await anyio.lowlevel.checkpoint()
+
+
+class _Watched:
+    """The model's forward, watched on the model thread: which request each forward was,
+    how many ran at once, and an optional hook before the forward (``before[i]``)."""
+
+    def __init__(self, model: LlamaModel, reqs: Sequence[ServeRequest]) -> None:
+        self.ids = _ids(reqs)
+        self.order: list[int] = []
+        self.running = self.most = 0
+        self.before: dict[int, object] = {}
+        self.raise_for: set[int] = set()
+        real = model.forward
+
+        def forward(inputs, kv, **kwargs):  # type: ignore[no-untyped-def]
+            i = self.ids[tuple(int(t) for t in inputs.ids[-4:].tolist())]
+            self.running += 1
+            self.most = max(self.most, self.running)
+            try:
+                self.order.append(i)
+                hook = self.before.get(i)
+                if hook is not None:
+                    hook()  # type: ignore[operator]
+                if i in self.raise_for:
+                    raise RuntimeError(f"forward {i} failed")
+                return real(inputs, kv, **kwargs)
+            finally:
+                self.running -= 1
+
+        model.forward = forward  # type: ignore[method-assign]
+
+
+def _setup(n: int, seed: int = 0) -> tuple[LlamaModel, list[torch.Tensor], list[ServeRequest], dict[int, int],
+                                            _Pages, _Watched]:
+    model = LlamaModel(ModelConfig.tiny(), seed=seed + 7)
+    reqs = _requests(n, seed=seed)
+    expected = _expected(model, reqs)
+    kv = model.new_kv_cache(POOL)
+    source = _Pages(model, kv, reqs)
+    for layer in kv:
+        layer.normal_()  # what no restore brings back is noise
+    return model, kv, reqs, expected, source, _Watched(model, reqs)
+
+
+def _pool_is_whole(pool: BlockPool) -> None:
+    """Every block back: none held, each free or cached exactly once."""
+    assert pool.held() == 0
+    assert sorted(pool._free + list(pool._lru)) == list(range(pool.num_blocks))
+    assert all(r == 0 for r in pool._refs)
+
+
+@pytest.mark.anyio
+async def test_a_slow_restore_does_not_delay_a_later_request_whose_restore_is_fast() -> None:
+    """Request 0's restore waits until request 1's forward has begun: only a server that
+    restores beside the model serves both. Both tokens are the ones computed in one go."""
+    model, kv, reqs, expected, source, watched = _setup(2)
+    source.hold[0] = threading.Event()
+    watched.before[1] = source.hold[0].set
+    pool = BlockPool(POOL, caching=False)
+    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+        with anyio.fail_after(HANG):
+            served = await server.serve(reqs)
+    assert watched.order == [1, 0] and source.restored == [1, 0]
+    assert [s.index for s in served] == [0, 1]  # reported in arrival order
+    first, second = served
+    assert [s.token for s in served] == [expected[0], expected[1]]
+    assert first.host_tokens == second.host_tokens == PREFIX and first.computed == SUFFIX
+    assert first.model_at >= second.first_token  # the model took it after the later one
+    assert first.ready_at >= second.model_at  # its restore was still running then
+    assert first.start <= second.start  # admitted in arrival order
+    _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_the_model_takes_the_earliest_restored_arrival_first_one_forward_at_a_time() -> None:
+    """While request 0's forward runs, requests 1..3 restore in reverse order (3, 2, 1):
+    the model then takes them in arrival order, never two forwards at once."""
+    model, kv, reqs, expected, source, watched = _setup(4)
+    del source.pages[reqs[0].keys[0]]  # request 0 is a miss: it goes straight to the model
+    for i in (1, 2):
+        source.hold[i] = threading.Event()
+    restored = threading.Event()
+
+    async def relay() -> None:  # each restore's end lets the one before it end
+        for i in (3, 2, 1):
+            await source.started.setdefault(i, anyio.Event()).wait()
+            while i not in source.restored:
+                await anyio.sleep(0.001)
+            if i > 1:
+                source.hold[i - 1].set()
+        restored.set()
+
+    watched.before[0] = lambda: restored.wait(HANG)  # its forward, until 1..3 are restored
+    pool = BlockPool(POOL, caching=False)
+    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+        with anyio.fail_after(HANG):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relay)
+                served = await server.serve(reqs)
+    assert source.restored == [3, 2, 1]
+    assert watched.order == [0, 1, 2, 3] and watched.most == 1
+    assert [s.token for s in served] == [expected[i] for i in range(4)]
+    assert served[3].ready_at <= served[2].ready_at <= served[1].ready_at
+    for a, b in itertools.pairwise(served):  # the model's turns, one after the other
+        assert a.first_token <= b.model_at
+    _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_no_more_requests_than_ahead_sit_between_admission_and_the_model() -> None:
+    model, kv, reqs, expected, source, watched = _setup(5)
+    for r in reqs:
+        r.arrival = 0.0  # all due at once: admission runs until the bound stops it
+    pool = BlockPool(POOL, caching=False)
+    async with Server(model, kv, Device("cpu"), pool, source=source, ahead=2) as server:
+        with anyio.fail_after(HANG):
+            served = await server.serve(reqs)
+    assert source.most_in_flight == 2
+    assert [s.token for s in served] == [expected[i] for i in range(5)] and watched.most == 1
+    _pool_is_whole(pool)
+    with pytest.raises(ValueError, match="at least one"):
+        Server(model, kv, Device("cpu"), pool, ahead=0)
+
+
+@pytest.mark.anyio
+async def test_a_restore_that_raises_is_served_by_recompute_and_the_others_are_not_touched() -> None:
+    model, kv, reqs, expected, source, _ = _setup(3)
+    source.fail.add(1)
+    pool = BlockPool(POOL, caching=False)
+    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+        with anyio.fail_after(HANG):
+            served = await server.serve(reqs)
+    assert [s.token for s in served] == [expected[i] for i in range(3)]
+    bad = served[1]
+    assert bad.host_tokens == 0 and bad.computed == PREFIX + SUFFIX and bad.recomputed == PREFIX
+    assert "tier unreachable for request 1" in bad.restore_error
+    for s in (served[0], served[2]):
+        assert s.host_tokens == PREFIX and not s.restore_error and not s.recomputed
+    _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_run_ends_and_gives_every_block_back_once() -> None:
+    """Cancelled while request 0's restore waits and request 1 may be anywhere: the run
+    ends, the source is drained before the blocks of the cut restore go back, the model
+    thread stops."""
+    model, kv, reqs, _, source, watched = _setup(3)
+    source.hold[0] = threading.Event()  # never set
+    pool = BlockPool(POOL, caching=False)
+    server = Server(model, kv, Device("cpu"), pool, source=source)
+    with anyio.fail_after(HANG):
+        async with server, anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, reqs)
+            await source.started.setdefault(0, anyio.Event()).wait()
+            while 2 not in watched.order:
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+    assert source.drained >= 1
+    _pool_is_whole(pool)
+    assert server.runner is not None and not server.runner.running
+
+
+@pytest.mark.anyio
+async def test_a_forward_that_raises_ends_the_run_with_its_error_and_no_block_held() -> None:
+    model, kv, reqs, _, source, watched = _setup(3)
+    source.hold[0] = threading.Event()  # its restore is cut by the failure
+    watched.raise_for.add(1)
+    pool = BlockPool(POOL, caching=False)
+    with anyio.fail_after(HANG):
+        async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+            with pytest.raises(BaseException) as caught:
+                await server.serve(reqs)
+    assert caught.group_contains(RuntimeError, match="forward 1 failed")
+    _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_the_oracle_mirrors_the_disk_arm_request_by_request() -> None:
+    """A disk arm whose second request restores behind a slow first one; the oracle, handed
+    its hits, serves the same tokens from the same places, moving nothing."""
+    model, kv, reqs, expected, source, watched = _setup(4)
+    source.on_disk.update(reqs[0].keys[2:4] + reqs[2].keys[:4])  # disk hits: 0 (partly) and 2
+    source.hold[0] = threading.Event()
+    watched.before[1] = source.hold[0].set
+    pool = BlockPool(POOL, caching=True)
+    async with Server(model, kv, Device("cpu"), pool, source=source) as disk:
+        with anyio.fail_after(HANG):
+            served = await disk.serve(reqs)
+    assert [s.hit for s in served] == ["disk", "host", "disk", "host"]
+    assert [s.token for s in served] == [expected[i] for i in range(4)]
+    hits = oracle_hits(served)
+    oracle_pool = BlockPool(POOL, caching=False)
+    async with Server(model, model.new_kv_cache(POOL), Device("cpu"), oracle_pool, oracle=hits) as oracle:
+        with anyio.fail_after(HANG):
+            mirrored = await oracle.serve(reqs)
+    assert [(s.index, s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed) for s in mirrored] == [
+        (s.index, s.gpu_tokens, s.host_tokens, s.disk_tokens, s.computed) for s in served]
+    assert all(s.load_s == 0.0 for s in mirrored)
+    _pool_is_whole(pool)
+    _pool_is_whole(oracle_pool)
+
+
+@pytest.mark.anyio
+async def test_a_real_disk_backed_cache_restores_beside_the_model(tmp_path: Path) -> None:
+    """An ``OffloadCache`` over a ``DiskTier``: the first serve stores every request's
+    blocks; after noise over the GPU pages, the second restores them (request 0's held
+    until request 1's forward began) and gives the tokens computed in one go."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+    from aiokv.cache.offload import OffloadCache
+    from aiokv.cache.tiers.disk import DiskTier
+
+    model = LlamaModel(ModelConfig.tiny(), seed=11)
+    reqs = _requests(3, seed=4)
+    expected = _expected(model, reqs)
+    kv = model.new_kv_cache(POOL)
+    watched = _Watched(model, reqs)
+    gate = threading.Event()
+
+    class Slow(CacheSource):
+        async def restore(self, keys, blocks):  # type: ignore[no-untyped-def]
+            if keys[0] == reqs[0].keys[0]:
+                while not gate.is_set():
+                    await anyio.sleep(0.001)
+            return await super().restore(keys, blocks)
+
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    block_bytes = sum(layer[:, 0].numel() * layer.element_size() for layer in kv)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=8 + 4, backend="cpu") as worker:
+        tier = DiskTier(tmp_path / "tier", capacity_bytes=64 * block_bytes)
+        async with OffloadCache(worker, tiers=[tier], staging_chunks=8) as cache:
+            source = Slow(cache)
+            pool = BlockPool(POOL, caching=False)
+            async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+                with anyio.fail_after(HANG):
+                    stored = await server.serve(reqs)
+                    assert [s.hit for s in stored] == ["miss"] * 3
+                    for layer in kv:
+                        layer.normal_()
+                    watched.order.clear()
+                    watched.before[1] = gate.set
+                    served = await server.serve(reqs)
+    assert sorted(watched.order) == [0, 1, 2] and watched.order.index(1) < watched.order.index(0)
+    assert watched.most == 1
+    assert [s.token for s in served] == [expected[i] for i in range(3)]
+    assert all(s.host_tokens + s.disk_tokens == PREFIX for s in served)
+    assert [s.hit for s in served] == ["disk", "disk", "host"]  # the host holds the last 4 blocks
+    _pool_is_whole(pool)
