@@ -34,10 +34,10 @@ try:
 except ImportError:  # Windows: no flock; one tier per directory is then up to the user
     fcntl = None  # type: ignore[assignment]
 
-import numpy as np
 
 from . import codec, disk_native
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
+from .disk_vectors import copy_bytes, read_all, spread_copy, write_all
 
 __all__ = [
     "ALIGN",
@@ -62,8 +62,6 @@ LOCK_NAME = "lock"
 
 BINARY_FLAG = getattr(os, "O_BINARY", 0)
 """``os.O_BINARY`` on Windows, else 0."""
-IOV_MAX = 1024
-"""Buffers one preadv takes at most (Linux's and macOS's IOV_MAX)."""
 
 
 class ReadStatus:
@@ -299,7 +297,7 @@ class BlockFiles:
         if header is None or codec.checksum_parts(payload) != header.crc:
             return self._drop(path)
         if bounced is not None:
-            _spread_copy(parts, bounced)
+            spread_copy(parts, bounced)
         return ReadStatus.HIT
 
     def _header(self, key: bytes, head: memoryview, length: int) -> codec.Header | None:
@@ -354,16 +352,16 @@ class BlockFiles:
                 head = self._bounce.get(span)
                 head[: len(header)] = header
                 head[len(header):] = bytes(span - len(header))
-                _write_all(fd, [head, payload])
+                write_all(fd, [head, payload])
             elif direct:
                 whole = self._bounce.get(size)
                 whole[: len(header)] = header
                 whole[len(header):span] = bytes(span - len(header))
-                _copy(whole[span:span + length], payload)
+                copy_bytes(whole[span:span + length], payload)
                 whole[span + length:] = bytes(size - span - length)
-                _write_all(fd, [whole])
+                write_all(fd, [whole])
             else:
-                _write_all(fd, [header + bytes(span - len(header)), payload,
+                write_all(fd, [header + bytes(span - len(header)), payload,
                                 bytes(size - span - length)])
             if self.fsync:
                 os.fsync(fd)
@@ -468,54 +466,3 @@ class BlockFiles:
         except OSError:
             return 0
         return 1
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` through numpy, which copies without the GIL (a memoryview slice
-    assignment holds it for the whole copy, stalling the loop and the model's thread)."""
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-def _spread_copy(parts: Sequence[memoryview], src: memoryview) -> None:
-    """Copy ``src`` into ``parts`` one after another (see ``_copy``)."""
-    at = 0
-    for part in parts:
-        _copy(part, src[at:at + part.nbytes])
-        at += part.nbytes
-
-
-def read_all(fd: int, buffers: Sequence[memoryview], offset: int = 0) -> int:
-    """preadv into ``buffers`` from ``offset`` until they are full or the file ends; the
-    bytes read. A short read is continued, not taken for the end of the file (it could be
-    one on a signal or a large request), so only a truly short file reads as truncated;
-    at most ``IOV_MAX`` buffers go to one call."""
-    views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-    total = 0
-    while views:
-        n = os.preadv(fd, views[:IOV_MAX], offset + total)
-        if n <= 0:
-            break
-        total += n
-        _advance(views, n)
-    return total
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from ``views`` (what a vectored read or write moved)."""
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
-
-
-def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
-    """pwritev until everything is written; a write that makes no progress is ENOSPC."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    offset = 0
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        offset += n
-        _advance(views, n)
