@@ -362,3 +362,25 @@ async def test_a_real_disk_backed_cache_restores_beside_the_model(tmp_path: Path
     # demoted first depends on when the background demotions ran.
     assert {s.hit for s in served} <= {"disk", "host"} and sum(s.disk_tokens for s in served) > 0
     _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_a_wait_for_blocks_another_request_holds_is_queueing_not_service() -> None:
+    """A pool of one request's blocks: request 1's admission waits until request 0 is
+    served and gives its table back. That wait is on another request, so it counts in
+    its queue wait, not in its service."""
+    model, kv, reqs, expected, source, _watched = _setup(2)
+    per_request = -(-(PREFIX + SUFFIX) // BLOCK_TOKENS)
+    pool = BlockPool(per_request, caching=False)
+    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+        with anyio.fail_after(HANG):
+            served = await server.serve(reqs)
+    first, second = served
+    assert [s.token for s in served] == [expected[0], expected[1]]
+    assert second.ready_at >= first.first_token  # its table was request 0's, given back
+    assert 0.0 < second.blocks_wait <= second.ready_at - second.start
+    assert second.restore_wait == pytest.approx(second.ready_at - second.start - second.blocks_wait)
+    waits = second.start - second.arrival + second.blocks_wait + second.model_wait
+    assert second.queue_s == pytest.approx(waits)
+    assert second.service_s == pytest.approx(second.restore_wait + second.busy)
+    _pool_is_whole(pool)

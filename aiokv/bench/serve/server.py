@@ -100,6 +100,7 @@ class Served:
     ready: float | None = None  # its restore over: it could take the model
     model_start: float | None = None  # the model took it (its inputs, then its forward)
     restore_error: str = ""  # what its restore raised (then served by recompute)
+    blocks_wait: float = 0.0  # of its admission, waiting for blocks other requests held
 
     @property
     def compute_s(self) -> float:
@@ -126,8 +127,9 @@ class Served:
 
     @property
     def restore_wait(self) -> float:
-        """Admission's start to its restore's end: lookup, block table, restore."""
-        return self.ready_at - self.start
+        """Admission's start to its restore's end: lookup, block table, restore (the wait
+        for blocks that other requests held left out: that is queueing)."""
+        return self.ready_at - self.start - self.blocks_wait
 
     @property
     def model_wait(self) -> float:
@@ -138,7 +140,7 @@ class Served:
     def queue_s(self) -> float:
         """Time it waited on other requests: for admission (a slot, the head's blocks),
         and for the model once restored."""
-        return self.start - self.arrival + self.model_wait
+        return self.start - self.arrival + self.blocks_wait + self.model_wait
 
     @property
     def service_s(self) -> float:
@@ -177,6 +179,7 @@ class _Admitted:
     ready: float = 0.0
     recomputed: int = 0
     restore_error: str = ""
+    blocks_wait: float = 0.0  # seconds its admission waited for blocks other requests held
     held: bool = True  # the table's holds not yet given back
     served: Served | None = None
 
@@ -331,9 +334,10 @@ class Server:
         blocks = -(-len(req.tokens) // BLOCK_TOKENS)
         if self.oracle is not None:
             gpu_t, host_t, disk_t = self.oracle.get(req.index, (0, 0, 0))
+            t0 = self._now()
             table = await pool.take_waiting(blocks)  # nothing cached: its "hits" are fresh blocks
             gpu = table[:gpu_t // BLOCK_TOKENS]
-            return _Admitted(req, arrival, start, wall, gpu, table,
+            return _Admitted(req, arrival, start, wall, gpu, table, blocks_wait=self._now() - t0,
                              got=Restored(host_t // BLOCK_TOKENS, disk_t // BLOCK_TOKENS))
         gpu = pool.match(req.keys[:n])
         try:
@@ -341,11 +345,12 @@ class Server:
             if self.source is not None and rest:
                 hits = await self.source.alookup(rest)
             # The whole block table before anything moves, as an engine's scheduler has it.
+            t0 = self._now()
             table = gpu + await pool.take_waiting(blocks - len(gpu))
         except BaseException:
             pool.release(gpu)
             raise
-        adm = _Admitted(req, arrival, start, wall, gpu, table, hits=hits)
+        adm = _Admitted(req, arrival, start, wall, gpu, table, hits=hits, blocks_wait=self._now() - t0)
         if hits:
             assert self.source is not None
             try:
@@ -426,7 +431,8 @@ class Server:
                         disk_tokens=got.disk * BLOCK_TOKENS, prefill_s=prefill_s, load_s=got.load_s,
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
                         wall=adm.wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s,
-                        ready=adm.ready, model_start=model_start, restore_error=adm.restore_error)
+                        ready=adm.ready, model_start=model_start, restore_error=adm.restore_error,
+                        blocks_wait=adm.blocks_wait)
         if got.forward_start_s is not None and got.submitted_at:  # the forward start's parts
             served.handover_s = ran.began - got.submitted_at - got.submit_s
             served.first_gate_s = got.forward_start_s - got.submit_s - served.handover_s
