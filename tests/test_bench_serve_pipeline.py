@@ -384,3 +384,48 @@ async def test_a_wait_for_blocks_another_request_holds_is_queueing_not_service()
     assert second.queue_s == pytest.approx(waits)
     assert second.service_s == pytest.approx(second.restore_wait + second.busy)
     _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_a_submitted_layerwise_load_is_drained_before_its_blocks_go_back() -> None:
+    """A forward that raises after its layerwise load was submitted: the load's copies may
+    still land in the request's blocks, so the source drains before the table goes back,
+    as it does for a cut restore."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+    from aiokv.bench.serve.sources import LayerwiseSource
+
+    model = LlamaModel(ModelConfig.tiny(), seed=5)
+    reqs = _requests(1, seed=6)
+    req = reqs[0]
+    kv = model.new_kv_cache(POOL)
+    watched = _Watched(model, reqs)
+    watched.raise_for.add(0)
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=8, backend="cpu") as worker:
+        drained: list[bool] = []
+
+        class Spied(LayerwiseSource):
+            async def drain(self) -> None:
+                drained.append(True)
+                await super().drain()
+
+        source = Spied(worker, 8, "lru")
+        n = req.cacheable_blocks
+        await source.offload(req.keys[:n], list(range(n)))
+        assert source.lookup(req.keys[:n]) == n  # a host hit: its load is planned, then submitted
+        pool = BlockPool(POOL, caching=False)
+        gone_back: list[bool] = []  # per release: had the source drained by then?
+        real = pool.release
+
+        def release(blocks: Sequence[int]) -> None:
+            gone_back.append(bool(drained))
+            real(blocks)
+
+        pool.release = release  # type: ignore[method-assign]
+        with anyio.fail_after(HANG):
+            async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+                with pytest.raises(BaseException) as caught:
+                    await server.serve(reqs)
+    assert caught.group_contains(RuntimeError, match="forward 0 failed")
+    assert gone_back == [True]
+    _pool_is_whole(pool)

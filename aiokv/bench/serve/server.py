@@ -175,7 +175,7 @@ class _Admitted:
     seq: int = 0  # admission order (ties of arrival)
     got: Restored = field(default_factory=lambda: Restored(0))
     planned: PlannedLoad | None = None
-    restoring: bool = False  # an awaited restore began (its copies may outlive a cancel)
+    restoring: bool = False  # a restore began or a load was submitted (its copies may outlive a cancel)
     ready: float = 0.0
     recomputed: int = 0
     restore_error: str = ""
@@ -400,6 +400,7 @@ class Server:
             # The forward's inputs are ready before a layerwise load is submitted, and the
             # forward is launched right after it, as an engine's model runner does.
             prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
+            adm.restoring = adm.restoring or planned is not None  # its copies from the submit on
             gate = planned.submit() if planned is not None else got.gate
             ran = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv, gate=gate,
                                        prepared=prepared)
@@ -441,10 +442,11 @@ class Server:
         return served
 
     async def _give_back(self, left: list[_Admitted]) -> None:
-        """Release the tables of requests a run ended without serving (cancelled, or
-        another request's forward raised). A restore cancelled half way may have copies
-        still landing in its blocks: the source drains first (a source that fails to
-        drain has nothing to wait for). A planned layerwise load is unpinned."""
+        """Release the tables of requests a run ended without serving (cancelled, or a
+        forward raised). A restore cancelled half way, or a layerwise load submitted under
+        a forward that raised, may have copies still landing in its blocks: the source
+        drains first (a source that fails to drain has nothing to wait for). A planned
+        layerwise load not submitted is unpinned."""
         if self.source is not None and any(adm.restoring for adm in left):
             try:
                 await self.source.drain()
