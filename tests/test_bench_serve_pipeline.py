@@ -429,3 +429,36 @@ async def test_a_submitted_layerwise_load_is_drained_before_its_blocks_go_back()
     assert caught.group_contains(RuntimeError, match="forward 0 failed")
     assert gone_back == [True]
     _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_a_run_cancelled_mid_forward_gives_its_table_back_after_the_forward() -> None:
+    """Cancelled while request 0's forward runs on the model thread: that forward writes
+    into its table until it ends, so the table goes back only after it."""
+    model, kv, reqs, _, source, watched = _setup(1)
+    pool = BlockPool(POOL, caching=False)
+    entered, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        go.wait(HANG)
+
+    watched.before[0] = hold
+    releases: list[int] = []
+    real_release = pool.release
+
+    def release(blocks):  # type: ignore[no-untyped-def]
+        releases.append(watched.running)
+        return real_release(blocks)
+
+    pool.release = release  # type: ignore[method-assign]
+    server = Server(model, kv, Device("cpu"), pool, source=source)
+    with anyio.fail_after(HANG):
+        async with server, anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, reqs)
+            while not entered.is_set():
+                await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+            threading.Timer(0.05, go.set).start()  # the forward ends after the cancel
+    assert releases and all(running == 0 for running in releases)
+    _pool_is_whole(pool)

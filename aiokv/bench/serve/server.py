@@ -402,8 +402,11 @@ class Server:
             prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
             adm.restoring = adm.restoring or planned is not None  # its copies from the submit on
             gate = planned.submit() if planned is not None else got.gate
-            ran = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv, gate=gate,
-                                       prepared=prepared)
+            # Shielded: a forward that began writes into the table until it ends, so a cancel
+            # waits for it (one forward at most) before the table can go back.
+            with anyio.CancelScope(shield=True):
+                ran = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv, gate=gate,
+                                           prepared=prepared)
             token, prefill_s = ran.token, ran.seconds
         finally:
             if planned is not None:
@@ -415,7 +418,8 @@ class Server:
                 await got.end()
             recomputed, begin = got.host * BLOCK_TOKENS, len(gpu) * BLOCK_TOKENS
             got.host = 0
-            again = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
+            with anyio.CancelScope(shield=True):  # as above
+                again = await runner.prefill(self.model, req.tokens[begin:], begin, table, self.kv)
             token, prefill_s = again.token, prefill_s + again.seconds
         first = self._now()  # the gates passed: the first token needs nothing more of the load
         self.stalls += stalls
