@@ -17,14 +17,13 @@ from hypothesis import strategies as st
 from aiokv.backends.cuda import native
 from aiokv.backends.cuda.layer_ops import IdFolder, LayerOps, PitchedRows
 from aiokv.backends.cuda.layer_program import Rows, copy_rows
-from aiokv.backends.cuda.native import NativeIssuer
 from aiokv.backends.cuda.program import OP_BATCH, OP_PITCHED, OP_RECORD, WORDS, batch_flags
 from aiokv.layer_plan import LayerMap
 from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import BlockMapping, HostLayout, map_blocks
 
-from .native_fakes import FakeTable
 from .test_cuda_layer_ops import run_ops
+from .test_cuda_layer_program import run as calls_of
 
 pytestmark = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
 
@@ -79,17 +78,6 @@ def program(ops: LayerOps, layers: list[int], to_host: bool, reference: bool) ->
     (reference_copy_rows if reference else copy_rows)(rows, ops, layers, events, MAIN, to_host)
     rows.record(END, MAIN)
     return rows
-
-
-def calls_of(rows: Rows) -> list[tuple]:
-    fake = FakeTable()
-    issuer = NativeIssuer(fake.table)
-    try:
-        ticket = issuer.submit(rows.words(), tuple(rows.buffers), MAIN, RESCUE, END, False)
-        assert ticket.wait(10) and ticket.result() == (rows.count, 0, 0, True)
-    finally:
-        issuer.close()
-    return fake.calls
 
 
 def same_rows(a: Rows, b: Rows, *, run: bool = True) -> None:
