@@ -33,6 +33,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -135,6 +136,22 @@ double aiokv_now(void); /* CLOCK_MONOTONIC seconds: time.perf_counter()'s clock 
  * stay with Python's threads) and binds the table's context: the CUresult of that (0 too
  * where the table sets none). */
 CUresult aiokv_thread_enter(const DriverTable *d);
+
+/* A driver call on a caller's thread (the planner's record of a job's dependency) while an
+ * issuer thread runs a program: the issuer holds back its next call until the caller's is
+ * done. The driver lets one thread's calls through at a time and does not queue them in
+ * order, so without this the caller can wait behind a run of the issuer's calls, not one.
+ * ``AIOKV_ISSUER_GIVE_WAY=0`` turns it off (read once, at import). */
+extern atomic_int aiokv_caller_calls;
+extern int aiokv_give_way_on;
+static inline void
+aiokv_give_way(void)
+{
+    if (aiokv_give_way_on)
+        while (atomic_load_explicit(&aiokv_caller_calls, memory_order_acquire) > 0)
+            ;
+}
+
 /* Start ``main_fn(arg)`` on a thread and wait, the GIL released, until it set ``*ready``
  * under ``mu`` and signalled ``cv``: 0, or pthread_create's error (no thread then). */
 int aiokv_start_thread(pthread_t *thread, void *(*main_fn)(void *), void *arg, pthread_mutex_t *mu,

@@ -238,6 +238,8 @@ run_program(IssuerState *st, Program *p, CUresult refuse, int here)
     CUresult code = refuse;
     if (refuse == 0) {
         for (; done < p->nrows; done++) {
+            if (!here)
+                aiokv_give_way();
             code = aiokv_run_op(&st->d, p->rows + done * WORDS, p->bufs);
             if (code != 0)
                 break;

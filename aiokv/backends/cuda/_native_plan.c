@@ -794,14 +794,17 @@ Planner_submit(PlannerObject *self, PyObject *args, PyObject *kw)
     if (record_dep && dep != 0) {
         const DriverTable *d = aiokv_issuer_table(st);
         CUresult code = 0;
-        if (dep_source != 0) {
+        int op = OP_WAIT;
+        atomic_fetch_add_explicit(&aiokv_caller_calls, 1, memory_order_acq_rel); /* issuers: give way */
+        if (dep_source != 0)
             code = ((wait_fn)d->procs[P_WAIT])((CUstream)(uintptr_t)dep_stream, (CUevent)(uintptr_t)dep_source, 0);
-            if (code != 0)
-                return Py_BuildValue("(ii)", code, OP_WAIT);
+        if (code == 0) {
+            op = OP_RECORD;
+            code = ((record_fn)d->procs[P_RECORD])((CUevent)(uintptr_t)dep, (CUstream)(uintptr_t)dep_stream);
         }
-        code = ((record_fn)d->procs[P_RECORD])((CUevent)(uintptr_t)dep, (CUstream)(uintptr_t)dep_stream);
+        atomic_fetch_sub_explicit(&aiokv_caller_calls, 1, memory_order_acq_rel);
         if (code != 0)
-            return Py_BuildValue("(ii)", code, OP_RECORD);
+            return Py_BuildValue("(ii)", code, op);
     }
     Program *p = aiokv_program_new(st, b->nrows, b->nbuf, b->used);
     if (p == NULL)
