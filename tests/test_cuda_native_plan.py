@@ -332,3 +332,43 @@ def test_a_dependency_on_the_legacy_default_stream_is_recorded_there() -> None:
     assert job.wait(10) and job.error is None
     assert fake.calls[1] == ("cuStreamWaitEvent", lane.stream, 0xD1, 0)
     lane.close()
+
+
+def test_the_issuer_holds_its_next_call_while_a_caller_records_a_dependency() -> None:
+    """The caller's one driver call at submit must not wait behind a run of the issuer's
+    (on an H100 it waited 15.9 us p50 against 0.8 us idle): while it is in the driver, the
+    issuer thread, mid-program, makes no call; it goes on once the record returns."""
+    import threading
+
+    kv, layout = caches([256, 512], 16)
+    lane, fake = make_lane(kv, layout, "dma", True, 1, 0, 16, in_c=True)
+    batch_go, record_go = threading.Event(), threading.Event()
+    fake.hold["cuMemcpyBatchAsync"] = (1, batch_go)
+    first = lane.launch(IdPlan([1, 2, 3], [4, 5, 6], 3, layout, 16, False, True), None)
+    for _ in range(1000):
+        if "cuMemcpyBatchAsync" in fake.names():
+            break
+        threading.Event().wait(0.01)
+    assert "cuMemcpyBatchAsync" in fake.names(), "the issuer never reached its batch"
+    records = fake.names().count("cuEventRecord")
+    fake.hold["cuEventRecord"] = (records + 1, record_go)  # the caller's record, next
+    seen: list[list[str]] = []
+
+    def release() -> None:
+        for _ in range(1000):
+            if ("cuEventRecord", 0xD1, 0x5) in fake.calls:
+                break
+            threading.Event().wait(0.01)
+        batch_go.set()  # the issuer's batch returns while the caller is in the driver
+        threading.Event().wait(0.2)
+        seen.append(list(fake.calls))
+        record_go.set()
+
+    helper = threading.Thread(target=release)
+    helper.start()
+    second = lane.launch(IdPlan([7, 8], [9, 10], 2, layout, 16, False, True), Dependency(0xD1, stream=0x5))
+    helper.join(10)
+    assert first.wait(10) and first.error is None and second.wait(10) and second.error is None
+    assert seen and seen[0][-1] == ("cuEventRecord", 0xD1, 0x5), f"the issuer called {seen[0][-2:]} then"
+    assert len(fake.calls) > len(seen[0]), "the issuer never went on after the record"
+    lane.close()

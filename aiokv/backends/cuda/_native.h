@@ -137,7 +137,8 @@ double aiokv_now(void); /* CLOCK_MONOTONIC seconds: time.perf_counter()'s clock 
  * where the table sets none). */
 CUresult aiokv_thread_enter(const DriverTable *d);
 
-/* A driver call on a caller's thread (the planner's record of a job's dependency) while an
+/* A driver call on a caller's thread (the planner's record of a job's dependency, a tiny
+ * program run at submit) while an
  * issuer thread runs a program: the issuer holds back its next call until the caller's is
  * done. The driver lets one thread's calls through at a time and does not queue them in
  * order, so without this the caller can wait behind a run of the issuer's calls, not one.

@@ -442,7 +442,9 @@ queue_program(IssuerState *st, Program *p, int run_here, int stamps)
         t->queued_at = aiokv_now();
         t->inline_run = 1;
         pthread_mutex_unlock(&st->mu);
+        atomic_fetch_add_explicit(&aiokv_caller_calls, 1, memory_order_acq_rel); /* other lanes' issuers wait */
         run_program(st, p, refuse, 1);
+        atomic_fetch_sub_explicit(&aiokv_caller_calls, 1, memory_order_acq_rel);
         pthread_mutex_lock(&st->mu);
         st->busy = 0;
         int bells[MAX_BELLS];
