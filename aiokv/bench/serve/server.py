@@ -320,12 +320,13 @@ class Server:
                         adm = await self._admit(req, arrival)
                         adm.seq = len(st.admitted)
                         st.admitted.append(adm)
-                        if adm.planned is not None and (st.busy or st.waiting):  # its forward must wait
-                            self._submit_early(adm)
+                        early = adm.planned is not None and (st.busy or st.waiting > 0)  # its forward waits
                         st.waiting += 1
-                        if adm.hits and adm.planned is None:
+                        if early:  # its restore stage: the copy runs while it waits
+                            self._submit_early(adm)
+                        if adm.hits and adm.planned is None and not early:
                             stages.start_soon(self._restore, adm, st)
-                        else:  # nothing to await: a miss, a planned layerwise load, the oracle
+                        else:  # nothing to await: a miss, a layerwise load (submitted or not), the oracle
                             adm.ready = self._now()
                             st.push(adm)
                 st.admitting = False
@@ -408,6 +409,7 @@ class Server:
                 if not st.admitting and st.waiting == 0:
                     return
                 await st.changed.wait()
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancel runs no further forward
             _, _, adm = heapq.heappop(st.ready)
             st.waiting -= 1
             st.busy = True  # before the slot goes: a request admitted now finds the model busy
