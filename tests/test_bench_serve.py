@@ -424,6 +424,10 @@ class _WatchedPlan:
         self.restored = Restored(len(keys))
         self.cancelled = False
 
+    @property
+    def submitted(self) -> bool:
+        return self.restored.gate is not None
+
     def submit(self):  # type: ignore[no-untyped-def]
         import threading
 

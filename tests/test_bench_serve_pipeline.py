@@ -462,3 +462,227 @@ async def test_a_run_cancelled_mid_forward_gives_its_table_back_after_the_forwar
             threading.Timer(0.05, go.set).start()  # the forward ends after the cancel
     assert releases and all(running == 0 for running in releases)
     _pool_is_whole(pool)
+
+
+# -- the layerwise arm: a load submitted early while its request waits for the model -----
+
+
+class _Loads:
+    """A ``LayerwiseSource`` over a CPU worker holding every request's prefix (prefilled,
+    stored, then noise over the GPU pages), watched: ``log`` gets ("prepare", i),
+    ("submit", i) and ("forward end", i) in the order they happened, from any thread;
+    ``futures[i]`` is request ``i``'s load, ``blocks[i]`` its blocks; ``completed[i]``
+    counts the unpins of its chunks; a submit of a request in ``fail`` raises in the
+    worker's ``submit_load``."""
+
+    def __init__(self, worker: object, model: LlamaModel, reqs: Sequence[ServeRequest]) -> None:
+        from aiokv.bench.serve.sources import LayerwiseSource
+
+        self.source = LayerwiseSource(worker, 16, "lru")  # type: ignore[arg-type]
+        self.model, self.reqs, self.ids = model, reqs, _ids(reqs)
+        self.owner = {r.keys[0]: r.index for r in reqs}
+        self.log: list[tuple[str, int]] = []
+        self.submitted = {r.index: threading.Event() for r in reqs}
+        self.futures: dict[int, object] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.completed = {r.index: 0 for r in reqs}
+        self.fail: set[int] = set()
+
+    async def fill(self, kv: Sequence[torch.Tensor]) -> None:
+        n = PREFIX // BLOCK_TOKENS
+        for r in self.reqs:
+            self.model.prefill(r.tokens[:PREFIX], 0, list(range(n)), kv)
+            await self.source.offload(r.keys[:n], list(range(n)))
+        for layer in kv:
+            layer.normal_()  # what no load brings back is noise
+        self._watch()
+
+    def _who(self, tokens: object) -> int:
+        return self.ids[tuple(int(t) for t in list(tokens)[-4:])]  # type: ignore[call-overload]
+
+    def _watch(self) -> None:
+        src, model, log = self.source, self.model, self.log
+        real_prepare, real_forward, real_plan = model.prepare, model.forward, src.plan
+        real_submit, real_complete = src.worker.submit_load, src.manager.complete_load
+        current: list[int] = []
+
+        def prepare(tokens, start, table):  # type: ignore[no-untyped-def]
+            log.append(("prepare", self._who(tokens)))
+            return real_prepare(tokens, start, table)
+
+        def forward(inputs, kv, **kwargs):  # type: ignore[no-untyped-def]
+            i = self._who(inputs.ids[-4:].tolist())
+            try:
+                return real_forward(inputs, kv, **kwargs)
+            finally:
+                log.append(("forward end", i))
+
+        def submit_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+            i = current[-1]
+            if i in self.fail:
+                raise RuntimeError(f"no lane for request {i}")
+            self.futures[i] = fut = real_submit(*args, **kwargs)
+            return fut
+
+        def complete_load(keys):  # type: ignore[no-untyped-def]
+            self.completed[self.owner[keys[0]]] += 1
+            real_complete(keys)
+
+        def plan(keys, blocks):  # type: ignore[no-untyped-def]
+            planned = real_plan(keys, blocks)
+            assert planned is not None
+            submit, i = planned.submit, self.owner[keys[0]]
+            self.blocks[i] = list(blocks)
+
+            def watched():  # type: ignore[no-untyped-def]
+                log.append(("submit", i))
+                current.append(i)
+                try:
+                    return submit()
+                finally:
+                    self.submitted[i].set()
+
+            planned.submit = watched  # type: ignore[method-assign]
+            return planned
+
+        model.prepare = prepare  # type: ignore[method-assign]
+        model.forward = forward  # type: ignore[method-assign]
+        src.plan = plan  # type: ignore[method-assign]
+        src.worker.submit_load = submit_load  # type: ignore[method-assign]
+        src.manager.complete_load = complete_load  # type: ignore[method-assign]
+
+    def at(self, event: str, i: int) -> int:
+        return self.log.index((event, i))
+
+    def settled(self) -> bool:
+        """No pin left, no copy in flight, each load's chunks unpinned once."""
+        return (self.source.manager.stats().pinned_keys == 0 and not self.source._in_flight
+                and all(self.completed[i] == 1 for i in self.futures))
+
+
+def _layerwise_setup(n: int, seed: int) -> tuple[LlamaModel, list[torch.Tensor], list[ServeRequest],
+                                                  dict[int, int]]:
+    model = LlamaModel(ModelConfig.tiny(), seed=seed + 7)
+    reqs = _requests(n, seed=seed)
+    return model, model.new_kv_cache(POOL), reqs, _expected(model, reqs)
+
+
+@pytest.mark.anyio
+async def test_a_queued_layerwise_request_submits_its_load_before_the_model_is_free() -> None:
+    """Request 0 finds the model idle: its inputs are prepared, then its load submitted,
+    then its forward runs (held until requests 1 and 2 have submitted). Those two arrive
+    while it runs, so they submit at admission, before forward 0 ends and before their
+    own inputs; their forwards gate on the layers landed. The tokens are the ones computed
+    in one go; only request 0's forward start is counted as one."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+    from aiokv.bench.serve.overlap import forward_start_rows
+
+    model, kv, reqs, expected = _layerwise_setup(3, seed=5)
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
+        loads = _Loads(worker, model, reqs)
+        await loads.fill(kv)
+        watched = _Watched(model, reqs)
+
+        def hold_0() -> None:  # on the model thread: the later requests must submit meanwhile
+            for i in (1, 2):
+                assert loads.submitted[i].wait(HANG), f"request {i}'s load waited for the model"
+
+        watched.before[0] = hold_0
+        pool = BlockPool(POOL, caching=False)
+        async with Server(model, kv, Device("cpu"), pool, source=loads.source) as server:
+            with anyio.fail_after(HANG):
+                served = await server.serve(reqs)
+        assert loads.settled()
+    assert watched.order == [0, 1, 2] and watched.most == 1
+    assert loads.at("prepare", 0) < loads.at("submit", 0) < loads.at("forward end", 0)
+    for i in (1, 2):
+        assert loads.at("submit", i) < loads.at("forward end", 0) < loads.at("prepare", i)
+    assert [s.token for s in served] == [expected[i] for i in range(3)]
+    assert all(s.host_tokens == PREFIX and not s.recomputed and not s.late_failure for s in served)
+    assert [s.early_submit for s in served] == [False, True, True]
+    assert served[0].handover_s is not None and served[1].handover_s is None is served[2].handover_s
+    rows = {r.name: r for r in forward_start_rows("s", served)}
+    assert "n=1 of 3 loads" in rows["forward start after the submit p50"].note
+    assert "n=2 of 3 loads" in rows["early submit to its forward's first gate p50"].note
+    _pool_is_whole(pool)
+
+
+@pytest.mark.anyio
+async def test_a_cancel_drains_the_early_loads_of_requests_waiting_for_the_model() -> None:
+    """Cancelled while requests 1 and 2 have their loads submitted and wait behind forward
+    0: the source drains before their tables go back, each load has ended by then and
+    unpinned its chunks once, and the model thread stops."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    model, kv, reqs, _ = _layerwise_setup(3, seed=6)
+    release = threading.Event()
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
+        loads = _Loads(worker, model, reqs)
+        await loads.fill(kv)
+        watched = _Watched(model, reqs)
+        drains: list[int] = []
+        real_drain = loads.source.drain
+
+        async def drain() -> None:
+            await real_drain()
+            drains.append(len(loads.log))
+
+        loads.source.drain = drain  # type: ignore[method-assign]
+        watched.before[0] = lambda: release.wait(HANG)
+        pool = BlockPool(POOL, caching=False)
+        gone_back: dict[int, tuple[bool, bool]] = {}  # request: (drained, its load ended)
+        real_release = pool.release
+        tables: dict[int, set[int]] = {}
+
+        def release_blocks(blocks: Sequence[int]) -> None:
+            for i, table in tables.items():
+                if table <= set(blocks):
+                    gone_back[i] = (bool(drains), loads.futures[i].done())  # type: ignore[attr-defined]
+            real_release(blocks)
+
+        pool.release = release_blocks  # type: ignore[method-assign]
+        server = Server(model, kv, Device("cpu"), pool, source=loads.source)
+        with anyio.fail_after(HANG):
+            async with server, anyio.create_task_group() as tg:
+                tg.start_soon(server.serve, reqs)
+                for i in (1, 2):
+                    while not loads.submitted[i].is_set():
+                        await anyio.sleep(0.001)
+                    tables[i] = set(loads.blocks[i])
+                assert watched.order == [0]
+                tg.cancel_scope.cancel()
+                release.set()
+        assert loads.settled()
+    assert watched.order == [0]  # 1 and 2 never forwarded
+    assert gone_back == {1: (True, True), 2: (True, True)}
+    _pool_is_whole(pool)
+    assert server.runner is not None and not server.runner.running
+
+
+@pytest.mark.anyio
+async def test_an_early_submit_that_raises_is_served_by_recompute() -> None:
+    """Request 1's submit raises in its restore stage: it is a miss, its prefix computed
+    (byte-exact token), its chunks unpinned once; the others are not touched."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    model, kv, reqs, expected = _layerwise_setup(3, seed=8)
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
+        loads = _Loads(worker, model, reqs)
+        await loads.fill(kv)
+        watched = _Watched(model, reqs)
+        loads.fail.add(1)
+        watched.before[0] = lambda: loads.submitted[2].wait(HANG)
+        pool = BlockPool(POOL, caching=False)
+        async with Server(model, kv, Device("cpu"), pool, source=loads.source) as server:
+            with anyio.fail_after(HANG):
+                served = await server.serve(reqs)
+        assert loads.settled() and loads.completed[1] == 1
+    assert [s.token for s in served] == [expected[i] for i in range(3)]
+    bad = served[1]
+    assert bad.host_tokens == 0 and bad.recomputed == PREFIX and "no lane for request 1" in bad.restore_error
+    assert not bad.early_submit and served[2].early_submit
+    assert served[0].host_tokens == served[2].host_tokens == PREFIX
+    _pool_is_whole(pool)

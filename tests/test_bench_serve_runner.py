@@ -255,11 +255,12 @@ async def test_a_layerwise_load_splits_its_forward_start_into_three_parts() -> N
                                                                                         abs=1e-9)
 
 
-def _load(index: int, submit_ms: float, handover_ms: float | None, gate_ms: float) -> Served:
+def _load(index: int, submit_ms: float, handover_ms: float | None, gate_ms: float, *,
+          early: bool = False) -> Served:
     total = submit_ms + (handover_ms or 0.0) + gate_ms
     return Served(index, 1000, 900, 0.0, 0.0, 0.01, 1, host_tokens=512, submit_s=submit_ms / 1e3,
                   forward_start_s=total / 1e3, handover_s=None if handover_ms is None else handover_ms / 1e3,
-                  first_gate_s=gate_ms / 1e3)
+                  first_gate_s=gate_ms / 1e3, early_submit=early)
 
 
 def test_the_forward_start_row_gives_its_parts_beside_it() -> None:
@@ -280,6 +281,24 @@ def test_the_forward_start_row_gives_its_parts_beside_it() -> None:
     bare = {r.name: r for r in forward_start_rows("s", [_load(0, 0.3, None, 0.1)])}
     assert set(bare) == {"forward start after the submit p50"} and "handover_ms" not in bare[
         "forward start after the submit p50"].extra
+
+
+def test_a_load_submitted_early_is_not_read_as_a_slow_forward_start() -> None:
+    """Loads submitted in their restore stage waited for the model after the submit: they
+    are left out of the start and its parts, and reported in a row of their own, with no
+    target, as the head start their copy had."""
+    loads = [_load(0, 0.3, 0.2, 0.1), _load(1, 0.4, None, 40.0, early=True),
+             _load(2, 0.4, 0.7, 0.2), _load(3, 0.2, None, 90.0, early=True)]
+    rows = {r.name: r for r in forward_start_rows("s", loads)}
+    start = rows["forward start after the submit p50"]
+    assert start.extra["forward_start_ms"] == pytest.approx([0.6, 1.3]) and start.value == pytest.approx(0.95)
+    assert "n=2 of 4 loads" in start.note and start.extra["handover_ms"] == pytest.approx([0.2, 0.7])
+    assert rows["forward start: hand-over p50"].note.startswith("n=2;")
+    early = rows["early submit to its forward's first gate p50"]
+    assert early.extra["early_submit_to_first_gate_ms"] == pytest.approx([40.4, 90.2])
+    assert early.target is None and "n=2 of 4 loads" in early.note and "queueing" in early.note
+    only_early = forward_start_rows("s", [loads[1], loads[3]])
+    assert [r.name for r in only_early] == ["early submit to its forward's first gate p50"]
 
 
 class _Abort(BaseException):

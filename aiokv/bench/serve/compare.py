@@ -110,8 +110,9 @@ def _overlap_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
 
     return [BenchRow(section, "layerwise service / max(load, prefill)", p50, "x",
                      note=f"n={len(loaded)} host hits; p90 {p90:.2f}; service: the host clock of its "
-                          f"admission (lookup, block table, the load planned) and, from the model taking "
-                          f"it, of its inputs, its load's submit and its forward to its first token, p50 "
+                          f"admission (lookup, block table, the load planned, and submitted if its forward "
+                          f"had to wait) and, from the model taking it, of its inputs, its load's submit if "
+                          f"not submitted then, and its forward to its first token, p50 "
                           f"{ms([s.service_s for s in loaded])} ms; load: its bytes at "
                           f"the load ceiling, p50 {ms(load)} ms; prefill: its inputs' preparation and the "
                           f"forward's device time less its waits on layers, "

@@ -40,8 +40,8 @@ class Device:
 
     def prepare(self, model: LlamaModel, tokens: np.ndarray, start: int, table: Sequence[int]) -> Prepared:
         """A prefill's inputs (``LlamaModel.prepare``), timed as part of its prefill: what
-        the server does on the loop's thread before it starts a request's layerwise load,
-        so that the forward can follow the submit at once."""
+        the server does on the loop's thread before it starts a request's layerwise load
+        (one not submitted early), so that the forward can follow the submit at once."""
         if self.kind == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()

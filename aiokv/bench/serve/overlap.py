@@ -4,7 +4,10 @@ A gate stall of zero cannot tell perfect overlap from none: every layer may have
 before the forward pass began. So per load: the host time its submit took; how long after
 the submit's call the forward reached its first gate (the issue's target: the forward
 starts <= 1 ms after the submit; host clock, both ends on it) and where that went (the
-submit, the hand-over to the model thread, layer 0's work before its first gate); when
+submit, the hand-over to the model thread, layer 0's work before its first gate), for the
+loads submitted at their forward's start only: a load submitted early, in its restore
+stage while the model was busy or others were ahead, waits for the model after its
+submit, and that wait is queueing (its own row says how long its copy ran first); when
 the forward reached that gate after the job's copies began (device time on CUDA);
 whether that was before the last layer landed and by how much, with and without the time
 the forward then spent waiting at gates (the overlap, and what of it the forward
@@ -89,7 +92,9 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
     rows += [
         BenchRow(section, "forward at its first gate after the copies began p50", _p(first, 50), "ms",
                  note=f"n={len(timed)} timed loads ({clock} clock); p90 {_p(first, 90):.2f} ms; "
-                      "the forward's arrival at layer 0's gate less the job's first copy"),
+                      "the forward's arrival at layer 0's gate less the job's first copy; "
+                      f"{sum(s.early_submit for s, _, _, _ in timed)} of them submitted early, their wait "
+                      "for the model in it"),
         BenchRow(section, "forward ran while the prefix arrived p50", _p(over, 50), "ms",
                  note=f"last layer's copy end less the forward's first gate, time it waited at gates "
                       f"included; {overlapped} of {len(timed)} loads overlapped; whole load p50 "
@@ -113,16 +118,20 @@ def overlap_rows(section: str, arm: ArmResult) -> list[BenchRow]:
 def forward_start_rows(section: str, loads: Sequence[Served]) -> list[BenchRow]:
     """The forward's start after the submit, and where it went: (a) the submit's host time,
     (b) its return to the model thread beginning the forward (the hand-over), (c) that to
-    the first gate (layer 0's work before it reads the prefix); a + b + c is the start."""
-    timed = [s for s in loads if s.forward_start_s is not None]
+    the first gate (layer 0's work before it reads the prefix); a + b + c is the start.
+    Loads submitted at their forward's start only; the early ones get a row of their own."""
+    started = [s for s in loads if s.forward_start_s is not None]
+    timed = [s for s in started if not s.early_submit]
+    early = _early_rows(section, [s for s in started if s.early_submit], len(started))
     if not timed:
-        return []
+        return early
     total = [s.forward_start_s * 1e3 for s in timed]  # type: ignore[operator]
     split = [s for s in timed if s.handover_s is not None and s.first_gate_s is not None]
     parts = {"submit": [s.submit_s * 1e3 for s in split],
              "hand-over": [s.handover_s * 1e3 for s in split],  # type: ignore[operator]
              "to the first gate": [s.first_gate_s * 1e3 for s in split]}  # type: ignore[operator]
-    note = (f"n={len(timed)} loads; p90 {_p(total, 90):.2f} ms; host clock, from the submit_load call to the "
+    note = (f"n={len(timed)} of {len(started)} loads: those submitted at their forward's start (the model "
+            f"idle, none ahead); p90 {_p(total, 90):.2f} ms; host clock, from the submit_load call to the "
             "forward's call of its first gate (the block table and the inputs are ready before)")
     extra: dict[str, Any] = {"forward_start_ms": total}
     if split:
@@ -143,7 +152,20 @@ def forward_start_rows(section: str, loads: Sequence[Served]) -> list[BenchRow]:
         if split:
             rows.append(BenchRow(section, f"forward start: {name} p50", _p(parts[name], 50), "ms",
                                  note=f"n={len(split)}; p90 {_p(parts[name], 90):.2f} ms; {why}"))
-    return rows
+    return rows + early
+
+
+def _early_rows(section: str, early: Sequence[Served], started: int) -> list[BenchRow]:
+    """Loads submitted in their restore stage: submit to their forward's first gate, which
+    is mostly their wait for the model (the head start their copy had), not a start."""
+    if not early:
+        return []
+    ahead = [s.forward_start_s * 1e3 for s in early]  # type: ignore[operator]
+    return [BenchRow(section, "early submit to its forward's first gate p50", _p(ahead, 50), "ms",
+                     note=f"n={len(early)} of {started} loads: submitted in their restore stage, the model "
+                          f"busy or others ahead; p90 {_p(ahead, 90):.2f} ms; their wait for the model is in "
+                          "it (queueing, not a forward start): the head start their copy had",
+                     extra={"early_submit_to_first_gate_ms": ahead})]
 
 
 def plot_timeline(ax: Any, rows: Sequence[BenchRow]) -> bool:

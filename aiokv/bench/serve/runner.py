@@ -1,10 +1,11 @@
 """A server's model thread: one persistent thread that launches forwards in arrival order,
 as an engine's model runner does, and never waits for one to end.
 
-The event loop prepares a forward's inputs and submits its layerwise load, then hands the
-forward over through a queue the idle thread sleeps on (anyio's worker pool would hand it
-to whichever pool thread wakes, behind a capacity limiter). Where the thread was idle, the
-loop's thread then parks (GIL released) until the forward has written layer 0's new K and
+The event loop prepares a forward's inputs and submits its layerwise load (unless it was
+submitted early, while the request waited for the model), then hands the forward over
+through a queue the idle thread sleeps on (anyio's worker pool would hand it to whichever
+pool thread wakes, behind a capacity limiter). Where the thread was idle, the loop's
+thread then parks (GIL released) until the forward has written layer 0's new K and
 V, the point where a layerwise forward gates on its first layer: an engine's model runner
 submits and launches on one thread, and with the loop back at its other tasks the model
 thread would wait for the GIL (up to a switch interval, 5 ms) before it launched anything.

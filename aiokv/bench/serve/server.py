@@ -12,15 +12,19 @@ asynchronously (vLLM parks them in WAITING_FOR_REMOTE_KVS and schedules the othe
    each hold part of the pool waiting for the rest. At most ``ahead`` requests are
    between admission and the model (``AHEAD``).
 2. **Restore**, one task per request, concurrently: the awaited restore of its host,
-   disk or Redis hits into its table. A layerwise load is only planned (its chunks
-   pinned) and submitted right before its forward; the oracle moves nothing. A restore
-   that raises is a miss: its tokens are computed (``Served.recomputed``).
+   disk or Redis hits into its table. A layerwise load is planned (its chunks pinned);
+   if its forward cannot start now (the model busy, or others admitted before it still
+   waiting), it is submitted here and not awaited, so its copy runs while the request
+   waits, as the host arm's restore does; else it is submitted right before its forward
+   (stage 3). The oracle moves nothing. A restore (or such a submit) that raises is a
+   miss: its tokens are computed (``Served.recomputed``).
 3. **Model**, one forward at a time on the server's model thread
    (``runner.ModelThread``), every arm's the same way: of the requests whose restore is
    over, the earliest arrival first (a later arrival goes ahead of an earlier one only
    while the earlier one's restore is still running). The forward's inputs are prepared,
-   a planned layerwise load submitted, and the forward handed to the model thread right
-   after it; the load is not awaited: the model gates each layer on its copy. The first
+   a layerwise load not yet submitted is submitted, and the forward handed to the model
+   thread right after it, so an idle model starts as early as it can; the load is not
+   awaited: the model gates each layer on its copy (one landed passes at once). The first
    token is stamped, the request's full blocks are registered in the GPU prefix cache and
    offloaded in the background; they stay held in the GPU pool until that copy is over.
 
@@ -28,7 +32,9 @@ A request's TTFT runs from its arrival, so waits for admission, for its restore 
 the model all count (``Served`` splits them). A segment ends once its requests are served
 and its copies (and tier writes) have settled, so the arms can take turns on the machine.
 Whatever ends a run (its end, a cancel, an error in a forward), every block a request
-held is given back once. Only the public API of aiokv is used.
+held is given back once, after the source drained if a copy into it may still run (a
+restore cut half way, a layerwise load submitted for a request never forwarded). Only
+the public API of aiokv is used.
 """
 
 from __future__ import annotations
@@ -93,7 +99,9 @@ class Served:
     late_failure: bool = False  # a layerwise load failed after the forward had read it
     submit_s: float = 0.0  # host seconds a layerwise load's submit took
     forward_start_s: float | None = None  # host seconds from that submit to the forward's first gate
-    # forward_start_s = submit_s + handover_s + first_gate_s (host clock):
+    early_submit: bool = False  # its load was submitted in the restore stage, the model busy or others ahead
+    # forward_start_s = submit_s + handover_s + first_gate_s (host clock; a load submitted at
+    # its forward's start only: an early one's start is mostly its wait for the model):
     handover_s: float | None = None  # the submit's return to the model thread beginning the forward
     first_gate_s: float | None = None  # that to the first gate (layer 0's work before the prefix)
     timeline: LayerTimeline | None = None  # a layerwise load's, once it ended
@@ -192,6 +200,7 @@ class _Stages:
     admitted: list[_Admitted] = field(default_factory=list)
     ready: list[tuple[float, int, _Admitted]] = field(default_factory=list)  # by arrival: a heap
     waiting: int = 0  # admitted, not yet taken by the model
+    busy: bool = False  # the model stage has taken a request and runs its forward
     admitting: bool = True
     changed: anyio.Event = field(default_factory=anyio.Event)
 
@@ -311,10 +320,13 @@ class Server:
                         adm = await self._admit(req, arrival)
                         adm.seq = len(st.admitted)
                         st.admitted.append(adm)
+                        early = adm.planned is not None and (st.busy or st.waiting > 0)  # its forward waits
                         st.waiting += 1
-                        if adm.hits and adm.planned is None:
+                        if early:  # its restore stage: the copy runs while it waits
+                            self._submit_early(adm)
+                        if adm.hits and adm.planned is None and not early:
                             stages.start_soon(self._restore, adm, st)
-                        else:  # nothing to await: a miss, a planned layerwise load, the oracle
+                        else:  # nothing to await: a miss, a layerwise load (submitted or not), the oracle
                             adm.ready = self._now()
                             st.push(adm)
                 st.admitting = False
@@ -372,9 +384,23 @@ class Server:
         except Exception as exc:  # a tier that raised: a miss, the request computes its tokens
             adm.got, adm.recomputed = Restored(0), adm.hits * BLOCK_TOKENS
             adm.restore_error = f"{type(exc).__name__}: {exc}"
-        adm.restoring = False
+        adm.restoring = bool(adm.got.submitted_at)  # a layerwise source's load runs on past it
         adm.ready = self._now()
         st.push(adm)
+
+    def _submit_early(self, adm: _Admitted) -> None:
+        """The restore stage of a layerwise load whose forward cannot start now: its submit,
+        on the loop's thread (the async face requires it), so the copy runs while the
+        request waits for the model; its forward gates on the layers landed by then. A
+        submit that raises is a miss, as a restore that raises."""
+        assert adm.planned is not None
+        adm.restoring = True  # it may write into the table from the submit on
+        try:
+            adm.planned.submit()
+        except Exception as exc:
+            adm.planned.cancel()
+            adm.planned, adm.got, adm.recomputed = None, Restored(0), adm.hits * BLOCK_TOKENS
+            adm.restore_error = f"{type(exc).__name__}: {exc}"
 
     async def _model_stage(self, st: _Stages, tg: anyio.abc.TaskGroup, segment: int) -> None:
         """One forward at a time: of the restored requests, the earliest arrival first."""
@@ -383,10 +409,15 @@ class Server:
                 if not st.admitting and st.waiting == 0:
                     return
                 await st.changed.wait()
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancel runs no further forward
             _, _, adm = heapq.heappop(st.ready)
             st.waiting -= 1
+            st.busy = True  # before the slot goes: a request admitted now finds the model busy
             st.slots.release()
-            adm.served = await self._forward(adm, tg, segment)
+            try:
+                adm.served = await self._forward(adm, tg, segment)
+            finally:
+                st.busy = False
 
     async def _forward(self, adm: _Admitted, tg: anyio.abc.TaskGroup, segment: int) -> Served:
         """Its forward over what was restored; then its blocks cached, offloaded, released."""
@@ -396,12 +427,13 @@ class Server:
         begin = (len(gpu) + got.host + got.disk) * BLOCK_TOKENS
         runner = self.runner
         assert runner is not None
+        at_start = planned is not None and not planned.submitted  # else submitted early, or none
         try:
             # The forward's inputs are ready before a layerwise load is submitted, and the
             # forward is launched right after it, as an engine's model runner does.
             prepared = self.device.prepare(self.model, req.tokens[begin:], begin, table)
-            adm.restoring = adm.restoring or planned is not None  # its copies from the submit on
-            gate = planned.submit() if planned is not None else got.gate
+            adm.restoring = adm.restoring or at_start  # its copies from the submit on
+            gate = planned.submit() if planned is not None and at_start else got.gate
             # Shielded: a forward that began writes into the table until it ends, so a cancel
             # waits for it (one forward at most) before the table can go back.
             with anyio.CancelScope(shield=True):
@@ -438,7 +470,8 @@ class Server:
                         wall=adm.wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s,
                         ready=adm.ready, model_start=model_start, restore_error=adm.restore_error,
                         blocks_wait=adm.blocks_wait)
-        if got.forward_start_s is not None and got.submitted_at:  # the forward start's parts
+        served.early_submit = bool(got.submitted_at) and not at_start  # in its restore stage
+        if got.forward_start_s is not None and got.submitted_at and at_start:  # the forward start's parts
             served.handover_s = ran.began - got.submitted_at - got.submit_s
             served.first_gate_s = got.forward_start_s - got.submit_s - served.handover_s
         if got.end is not None and not got.failed:
@@ -447,10 +480,11 @@ class Server:
 
     async def _give_back(self, left: list[_Admitted]) -> None:
         """Release the tables of requests a run ended without serving (cancelled, or a
-        forward raised). A restore cancelled half way, or a layerwise load submitted under
-        a forward that raised, may have copies still landing in its blocks: the source
-        drains first (a source that fails to drain has nothing to wait for). A planned
-        layerwise load not submitted is unpinned."""
+        forward raised). A restore cancelled half way, or a layerwise load submitted (in
+        the restore stage, or under a forward that raised), may have copies still landing
+        in its blocks: the source drains first (a source that fails to drain has nothing
+        to wait for; a load's pins go when it ends). A planned layerwise load not
+        submitted is unpinned."""
         if self.source is not None and any(adm.restoring for adm in left):
             try:
                 await self.source.drain()

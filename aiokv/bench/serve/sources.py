@@ -70,8 +70,9 @@ class Source:
         raise NotImplementedError
 
     def plan(self, keys: Sequence[int], blocks: list[int]) -> PlannedLoad | None:
-        """A load the server submits once the forward's inputs are ready (a layerwise
-        source's), or None: ``restore`` then moves the blocks first."""
+        """A load the server submits and does not await (a layerwise source's): in the
+        request's restore stage if its forward must wait, else once the forward's inputs
+        are ready. None: ``restore`` then moves the blocks first."""
         return None
 
     async def offload(self, keys: Sequence[int], blocks: list[int]) -> None:
@@ -133,8 +134,8 @@ class LayerwiseSource(Source):
     def plan(self, keys: Sequence[int], blocks: list[int]) -> PlannedLoad | None:
         """Pin the keys' chunks for a load into ``blocks`` and return it unsubmitted (its
         ``restored`` says how many blocks it brings), or None if a key was evicted since
-        the lookup (a miss, as the cache's). The server prepares the forward's inputs
-        before it submits, as an engine does."""
+        the lookup (a miss, as the cache's). The server submits it early if the request
+        must wait for the model, else after the forward's inputs, as an engine does."""
         try:
             chunks = self.manager.prepare_load(list(keys), touch=False)
         except KeyNotLoadable:
@@ -188,6 +189,11 @@ class PlannedLoad:
         self.source, self.pinned, self.chunks, self.blocks = source, pinned, chunks, blocks
         self.restored = Restored(len(pinned), take_stalls=source.new_stalls)
         self._pinned_here = True  # until the submit takes the pins over (or cancel drops them)
+
+    @property
+    def submitted(self) -> bool:
+        """Its submit returned: the copy runs, and ``restored.gate`` gates on it."""
+        return self.restored.gate is not None
 
     def submit(self) -> Callable[[int], object]:
         src, mgr, pinned, restored = self.source, self.source.manager, self.pinned, self.restored
