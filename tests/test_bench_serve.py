@@ -355,6 +355,38 @@ def test_lower_bound_starts_each_segment_from_an_empty_queue_and_overlaps_layerw
     assert lower_bounds(served, ceil, overlap=True)[1] == pytest.approx(0.32)
 
 
+def test_the_layerwise_bound_lets_a_queued_load_run_while_its_request_waits() -> None:
+    """The server submits a queued layerwise request's load at admission, so its copy runs
+    while the model serves the requests ahead: at the ceilings its forward ends once its
+    own time after the model took it has passed and its load has landed, whichever is
+    later. The bound is that schedule (every request ready at arrival, the model in
+    arrival order), never above it: a figure under its lower bound would read as
+    impossible."""
+    ceil = Ceilings(1.0, "copy", 1e12, "gemm", block_bytes=16 * 10**6)  # 1 GB/s, 1 MB a token
+    served = [
+        Served(0, 100, 0, arrival=0.0, start=0.0, first_token=0.5, token=1, host_tokens=16, prefill_s=0.5),
+        # 320 MB: its load lands at 0.33 s, while request 0's forward still runs
+        Served(1, 100, 0, arrival=0.01, start=0.01, first_token=0.6, token=1, host_tokens=320, prefill_s=0.1),
+    ]
+    bounds = lower_bounds(served, ceil, overlap=True)
+    assert bounds[0] == pytest.approx(0.5) and bounds[1] == pytest.approx(0.5 + 0.1 - 0.01)
+    rng = np.random.default_rng(47)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        arrivals = np.sort(rng.uniform(0.0, 0.4, n))
+        served = [Served(i, 100, 0, arrival=float(a), start=float(a), first_token=float(a) + 1.0, token=1,
+                         host_tokens=int(rng.integers(0, 400)), prefill_s=float(rng.uniform(0.01, 0.3)),
+                         stall_s=float(rng.uniform(0.0, 0.005)))
+                  for i, a in enumerate(arrivals)]
+        reached: dict[int, float] = {}
+        clock = float("-inf")
+        for s in served:  # arrival order: each is ready (its load running) at its arrival
+            clock = max(max(clock, s.arrival) + s.compute_s, s.arrival + s.host_tokens * 1e6 / 1e9)
+            reached[s.index] = clock - s.arrival
+        bounds = lower_bounds(served, ceil, overlap=True)
+        assert bounds == pytest.approx(reached)
+
+
 def test_lower_bound_lets_a_restored_later_arrival_pass_a_slow_restore() -> None:
     """As the server does: a disk hit's 1 s restore runs beside the model, so the host hit
     arriving after it (restored in 16 ms) takes the model first, and the miss after both

@@ -261,6 +261,48 @@ def test_a_tiny_program_runs_at_submit_only_on_an_idle_issuer() -> None:
         issuer.close()
 
 
+def test_another_lanes_issuer_holds_its_next_call_while_a_program_runs_at_submit() -> None:
+    """A tiny program run on the caller's thread is on the latency path as its dependency
+    record is: while the caller is in the driver for it, another lane's issuer thread,
+    mid-program, makes no call; it goes on once the caller's call returned."""
+    fake_a, fake_b = FakeTable(), FakeTable()
+    a, b = NativeIssuer(fake_a.table), NativeIssuer(fake_b.table)
+    a_go, b_go = threading.Event(), threading.Event()
+    seen: list[list[tuple[Any, ...]]] = []
+    try:
+        fake_a.hold["cuEventRecord"] = (1, a_go)  # lane a's thread, at its program's first row
+        first = submit(a, records(0xA1, 0xA2, 0xA3))
+        for _ in range(1000):
+            if fake_a.calls:
+                break
+            threading.Event().wait(0.01)
+        assert fake_a.calls == [("cuEventRecord", 0xA1, MAIN)], "lane a's thread never reached its row"
+        fake_b.hold["cuEventRecord"] = (1, b_go)  # the caller, inside lane b's program
+
+        def release() -> None:
+            for _ in range(1000):
+                if fake_b.calls:
+                    break
+                threading.Event().wait(0.01)
+            a_go.set()  # lane a's call returns while the caller is in the driver
+            threading.Event().wait(0.2)
+            seen.append(list(fake_a.calls))
+            b_go.set()
+
+        helper = threading.Thread(target=release)
+        helper.start()
+        here = submit(b, records(0xB1), run_here=True)
+        helper.join(10)
+        assert here.inline and first.wait(10)
+        assert seen == [[("cuEventRecord", 0xA1, MAIN)]], f"lane a's thread called {seen} meanwhile"
+        assert [c[1] for c in fake_a.calls] == [0xA1, 0xA2, 0xA3], "lane a's thread never went on"
+    finally:
+        a_go.set()
+        b_go.set()
+        a.close()
+        b.close()
+
+
 def test_the_thread_issues_and_arms_the_doorbell_without_the_gil() -> None:
     """An await that began before the issue: the doorbell is asked of the ticket while the
     program is queued. Then this thread holds the GIL throughout (a switch interval far

@@ -8,10 +8,11 @@ disk-restored bytes at the slower of the disk read and load ceilings, from its a
 (restores run beside other requests' forwards, each at the full ceiling), then the
 prefill seconds the arm measured for it on the one model, which takes the earliest
 arrival among the requests whose restore is over, as the server does (the oracle moves
-nothing, so its bound is its prefill alone; a layerwise load runs beside its own
-forward, so there the longer of the two counts, with the forward's own time, less its
-waits on layers). Each segment starts from an empty queue as the arms serve it, so
-queueing is in the bound as in the figure.
+nothing, so its bound is its prefill alone; a layerwise load runs from the request's
+arrival, beside its wait for the model and its forward, as the server submits a queued
+request's load at admission: its forward, counted without its waits on layers, ends no
+sooner than the load lands). Each segment starts from an empty queue as the arms serve
+it, so queueing is in the bound as in the figure.
 """
 
 from __future__ import annotations
@@ -75,17 +76,18 @@ def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True
     per_token = ceil.block_bytes / BLOCK_TOKENS
     out: dict[int, float] = {}
     for k in sorted({s.segment for s in served}):
-        # (ready, arrival, order, its forward's seconds, index), by when its restore is over
+        # (ready, arrival, order, its forward's seconds, index, its load landed), by when
+        # its restore is over
         due = []
         part = sorted((s for s in served if s.segment == k), key=lambda s: (s.arrival, s.start))
         for n, s in enumerate(part):
             transfer = (s.host_tokens * per_token / load + s.disk_tokens * per_token / disk) if moves else 0.0
-            if overlap:  # the load runs beside its own forward
-                due.append((s.arrival, s.arrival, n, max(transfer, s.compute_s), s.index))
+            if overlap:  # the load runs from its arrival, beside its wait for the model and its forward
+                due.append((s.arrival, s.arrival, n, s.compute_s, s.index, s.arrival + transfer))
             else:
-                due.append((s.arrival + transfer, s.arrival, n, s.compute_s, s.index))
+                due.append((s.arrival + transfer, s.arrival, n, s.compute_s, s.index, s.arrival + transfer))
         due.sort()
-        ready: list[tuple[float, int, float, int]] = []  # a heap by arrival
+        ready: list[tuple[float, int, float, int, float]] = []  # a heap by arrival
         clock, i = float("-inf"), 0
         while i < len(due) or ready:
             if not ready:
@@ -93,8 +95,8 @@ def lower_bounds(served: Sequence[Served], ceil: Ceilings, *, moves: bool = True
             while i < len(due) and due[i][0] <= clock:
                 heapq.heappush(ready, due[i][1:])
                 i += 1
-            arrival, _, seconds, index = heapq.heappop(ready)
-            clock += seconds
+            arrival, _, seconds, index, landed = heapq.heappop(ready)
+            clock = max(clock + seconds, landed)  # a forward ends no sooner than its last layer lands
             out[index] = clock - arrival
     return out
 
