@@ -149,8 +149,11 @@ static inline void
 aiokv_give_way(void)
 {
     if (aiokv_give_way_on)
-        while (atomic_load_explicit(&aiokv_caller_calls, memory_order_acquire) > 0)
-            ;
+        while (atomic_load_explicit(&aiokv_caller_calls, memory_order_acquire) > 0) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause(); /* leave a hyperthread sibling (the caller?) its core */
+#endif
+        }
 }
 
 /* Start ``main_fn(arg)`` on a thread and wait, the GIL released, until it set ``*ready``
