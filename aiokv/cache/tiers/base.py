@@ -93,9 +93,11 @@ class PartsReader(Protocol):
     a restore then reads it straight into its staging chunk's pages, whatever order the
     host keeps them in, instead of into a row it copies from."""
 
-    async def read_parts(self, keys: Sequence[bytes],
-                         parts: Sequence[Sequence[memoryview]]) -> list[bool]:
-        """Like ``Tier.read``, with ``parts[i]`` taking ``keys[i]``'s payload in order."""
+    async def read_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], *,
+                         order: tuple[int, int] | None = None) -> list[bool]:
+        """Like ``Tier.read``, with ``parts[i]`` taking ``keys[i]``'s payload in order.
+        ``order`` (restore ticket, position of the batch in it) lets the tier serve the
+        reads of an earlier restore before a later one's; a tier may ignore it."""
         ...
 
 

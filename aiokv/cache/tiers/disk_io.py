@@ -37,6 +37,7 @@ except ImportError:  # Windows: no flock; one tier per directory is then up to t
 
 from . import codec, disk_native
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
+from .disk_order import UNORDERED
 from .disk_vectors import copy_bytes, read_all, spread_copy, write_all
 
 __all__ = [
@@ -122,11 +123,14 @@ class BlockFiles:
             reading (None: no bound): threads past it checksum what they read meanwhile.
         native: read through the native reader where it is built and not turned off
             (``disk_native``); False always reads from Python.
+        write_gate: entered around each block's write (``disk_order.WriteGate``: fewer
+            writes at the device while reads wait); None: no bound beyond the threads.
     """
 
     def __init__(self, directory: str, fingerprint: bytes, *, direct: bool | DirectMode,
                  fsync: bool, delay: float = 0.0, read_slots: int | None = None,
-                 native: bool = True) -> None:
+                 native: bool = True,
+                 write_gate: contextlib.AbstractContextManager[object] | None = None) -> None:
         self.directory = directory
         self.fingerprint = bytes(fingerprint)
         self.mode = direct if isinstance(direct, DirectMode) else DirectMode(directory, bool(direct))
@@ -142,6 +146,7 @@ class BlockFiles:
         else:
             self._reading = (threading.BoundedSemaphore(read_slots) if read_slots
                              else contextlib.nullcontext())
+        self._writing = write_gate if write_gate is not None else contextlib.nullcontext()
         self._lock_fd = -1
 
     @property
@@ -207,9 +212,10 @@ class BlockFiles:
         return ReadQueue(list(todo), deque(), batch, heads, paths)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
-                  status: list[int], todo: ReadQueue) -> None:
+                  status: list[int], todo: ReadQueue, rank: int = UNORDERED) -> None:
         """Read ``keys[i]`` into the parts ``outs[i]`` for each ``i`` of ``todo`` (from
-        ``read_queue``), setting ``status[i]``.
+        ``read_queue``), setting ``status[i]``; the native reader takes a device slot
+        before any thread of a higher ``rank`` (``disk_order``), the Python read in turn.
 
         Several threads share one queue, so one that drew slow files does not hold the
         whole call back while the others idle. The status list is shared with the caller,
@@ -218,7 +224,7 @@ class BlockFiles:
         if self.delay:
             time.sleep(self.delay)
         if todo.batch is not None:
-            for j, state, err, got, crc in todo.batch.run():
+            for j, state, err, got, crc in todo.batch.run(rank):
                 i = todo.indices[j]
                 status[i] = self._settle(todo.paths[j], keys[i], todo.heads[j], outs[i],
                                          state, err, got, crc)
@@ -330,7 +336,8 @@ class BlockFiles:
                 i = todo.popleft()
             except IndexError:
                 return
-            stored[i] = self.write_one(keys[i], payloads[i])
+            with self._writing:
+                stored[i] = self.write_one(keys[i], payloads[i])
 
     def write_one(self, key: bytes, payload: memoryview) -> bool:
         """Write one block atomically (temporary file, then rename); False on any OSError,
