@@ -59,7 +59,7 @@ class WriteGate:
         self._reads = 0
         self._cond = threading.Condition()
         self.waits = 0
-        """Times a write waited for reads (for tests and benches)."""
+        """Writes that found no slot free and waited (for tests and benches)."""
 
     def reading(self, n: int) -> None:
         """Reads queued or running now (0 lets every slot write again)."""
@@ -70,11 +70,10 @@ class WriteGate:
 
     def __enter__(self) -> WriteGate:
         with self._cond:
-            waited = False
+            if self._writing >= (1 if self._reads else self.slots):
+                self.waits += 1
             while self._writing >= (1 if self._reads else self.slots):
-                waited = True
                 self._cond.wait()
-            self.waits += waited
             self._writing += 1
         return self
 
@@ -109,7 +108,9 @@ class ReadOrder:
     """The read calls of one tier, in order (module docs); ``threads`` read at once."""
 
     def __init__(self, threads: int, gate: WriteGate | None = None) -> None:
-        self._limiter = anyio.CapacityLimiter(threads)
+        self._free = threads  # read threads not taken
+        self._limiter = anyio.CapacityLimiter(threads)  # never waited on: ``_free`` bounds it
+        self._changed = anyio.Event()  # a thread came free or a call changed: look again
         self._queue: list[ReadJob] = []  # by key: the earliest first
         self._seq = itertools.count()
         self._gate = gate
@@ -124,6 +125,7 @@ class ReadOrder:
         job = ReadJob((rank_of(order), next(self._seq)), work, max(1, threads))
         bisect.insort(self._queue, job, key=lambda j: j.key)
         self._moved(1)
+        self._wake()
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(job.threads - 1):
@@ -143,24 +145,34 @@ class ReadOrder:
 
     async def _help(self, own: ReadJob) -> None:
         """Read for the earliest open call, each time a thread is free, until ``own`` has
-        nothing left to take."""
+        nothing left to take (another call's helper may have taken it meanwhile)."""
         while own.open:
-            async with self._limiter:
-                job = self._head()
-                if job is None:
-                    return
-                job.joined += 1
-                job.running += 1
-                try:
-                    # Not abandoned on cancellation: the thread writes the job's buffers.
-                    await anyio.to_thread.run_sync(job.run, job.key[0])
-                except Exception as exc:
-                    job.error = job.error or exc
-                finally:
-                    job.running -= 1
-                    job.drained = True
-                    if job.running == 0:
-                        self._finish(job)
+            job = self._head() if self._free else None
+            if job is None:
+                changed = self._changed
+                await changed.wait()
+                continue
+            self._free -= 1
+            job.joined += 1
+            job.running += 1
+            self._wake()  # the call may have no room for more threads now
+            try:
+                # Not abandoned on cancellation: the thread writes the job's buffers.
+                await anyio.to_thread.run_sync(job.run, job.key[0], limiter=self._limiter)
+            except Exception as exc:
+                job.error = job.error or exc
+            finally:
+                self._free += 1
+                job.running -= 1
+                job.drained = True
+                if job.running == 0:
+                    self._finish(job)
+                self._wake()
+
+    def _wake(self) -> None:
+        """Let every waiting helper look again (a thread came free, a call came or left)."""
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def _head(self) -> ReadJob | None:
         """The earliest call another thread can take blocks of (drained ones leave)."""
@@ -176,6 +188,7 @@ class ReadOrder:
         if job in self._queue:
             self._queue.remove(job)
         self._moved(-1)
+        self._wake()
 
     def _moved(self, n: int) -> None:
         self._active += n
