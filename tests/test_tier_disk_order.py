@@ -265,10 +265,15 @@ async def test_staging_chunks_go_to_the_earliest_restore_then_to_spills() -> Non
         for name, rank in (("spill", None), ("late", 7), ("early", 2)):
             tg.start_soon(wait, name, rank)
             await anyio.sleep(0.001)
-        for chunk in held:
+        staging.give(held[:1])
+        assert staging.take(1) == []  # a spill riding along waits behind the restores in line
+        await anyio.sleep(0.01)
+        for chunk in held[1:]:
             staging.give([chunk])
             await anyio.sleep(0.01)
     assert got == [("early", [held[0]]), ("late", [held[1]]), ("spill", [held[2]])]
+    staging.give([9])
+    assert staging.take(2) == [9]  # nobody in line: at once
 
 
 @pytest.mark.usefixtures("disk_reader")

@@ -26,7 +26,7 @@ from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
 from .staging import Staging, off_loop
-from .tiers.base import PartsReader, Tier
+from .tiers.base import ByteParts, PartsReader, Tier, byte_parts
 from .tiers.codec import key_bytes
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
@@ -78,7 +78,7 @@ class Cascade:
         self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
-        self._parts: dict[int, list[memoryview]] = {}  # staging chunks' pages, made once
+        self._parts: dict[int, ByteParts] = {}  # staging chunks' pages, made and checked once
         self._tg: anyio.abc.TaskGroup | None = None
         self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
         self._started = 0
@@ -91,12 +91,13 @@ class Cascade:
             raise UsageError("the cascade is not open")
         return self._pool
 
-    def chunk_parts(self, chunk: int) -> list[memoryview]:
-        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made once per
-        chunk: a restore reads thousands of blocks into the same few chunks."""
+    def chunk_parts(self, chunk: int) -> ByteParts:
+        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made and
+        checked once per chunk: a restore reads thousands of blocks into the same few
+        chunks."""
         parts = self._parts.get(chunk)
         if parts is None:
-            parts = self._parts[chunk] = self.pages.parts(self.pool, chunk)
+            parts = self._parts[chunk] = byte_parts(self.pages.parts(self.pool, chunk))
         return parts
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -314,10 +315,12 @@ class Cascade:
                     and (link.tier.remote or link.tier.holds(tks[i]))]
             if not want:
                 continue
-            in_parts = parts is not None and isinstance(link.tier, PartsReader)
+            # One protocol check a tier (it costs microseconds): in its parts, else whole.
+            reader = link.tier if isinstance(link.tier, PartsReader) else None
+            in_parts = parts is not None and reader is not None
             try:
-                if isinstance(link.tier, PartsReader):  # in its parts, else whole into its view
-                    got = await link.tier.read_parts(
+                if reader is not None:
+                    got = await reader.read_parts(
                         [tks[i] for i in want],
                         [parts[i] for i in want] if parts is not None else [(views[i],) for i in want],
                         order=order)

@@ -54,7 +54,13 @@ class Staging:
         return len(self._free)
 
     def take(self, n: int) -> list[int]:
-        """Up to ``n`` free chunks, at once (maybe none)."""
+        """Up to ``n`` free chunks, at once (maybe none: none while a waiter is in line,
+        which came first)."""
+        if self._waiting:
+            return []
+        return self._take(n)
+
+    def _take(self, n: int) -> list[int]:
         taken, self._free = self._free[:n], self._free[n:]
         return taken
 
@@ -72,7 +78,7 @@ class Staging:
             self._waiting.remove(me)
             if self._free and self._waiting:
                 self._freed.set()  # the next waiter may take what is left
-        return self.take(n)
+        return self._take(n)
 
     def give(self, chunks: Sequence[int]) -> None:
         if chunks:

@@ -19,8 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 from ...errors import InvalidSpec
 from ...specs import as_count
 
-__all__ = ["PartsReader", "Tier", "TierStatistics", "byte_view", "check_capacity", "positive_count",
-           "positive_seconds"]
+__all__ = ["ByteParts", "PartsReader", "Tier", "TierStatistics", "byte_parts", "byte_view", "check_capacity",
+           "positive_count", "positive_seconds"]
 
 
 def positive_count(value: Any, what: str) -> int:
@@ -85,6 +85,22 @@ def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> N
         raise InvalidSpec(
             f"{tier}: capacity_bytes={capacity_bytes} holds no {block_bytes}-byte block; "
             f"give it at least one block (N * {block_bytes} holds N blocks)")
+
+
+class ByteParts(tuple[memoryview, ...]):
+    """A block's parts checked once (``byte_parts``): flat, writable, C-contiguous byte
+    views, ``nbytes`` in all. A restore reads into the same staging chunks again and
+    again, so a tier takes these as they are instead of checking every page each time
+    on the event loop."""
+
+    nbytes: int
+
+
+def byte_parts(views: Sequence[Any]) -> ByteParts:
+    """``views`` as writable flat bytes (``byte_view``), checked once: a ``ByteParts``."""
+    parts = ByteParts(byte_view(v, writable=True) for v in views)
+    parts.nbytes = sum(v.nbytes for v in parts)
+    return parts
 
 
 @runtime_checkable

@@ -38,7 +38,16 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy
 from . import codec
-from .base import Tier, TierStatistics, byte_view, check_capacity, positive_count, positive_seconds
+from .base import (
+    ByteParts,
+    Tier,
+    TierStatistics,
+    byte_parts,
+    byte_view,
+    check_capacity,
+    positive_count,
+    positive_seconds,
+)
 from .disk_direct import DirectMode
 from .disk_index import DiskIndex
 from .disk_io import (
@@ -269,15 +278,15 @@ class DiskTier(Tier):
         served in arrival order after those with one (``disk_order``)."""
         files = self._opened()
         keys = codec.stored_keys(keys)
-        outs = [tuple(byte_view(v, writable=True) for v in block) for block in parts]
+        # Parts checked once already (a cache's staging chunks) are taken as they are.
+        outs = [block if isinstance(block, ByteParts) else byte_parts(block) for block in parts]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
         index = self._index
         for block in outs:
-            nbytes = sum(v.nbytes for v in block)
-            if index.block_bytes is not None and nbytes != index.block_bytes:
+            if index.block_bytes is not None and block.nbytes != index.block_bytes:
                 raise InvalidSpec(f"read buffers must be {index.block_bytes} bytes, "
-                                  f"got {nbytes}")
+                                  f"got {block.nbytes}")
         status = [0] * len(keys)
         todo = [i for i, key in enumerate(keys) if key in index.held]
         pinned = [keys[i] for i in todo]

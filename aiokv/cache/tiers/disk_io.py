@@ -60,6 +60,8 @@ __all__ = [
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = "lock"
+PATHS_KEPT = 1 << 18
+"""Encoded block paths a tier remembers for its reads at most (then it starts over)."""
 
 BINARY_FLAG = getattr(os, "O_BINARY", 0)
 """``os.O_BINARY`` on Windows, else 0."""
@@ -95,7 +97,7 @@ class ReadQueue:
     batch: Any = None
     heads: list[memoryview] = field(default_factory=list)
     """Each job's header page (the batch reads the file's first bytes there)."""
-    paths: list[str] = field(default_factory=list)
+    paths: list[bytes] = field(default_factory=list)
 
 
 def header_span(key: bytes) -> int:
@@ -147,6 +149,7 @@ class BlockFiles:
             self._reading = (threading.BoundedSemaphore(read_slots) if read_slots
                              else contextlib.nullcontext())
         self._writing = write_gate if write_gate is not None else contextlib.nullcontext()
+        self._paths: dict[bytes, bytes] = {}
         self._lock_fd = -1
 
     @property
@@ -188,6 +191,16 @@ class BlockFiles:
         name = hashlib.blake2b(key, digest_size=20).hexdigest()
         return os.path.join(self.directory, name + BLOCK_SUFFIX)
 
+    def path_bytes(self, key: bytes) -> bytes:
+        """``path(key)`` encoded, remembered: a restore's keys are read again and again,
+        and the digest costs the event loop microseconds a block (a bound, not an LRU)."""
+        found = self._paths.get(key)
+        if found is None:
+            if len(self._paths) > PATHS_KEPT:
+                self._paths.clear()
+            found = self._paths[key] = os.fsencode(self.path(key))
+        return found
+
     # -- reads -----------------------------------------------------------------------------
 
     def read_queue(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
@@ -206,9 +219,9 @@ class BlockFiles:
         for span in spans:
             heads.append(pages[at:at + span])
             at += span
-        paths = [self.path(keys[i]) for i in todo]
+        paths = [self.path_bytes(keys[i]) for i in todo]
         batch = native.ReadBatch(self._reading, flags,
-                                 [(os.fsencode(p), h, outs[i]) for p, h, i in zip(paths, heads, todo)])
+                                 [(p, h, outs[i]) for p, h, i in zip(paths, heads, todo)])
         return ReadQueue(list(todo), deque(), batch, heads, paths)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
@@ -235,14 +248,14 @@ class BlockFiles:
                 return
             status[i] = self.read_one(keys[i], outs[i])
 
-    def _settle(self, path: str, key: bytes, head: memoryview, parts: Sequence[memoryview],
+    def _settle(self, path: bytes, key: bytes, head: memoryview, parts: Sequence[memoryview],
                 state: int, err: int, got: int, crc: int) -> int:
         """The ``ReadStatus`` of one block the native reader read (as ``read_one`` decides)."""
         native = self._native
         if state != native.ST_READ:
             if state == native.ST_OPEN_FAILED and err == errno.ENOENT:
                 return ReadStatus.ABSENT
-            self.last_error = OSError(err, os.strerror(err), path)
+            self.last_error = OSError(err, os.strerror(err), os.fsdecode(path))
             return ReadStatus.ERROR
         length = sum(p.nbytes for p in parts)
         if got < head.nbytes + length:  # truncated
@@ -315,7 +328,7 @@ class BlockFiles:
         return header
 
     @staticmethod
-    def _drop(path: str) -> int:
+    def _drop(path: str | bytes) -> int:
         try:
             os.unlink(path)
         except OSError:

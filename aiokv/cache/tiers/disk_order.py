@@ -127,10 +127,13 @@ class ReadOrder:
         self._moved(1)
         self._wake()
         try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(job.threads - 1):
-                    tg.start_soon(self._help, job)
+            if job.threads == 1:  # no task group: most calls of small blocks take one thread
                 await self._help(job)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(job.threads - 1):
+                        tg.start_soon(self._help, job)
+                    await self._help(job)
             await job.done.wait()
         except BaseException:
             if job.joined == 0:  # nothing of it began: it never will
