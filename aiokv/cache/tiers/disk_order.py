@@ -111,6 +111,7 @@ class ReadOrder:
         self._free = threads  # read threads not taken
         self._limiter = anyio.CapacityLimiter(threads)  # never waited on: ``_free`` bounds it
         self._changed = anyio.Event()  # a thread came free or a call changed: look again
+        self._looking = 0  # helpers waiting on ``_changed``
         self._queue: list[ReadJob] = []  # by key: the earliest first
         self._seq = itertools.count()
         self._gate = gate
@@ -152,8 +153,11 @@ class ReadOrder:
         while own.open:
             job = self._head() if self._free else None
             if job is None:
-                changed = self._changed
-                await changed.wait()
+                self._looking += 1
+                try:
+                    await self._changed.wait()
+                finally:
+                    self._looking -= 1
                 continue
             self._free -= 1
             job.joined += 1
@@ -173,9 +177,11 @@ class ReadOrder:
                 self._wake()
 
     def _wake(self) -> None:
-        """Let every waiting helper look again (a thread came free, a call came or left)."""
-        self._changed.set()
-        self._changed = anyio.Event()
+        """Let every waiting helper look again (a thread came free, a call came or left);
+        a new event only when one waits (making one costs the loop microseconds)."""
+        if self._looking:
+            self._changed.set()
+            self._changed = anyio.Event()
 
     def _head(self) -> ReadJob | None:
         """The earliest call another thread can take blocks of (drained ones leave)."""
