@@ -141,6 +141,9 @@ def test_the_tier_section_has_every_figure_the_targets_read(tier_run: tuple[int,
         assert restore["value"] == pytest.approx(restore["extra"]["seconds_at_ceilings"]
                                                  / restore["extra"]["seconds"])
         assert restore["target"] == [">=", {"disk": 0.8, "redis": 0.7}[arm]]
+        together = tiers[f"restores together / tier ceiling, {arm} arm"]
+        assert together["value"] > 0 and together["extra"]["union_s"] > 0
+        assert together["extra"]["restores"] >= restore["extra"]["restores"]
     setup = {r["name"]: r for r in rows if r["section"].startswith("serve setup")}
     assert setup["disk tier read ceiling"]["value"] > 0 and setup["Redis GET ceiling"]["value"] > 0
     assert setup["Redis tier"]["value"] > 0
@@ -210,3 +213,28 @@ def test_host_hits_queued_behind_tier_hits_show_in_ttft_not_in_service() -> None
     assert service.extra["model_wait_p50_ms"] == pytest.approx(150.0)
     assert service.extra["host_queue_p50_ms"] == pytest.approx(0.0)
     assert disk.served[0].busy == pytest.approx(0.03)  # the model's time: its restore is not in it
+
+
+def test_restores_together_count_the_tier_bytes_over_the_union_of_their_intervals() -> None:
+    """Two restores of 1,024 tier tokens each (1.024 MB at 1,000 bytes a token) that ran
+    at once for 1 ms of their 2 ms each: each took 2 ms (0.51 GB/s per restore, 0.51 of a
+    1 GB/s ceiling), but the tier moved 2.048 MB in the 3 ms they spanned (0.68)."""
+    from aiokv.bench.serve.arms import ArmResult
+    from aiokv.bench.serve.report import Ceilings
+    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.tier_rows import tier_rows, union_seconds
+
+    assert union_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
+    assert union_seconds([]) == 0.0
+    ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)
+    served = [Served(i, 2_000, 1_024, 0.0, 0.0, 0.01, 1, disk_tokens=1_024, load_s=2e-3, load_at=i * 1e-3)
+              for i in range(2)]
+    arm = ArmResult("disk", served, 0, disk_ceiling=1.0, ceiling_name="plain reads")
+    rows = {r.name: r for r in tier_rows({"disk": arm}, ceil)}
+    per = rows["restore / tier ceiling, disk arm"]
+    together = rows["restores together / tier ceiling, disk arm"]
+    assert per.value == pytest.approx(1.024e6 / 1e9 / 2e-3)  # each restore's own time
+    assert together.value == pytest.approx(2.048e6 / 3e-3 / 1e9)
+    assert together.extra["union_s"] == pytest.approx(3e-3)
+    assert together.extra["overlap"] == pytest.approx(4 / 3)
+    assert "per restore" in per.note and "union" in together.note

@@ -27,7 +27,8 @@ def load_script(name: str) -> ModuleType:
 
 def test_every_script_is_covered_here() -> None:
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
-    assert scripts == {"gemm_overlap", "wakeup_loops"}, "add a quick-mode test for each new script"
+    assert scripts == {"disk_restores", "gemm_overlap", "wakeup_loops"}, \
+        "add a quick-mode test for each new script"
 
 
 @pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.stem)
@@ -75,3 +76,18 @@ def test_gemm_overlap_prints_rates_beside_the_ceiling(capsys: pytest.CaptureFixt
                  "store under the GEMM, two jobs in flight (wall)"):
         assert values[name] > 0
     assert sum(1 for line in out.splitlines() if "GEMM slowdown beside it" in line) == 2
+
+
+@pytest.mark.usefixtures("disk_reader")
+@pytest.mark.parametrize("flags", [[], ["--unordered", "--writes", "2"]], ids=["ordered", "unordered-writes"])
+def test_disk_restores_prints_each_restore_and_the_rates(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         flags: list[str]) -> None:
+    script = load_script("disk_restores")
+    assert script.main(["--quick", "--dir", str(tmp_path), *flags]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"read ceiling [\d.]+ GB/s", out)
+    (line,) = [x for x in out.splitlines() if x.startswith("round 0:")]
+    ends = [float(x) for x in re.search(r"ends ([\d. ]+) ms", line).group(1).split()]  # type: ignore[union-attr]
+    assert len(ends) == 4 and all(e > 0 for e in ends)
+    assert "per restore" in line and "together" in line
+    assert not list(tmp_path.iterdir())  # its tier's folder is gone

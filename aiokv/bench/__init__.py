@@ -1,7 +1,8 @@
 """``aiokv bench``: transfer figures beside same-run ceilings, and the cache replay.
 
-Public for scripts (``benchmarks/``): ``run_bench``, the report helpers, and ``Gemm``, the
-GEMM load the bench runs beside its jobs, so a script loads the GPU the way the bench does."""
+Public for scripts (``benchmarks/``): ``run_bench``, the report helpers, ``Gemm``, the
+GEMM load the bench runs beside its jobs, so a script loads the GPU the way the bench does,
+and ``disk_read_ceiling``, the disk tier's ceiling the serve bench holds restores to."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from .. import __version__
+from .ceilings import disk_read_ceiling
 from .cuda_setup import Gemm
 from .report import BenchRow, format_table, write_json
 
-__all__ = ["BenchRow", "Gemm", "format_table", "progress_printer", "run_bench", "write_json"]
+__all__ = ["BenchRow", "Gemm", "disk_read_ceiling", "format_table", "progress_printer", "run_bench",
+           "write_json"]
 
 
 def progress_printer(stream: Any = None) -> Callable[[str], None]:

@@ -13,6 +13,7 @@ themselves (``descend.py``) take room in the write queues part by part, waiting 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 
@@ -25,7 +26,7 @@ from .links import Batch, Hold, TierLink
 from .manager import ChunkManager
 from .pages import PageMap
 from .staging import Staging, off_loop
-from .tiers.base import PartsReader, Tier
+from .tiers.base import ByteParts, PartsReader, Tier, byte_parts
 from .tiers.codec import key_bytes
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_WAIT", "Cascade", "TierLink", "tier_list"]
@@ -77,10 +78,11 @@ class Cascade:
         self.staging = Staging(staging)
         self._tier_keys: dict[Hashable, bytes] = {}
         self._pool: np.ndarray | None = None
-        self._parts: dict[int, list[memoryview]] = {}  # staging chunks' pages, made once
+        self._parts: dict[int, ByteParts] = {}  # staging chunks' pages, made and checked once
         self._tg: anyio.abc.TaskGroup | None = None
         self._copies: dict[int, anyio.Event] = {}  # copy tasks running, by start number
         self._started = 0
+        self._tickets = itertools.count()
 
     @property
     def pool(self) -> np.ndarray:
@@ -89,12 +91,13 @@ class Cascade:
             raise UsageError("the cascade is not open")
         return self._pool
 
-    def chunk_parts(self, chunk: int) -> list[memoryview]:
-        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made once per
-        chunk: a restore reads thousands of blocks into the same few chunks."""
+    def chunk_parts(self, chunk: int) -> ByteParts:
+        """Staging ``chunk``'s pages in portable order (``PageMap.parts``), made and
+        checked once per chunk: a restore reads thousands of blocks into the same few
+        chunks."""
         parts = self._parts.get(chunk)
         if parts is None:
-            parts = self._parts[chunk] = self.pages.parts(self.pool, chunk)
+            parts = self._parts[chunk] = byte_parts(self.pages.parts(self.pool, chunk))
         return parts
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -280,20 +283,29 @@ class Cascade:
 
     # -- reading up -----------------------------------------------------------------------
 
-    async def read(self, keys: Sequence[Hashable], views: Sequence[memoryview]) -> list[TierLink | None]:
+    def ticket(self) -> int:
+        """A restore's place in the tiers' read order: restores ask in the order they start."""
+        return next(self._tickets)
+
+    async def read(self, keys: Sequence[Hashable], views: Sequence[memoryview],
+                   order: tuple[int, int] | None = None) -> list[TierLink | None]:
         """Fill ``views[i]`` with ``keys[i]``'s block: from memory if it is on its way down
         (never waiting for a writer), else from the nearest tier holding it; which tier, or
-        None for a miss. Local tiers are asked only for keys they hold."""
-        found, _ = await self.read_placed(keys, views, None)
+        None for a miss. Local tiers are asked only for keys they hold; ``order`` as in
+        ``read_placed``."""
+        found, _ = await self.read_placed(keys, views, None, order)
         return found
 
     async def read_placed(self, keys: Sequence[Hashable], views: Sequence[memoryview],
                           parts: Sequence[Sequence[memoryview]] | None,
+                          order: tuple[int, int] | None = None,
                           ) -> tuple[list[TierLink | None], list[bool]]:
         """``read``, but a tier that reads in parts (the disk) puts ``keys[i]``'s block
         into ``parts[i]`` (its staging chunk's pages, in portable order) instead of
         ``views[i]``: where the block is, and whether it landed in its parts (True) or in
-        its view, which the caller then copies into place."""
+        its view, which the caller then copies into place. ``order`` (the restore's
+        ``ticket``, the batch's position) goes to such a tier: it reads earlier restores
+        first."""
         found: list[TierLink | None] = [None] * len(keys)
         placed = [False] * len(keys)
         tks = [self.tier_key(k) for k in keys]
@@ -303,11 +315,15 @@ class Cascade:
                     and (link.tier.remote or link.tier.holds(tks[i]))]
             if not want:
                 continue
-            in_parts = parts is not None and isinstance(link.tier, PartsReader)
+            # One protocol check a tier (it costs microseconds): in its parts, else whole.
+            reader = link.tier if isinstance(link.tier, PartsReader) else None
+            in_parts = parts is not None and reader is not None
             try:
-                if in_parts:
-                    assert parts is not None and isinstance(link.tier, PartsReader)
-                    got = await link.tier.read_parts([tks[i] for i in want], [parts[i] for i in want])
+                if reader is not None:
+                    got = await reader.read_parts(
+                        [tks[i] for i in want],
+                        [parts[i] for i in want] if parts is not None else [(views[i],) for i in want],
+                        order=order)
                 else:
                     got = await link.tier.read([tks[i] for i in want], [views[i] for i in want])
             except (UsageError, InvalidSpec):

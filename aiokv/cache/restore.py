@@ -89,6 +89,7 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
     staging = cascade.staging
     # At least four batches fit the staging chunks at once, so their reads overlap.
     per_batch = max(1, min(BATCH_KEYS, BATCH_BYTES // cascade.block_bytes, staging.total // 4))
+    ticket = cascade.ticket()  # a disk reads this restore's batches before later restores'
     slots: list[_Slot] = []
     run = _Run(len(keys))
     pos = 0
@@ -98,7 +99,7 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
             while pos < run.end:
                 batch = list(keys[pos : min(pos + per_batch, run.end)])
                 need = sum(1 for k in batch if not mgr.count_leading_hits((k,)))
-                taken = await staging.take_some(need) if need else []
+                taken = await staging.take_some(need, ticket) if need else []
                 if pos >= run.end:  # a batch read meanwhile missed before this one
                     staging.give(taken)
                     break
@@ -113,7 +114,8 @@ async def restore_through_tiers(keys: Sequence[Hashable], blocks: list[int], *, 
                 slot = _Slot(pos, batch, in_host, blocks[pos : pos + len(batch)], host_start, mgr, taken)
                 slots.append(slot)
                 if staged:
-                    tg.start_soon(_fill, slot, cascade, [batch[i] for i in staged], run, mgr, submit)
+                    tg.start_soon(_fill, slot, cascade, [batch[i] for i in staged], run, mgr, submit,
+                                  (ticket, pos))
                 else:
                     slot.submit(mgr, staging, submit)
                 pos += len(batch)
@@ -148,13 +150,14 @@ class _Run:
 
 
 async def _fill(slot: _Slot, cascade: Cascade, keys: list[Hashable], run: _Run, mgr: ChunkManager,
-                submit: Submit) -> None:
+                submit: Submit, order: tuple[int, int]) -> None:
     """Read one batch's staged keys into its chunks (or rows put in host order off the
     loop), then submit its load, unless a batch before it missed. Errors are kept on the
-    slot (the restore raises the first), so they never end up in an exception group."""
+    slot (the restore raises the first), so they never end up in an exception group.
+    ``order``: the restore's ticket and the batch's position, its place in a disk's reads."""
     staging = cascade.staging
     try:
-        found, rows, in_rows = await _read(cascade, keys, slot.staged)
+        found, rows, in_rows = await _read(cascade, keys, slot.staged, order)
         end = slot.cut_at_miss(found, mgr, staging)
         if slot.cut:
             run.end = min(run.end, slot.pos + end)
@@ -240,8 +243,8 @@ class _Slot:
         staging.give(self.staged)
 
 
-async def _read(cascade: Cascade, keys: list[Hashable],
-                chunks: list[int]) -> tuple[list[TierLink | None], np.ndarray | None, list[int]]:
+async def _read(cascade: Cascade, keys: list[Hashable], chunks: list[int],
+                order: tuple[int, int]) -> tuple[list[TierLink | None], np.ndarray | None, list[int]]:
     """Read ``keys`` straight into the staging ``chunks``: whole when the host keeps pages
     in portable order, else page by page where a tier reads in parts (the disk). What
     arrived otherwise (from memory on its way down, from Redis) is in rows (returned, with
@@ -252,9 +255,9 @@ async def _read(cascade: Cascade, keys: list[Hashable],
     if pages.identity:
         bb = pages.chunk_bytes
         views = [memoryview(pool[c * bb : c * bb + pages.payload_bytes].data) for c in chunks]
-        return await cascade.read(keys, views), None, []
+        return await cascade.read(keys, views, order), None, []
     rows = _Rows(len(keys), pages.payload_bytes)
-    found, placed = await cascade.read_placed(keys, rows, [cascade.chunk_parts(c) for c in chunks])
+    found, placed = await cascade.read_placed(keys, rows, [cascade.chunk_parts(c) for c in chunks], order)
     in_rows = [i for i, (link, p) in enumerate(zip(found, placed)) if link is not None and not p]
     return found, rows.array, in_rows
 

@@ -9,6 +9,9 @@ moving many large blocks never stalls the loop (docs/tiers.md, "Copies off the h
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -35,29 +38,47 @@ async def off_loop(nbytes: int, fn: Callable[..., T], *args: object) -> T:
 
 class Staging:
     """The staging chunks of one cache (the host bookkeeping never hands them out): taken by
-    a restore batch or a spill, given back when its copy is over."""
+    a restore batch or a spill, given back when its copy is over. A waiter of a lower rank
+    takes freed chunks first (a restore's ticket: the earliest restore's batches read
+    first), unranked ones (spills) after them, each in arrival order."""
 
     def __init__(self, chunks: range) -> None:
         self.total = len(chunks)
         self._free: list[int] = list(chunks)
         self._freed = anyio.Event()
+        self._waiting: list[tuple[float, int]] = []  # (rank, arrival), the first first
+        self._seq = itertools.count()
 
     @property
     def available(self) -> int:
         return len(self._free)
 
     def take(self, n: int) -> list[int]:
-        """Up to ``n`` free chunks, at once (maybe none)."""
+        """Up to ``n`` free chunks, at once (maybe none: none while a waiter is in line,
+        which came first)."""
+        if self._waiting:
+            return []
+        return self._take(n)
+
+    def _take(self, n: int) -> list[int]:
         taken, self._free = self._free[:n], self._free[n:]
         return taken
 
-    async def take_some(self, n: int) -> list[int]:
-        """Between one and ``n`` chunks, waiting until one is free (cancellable)."""
-        while not self._free:
-            if self._freed.is_set():
-                self._freed = anyio.Event()
-            await self._freed.wait()
-        return self.take(n)
+    async def take_some(self, n: int, rank: int | None = None) -> list[int]:
+        """Between one and ``n`` chunks, waiting until one is free and no waiter before
+        it (by ``rank``, then arrival) is left (cancellable)."""
+        me = (math.inf if rank is None else rank, next(self._seq))
+        bisect.insort(self._waiting, me)
+        try:
+            while not self._free or self._waiting[0] != me:
+                if self._freed.is_set():
+                    self._freed = anyio.Event()
+                await self._freed.wait()
+        finally:
+            self._waiting.remove(me)
+            if self._free and self._waiting:
+                self._freed.set()  # the next waiter may take what is left
+        return self._take(n)
 
     def give(self, chunks: Sequence[int]) -> None:
         if chunks:

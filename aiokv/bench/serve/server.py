@@ -109,6 +109,7 @@ class Served:
     model_start: float | None = None  # the model took it (its inputs, then its forward)
     restore_error: str = ""  # what its restore raised (then served by recompute)
     blocks_wait: float = 0.0  # of its admission, waiting for blocks other requests held
+    load_at: float | None = None  # its awaited restore's start (it ran load_s from there)
 
     @property
     def compute_s(self) -> float:
@@ -188,6 +189,7 @@ class _Admitted:
     recomputed: int = 0
     restore_error: str = ""
     blocks_wait: float = 0.0  # seconds its admission waited for blocks other requests held
+    load_at: float | None = None  # when its awaited restore began
     held: bool = True  # the table's holds not yet given back
     served: Served | None = None
 
@@ -379,6 +381,7 @@ class Server:
         assert self.source is not None
         rest = adm.req.keys[len(adm.gpu):len(adm.gpu) + adm.hits]
         adm.restoring = True
+        adm.load_at = self._now()
         try:
             adm.got = await self.source.restore(rest, adm.table[len(adm.gpu):len(adm.gpu) + adm.hits])
         except Exception as exc:  # a tier that raised: a miss, the request computes its tokens
@@ -469,7 +472,7 @@ class Server:
                         segment=segment, stall_s=min(sum(stalls), prefill_s), recomputed=recomputed,
                         wall=adm.wall, submit_s=got.submit_s, forward_start_s=got.forward_start_s,
                         ready=adm.ready, model_start=model_start, restore_error=adm.restore_error,
-                        blocks_wait=adm.blocks_wait)
+                        blocks_wait=adm.blocks_wait, load_at=adm.load_at)
         served.early_submit = bool(got.submitted_at) and not at_start  # in its restore stage
         if got.forward_start_s is not None and got.submitted_at and at_start:  # the forward start's parts
             served.handover_s = ran.began - got.submitted_at - got.submit_s

@@ -18,7 +18,13 @@ against its own ceiling, and whether it dropped blocks, all from the same run.
   the same tier at the end of the run, disk: plain reads of its own files, Redis: redis-py
   GETs from its server; the host's bytes at the load ceiling) over the time they took, so
   a pure tier restore's figure is its rate over the tier's ceiling. Targets: 0.8 of the
-  disk's, 0.7 of Redis's.
+  disk's, 0.7 of Redis's. Each restore's time runs from its call to its return, so
+  restores that read at once each count the time they shared the tier.
+- **Restores together against the ceiling**: every restore that read from the tier, their
+  tier bytes over the time at least one of them ran (the union of their intervals), over
+  the tier's ceiling: the rate the tier gave while it was restoring. Beside the figure per
+  restore it tells a slow reader (both low) from a shared tier (this one near 1 while
+  the per-restore one is low: the restores overlapped).
 - **Dropped on the way down**: blocks a tier never got (target 0), with how often and how
   long offers waited for room in its write queue (backpressure) instead.
 """
@@ -32,7 +38,7 @@ from .arms import ArmResult
 from .model import BLOCK_TOKENS
 from .report import Ceilings, arm_ceilings
 
-__all__ = ["TIER_TARGETS", "tier_rows"]
+__all__ = ["TIER_TARGETS", "tier_rows", "union_seconds"]
 
 TIER_TARGETS = {"disk": 0.8, "redis": 0.7}
 """Restore rate of each tier's arm against its ceiling, at least."""
@@ -49,6 +55,7 @@ def tier_rows(arms: dict[str, ArmResult], ceil: Ceilings) -> list[BenchRow]:
         if host is not None:
             rows += _host_hit_rows(section, arm, host)
         rows += _restore_rows(section, arm, arm_ceilings(arm, ceil))
+        rows += _together_rows(section, arm, arm_ceilings(arm, ceil))
         rows += _drop_rows(section, arm)
     return rows
 
@@ -114,8 +121,8 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
     name = f"restore / tier ceiling, {arm.name} arm"
     extra = {"restores": len(big), "tier_bytes": tier_bytes, "bytes": tier_bytes + host_bytes,
              "seconds": seconds, "gbps": rate, "ceiling_gbps": arm.disk_ceiling}
-    how = (f"{len(big)} restores of {label}, {tier_bytes / (tier_bytes + host_bytes):.0%} of their bytes "
-           "from the tier, await to return")
+    how = (f"per restore: {len(big)} restores of {label}, {tier_bytes / (tier_bytes + host_bytes):.0%} of "
+           "their bytes from the tier, each timed from its await to its return")
     if not arm.disk_ceiling:
         return [BenchRow(section, name, None, "x", extra=extra,
                          note=f"{rate:.2f} GB/s of the tier's bytes; {how}; "
@@ -130,6 +137,41 @@ def _restore_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow
                      note=f"{at_ceilings * 1e3:.1f} ms at the ceilings of {seconds * 1e3:.1f} ms taken; the "
                           f"tier's bytes at {rate:.2f} GB/s of {arm.disk_ceiling:.2f} GB/s "
                           f"({arm.ceiling_name}), the host's at the load ceiling; {how}")]
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of ``intervals`` (start, end)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def _together_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRow]:
+    per_token = ceil.block_bytes / BLOCK_TOKENS
+    runs = [s for s in arm.served if s.disk_tokens and s.load_s > 0 and s.load_at is not None]
+    if not runs:
+        return []
+    # Segments replay successive stretches of one trace clock, so their intervals never meet.
+    spans = [(s.load_at, s.load_at + s.load_s) for s in runs if s.load_at is not None]
+    union = union_seconds(spans)
+    tier_bytes = sum(s.disk_tokens * per_token for s in runs)
+    rate = tier_bytes / union / 1e9 if union > 0 else float("nan")
+    overlap = sum(s.load_s for s in runs) / union if union > 0 else float("nan")
+    name = f"restores together / tier ceiling, {arm.name} arm"
+    extra = {"restores": len(runs), "tier_bytes": tier_bytes, "union_s": union, "gbps": rate,
+             "ceiling_gbps": arm.disk_ceiling, "overlap": overlap}
+    how = (f"all {len(runs)} restores that read from the tier (any size): their tier bytes over the "
+           f"{union * 1e3:.1f} ms in which at least one ran (the union of their intervals), "
+           f"{overlap:.2f} of them at once on average")
+    if not arm.disk_ceiling:
+        return [BenchRow(section, name, None, "x", extra=extra, note=f"{rate:.2f} GB/s; {how}")]
+    ceiling = min(arm.disk_ceiling, ceil.load_gbps)
+    return [BenchRow(section, name, rate / ceiling, "x", extra=extra,
+                     note=f"{rate:.2f} GB/s of {ceiling:.2f} GB/s ({arm.ceiling_name}); {how}")]
 
 
 def _drop_rows(section: str, arm: ArmResult) -> list[BenchRow]:

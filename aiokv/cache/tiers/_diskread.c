@@ -15,7 +15,9 @@
  * of its own and copied into place (as the Python read's bounce buffer does).
  *
  * The file I/O of each block holds one of the tier's device slots (``Slots``), the checksum
- * runs after it, beside other threads' reads. Verdicts (header, length, crc) stay in
+ * runs after it, beside other threads' reads. A free slot goes to the waiting thread of the
+ * lowest rank (``run(rank)``: the tier's read order), so the reads of an earlier request
+ * take the device before a later one's. Verdicts (header, length, crc) stay in
  * Python: this returns what happened, per block. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,7 +34,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#define ABI 2
+#define ABI 3
 #define ALIGN 4096
 #define IOVMAX 1024
 
@@ -51,7 +53,13 @@ static atomic_size_t read_calls;
 /* What happened to one block (``ReadBatch.run`` returns it with the errno, bytes, crc). */
 enum { ST_READ = 0, ST_OPEN_FAILED = 1, ST_READ_FAILED = 2 };
 
-/* -- Slots: a counting semaphore taken without the GIL ------------------------------------ */
+/* -- Slots: a counting semaphore taken without the GIL, lowest rank first ------------------ */
+
+/* A thread waiting for a slot (on its own stack while it waits). */
+typedef struct Waiter {
+    long long rank;
+    struct Waiter *next;
+} Waiter;
 
 typedef struct {
     PyObject_HEAD
@@ -59,15 +67,38 @@ typedef struct {
     pthread_cond_t cv;
     long free;
     int ready;
+    Waiter *waiting;
 } SlotsObject;
 
-static void
-slots_take(SlotsObject *s)
+/* Whether a waiter of a lower rank than ``me`` waits (it goes first). */
+static int
+slots_behind(const SlotsObject *s, const Waiter *me)
 {
+    for (const Waiter *w = s->waiting; w != NULL; w = w->next)
+        if (w->rank < me->rank)
+            return 1;
+    return 0;
+}
+
+/* Take a slot; of the threads waiting, the one of the lowest rank gets the next (a read
+ * of an earlier request before a later one's: aiokv/cache/tiers/disk_order.py). */
+static void
+slots_take(SlotsObject *s, long long rank)
+{
+    Waiter me = {rank, NULL};
     pthread_mutex_lock(&s->mu);
-    while (s->free <= 0)
+    me.next = s->waiting;
+    s->waiting = &me;
+    while (s->free <= 0 || slots_behind(s, &me))
         pthread_cond_wait(&s->cv, &s->mu);
+    for (Waiter **w = &s->waiting; *w != NULL; w = &(*w)->next)
+        if (*w == &me) {
+            *w = me.next;
+            break;
+        }
     s->free--;
+    if (s->free > 0 && s->waiting != NULL)
+        pthread_cond_broadcast(&s->cv); /* the next in rank may take another */
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -76,7 +107,8 @@ slots_give(SlotsObject *s)
 {
     pthread_mutex_lock(&s->mu);
     s->free++;
-    pthread_cond_signal(&s->cv);
+    if (s->waiting != NULL)
+        pthread_cond_broadcast(&s->cv); /* every waiter checks whether it is the lowest */
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -97,6 +129,7 @@ Slots_init(SlotsObject *self, PyObject *args, PyObject *kwds)
     }
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->cv, NULL);
+    self->waiting = NULL;
     self->free = n;
     self->ready = 1;
     return 0;
@@ -116,7 +149,7 @@ static PyObject *
 Slots_enter(SlotsObject *self, PyObject *unused)
 {
     Py_BEGIN_ALLOW_THREADS
-    slots_take(self);
+    slots_take(self, LLONG_MAX);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -129,7 +162,8 @@ Slots_exit(SlotsObject *self, PyObject *args)
 }
 
 static PyMethodDef Slots_methods[] = {
-    {"__enter__", (PyCFunction)Slots_enter, METH_NOARGS, "Take a slot (waiting without the GIL)."},
+    {"__enter__", (PyCFunction)Slots_enter, METH_NOARGS,
+     "Take a slot (waiting without the GIL), after every ranked waiter."},
     {"__exit__", (PyCFunction)Slots_exit, METH_VARARGS, "Give the slot back."},
     {NULL, NULL, 0, NULL},
 };
@@ -246,7 +280,7 @@ spread_copy(const Py_buffer *bufs, Py_ssize_t count, const char *src)
 }
 
 static void
-run_job(ReadBatchObject *b, Job *job)
+run_job(ReadBatchObject *b, Job *job, long long rank)
 {
     const Py_buffer *bufs = b->bufs + job->first;
     Py_buffer whole; /* the bounce buffer: the whole file, pages read at page addresses */
@@ -263,7 +297,7 @@ run_job(ReadBatchObject *b, Job *job)
         whole.len = (Py_ssize_t)size;
     }
     int fd;
-    slots_take(b->slots);
+    slots_take(b->slots, rank);
     do {
         fd = open(job->path, b->flags | O_CLOEXEC);
     } while (fd < 0 && errno == EINTR);
@@ -437,8 +471,12 @@ fail:
 }
 
 static PyObject *
-ReadBatch_run(ReadBatchObject *self, PyObject *unused)
+ReadBatch_run(ReadBatchObject *self, PyObject *args, PyObject *kwds)
 {
+    long long rank = LLONG_MAX;
+    static char *names[] = {"rank", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|L", names, &rank))
+        return NULL;
     if (self->jobs == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "ReadBatch is not initialised");
         return NULL;
@@ -453,7 +491,7 @@ ReadBatch_run(ReadBatchObject *self, PyObject *unused)
         if (j >= (size_t)self->njobs)
             break;
         Job *job = &self->jobs[j];
-        run_job(self, job);
+        run_job(self, job, rank);
         mine[done++] = (Py_ssize_t)j;
     }
     Py_END_ALLOW_THREADS
@@ -480,8 +518,9 @@ ReadBatch_get_bounced(ReadBatchObject *self, void *closure)
 }
 
 static PyMethodDef ReadBatch_methods[] = {
-    {"run", (PyCFunction)ReadBatch_run, METH_NOARGS,
-     "Read and checksum the batch's next blocks, without the GIL, until none is left; a list "
+    {"run", (PyCFunction)(void (*)(void))ReadBatch_run, METH_VARARGS | METH_KEYWORDS,
+     "run(rank=LLONG_MAX): read and checksum the batch's next blocks, without the GIL, until "
+     "none is left, each taking a device slot before any waiter of a higher rank; a list "
      "of (index, status, errno, bytes read, crc32 of the parts) for the blocks this call did."},
     {NULL, NULL, 0, NULL},
 };

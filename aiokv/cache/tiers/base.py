@@ -19,8 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 from ...errors import InvalidSpec
 from ...specs import as_count
 
-__all__ = ["PartsReader", "Tier", "TierStatistics", "byte_view", "check_capacity", "positive_count",
-           "positive_seconds"]
+__all__ = ["ByteParts", "PartsReader", "Tier", "TierStatistics", "byte_parts", "byte_view", "check_capacity",
+           "positive_count", "positive_seconds"]
 
 
 def positive_count(value: Any, what: str) -> int:
@@ -87,15 +87,33 @@ def check_capacity(tier: str, capacity_bytes: int | None, block_bytes: int) -> N
             f"give it at least one block (N * {block_bytes} holds N blocks)")
 
 
+class ByteParts(tuple[memoryview, ...]):
+    """A block's parts checked once (``byte_parts``): flat, writable, C-contiguous byte
+    views, ``nbytes`` in all. A restore reads into the same staging chunks again and
+    again, so a tier takes these as they are instead of checking every page each time
+    on the event loop."""
+
+    nbytes: int
+
+
+def byte_parts(views: Sequence[Any]) -> ByteParts:
+    """``views`` as writable flat bytes (``byte_view``), checked once: a ``ByteParts``."""
+    parts = ByteParts(byte_view(v, writable=True) for v in views)
+    parts.nbytes = sum(v.nbytes for v in parts)
+    return parts
+
+
 @runtime_checkable
 class PartsReader(Protocol):
     """A tier that reads a block into several buffers, one after another (``DiskTier``):
     a restore then reads it straight into its staging chunk's pages, whatever order the
     host keeps them in, instead of into a row it copies from."""
 
-    async def read_parts(self, keys: Sequence[bytes],
-                         parts: Sequence[Sequence[memoryview]]) -> list[bool]:
-        """Like ``Tier.read``, with ``parts[i]`` taking ``keys[i]``'s payload in order."""
+    async def read_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], *,
+                         order: tuple[int, int] | None = None) -> list[bool]:
+        """Like ``Tier.read``, with ``parts[i]`` taking ``keys[i]``'s payload in order.
+        ``order`` (restore ticket, position of the batch in it) lets the tier serve the
+        reads of an earlier restore before a later one's; a tier may ignore it."""
         ...
 
 

@@ -38,7 +38,16 @@ import anyio.to_thread
 from ...errors import InvalidSpec, TierError, UsageError
 from ..policies import EvictionPolicy
 from . import codec
-from .base import Tier, TierStatistics, byte_view, check_capacity, positive_count, positive_seconds
+from .base import (
+    ByteParts,
+    Tier,
+    TierStatistics,
+    byte_parts,
+    byte_view,
+    check_capacity,
+    positive_count,
+    positive_seconds,
+)
 from .disk_direct import DirectMode
 from .disk_index import DiskIndex
 from .disk_io import (
@@ -46,6 +55,7 @@ from .disk_io import (
     FileEntry,
     ReadStatus,
 )
+from .disk_order import ReadOrder, WriteGate
 from .health import FailureLog
 
 __all__ = ["DiskTier"]
@@ -110,7 +120,8 @@ class DiskTier(Tier):
         self._files: BlockFiles | None = None
         self._closed = False
         self._limiter: anyio.CapacityLimiter | None = None
-        self._read_limiter: anyio.CapacityLimiter | None = None
+        self._reads: ReadOrder | None = None
+        self._gate = WriteGate(self.io_threads)
         self._index = DiskIndex(self.capacity_bytes, policy)
         self.temp_files_removed = 0
         """Temporary files (writes a crash interrupted) removed by ``open``."""
@@ -152,10 +163,12 @@ class DiskTier(Tier):
                               "(make it with codec.layout_fingerprint)")
         self._limiter = anyio.CapacityLimiter(self.io_threads)
         # Reads have threads of their own: a restore, which a request waits for, never
-        # queues behind the background writes of blocks on their way down. Twice as many
-        # as read at the device at once (``BlockFiles(read_slots=...)``), so a block's
-        # checksum runs beside the next block's read instead of holding the disk idle.
-        self._read_limiter = anyio.CapacityLimiter(2 * self.io_threads)
+        # queues behind the background writes of blocks on their way down, and while reads
+        # wait or run, writes go one at a time (``WriteGate``). Twice as many as read at the
+        # device at once (``BlockFiles(read_slots=...)``), so a block's checksum runs beside
+        # the next block's read instead of holding the disk idle; they serve the read
+        # calls earliest first (``disk_order``).
+        self._reads = ReadOrder(2 * self.io_threads, self._gate)
         directory = os.path.join(self.path, fingerprint.hex())
         want = self._direct_wanted
         locked: list[BlockFiles] = []  # seen even if this call is cancelled meanwhile
@@ -173,7 +186,7 @@ class DiskTier(Tier):
                 _log.warning("disk tier at %s: cannot tell whether O_DIRECT works (a full "
                              "disk?); buffered I/O until a write can tell", directory)
             files = BlockFiles(directory, fingerprint, direct=mode, fsync=self._fsync,
-                               delay=self._latency, read_slots=self.io_threads)
+                               delay=self._latency, read_slots=self.io_threads, write_gate=self._gate)
             if not files.lock():
                 raise UsageError(f"another DiskTier (in this or another process) is using "
                                  f"{directory}; give each cache its own directory")
@@ -252,30 +265,38 @@ class DiskTier(Tier):
         """
         return await self.read_parts(keys, [(byte_view(v, writable=True),) for v in out])
 
-    async def read_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+    async def read_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], *,
+                         order: tuple[int, int] | None = None) -> list[bool]:
         """``read``, each block into its ``parts[i]``, which take its payload one after
         another: a host chunk's pages in portable order, so a restore reads a block straight
         into place (direct I/O where every part is page-aligned) instead of into a row it
-        then copies from (docs/tiers.md, "Restore")."""
+        then copies from (docs/tiers.md, "Restore").
+
+        ``order`` puts the call in the tier's read queue (a restore's ticket, then its
+        batch's position): the read threads serve the earliest call first, so of several
+        restores reading at once the earliest finishes first; calls without one are
+        served in arrival order after those with one (``disk_order``)."""
         files = self._opened()
         keys = codec.stored_keys(keys)
-        outs = [tuple(byte_view(v, writable=True) for v in block) for block in parts]
+        # Parts checked once already (a cache's staging chunks) are taken as they are.
+        outs = [block if isinstance(block, ByteParts) else byte_parts(block) for block in parts]
         if len(outs) != len(keys):
             raise InvalidSpec(f"read got {len(keys)} keys and {len(outs)} buffers")
         index = self._index
         for block in outs:
-            nbytes = sum(v.nbytes for v in block)
-            if index.block_bytes is not None and nbytes != index.block_bytes:
+            if index.block_bytes is not None and block.nbytes != index.block_bytes:
                 raise InvalidSpec(f"read buffers must be {index.block_bytes} bytes, "
-                                  f"got {nbytes}")
+                                  f"got {block.nbytes}")
         status = [0] * len(keys)
         todo = [i for i, key in enumerate(keys) if key in index.held]
         pinned = [keys[i] for i in todo]
         index.pin(pinned)
         try:
-            queue = files.read_queue(keys, outs, todo)
-            await self._spread(partial(files.read_many, keys, outs, status, queue), len(todo),
-                               reading=True)
+            if todo:
+                queue = files.read_queue(keys, outs, todo)
+                assert self._reads is not None
+                await self._reads.run(partial(files.read_many, keys, outs, status, queue),
+                                      self._threads(len(todo), reading=True), order)
         finally:
             index.unpin(pinned)
             self._note(index.after_read(keys, index.block_bytes or 0, status))
@@ -336,33 +357,33 @@ class DiskTier(Tier):
             raise UsageError("open() the DiskTier (the cache does) before using it")
         return self._files
 
-    async def _run(self, fn: Callable[..., T], *args: object, reading: bool = False) -> T:
-        # Not abandoned on cancellation: a read thread writes into the caller's buffers,
-        # so the call returns only once its threads are done with them.
-        return await anyio.to_thread.run_sync(fn, *args,
-                                              limiter=self._read_limiter if reading else self._limiter)
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def _spread(self, work: Callable[[], None], count: int, *, reading: bool = False) -> None:
-        """Run ``work()`` on up to ``io_threads`` threads that share one queue of ``count``
-        blocks (each thread takes the next block when it is free). A read takes one
-        thread for each ``SPREAD_BYTES`` of it at most (``NATIVE_SPREAD_BYTES`` through the
-        native reader): a hop to a thread costs the event
-        loop tens of microseconds, more than a thread takes to read a few small blocks, and
-        a restore keeps the threads busy with several reads at once; a large read takes
-        up to twice ``io_threads`` (half of them checksumming at any time). A write takes them
-        all: how soon its blocks land decides what a block demoted again meanwhile counts
-        for (docs/tiers.md, "On their way down")."""
-        if not count:
-            return
+    def _threads(self, count: int, *, reading: bool = False) -> int:
+        """Threads that share the queue of one call of ``count`` blocks at most (each
+        takes the next block when it is free). A read takes one for each ``SPREAD_BYTES``
+        of it at most (``NATIVE_SPREAD_BYTES`` through the native reader): a hop to a
+        thread costs the event loop tens of microseconds, more than a thread takes to read
+        a few small blocks; a large read takes up to twice ``io_threads`` (half of them
+        checksumming at any time). A write takes them all: how soon its blocks land
+        decides what a block demoted again meanwhile counts for (docs/tiers.md, "On their
+        way down")."""
         spread = NATIVE_SPREAD_BYTES if self._files is not None and self._files.native else SPREAD_BYTES
         per = max(1, spread // max(1, self._index.block_bytes or spread)) if reading else 1
-        parts = min(2 * self.io_threads if reading else self.io_threads, -(-count // per))
+        return min(2 * self.io_threads if reading else self.io_threads, -(-count // per))
+
+    async def _spread(self, work: Callable[[], None], count: int) -> None:
+        """Run the write ``work()`` on ``_threads(count)`` threads sharing its queue."""
+        if not count:
+            return
+        parts = self._threads(count)
         if parts == 1:
-            await self._run(work, reading=reading)
+            await self._run(work)
             return
         async with anyio.create_task_group() as tg:
             for _ in range(parts):
-                tg.start_soon(partial(self._run, work, reading=reading))
+                tg.start_soon(self._run, work)
 
     def _remove_files(self, keys: list[bytes]) -> None:
         assert self._files is not None

@@ -37,6 +37,7 @@ except ImportError:  # Windows: no flock; one tier per directory is then up to t
 
 from . import codec, disk_native
 from .disk_direct import ALIGN, DIRECT_FLAG, Bounce, DirectMode, aligned, probe_direct, round_up
+from .disk_order import UNORDERED
 from .disk_vectors import copy_bytes, read_all, spread_copy, write_all
 
 __all__ = [
@@ -59,6 +60,8 @@ __all__ = [
 BLOCK_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = "lock"
+PATHS_KEPT = 1 << 18
+"""Encoded block paths a tier remembers for its reads at most (then it starts over)."""
 
 BINARY_FLAG = getattr(os, "O_BINARY", 0)
 """``os.O_BINARY`` on Windows, else 0."""
@@ -94,7 +97,7 @@ class ReadQueue:
     batch: Any = None
     heads: list[memoryview] = field(default_factory=list)
     """Each job's header page (the batch reads the file's first bytes there)."""
-    paths: list[str] = field(default_factory=list)
+    paths: list[bytes] = field(default_factory=list)
 
 
 def header_span(key: bytes) -> int:
@@ -122,11 +125,14 @@ class BlockFiles:
             reading (None: no bound): threads past it checksum what they read meanwhile.
         native: read through the native reader where it is built and not turned off
             (``disk_native``); False always reads from Python.
+        write_gate: entered around each block's write (``disk_order.WriteGate``: fewer
+            writes at the device while reads wait); None: no bound beyond the threads.
     """
 
     def __init__(self, directory: str, fingerprint: bytes, *, direct: bool | DirectMode,
                  fsync: bool, delay: float = 0.0, read_slots: int | None = None,
-                 native: bool = True) -> None:
+                 native: bool = True,
+                 write_gate: contextlib.AbstractContextManager[object] | None = None) -> None:
         self.directory = directory
         self.fingerprint = bytes(fingerprint)
         self.mode = direct if isinstance(direct, DirectMode) else DirectMode(directory, bool(direct))
@@ -142,6 +148,8 @@ class BlockFiles:
         else:
             self._reading = (threading.BoundedSemaphore(read_slots) if read_slots
                              else contextlib.nullcontext())
+        self._writing = write_gate if write_gate is not None else contextlib.nullcontext()
+        self._paths: dict[bytes, bytes] = {}
         self._lock_fd = -1
 
     @property
@@ -183,6 +191,16 @@ class BlockFiles:
         name = hashlib.blake2b(key, digest_size=20).hexdigest()
         return os.path.join(self.directory, name + BLOCK_SUFFIX)
 
+    def path_bytes(self, key: bytes) -> bytes:
+        """``path(key)`` encoded, remembered: a restore's keys are read again and again,
+        and the digest costs the event loop microseconds a block (a bound, not an LRU)."""
+        found = self._paths.get(key)
+        if found is None:
+            if len(self._paths) > PATHS_KEPT:
+                self._paths.clear()
+            found = self._paths[key] = os.fsencode(self.path(key))
+        return found
+
     # -- reads -----------------------------------------------------------------------------
 
     def read_queue(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
@@ -201,15 +219,16 @@ class BlockFiles:
         for span in spans:
             heads.append(pages[at:at + span])
             at += span
-        paths = [self.path(keys[i]) for i in todo]
+        paths = [self.path_bytes(keys[i]) for i in todo]
         batch = native.ReadBatch(self._reading, flags,
-                                 [(os.fsencode(p), h, outs[i]) for p, h, i in zip(paths, heads, todo)])
+                                 [(p, h, outs[i]) for p, h, i in zip(paths, heads, todo)])
         return ReadQueue(list(todo), deque(), batch, heads, paths)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[Sequence[memoryview]],
-                  status: list[int], todo: ReadQueue) -> None:
+                  status: list[int], todo: ReadQueue, rank: int = UNORDERED) -> None:
         """Read ``keys[i]`` into the parts ``outs[i]`` for each ``i`` of ``todo`` (from
-        ``read_queue``), setting ``status[i]``.
+        ``read_queue``), setting ``status[i]``; the native reader takes a device slot
+        before any thread of a higher ``rank`` (``disk_order``), the Python read in turn.
 
         Several threads share one queue, so one that drew slow files does not hold the
         whole call back while the others idle. The status list is shared with the caller,
@@ -218,7 +237,7 @@ class BlockFiles:
         if self.delay:
             time.sleep(self.delay)
         if todo.batch is not None:
-            for j, state, err, got, crc in todo.batch.run():
+            for j, state, err, got, crc in todo.batch.run(rank):
                 i = todo.indices[j]
                 status[i] = self._settle(todo.paths[j], keys[i], todo.heads[j], outs[i],
                                          state, err, got, crc)
@@ -229,14 +248,14 @@ class BlockFiles:
                 return
             status[i] = self.read_one(keys[i], outs[i])
 
-    def _settle(self, path: str, key: bytes, head: memoryview, parts: Sequence[memoryview],
+    def _settle(self, path: bytes, key: bytes, head: memoryview, parts: Sequence[memoryview],
                 state: int, err: int, got: int, crc: int) -> int:
         """The ``ReadStatus`` of one block the native reader read (as ``read_one`` decides)."""
         native = self._native
         if state != native.ST_READ:
             if state == native.ST_OPEN_FAILED and err == errno.ENOENT:
                 return ReadStatus.ABSENT
-            self.last_error = OSError(err, os.strerror(err), path)
+            self.last_error = OSError(err, os.strerror(err), os.fsdecode(path))
             return ReadStatus.ERROR
         length = sum(p.nbytes for p in parts)
         if got < head.nbytes + length:  # truncated
@@ -309,7 +328,7 @@ class BlockFiles:
         return header
 
     @staticmethod
-    def _drop(path: str) -> int:
+    def _drop(path: str | bytes) -> int:
         try:
             os.unlink(path)
         except OSError:
@@ -330,7 +349,8 @@ class BlockFiles:
                 i = todo.popleft()
             except IndexError:
                 return
-            stored[i] = self.write_one(keys[i], payloads[i])
+            with self._writing:
+                stored[i] = self.write_one(keys[i], payloads[i])
 
     def write_one(self, key: bytes, payload: memoryview) -> bool:
         """Write one block atomically (temporary file, then rename); False on any OSError,

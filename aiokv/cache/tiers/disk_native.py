@@ -19,7 +19,7 @@ from ...errors import InvalidSpec
 __all__ = ["ENV", "reader", "status"]
 
 ENV = "AIOKV_DISK_NATIVE"
-_ABI = 2  # raise with ``ABI`` in _diskread.c whenever its calls or rows change
+_ABI = 3  # raise with ``ABI`` in _diskread.c whenever its calls or rows change
 
 try:
     _ext: Any = importlib.import_module(f"{__package__}._diskread")
