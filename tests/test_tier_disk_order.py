@@ -305,3 +305,57 @@ async def test_restores_beside_demotions_drop_nothing_and_arrive_exactly(tmp_pat
         st = cache.stats().tiers[0]
         assert st.demotions_dropped == 0 and st.demoted > 0
         assert tier.statistics().writes == st.demoted
+
+
+async def cancel_after(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Let other tasks run until ``check()`` holds (no clock involved)."""
+    while not check():
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.usefixtures("disk_reader")
+@pytest.mark.parametrize("when", ["before", "at-the-hop"])
+async def test_a_call_cancelled_as_its_helper_takes_an_earlier_call_leaves_that_call_read(
+        tmp_path: Path, when: str) -> None:
+    """A later restore's call is cancelled as its helper takes a thread for an earlier
+    restore's queued call (a helper hands work to whichever call is earliest): before it
+    takes it, or while the hop to the thread yields to the loop (the task that cancels
+    runs then). The earlier call must still be read, byte-exact, not finished with
+    nothing read (every block a miss) because a stranger was cancelled."""
+    tier = await opened(tmp_path, io_threads=1)
+    reads = tier._reads = ReadOrder(1, tier._gate)
+    early, late = keys_of(3), keys_of(3, 10)
+    data = random_payloads(3)
+    assert all(await tier.write(early, data))
+    assert all(await tier.write(late, random_payloads(3)))
+    out = out_parts(3)
+    got: list[list[bool]] = []
+
+    async def read_early() -> None:
+        got.append(await tier.read_parts(early, out, order=(1, 0)))
+
+    reads._free = 0  # every read thread busy: the earlier call waits in the queue
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_early)
+        await until(lambda: reads._looking == 1)
+        reads._free = 1  # a thread came free; the helpers it wakes have not run yet
+        with anyio.CancelScope() as scope:
+            if when == "before":
+                scope.cancel()
+            else:  # a task that runs at the first checkpoint of the hop cancels it
+                go = anyio.Event()
+                tg.start_soon(cancel_after, go, scope)
+                await until(lambda: go.statistics().tasks_waiting == 1)
+                go.set()
+            await tier.read_parts(late, out_parts(3), order=(2, 0))
+        assert scope.cancel_called
+    assert got == [[True] * 3]
+    assert [joined(p) for p in out] == [bytes(d) for d in data]
+    assert reads._free == 1 and not reads._queue and reads._active == 0
+    assert not tier._index.pins and tier.holds(early[0])
+    await tier.aclose()
