@@ -238,3 +238,25 @@ def test_restores_together_count_the_tier_bytes_over_the_union_of_their_interval
     assert together.extra["union_s"] == pytest.approx(3e-3)
     assert together.extra["overlap"] == pytest.approx(4 / 3)
     assert "per restore" in per.note and "union" in together.note
+
+
+def test_restores_together_take_the_union_segment_by_segment() -> None:
+    """Segments run one after another, each on the trace clock from its own first arrival,
+    so a segment's last restore (1 to 3 ms on its clock) may seem to overlap the next
+    segment's first (2 to 4 ms on the next one's), though they never ran at once: the tier
+    moved 2.048 MB in 4 ms of restoring, 0.51 of a 1 GB/s ceiling, one at a time, not
+    2.048 MB in the 3 ms of one union over both segments (0.68, 1.33 at once)."""
+    from aiokv.bench.serve.arms import ArmResult
+    from aiokv.bench.serve.report import Ceilings
+    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.tier_rows import tier_rows
+
+    ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)
+    served = [Served(i, 2_000, 1_024, 0.0, 0.0, 0.01, 1, disk_tokens=1_024, load_s=2e-3,
+                     load_at=(1 + i) * 1e-3, segment=i) for i in range(2)]
+    arm = ArmResult("disk", served, 0, disk_ceiling=1.0, ceiling_name="plain reads")
+    rows = {r.name: r for r in tier_rows({"disk": arm}, ceil)}
+    together = rows["restores together / tier ceiling, disk arm"]
+    assert together.extra["union_s"] == pytest.approx(4e-3)
+    assert together.extra["overlap"] == pytest.approx(1.0)
+    assert together.value == pytest.approx(2.048e6 / 4e-3 / 1e9)

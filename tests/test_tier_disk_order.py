@@ -20,7 +20,15 @@ from aiokv.cache.tiers.disk_io import ALIGN
 from aiokv.cache.tiers.disk_order import UNORDERED, ReadOrder, WriteGate, rank_of
 from tests.conftest import make_layers
 from tests.test_tier_disk import FP, keys_of
-from tests.test_tier_disk_cache import NUM_BLOCKS, PAGE, cache_on, fill, offload_generations, restored_exactly
+from tests.test_tier_disk_cache import (
+    NUM_BLOCKS,
+    PAGE,
+    block,
+    cache_on,
+    fill,
+    offload_generations,
+    restored_exactly,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -305,3 +313,119 @@ async def test_restores_beside_demotions_drop_nothing_and_arrive_exactly(tmp_pat
         st = cache.stats().tiers[0]
         assert st.demotions_dropped == 0 and st.demoted > 0
         assert tier.statistics().writes == st.demoted
+
+
+async def cancel_after(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Let other tasks run until ``check()`` holds (no clock involved)."""
+    while not check():
+        await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.usefixtures("disk_reader")
+@pytest.mark.parametrize("when", ["before", "at-the-hop"])
+async def test_a_call_cancelled_as_its_helper_takes_an_earlier_call_leaves_that_call_read(
+        tmp_path: Path, when: str) -> None:
+    """A later restore's call is cancelled as its helper takes a thread for an earlier
+    restore's queued call (a helper hands work to whichever call is earliest): before it
+    takes it, or while the hop to the thread yields to the loop (the task that cancels
+    runs then). The earlier call must still be read, byte-exact, not finished with
+    nothing read (every block a miss) because a stranger was cancelled."""
+    tier = await opened(tmp_path, io_threads=1)
+    reads = tier._reads = ReadOrder(1, tier._gate)
+    early, late = keys_of(3), keys_of(3, 10)
+    data = random_payloads(3)
+    assert all(await tier.write(early, data))
+    assert all(await tier.write(late, random_payloads(3)))
+    out = out_parts(3)
+    got: list[list[bool]] = []
+
+    async def read_early() -> None:
+        got.append(await tier.read_parts(early, out, order=(1, 0)))
+
+    reads._free = 0  # every read thread busy: the earlier call waits in the queue
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_early)
+        await until(lambda: reads._looking == 1)
+        reads._free = 1  # a thread came free; the helpers it wakes have not run yet
+        with anyio.CancelScope() as scope:
+            if when == "before":
+                scope.cancel()
+            else:  # a task that runs at the first checkpoint of the hop cancels it
+                go = anyio.Event()
+                tg.start_soon(cancel_after, go, scope)
+                await until(lambda: go.statistics().tasks_waiting == 1)
+                go.set()
+            await tier.read_parts(late, out_parts(3), order=(2, 0))
+        assert scope.cancel_called
+    assert got == [[True] * 3]
+    assert [joined(p) for p in out] == [bytes(d) for d in data]
+    assert reads._free == 1 and not reads._queue and reads._active == 0
+    assert not tier._index.pins and tier.holds(early[0])
+    await tier.aclose()
+
+
+@pytest.mark.usefixtures("disk_reader")
+async def test_a_spill_waiting_for_staging_goes_before_restores_that_start_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two staging chunks, both held by an earlier restore whose reads wait; a spill (a
+    first offer the host turns away) then waits for chunks, and after it a later restore.
+    The spill must get its chunks before the later restore: a spill behind every restore,
+    whenever it started, waits as long as restores keep coming, holding the write-queue
+    room it took. Every block still arrives byte-exact and nothing is dropped."""
+    kv = make_layers(num_layers=2, num_blocks=NUM_BLOCKS, page_shape=PAGE, seed=48)
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 26, io_threads=1)
+    release = threading.Event()
+    inner: Callable[..., None] = disk_io.BlockFiles.read_many
+
+    def held_read(files: disk_io.BlockFiles, *args: Any) -> None:
+        assert release.wait(30)
+        inner(files, *args)
+
+    async with cache_on(kv, tier, staging=2, admission="second-offer") as cache:
+        keys = [f"k{i}" for i in range(8)]
+        fill(kv, range(8), seed=480)
+        expected = {key: block(kv, i) for i, key in enumerate(keys)}
+        assert (await cache.offload(keys, list(range(8)))).spilled == 8  # first offers: all to the disk
+        await cache.drain()
+        staging = cache._cascade.staging  # type: ignore[union-attr]
+        grants: list[str] = []
+        take_some = Staging.take_some
+
+        async def logged(self: Staging, n: int, *args: Any) -> list[int]:
+            got = await take_some(self, n, *args)
+            grants.append(anyio.get_current_task().name)
+            return got
+
+        monkeypatch.setattr(Staging, "take_some", logged)
+        monkeypatch.setattr(disk_io.BlockFiles, "read_many", held_read)
+        results: dict[str, Any] = {}
+
+        async def restore(name: str, first: int, last: int, at: int) -> None:
+            results[name] = await cache.restore(keys[first:last], list(range(at, at + last - first)))
+
+        async def spill() -> None:
+            results["spill"] = await cache.offload(["s0", "s1"], [40, 41])
+
+        fill(kv, range(40, 42), seed=481)
+        spilled = {"s0": block(kv, 40), "s1": block(kv, 41)}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(restore, "early", 0, 6, 20, name="early")
+            await until(lambda: len(staging._waiting) == 1)  # both chunks read into, a third wanted
+            tg.start_soon(spill, name="spill")
+            await until(lambda: len(staging._waiting) == 2)
+            tg.start_soon(restore, "late", 6, 8, 30, name="late")
+            await until(lambda: len(staging._waiting) == 3)
+            release.set()
+        assert grants.index("spill") < grants.index("late"), grants
+        assert results["early"].restored == 6 and results["late"].restored == 2
+        assert results["spill"].spilled == 2
+        assert restored_exactly(kv, keys[:6], 20, expected) and restored_exactly(kv, keys[6:], 30, expected)
+        await cache.drain()
+        assert cache.stats().tiers[0].demotions_dropped == 0
+        assert await cache.restore(["s0", "s1"], [44, 45])
+        assert restored_exactly(kv, ["s0", "s1"], 44, spilled)

@@ -284,7 +284,8 @@ class Cascade:
     # -- reading up -----------------------------------------------------------------------
 
     def ticket(self) -> int:
-        """A restore's place in the tiers' read order: restores ask in the order they start."""
+        """A restore's place in the tiers' read order, and in line for staging chunks
+        (where a spill round takes one too): asked in the order they start."""
         return next(self._tickets)
 
     async def read(self, keys: Sequence[Hashable], views: Sequence[memoryview],

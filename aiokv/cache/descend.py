@@ -119,8 +119,9 @@ def ticket(cascade: Cascade, keys: list[Hashable], chunks: list[int], spill: lis
 
 async def spill(cascade: Cascade, keys: list[Hashable], blocks: list[int], store: StoreFn) -> int:
     """Spill ``keys`` (in GPU ``blocks``) to the demotion tier in rounds through the staging
-    chunks, each round taking its turn for room and then for free chunks; how many were
-    copied. Blocks not reached (cancelled, a stalled tier) are dropped and counted."""
+    chunks, each round taking its turn for room and then for free chunks (after the
+    restores that started before it); how many were copied. Blocks not reached
+    (cancelled, a stalled tier) are dropped and counted."""
     link = cascade.demote_to
     done = 0
     todo = list(zip(keys, blocks))
@@ -134,7 +135,9 @@ async def spill(cascade: Cascade, keys: list[Hashable], blocks: list[int], store
             if not got:
                 continue
             try:
-                chunks = await cascade.staging.take_some(got)
+                # In line by when it started among the restores (a ticket): behind every
+                # restore, it would wait as long as restores keep coming, holding its room.
+                chunks = await cascade.staging.take_some(got, cascade.ticket())
             except BaseException:
                 link.give_room(got)
                 raise

@@ -39,8 +39,9 @@ async def off_loop(nbytes: int, fn: Callable[..., T], *args: object) -> T:
 class Staging:
     """The staging chunks of one cache (the host bookkeeping never hands them out): taken by
     a restore batch or a spill, given back when its copy is over. A waiter of a lower rank
-    takes freed chunks first (a restore's ticket: the earliest restore's batches read
-    first), unranked ones (spills) after them, each in arrival order."""
+    takes freed chunks first (a ticket: the earliest restore's batches read first, and a
+    spill round goes after the restores that started before it), unranked ones after
+    them, each in arrival order."""
 
     def __init__(self, chunks: range) -> None:
         self.total = len(chunks)

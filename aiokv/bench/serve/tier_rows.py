@@ -21,7 +21,8 @@ against its own ceiling, and whether it dropped blocks, all from the same run.
   disk's, 0.7 of Redis's. Each restore's time runs from its call to its return, so
   restores that read at once each count the time they shared the tier.
 - **Restores together against the ceiling**: every restore that read from the tier, their
-  tier bytes over the time at least one of them ran (the union of their intervals), over
+  tier bytes over the time at least one of them ran (the union of their intervals, segment
+  by segment: each segment runs on its own clock, after the one before), over
   the tier's ceiling: the rate the tier gave while it was restoring. Beside the figure per
   restore it tells a slow reader (both low) from a shared tier (this one near 1 while
   the per-restore one is low: the restores overlapped).
@@ -155,9 +156,12 @@ def _together_rows(section: str, arm: ArmResult, ceil: Ceilings) -> list[BenchRo
     runs = [s for s in arm.served if s.disk_tokens and s.load_s > 0 and s.load_at is not None]
     if not runs:
         return []
-    # Segments replay successive stretches of one trace clock, so their intervals never meet.
-    spans = [(s.load_at, s.load_at + s.load_s) for s in runs if s.load_at is not None]
-    union = union_seconds(spans)
+    # Each segment runs after the one before, on the trace clock from its own first
+    # arrival: one segment's late restores may seem to overlap the next one's, so the
+    # union is taken segment by segment.
+    union = sum(union_seconds([(s.load_at, s.load_at + s.load_s) for s in runs
+                               if s.segment == k and s.load_at is not None])
+                for k in {s.segment for s in runs})
     tier_bytes = sum(s.disk_tokens * per_token for s in runs)
     rate = tier_bytes / union / 1e9 if union > 0 else float("nan")
     overlap = sum(s.load_s for s in runs) / union if union > 0 else float("nan")

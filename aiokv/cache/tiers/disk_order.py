@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 __all__ = ["UNORDERED", "ReadJob", "ReadOrder", "WriteGate", "rank_of"]
@@ -159,13 +160,17 @@ class ReadOrder:
                 finally:
                     self._looking -= 1
                 continue
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled helper takes none
             self._free -= 1
             job.joined += 1
             job.running += 1
             self._wake()  # the call may have no room for more threads now
             try:
-                # Not abandoned on cancellation: the thread writes the job's buffers.
-                await anyio.to_thread.run_sync(job.run, job.key[0], limiter=self._limiter)
+                # Shielded: a job taken is run. The thread writes the job's buffers, and a
+                # cancel before it started (anyio checkpoints first) would drain and finish
+                # a job, maybe another restore's, that nothing read.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(job.run, job.key[0], limiter=self._limiter)
             except Exception as exc:
                 job.error = job.error or exc
             finally:
