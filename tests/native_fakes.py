@@ -240,3 +240,31 @@ def native_enqueue(sim: Any, strategy: Any = None, recorder: Recorder | None = N
 
     strategy.enqueue = enqueue
     return strategy
+
+
+def until(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Look at ``cond`` every 10 ms until it holds or ``seconds`` passed: whether it held."""
+    for _ in range(int(seconds / 0.01)):
+        if cond():
+            return True
+        threading.Event().wait(0.01)
+    return cond()
+
+
+def release_while_caller_in_driver(caller_in: Callable[[], bool], issuer_go: threading.Event,
+                                   caller_go: threading.Event, issuer_calls: list[Any]
+                                   ) -> tuple[threading.Thread, list[list[Any]]]:
+    """A thread that, once the caller is inside its held driver call (``caller_in()``), lets
+    the issuer's held call return, gives the issuer 0.2 s, keeps a copy of
+    ``issuer_calls`` (what the issuer called meanwhile: nothing, if it gives way) and lets
+    the caller's call return. Start it, make the caller's call, join it."""
+    seen: list[list[Any]] = []
+
+    def release() -> None:
+        until(caller_in)
+        issuer_go.set()
+        threading.Event().wait(0.2)
+        seen.append(list(issuer_calls))
+        caller_go.set()
+
+    return threading.Thread(target=release), seen

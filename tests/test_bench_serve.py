@@ -23,7 +23,8 @@ from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
 from aiokv.bench.serve.pool import BlockPool
 from aiokv.bench.serve.report import Ceilings, lower_bounds
-from aiokv.bench.serve.server import Served, Server
+from aiokv.bench.serve.served import Served
+from aiokv.bench.serve.server import Server
 from aiokv.bench.serve.sources import LayerwiseSource, Restored, Source
 from aiokv.bench.serve.workload import (
     block_keys,

@@ -10,7 +10,7 @@ import pytest
 from aiokv import LayerTimeline
 from aiokv.bench.serve.arms import ArmResult
 from aiokv.bench.serve.overlap import overlap_rows
-from aiokv.bench.serve.server import Served
+from aiokv.bench.serve.served import Served
 
 MS = 1e-3
 

@@ -23,6 +23,7 @@ from aiokv.bench.serve.arms import oracle_hits
 from aiokv.bench.serve.measure import Device
 from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
 from aiokv.bench.serve.pool import BlockPool
+from aiokv.bench.serve.served import Served
 from aiokv.bench.serve.server import Server
 from aiokv.bench.serve.sources import CacheSource, Restored, Source
 from aiokv.bench.serve.workload import ServeRequest, block_keys
@@ -164,17 +165,23 @@ def _pool_is_whole(pool: BlockPool) -> None:
     assert all(r == 0 for r in pool._refs)
 
 
+async def _serve_with_restore_0_held(model: LlamaModel, kv: list[torch.Tensor], reqs: list[ServeRequest],
+                                     source: _Pages, watched: _Watched, pool: BlockPool) -> list[Served]:
+    """Serve ``reqs`` with request 0's restore held until request 1's forward has begun."""
+    source.hold[0] = threading.Event()
+    watched.before[1] = source.hold[0].set
+    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
+        with anyio.fail_after(HANG):
+            return await server.serve(reqs)
+
+
 @pytest.mark.anyio
 async def test_a_slow_restore_does_not_delay_a_later_request_whose_restore_is_fast() -> None:
     """Request 0's restore waits until request 1's forward has begun: only a server that
     restores beside the model serves both. Both tokens are the ones computed in one go."""
     model, kv, reqs, expected, source, watched = _setup(2)
-    source.hold[0] = threading.Event()
-    watched.before[1] = source.hold[0].set
     pool = BlockPool(POOL, caching=False)
-    async with Server(model, kv, Device("cpu"), pool, source=source) as server:
-        with anyio.fail_after(HANG):
-            served = await server.serve(reqs)
+    served = await _serve_with_restore_0_held(model, kv, reqs, source, watched, pool)
     assert watched.order == [1, 0] and source.restored == [1, 0]
     assert [s.index for s in served] == [0, 1]  # reported in arrival order
     first, second = served
@@ -295,12 +302,8 @@ async def test_the_oracle_mirrors_the_disk_arm_request_by_request() -> None:
     its hits, serves the same tokens from the same places, moving nothing."""
     model, kv, reqs, expected, source, watched = _setup(4)
     source.on_disk.update(reqs[0].keys[2:4] + reqs[2].keys[:4])  # disk hits: 0 (partly) and 2
-    source.hold[0] = threading.Event()
-    watched.before[1] = source.hold[0].set
     pool = BlockPool(POOL, caching=True)
-    async with Server(model, kv, Device("cpu"), pool, source=source) as disk:
-        with anyio.fail_after(HANG):
-            served = await disk.serve(reqs)
+    served = await _serve_with_restore_0_held(model, kv, reqs, source, watched, pool)
     assert [s.hit for s in served] == ["disk", "host", "disk", "host"]
     assert [s.token for s in served] == [expected[i] for i in range(4)]
     hits = oracle_hits(served)

@@ -20,7 +20,8 @@ from aiokv.bench.serve.model import BLOCK_TOKENS, LlamaModel, ModelConfig
 from aiokv.bench.serve.overlap import forward_start_rows
 from aiokv.bench.serve.pool import BlockPool
 from aiokv.bench.serve.runner import ModelThread
-from aiokv.bench.serve.server import Served, Server
+from aiokv.bench.serve.served import Served
+from aiokv.bench.serve.server import Server
 from aiokv.bench.serve.workload import prefix_workload
 from aiokv.errors import UsageError
 

@@ -170,7 +170,7 @@ def test_the_restore_figure_holds_host_bytes_to_the_load_ceiling_not_the_tiers()
     (50 GB/s here), so at the ceilings the restore would take 1.19 ms, not 2.05."""
     from aiokv.bench.serve.arms import ArmResult
     from aiokv.bench.serve.report import Ceilings
-    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.served import Served
     from aiokv.bench.serve.tier_rows import tier_rows
 
     ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak",
@@ -192,7 +192,7 @@ def test_host_hits_queued_behind_tier_hits_show_in_ttft_not_in_service() -> None
     queue waits) reads 1.0, and each arm's waits are in its extra."""
     from aiokv.bench.serve.arms import ArmResult
     from aiokv.bench.serve.report import Ceilings
-    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.served import Served
     from aiokv.bench.serve.tier_rows import tier_rows
 
     ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)
@@ -221,7 +221,7 @@ def test_restores_together_count_the_tier_bytes_over_the_union_of_their_interval
     1 GB/s ceiling), but the tier moved 2.048 MB in the 3 ms they spanned (0.68)."""
     from aiokv.bench.serve.arms import ArmResult
     from aiokv.bench.serve.report import Ceilings
-    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.served import Served
     from aiokv.bench.serve.tier_rows import tier_rows, union_seconds
 
     assert union_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
@@ -248,7 +248,7 @@ def test_restores_together_take_the_union_segment_by_segment() -> None:
     2.048 MB in the 3 ms of one union over both segments (0.68, 1.33 at once)."""
     from aiokv.bench.serve.arms import ArmResult
     from aiokv.bench.serve.report import Ceilings
-    from aiokv.bench.serve.server import Served
+    from aiokv.bench.serve.served import Served
     from aiokv.bench.serve.tier_rows import tier_rows
 
     ceil = Ceilings(load_gbps=50.0, load_name="copy", peak_flops=1e12, peak_name="peak", block_bytes=16_000)

@@ -25,7 +25,7 @@ from aiokv.backends.cuda.program import OP_RECORD, Program
 from aiokv.doorbell import Doorbell
 from aiokv.errors import InvalidSpec, WorkerClosed
 
-from .native_fakes import ATTRS, ORDER, FakeTable, SemEvents
+from .native_fakes import ATTRS, ORDER, FakeTable, SemEvents, release_while_caller_in_driver, until
 from .test_cuda_native_waiter import _poll_holding_the_gil, _wait_rung
 
 pytestmark = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
@@ -268,28 +268,13 @@ def test_another_lanes_issuer_holds_its_next_call_while_a_program_runs_at_submit
     fake_a, fake_b = FakeTable(), FakeTable()
     a, b = NativeIssuer(fake_a.table), NativeIssuer(fake_b.table)
     a_go, b_go = threading.Event(), threading.Event()
-    seen: list[list[tuple[Any, ...]]] = []
     try:
         fake_a.hold["cuEventRecord"] = (1, a_go)  # lane a's thread, at its program's first row
         first = submit(a, records(0xA1, 0xA2, 0xA3))
-        for _ in range(1000):
-            if fake_a.calls:
-                break
-            threading.Event().wait(0.01)
+        until(lambda: bool(fake_a.calls))
         assert fake_a.calls == [("cuEventRecord", 0xA1, MAIN)], "lane a's thread never reached its row"
         fake_b.hold["cuEventRecord"] = (1, b_go)  # the caller, inside lane b's program
-
-        def release() -> None:
-            for _ in range(1000):
-                if fake_b.calls:
-                    break
-                threading.Event().wait(0.01)
-            a_go.set()  # lane a's call returns while the caller is in the driver
-            threading.Event().wait(0.2)
-            seen.append(list(fake_a.calls))
-            b_go.set()
-
-        helper = threading.Thread(target=release)
+        helper, seen = release_while_caller_in_driver(lambda: bool(fake_b.calls), a_go, b_go, fake_a.calls)
         helper.start()
         here = submit(b, records(0xB1), run_here=True)
         helper.join(10)

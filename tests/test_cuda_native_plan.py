@@ -26,7 +26,7 @@ from aiokv.layout import CanonicalKVCaches
 from aiokv.plan import HostLayout, IdPlan
 from aiokv.specs import Direction
 
-from .native_fakes import FakeTable
+from .native_fakes import FakeTable, release_while_caller_in_driver, until
 from .sim_device import launch_values
 
 pytestmark = pytest.mark.skipif(native.helper() is None, reason="the native helper is not built here")
@@ -345,26 +345,11 @@ def test_the_issuer_holds_its_next_call_while_a_caller_records_a_dependency() ->
     batch_go, record_go = threading.Event(), threading.Event()
     fake.hold["cuMemcpyBatchAsync"] = (1, batch_go)
     first = lane.launch(IdPlan([1, 2, 3], [4, 5, 6], 3, layout, 16, False, True), None)
-    for _ in range(1000):
-        if "cuMemcpyBatchAsync" in fake.names():
-            break
-        threading.Event().wait(0.01)
-    assert "cuMemcpyBatchAsync" in fake.names(), "the issuer never reached its batch"
+    assert until(lambda: "cuMemcpyBatchAsync" in fake.names()), "the issuer never reached its batch"
     records = fake.names().count("cuEventRecord")
     fake.hold["cuEventRecord"] = (records + 1, record_go)  # the caller's record, next
-    seen: list[list[str]] = []
-
-    def release() -> None:
-        for _ in range(1000):
-            if ("cuEventRecord", 0xD1, 0x5) in fake.calls:
-                break
-            threading.Event().wait(0.01)
-        batch_go.set()  # the issuer's batch returns while the caller is in the driver
-        threading.Event().wait(0.2)
-        seen.append(list(fake.calls))
-        record_go.set()
-
-    helper = threading.Thread(target=release)
+    helper, seen = release_while_caller_in_driver(lambda: ("cuEventRecord", 0xD1, 0x5) in fake.calls,
+                                                  batch_go, record_go, fake.calls)
     helper.start()
     second = lane.launch(IdPlan([7, 8], [9, 10], 2, layout, 16, False, True), Dependency(0xD1, stream=0x5))
     helper.join(10)

@@ -38,7 +38,8 @@ from .loopwatch import LoopWatch
 from .measure import Device
 from .model import LlamaModel
 from .pool import BlockPool
-from .server import Served, Server
+from .served import Served
+from .server import Server
 from .sources import CacheSource, LayerwiseSource
 
 __all__ = ["Arm", "ArmResult", "open_arms", "oracle_hits"]

@@ -18,7 +18,7 @@ from ..report import BenchRow
 from .arms import ArmResult
 from .model import BLOCK_TOKENS
 from .report import Ceilings
-from .server import Served
+from .served import Served
 
 __all__ = ["noise_rows", "same_hits", "target_rows"]
 

@@ -26,7 +26,7 @@ import numpy as np
 from ...layer_timeline import LayerTimeline
 from ..report import BenchRow
 from .arms import ArmResult
-from .server import Served
+from .served import Served
 
 __all__ = ["forward_start_rows", "overlap_rows", "plot_timeline", "timeline_extra"]
 

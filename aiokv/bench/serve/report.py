@@ -28,7 +28,7 @@ from .arms import ArmResult
 from .config import ARM_TEXT
 from .model import BLOCK_TOKENS, ModelConfig
 from .overlap import overlap_rows, plot_timeline
-from .server import HIT_CLASSES, Served
+from .served import HIT_CLASSES, Served
 
 __all__ = ["BUCKETS", "Ceilings", "arm_bounds", "arm_rows", "bucket_of", "lower_bounds", "percentiles",
            "utilisation"]
