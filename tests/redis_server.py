@@ -54,6 +54,10 @@ def _free(port: int) -> bool:
     return True
 
 
+class PortTaken(RuntimeError):
+    """redis-server found its port bound by another process."""
+
+
 class RedisServer:
     """One redis-server on 127.0.0.1:port, no persistence; ``kill`` and ``start`` again on
     the same port to test a lost and a returning server."""
@@ -61,7 +65,9 @@ class RedisServer:
     def __init__(self, workdir: Path, *, port: int | None = None, password: str | None = None,
                  tls: dict[str, Path] | None = None, args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
-        self.port = port or free_port(bus="--cluster-enabled" in args)
+        self.bus = "--cluster-enabled" in args
+        self.chosen = port is None  # a port taken meanwhile is chosen again at start
+        self.port = port or free_port(bus=self.bus)
         self.password = password
         self.tls = tls
         self.args = args
@@ -77,6 +83,22 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start it; a port of ours that another process bound since it was found free
+        (the race every free-port pick has) is picked again, a few times."""
+        for _ in range(4):
+            try:
+                self._start_once()
+                break
+            except PortTaken:
+                if not self.chosen:
+                    raise
+                self.port = free_port(bus=self.bus)
+        else:
+            self._start_once()
+        self.chosen = False  # clients know its URL now: a restart keeps the port
+        return self
+
+    def _start_once(self) -> None:
         cmd = [str(SERVER), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
         if self.tls:
@@ -94,9 +116,9 @@ class RedisServer:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                error = PortTaken if "Address already in use" in log else RuntimeError
+                raise error(f"redis-server on port {self.port} did not start:\n{log}")
             time.sleep(0.02)
-        return self
 
     def cli(self, *command: str) -> str:
         """Run one redis-cli command against this server; its output, stripped."""
@@ -123,7 +145,7 @@ class RedisCluster:
 
     def __init__(self, workdir: Path) -> None:
         self.nodes = [
-            RedisServer(workdir / f"node{i}", port=free_port(bus=True),
+            RedisServer(workdir / f"node{i}",
                         args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                               "--cluster-node-timeout", "2000"))
             for i in range(3)
