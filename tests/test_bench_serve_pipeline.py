@@ -9,9 +9,10 @@ bound on a hang (not a timing) fails it."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -563,6 +564,20 @@ class _Loads:
                 and all(self.completed[i] == 1 for i in self.futures))
 
 
+@contextlib.asynccontextmanager
+async def _layerwise_loads(model: LlamaModel, kv: list[torch.Tensor], reqs: list[ServeRequest]
+                           ) -> AsyncIterator[tuple[_Loads, _Watched]]:
+    """A CPU worker whose host chunks hold every request's prefix, its layerwise source,
+    and the model watched: what the early-submit tests serve with."""
+    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
+
+    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
+    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
+        loads = _Loads(worker, model, reqs)
+        await loads.fill(kv)
+        yield loads, _Watched(model, reqs)
+
+
 def _layerwise_setup(n: int, seed: int) -> tuple[LlamaModel, list[torch.Tensor], list[ServeRequest],
                                                   dict[int, int]]:
     model = LlamaModel(ModelConfig.tiny(), seed=seed + 7)
@@ -577,15 +592,10 @@ async def test_a_queued_layerwise_request_submits_its_load_before_the_model_is_f
     while it runs, so they submit at admission, before forward 0 ends and before their
     own inputs; their forwards gate on the layers landed. The tokens are the ones computed
     in one go; only request 0's forward start is counted as one."""
-    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
     from aiokv.bench.serve.overlap import forward_start_rows
 
     model, kv, reqs, expected = _layerwise_setup(3, seed=5)
-    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
-    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
-        loads = _Loads(worker, model, reqs)
-        await loads.fill(kv)
-        watched = _Watched(model, reqs)
+    async with _layerwise_loads(model, kv, reqs) as (loads, watched):
 
         def hold_0() -> None:  # on the model thread: the later requests must submit meanwhile
             for i in (1, 2):
@@ -616,15 +626,10 @@ async def test_a_cancel_drains_the_early_loads_of_requests_waiting_for_the_model
     """Cancelled while requests 1 and 2 have their loads submitted and wait behind forward
     0: the source drains before their tables go back, each load has ended by then and
     unpinned its chunks once, and the model thread stops."""
-    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
 
     model, kv, reqs, _ = _layerwise_setup(3, seed=6)
     release = threading.Event()
-    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
-    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
-        loads = _Loads(worker, model, reqs)
-        await loads.fill(kv)
-        watched = _Watched(model, reqs)
+    async with _layerwise_loads(model, kv, reqs) as (loads, watched):
         drains: list[int] = []
         real_drain = loads.source.drain
 
@@ -668,14 +673,9 @@ async def test_a_cancel_drains_the_early_loads_of_requests_waiting_for_the_model
 async def test_an_early_submit_that_raises_is_served_by_recompute() -> None:
     """Request 1's submit raises in its restore stage: it is a miss, its prefix computed
     (byte-exact token), its chunks unpinned once; the others are not touched."""
-    from aiokv import AsyncOffloadingWorker, CanonicalKVCaches
 
     model, kv, reqs, expected = _layerwise_setup(3, seed=8)
-    layout = CanonicalKVCaches.from_tensors(kv, block_dim=1)
-    async with AsyncOffloadingWorker(layout, num_cpu_chunks=16, backend="cpu") as worker:
-        loads = _Loads(worker, model, reqs)
-        await loads.fill(kv)
-        watched = _Watched(model, reqs)
+    async with _layerwise_loads(model, kv, reqs) as (loads, watched):
         loads.fail.add(1)
         watched.before[0] = lambda: loads.submitted[2].wait(HANG)
         pool = BlockPool(POOL, caching=False)
